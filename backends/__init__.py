@@ -1,0 +1,7 @@
+"""Engine adapters. Adding an engine = one module with a Backend subclass + one line in REGISTRY."""
+from .base import Backend
+from .hf import HFBackend
+from .llamacpp import LlamaCppBackend
+from .vllm import VLLMBackend
+
+REGISTRY: dict[str, type[Backend]] = {cls.engine: cls for cls in (HFBackend, VLLMBackend, LlamaCppBackend)}

@@ -1,0 +1,83 @@
+"""Plain Hugging Face transformers (the baseline): backends/hf_worker.py in an environment of its own."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.envs import InstallStep, Recipe, env_python, pip_install
+
+from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, parse_sse_line
+
+WORKER = Path(__file__).with_name("hf_worker.py")
+
+
+class HFBackend(Backend):
+    engine = "hf"
+    default_version = "5.24.0"
+
+    @classmethod
+    def recipe(cls, version: str) -> Recipe:
+        # torch 2.13.0 is the CPU build on these machines; gguf + accelerate let transformers read GGUF files.
+        torch = "torch==2.13.0"
+        return Recipe("hf", version, (pip_install(torch, f"transformers=={version}", "gguf", "accelerate",
+                                                  "safetensors", "sentencepiece"),))
+
+    def command(self, spec: ServerSpec):
+        dtype = "bf16" if spec.kv_dtype == "auto" else spec.kv_dtype
+        argv = [str(env_python(self.env_path)), str(WORKER), "--model", str(spec.model.hf_dir),
+                "--host", spec.host, "--port", str(spec.port), "--dtype", dtype,
+                "--max-batch", str(spec.max_concurrency),
+                "--batch-wait-ms", str(self.options.get("batch_wait_ms", 200))]
+        if "threads" in self.options:
+            argv += ["--threads", str(self.options["threads"])]
+        return argv, {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+
+    def reported_version(self) -> str:
+        try:
+            return httpx.get(self.base_url + "/info", timeout=5).json()["version"]
+        except (httpx.HTTPError, KeyError, ValueError):
+            return self.version
+
+    async def stream(self, client: httpx.AsyncClient, prompt) -> RequestResult:
+        result = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, time.perf_counter())
+        body = {"prompt_token_ids": list(prompt.token_ids), "max_new_tokens": prompt.output_tokens, "ignore_eos": True}
+        async with client.stream("POST", self.base_url + "/generate", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:500]}"
+                return result
+            async for line in response.aiter_lines():
+                event = parse_sse_line(line)
+                if event is None:
+                    continue
+                now = time.perf_counter()
+                if "error" in event:
+                    result.error = event["error"]
+                elif "token_ids" in event:
+                    result.chunk_times.append(now)
+                    result.chunk_tokens.append(len(event["token_ids"]))
+                elif event.get("done"):
+                    result.prompt_tokens_reported = event["usage"]["prompt_tokens"]
+                    result.output_tokens_reported = event["usage"]["completion_tokens"]
+                    result.engine_details = event.get("kv", {})
+        result.t_done = time.perf_counter()
+        return result
+
+    def kv_pool(self) -> KVPool | None:
+        # Static batching has no pool: the cache grows with the batch and is freed after it.
+        return None
+
+    def kv_in_use(self, client: httpx.Client) -> KVInUse | None:
+        state = client.get(self.base_url + "/kv").json()
+        return KVInUse(bytes=state["kv_bytes_in_use"], tokens=None, source="cache tensors")
+
+    def kv_peak(self, client: httpx.Client) -> KVInUse | None:
+        """Exact: the cache tensors' bytes at the end of each generate call, when the cache is largest."""
+        state = client.get(self.base_url + "/kv").json()
+        return KVInUse(bytes=state["kv_bytes_peak"], tokens=state["kv_tokens_peak"],
+                       source="cache tensors (numel x element_size) at the end of generate",
+                       details={"allocator_bytes": state.get("allocator_kv_bytes_peak")})
+
+    def reset_cell(self, client: httpx.Client) -> None:
+        client.get(self.base_url + "/kv", params={"reset": 1})

@@ -1,0 +1,221 @@
+"""The transformers baseline: plain ``model.generate`` behind a small HTTP server, run in the hf environment.
+
+Static batching, no paging: requests that arrive within ``--batch-wait-ms`` of the first are generated
+together as one batch; nothing joins a batch once it runs. The KV cache is a DynamicCache the worker
+owns, so its bytes are read exactly from the cache tensors (numel x element_size over every layer's keys
+and values) while generation runs, and, on CUDA, from the allocator as well.
+
+Endpoints: GET /health, GET /info, GET /kv[?reset=1], POST /generate (SSE stream).
+Standard library only besides torch and transformers, so the engine's environment stays minimal.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.generation.streamers import BaseStreamer
+
+
+def cache_bytes(cache) -> tuple[int, int]:
+    """(bytes, longest cached sequence length) of a cache, summed over its K and V tensors."""
+    if cache is None:
+        return 0, 0
+    total, seq = 0, 0
+    if hasattr(cache, "layers"):  # transformers >= 4.56
+        tensors = [t for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))]
+    else:  # <= 4.53
+        tensors = [*cache.key_cache, *cache.value_cache]
+    for t in tensors:
+        if t is not None and t.numel():
+            total += t.numel() * t.element_size()
+            seq = max(seq, t.shape[-2])
+    return total, seq
+
+
+class Job:
+    def __init__(self, token_ids: list[int], max_new_tokens: int, ignore_eos: bool):
+        self.token_ids, self.max_new_tokens, self.ignore_eos = token_ids, max_new_tokens, ignore_eos
+        self.events: queue.Queue = queue.Queue()
+        self.generated = 0
+
+
+class RowStreamer(BaseStreamer):
+    """Pushes each new token of every row to its job's queue as generate produces it."""
+
+    def __init__(self, jobs: list[Job]):
+        self.jobs, self.prompt_seen = jobs, False
+
+    def put(self, value):
+        if not self.prompt_seen:  # generate first "puts" the prompt itself
+            self.prompt_seen = True
+            return
+        now = time.time()
+        for job, token in zip(self.jobs, value.reshape(len(self.jobs), -1)[:, -1].tolist()):
+            if job.generated < job.max_new_tokens:
+                job.generated += 1
+                job.events.put({"token_ids": [token], "worker_time": now})
+
+    def end(self):
+        pass
+
+
+class Worker:
+    def __init__(self, model_dir: str, dtype: str, max_batch: int, batch_wait_ms: float):
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
+        self.max_batch, self.batch_wait_s = max_batch, batch_wait_ms / 1000
+        self.jobs: queue.Queue[Job] = queue.Queue()
+        self.cache = None  # the live cache, read by /kv from the HTTP threads
+        self.peak_bytes = 0
+        self.peak_tokens = 0
+        self.allocator_peak_delta = None
+        threading.Thread(target=self.loop, daemon=True).start()
+
+    def kv_state(self) -> dict:
+        live_bytes, live_seq = cache_bytes(self.cache)
+        return {"kv_bytes_in_use": live_bytes, "kv_seq_len": live_seq, "kv_bytes_peak": self.peak_bytes,
+                "kv_tokens_peak": self.peak_tokens, "allocator_kv_bytes_peak": self.allocator_peak_delta,
+                "device": self.device}
+
+    def reset_peak(self):
+        self.peak_bytes, self.peak_tokens, self.allocator_peak_delta = 0, 0, None
+
+    def loop(self):
+        while True:
+            batch = [self.jobs.get()]
+            deadline = time.monotonic() + self.batch_wait_s
+            while len(batch) < self.max_batch:
+                try:
+                    batch.append(self.jobs.get(timeout=max(0.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    break
+            try:
+                self.generate(batch)
+            except Exception as exc:  # report to every waiting client, keep serving
+                for job in batch:
+                    job.events.put({"error": f"{type(exc).__name__}: {exc}"})
+
+    def generate(self, batch: list[Job]):
+        width = max(len(j.token_ids) for j in batch)
+        pad = self.model.config.pad_token_id
+        pad = pad if pad is not None else (self.model.generation_config.eos_token_id or 0)
+        pad = pad[0] if isinstance(pad, list) else pad
+        # Left padding keeps every row's last prompt token at the end (cells use one length: no padding).
+        ids = torch.tensor([[pad] * (width - len(j.token_ids)) + j.token_ids for j in batch], device=self.device)
+        mask = torch.tensor([[0] * (width - len(j.token_ids)) + [1] * len(j.token_ids) for j in batch],
+                            device=self.device)
+        new_tokens = max(j.max_new_tokens for j in batch)
+        cuda = self.device == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            allocated_before = torch.cuda.memory_allocated()
+        self.cache = DynamicCache(config=self.model.config)
+        with torch.inference_mode():
+            self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens if all(j.ignore_eos for j in batch) else 0,
+                                do_sample=False, past_key_values=self.cache, streamer=RowStreamer(batch),
+                                pad_token_id=pad)
+        live_bytes, live_seq = cache_bytes(self.cache)
+        if cuda:
+            torch.cuda.synchronize()
+            # The cache is the only allocation still alive from this generate call.
+            delta = torch.cuda.memory_allocated() - allocated_before
+            self.allocator_peak_delta = max(self.allocator_peak_delta or 0, delta)
+        self.peak_bytes = max(self.peak_bytes, live_bytes)
+        self.peak_tokens = max(self.peak_tokens, live_seq * len(batch))
+        for job in batch:
+            job.events.put({"done": True, "usage": {"prompt_tokens": len(job.token_ids),
+                                                    "completion_tokens": job.generated},
+                            "kv": {"cache_bytes": live_bytes, "cache_seq_len": live_seq, "batch_size": len(batch)}})
+        self.cache = None
+
+
+def make_handler(worker: Worker):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *args):  # keep the engine log for errors only
+            pass
+
+        def send_json(self, status: int, body: dict):
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            url = urlparse(self.path)
+            if url.path == "/health":
+                self.send_json(200, {"status": "ok"})
+            elif url.path == "/info":
+                self.send_json(200, {"engine": "transformers", "version": transformers.__version__,
+                                     "torch": torch.__version__, "device": worker.device,
+                                     "dtype": str(worker.dtype).removeprefix("torch."),
+                                     "max_batch": worker.max_batch})
+            elif url.path == "/kv":
+                state = worker.kv_state()
+                if parse_qs(url.query).get("reset"):
+                    worker.reset_peak()
+                self.send_json(200, state)
+            else:
+                self.send_json(404, {"error": f"no route {url.path}"})
+
+        def do_POST(self):
+            if self.path != "/generate":
+                return self.send_json(404, {"error": f"no route {self.path}"})
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                job = Job([int(t) for t in body["prompt_token_ids"]], int(body["max_new_tokens"]),
+                          bool(body.get("ignore_eos", True)))
+            except (ValueError, KeyError, TypeError) as exc:
+                return self.send_json(400, {"error": f"bad request: {exc}"})
+            if not job.token_ids or job.max_new_tokens <= 0:
+                return self.send_json(400, {"error": "prompt_token_ids must be non-empty, max_new_tokens > 0"})
+            worker.jobs.put(job)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            while True:
+                event = job.events.get()
+                self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                self.wfile.flush()
+                if "done" in event or "error" in event:
+                    break
+            self.close_connection = True
+
+    return Handler
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--max-batch", type=int, default=1)
+    parser.add_argument("--batch-wait-ms", type=float, default=200)
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    worker = Worker(args.model, args.dtype, args.max_batch, args.batch_wait_ms)
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(worker))
+    print(f"hf worker ready on {args.host}:{args.port} device={worker.device} "
+          f"transformers={transformers.__version__} torch={torch.__version__}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""llama.cpp: the real C++ ``llama-server`` (the program Ollama runs inside), built from source.
+
+KV pool: llama.cpp's own ``llama_kv_cache: size = ...`` log line(s) (printed with ``-lv 4``; sliding-window
+models print one per cache). KV in use: /slots, per slot the prompt tokens plus the tokens decoded so far.
+"""
+from __future__ import annotations
+
+import platform
+import re
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.envs import InstallStep, Recipe
+
+from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, parse_sse_line
+
+BUILD_SCRIPT = Path(__file__).with_name("build_llama_server.sh")
+MIB = 1024 * 1024
+
+# llama_kv_cache: size =   90.00 MiB (  4096 cells,  30 layers,  1/1 seqs), K (f16):   45.00 MiB, V (f16):   45.00 MiB
+# (older builds prefix the line with llama_kv_cache_unified: and use the same fields)
+KV_LINE = re.compile(
+    r"llama_kv_cache(?:_unified)?: size =\s*(?P<mib>[\d.]+) MiB \(\s*(?P<cells>\d+) cells,\s*(?P<layers>\d+) layers,"
+    r"\s*(?P<streams>\d+)/(?P<seqs_max>\d+) seqs\), K \((?P<type_k>\w+)\):\s*(?P<k_mib>[\d.]+) MiB, "
+    r"V \((?P<type_v>\w+)\):\s*(?P<v_mib>[\d.]+) MiB")
+# llama.cpp's cache type names for kvbench's dtype names.
+CACHE_TYPES = {"auto": "f16", "fp16": "f16", "f16": "f16", "bf16": "bf16", "fp32": "f32", "f32": "f32",
+               "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0", "q5_1": "q5_1", "iq4_nl": "iq4_nl"}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def parse_kv_log(text: str) -> list[dict]:
+    """Every KV cache the server allocated, as logged (one entry per cache; SWA models have two)."""
+    caches = []
+    for m in KV_LINE.finditer(text):
+        caches.append({"mib": float(m["mib"]), "cells": int(m["cells"]), "layers": int(m["layers"]),
+                       "streams": int(m["streams"]), "seqs": int(m["seqs_max"]), "type_k": m["type_k"], "type_v": m["type_v"],
+                       "k_mib": float(m["k_mib"]), "v_mib": float(m["v_mib"])})
+    return caches
+
+
+class LlamaCppBackend(Backend):
+    engine = "llamacpp"
+    default_version = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp is built
+
+    @classmethod
+    def recipe(cls, version: str) -> Recipe:
+        native = "OFF" if platform.machine() not in ("x86_64", "AMD64") else "ON"
+        return Recipe("llamacpp", version, (
+            InstallStep(("bash", "-c", BUILD_SCRIPT.read_text(), "build_llama_server", version, "{env}"),
+                        env=(("KVBENCH_GGML_NATIVE", native),)),),
+            venv=False, extra_key=(platform.machine(), _cpu_model()))  # -march=native: rebuild on another CPU
+
+    def command(self, spec: ServerSpec):
+        if spec.model.gguf_path is None:
+            raise ValueError("llama.cpp needs a GGUF model file")
+        cache_type = CACHE_TYPES.get(spec.kv_dtype)
+        if cache_type is None:
+            raise ValueError(f"llama.cpp has no KV type {spec.kv_dtype!r}; known: {', '.join(sorted(CACHE_TYPES))}")
+        threads = self.options.get("threads", 1)  # on 2 cores, -t 2 was 4-12x slower per token than -t 1
+        argv = [str(self.env_path / "bin" / "llama-server"), "-m", str(spec.model.gguf_path),
+                "--host", spec.host, "--port", str(spec.port),
+                # n_ctx is the total over all slots: each of the -np slots gets max_context cells.
+                "-c", str(spec.max_context * spec.max_concurrency), "-np", str(spec.max_concurrency),
+                "-t", str(threads), "-tb", str(threads), "--metrics", "--slots", "--no-webui",
+                "--cache-type-k", cache_type, "--cache-type-v", cache_type,
+                "-lv", "4"]  # the llama_kv_cache lines are printed at this verbosity only
+        if cache_type not in ("f16", "f32", "bf16"):
+            argv += ["-fa", "on"]  # quantised V cache needs flash attention
+        argv += [str(a) for a in self.options.get("extra_args", [])]
+        return argv, {}
+
+    def kv_dtype_name(self) -> str:
+        return CACHE_TYPES.get(self.spec.kv_dtype, self.spec.kv_dtype)
+
+    def reported_version(self) -> str:
+        try:
+            props = httpx.get(self.base_url + "/props", timeout=5).json()
+            build = props.get("build_info")
+            return f"{self.version} ({build})" if build else self.version
+        except (httpx.HTTPError, ValueError):
+            return self.version
+
+    async def stream(self, client: httpx.AsyncClient, prompt) -> RequestResult:
+        result = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, time.perf_counter())
+        body = {"prompt": list(prompt.token_ids), "n_predict": prompt.output_tokens, "ignore_eos": True,
+                "temperature": 0.0, "stream": True, "return_tokens": True, "cache_prompt": False}
+        async with client.stream("POST", self.base_url + "/completion", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:500]}"
+                return result
+            async for line in response.aiter_lines():
+                event = parse_sse_line(line)
+                if event is None:
+                    continue
+                now = time.perf_counter()
+                if "error" in event:
+                    result.error = str(event["error"])[:500]
+                    continue
+                n = len(event.get("tokens") or [])
+                if n:
+                    result.chunk_times.append(now)
+                    result.chunk_tokens.append(n)
+                if event.get("stop"):
+                    result.prompt_tokens_reported = event.get("tokens_evaluated")
+                    result.output_tokens_reported = event.get("tokens_predicted")
+                    result.engine_details = {"timings": event.get("timings"), "stop_type": event.get("stop_type")}
+        result.t_done = time.perf_counter()
+        return result
+
+    def kv_pool(self) -> KVPool | None:
+        caches = parse_kv_log(self.server.log_path.read_text(errors="replace")) if self.server else []
+        if not caches:
+            return None
+        # "cells" is per stream: without a unified cache every slot has a stream of its own.
+        # MiB with two decimals is all the log gives: the bytes are exact to 0.005 MiB.
+        # A sliding-window model logs a second, smaller cache; the token capacity is the full-attention one.
+        return KVPool(bytes=round(sum(c["mib"] for c in caches) * MIB),
+                      tokens=max(c["cells"] * c["streams"] for c in caches),
+                      source="llama_kv_cache log line", details={"caches": caches})
+
+    def kv_in_use(self, client: httpx.Client) -> KVInUse | None:
+        slots = client.get(self.base_url + "/slots").json()
+        # A slot's n_prompt_tokens is the length of its cached token list, which grows as generated
+        # tokens are fed back (so n_decoded must not be added on top).
+        tokens = sum(slot.get("n_prompt_tokens", 0) for slot in slots if slot.get("is_processing"))
+        return KVInUse(bytes=tokens * self.kv_bytes_per_token(), tokens=tokens,
+                       source="/slots n_prompt_tokens x bytes/token")

