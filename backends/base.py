@@ -262,6 +262,12 @@ class ServerProcess:
         self.proc.wait(timeout=5)
 
 
+def extra_args(options: dict) -> list[str]:
+    """The user's ``extra_args`` option (a list, or one string split on spaces) for the server's argv."""
+    value = options.get("extra_args", [])
+    return value.split() if isinstance(value, str) else [str(a) for a in value]
+
+
 def parse_sse_line(line: str) -> dict | None:
     """One ``data:`` line of a server-sent-event stream as JSON; None for anything else or [DONE]."""
     if not line.startswith("data:"):

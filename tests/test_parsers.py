@@ -1,0 +1,51 @@
+"""Readers of engine output, against lines in the engines' real formats."""
+from backends.llamacpp import MIB, parse_kv_log
+from backends.vllm import metric_samples
+
+LLAMA_LOG = """\
+0.00.215.634 I llama_kv_cache:        CPU KV buffer size =    45.00 MiB
+0.00.245.047 I llama_kv_cache: size =   45.00 MiB (  1024 cells,  30 layers,  2/2 seqs), K (f16):   22.50 MiB, V (f16):   22.50 MiB
+"""
+# Gemma 3 style: a full-attention cache and a sliding-window cache, older prefix on the second
+LLAMA_SWA_LOG = """\
+llama_kv_cache: size =   12.00 MiB (  4096 cells,   3 layers,  1/1 seqs), K (q8_0):    6.00 MiB, V (q8_0):    6.00 MiB
+llama_kv_cache_unified: size =   7.50 MiB (   768 cells,  15 layers,  1/1 seqs), K (q8_0):    3.75 MiB, V (q8_0):    3.75 MiB
+"""
+
+VLLM_METRICS = """\
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",engine="0",kv_cache_memory_bytes="29491200",num_gpu_blocks="10"} 1.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="smollm2"} 0.4444444444444444
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="smollm2"} 0.0
+"""
+
+
+def test_llama_kv_line_per_stream():
+    (cache,) = parse_kv_log(LLAMA_LOG)
+    assert cache == {"mib": 45.0, "cells": 1024, "layers": 30, "streams": 2, "seqs": 2, "type_k": "f16",
+                     "type_v": "f16", "k_mib": 22.5, "v_mib": 22.5}
+    # 2 streams x 1024 cells x 23,040 bytes per token (SmolLM2, f16) is exactly 45 MiB
+    assert cache["streams"] * cache["cells"] * 23_040 == 45 * MIB
+
+
+def test_llama_two_caches_for_sliding_window_models():
+    caches = parse_kv_log(LLAMA_SWA_LOG)
+    assert [c["cells"] for c in caches] == [4096, 768]
+    assert [c["type_k"] for c in caches] == ["q8_0", "q8_0"]
+
+
+def test_llama_no_kv_line_means_unknown():
+    assert parse_kv_log("llama_model_loader: loaded meta data\n") == []
+
+
+def test_vllm_metrics():
+    samples = metric_samples(VLLM_METRICS)
+    labels, value = samples["vllm:cache_config_info"][0]
+    assert labels["num_gpu_blocks"] == "10" and labels["block_size"] == "128" and value == 1.0
+    assert samples["vllm:kv_cache_usage_perc"][0][1] == 4 / 9
+    assert samples["vllm:num_preemptions_total"][0][1] == 0.0

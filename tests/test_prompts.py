@@ -1,0 +1,48 @@
+"""Token-exact prompts from the embedded model's tokenizer."""
+import pytest
+
+from workloads import WorkloadError, load
+from workloads.prompts import PromptBuilder
+
+
+@pytest.fixture(scope="module")
+def builder(smollm2):
+    return PromptBuilder(smollm2.hf_dir / "tokenizer.json")
+
+
+@pytest.mark.parametrize("n", [1, 17, 1024, 8128])
+def test_exact_length_and_round_trip(builder, n):
+    p = builder.build(n, seed=1, request_id="a", output_tokens=8)
+    assert p.prompt_tokens == n
+    assert builder.tokenizer.encode(p.text, add_special_tokens=False).ids == list(p.token_ids)
+
+
+def test_deterministic_in_seed_and_request_id(builder):
+    a = builder.build(256, seed=1, request_id="x", output_tokens=8)
+    assert a == builder.build(256, seed=1, request_id="x", output_tokens=8)
+    assert a.token_ids != builder.build(256, seed=2, request_id="x", output_tokens=8).token_ids
+    assert a.token_ids != builder.build(256, seed=1, request_id="y", output_tokens=8).token_ids
+
+
+def test_no_special_tokens(builder):
+    special = {t for t in builder.tokenizer.get_added_tokens_decoder()}
+    p = builder.build(4000, seed=3, request_id="s", output_tokens=8)
+    assert not special & set(p.token_ids)
+
+
+def test_ladder_resolves_max_against_context():
+    wl = load("long_context_ladder")
+    assert wl.prompt_lengths(8192) == [1024, 2048, 4096, 8192 - wl.output_tokens]
+    assert wl.prompt_lengths(2048) == [1024, 2048 - wl.output_tokens]
+
+
+def test_workload_errors_name_the_field(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\nseed = 1\nprompt_tokens = [0]\noutput_tokens = 4\nconcurrency = [1]\n')
+    with pytest.raises(WorkloadError, match="prompt_tokens"):
+        load(str(bad))
+    bad.write_text('name = "x"\nseed = 1\nprompt_tokens = [8]\noutput_tokens = 4\nconcurrency = [1]\nspeed = 3\n')
+    with pytest.raises(WorkloadError, match="speed"):
+        load(str(bad))
+    with pytest.raises(WorkloadError, match="long_context_ladder"):
+        load("no_such_workload")
