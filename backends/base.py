@@ -144,6 +144,10 @@ class Backend(ABC):
     def log_tail(self, lines: int = 40) -> str:
         return self.server.log_tail(lines) if self.server else ""
 
+    def exit_description(self) -> str:
+        """How the server process ended, e.g. "killed by SIGKILL"; empty while it runs."""
+        return self.server.exit_description() if self.server else ""
+
     def reported_version(self) -> str:
         """The version the running engine says it is (falls back to the configured one)."""
         return self.version
@@ -225,6 +229,14 @@ class ServerProcess:
 
     def log_tail(self, lines: int = 40) -> str:
         return tail(self.log_path, lines)
+
+    def exit_description(self) -> str:
+        code = self.proc.poll() if self.proc else None
+        if code is None:
+            return ""
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
 
     def wait_http(self, url: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

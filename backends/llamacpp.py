@@ -5,6 +5,7 @@ models print one per cache). KV in use: /slots, per slot the prompt tokens plus 
 """
 from __future__ import annotations
 
+import os
 import platform
 import re
 import time
@@ -68,12 +69,16 @@ class LlamaCppBackend(Backend):
         cache_type = CACHE_TYPES.get(spec.kv_dtype)
         if cache_type is None:
             raise ValueError(f"llama.cpp has no KV type {spec.kv_dtype!r}; known: {', '.join(sorted(CACHE_TYPES))}")
-        threads = self.options.get("threads", 1)  # on 2 cores, -t 2 was 4-12x slower per token than -t 1
+        cores = os.cpu_count() or 1
+        # Generation: on 2 cores -t 2 was 4-12x slower per token than -t 1 (the harness needs a core).
+        # Prompt processing (-tb) uses every core: on 2 cores that nearly doubled prefill speed.
+        threads = self.options.get("threads", 1 if cores <= 2 else cores // 2)
+        batch_threads = self.options.get("batch_threads", cores)
         argv = [str(self.env_path / "bin" / "llama-server"), "-m", str(spec.model.gguf_path),
                 "--host", spec.host, "--port", str(spec.port),
                 # n_ctx is the total over all slots: each of the -np slots gets max_context cells.
                 "-c", str(spec.max_context * spec.max_concurrency), "-np", str(spec.max_concurrency),
-                "-t", str(threads), "-tb", str(threads), "--metrics", "--slots", "--no-webui",
+                "-t", str(threads), "-tb", str(batch_threads), "--metrics", "--slots", "--no-webui",
                 "--cache-type-k", cache_type, "--cache-type-v", cache_type,
                 "-lv", "4"]  # the llama_kv_cache lines are printed at this verbosity only
         if cache_type not in ("f16", "f32", "bf16"):

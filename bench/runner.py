@@ -177,7 +177,8 @@ class Runner:
                 asyncio.run(run_closed_loop(backend, warmup, 1, o.request_timeout_s))
             for i, (p, c) in enumerate(cells):
                 if not backend.alive():
-                    return fail_remaining(cells[i:], "engine exited during the run", backend.log_tail())
+                    return fail_remaining(cells[i:], f"engine {backend.exit_description()} during the run",
+                                          backend.log_tail())
                 progress.update(task, description=f"{cfg.label}: {p} tok x{c}")
                 row = self._run_cell(backend, cfg, spec, p, c, prompts[(p, c)], version)
                 self.writer.write_cell(row)
@@ -249,6 +250,8 @@ class Runner:
         row.status = "failed" if not good else ("flagged" if flags else "ok")
         if not good:
             row.error = failed[0].error if failed else "no request met the token contract"
+            if not backend.alive():
+                row.error = f"engine {backend.exit_description()} during the cell: {row.error}"
             row.log_tail = backend.log_tail() or None
         metrics = cell_metrics([RequestTimes(r.t_sent, tuple(r.chunk_times), tuple(r.chunk_tokens), r.t_done)
                                 for r in good], [r.prompt_tokens_sent for r in good])

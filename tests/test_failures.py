@@ -1,0 +1,134 @@
+"""Engines that fail to install, start, crash or are interrupted: failed rows, nothing left running."""
+import io
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from rich.console import Console
+
+from bench.config import BackendConfig
+from bench.results import load_cells, load_run_info
+from bench.runner import RunOptions, Runner
+from workloads import load
+
+from .conftest import engine_env
+
+pytestmark = pytest.mark.engine
+REPO = Path(__file__).resolve().parent.parent
+
+
+def processes_of(env_path: Path) -> list[psutil.Process]:
+    """Live processes started from an engine environment (its python or its binary)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "exe"]):
+        try:
+            text = " ".join(p.info["cmdline"] or []) + " " + (p.info["exe"] or "")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if str(env_path) in text and p.pid != os.getpid():
+            found.append(p)
+    return found
+
+
+def run(tmp_path, *backends, **options):
+    opts = RunOptions(model="smollm2", workload=load("smoke"), backends=[BackendConfig.parse(b) for b in backends],
+                      results_dir=tmp_path, run_id="run", request_timeout_s=120, **options)
+    run_dir = Runner(opts, Console(file=io.StringIO(), width=200)).run()
+    return run_dir, load_cells(run_dir)
+
+
+def test_engine_that_cannot_start_gives_failed_rows_and_others_still_run(tmp_path):
+    llama_env = engine_env("llamacpp")
+    engine_env("hf")
+    run_dir, cells = run(tmp_path, "llamacpp:extra_args=--no-such-flag", "hf", start_timeout_s=60)
+    bad = cells[cells.engine == "llamacpp"]
+    good = cells[cells.engine == "hf"]
+    assert len(bad) == len(good) == 4
+    assert (bad.status == "failed").all()
+    assert bad.error.str.contains("failed to start").all()
+    assert bad.log_tail.str.contains("no-such-flag").all()  # the engine's own words reach the row
+    assert (good.status == "ok").all()
+    assert not processes_of(llama_env)
+
+
+def test_start_timeout_kills_the_whole_tree(tmp_path):
+    vllm_env = engine_env("vllm")
+    run_dir, cells = run(tmp_path, "vllm", start_timeout_s=8)
+    assert (cells.status == "failed").all()
+    assert cells.error.str.contains("not ready after 8 s").all()
+    assert not processes_of(vllm_env)  # EngineCore children included
+
+
+def test_install_failure_gives_failed_rows(tmp_path):
+    engine_env("hf")  # prepares the model; the run below asks for a transformers release that does not exist
+    from backends import REGISTRY
+    from bench.envs import env_dir
+
+    broken = env_dir(REGISTRY["hf"].recipe("0.0.0rc999"))
+    try:
+        run_dir, cells = run(tmp_path, "hf@0.0.0rc999")
+    finally:
+        shutil.rmtree(broken, ignore_errors=True)
+    assert len(cells) == 4 and (cells.status == "failed").all()
+    assert cells.error.str.contains("install failed").all()
+    assert cells.log_tail.str.contains("0.0.0rc999").all()
+
+
+def _kvbench(*args, **popen):
+    return subprocess.Popen([sys.executable, "-m", "bench.cli", "run", *args], cwd=REPO, **popen)
+
+
+def _wait_for_cells(run_dir: Path, n: int, proc, timeout=240):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = run_dir / "cells.jsonl"
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, "kvbench ended early"
+        time.sleep(0.2)
+    raise AssertionError(f"no {n} cells after {timeout} s")
+
+
+def test_ctrl_c_keeps_finished_cells_and_leaves_no_server(tmp_path):
+    llama_env = engine_env("llamacpp")
+    proc = _kvbench("-b", "llamacpp", "--workload", "smoke", "--results-dir", str(tmp_path), "--run-id", "run",
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_cells(tmp_path / "run", 1, proc)
+        assert processes_of(llama_env)  # the server is up mid-run
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        proc.kill()
+    assert not processes_of(llama_env)
+    cells = load_cells(tmp_path / "run")
+    assert len(cells) >= 1 and (cells.status == "ok").all()
+    assert load_run_info(tmp_path / "run")["status"] == "interrupted"
+
+
+def test_engine_crash_mid_run_fails_the_remaining_cells(tmp_path):
+    llama_env = engine_env("llamacpp")
+    proc = _kvbench("-b", "llamacpp", "--workload", "smoke", "--results-dir", str(tmp_path), "--run-id", "run",
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_cells(tmp_path / "run", 1, proc)
+        for p in processes_of(llama_env):
+            p.kill()  # the engine dies under the harness
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    cells = load_cells(tmp_path / "run")
+    assert len(cells) == 4  # every cell has a row
+    assert (cells.status == "ok").sum() >= 1
+    failed = cells[cells.status == "failed"]
+    assert len(failed) >= 1
+    assert failed.error.str.contains("engine killed by SIGKILL").all()
+    assert failed.log_tail.notna().all() and (failed.log_tail.str.len() > 0).all()
+    assert load_run_info(tmp_path / "run")["status"] == "finished"
+    assert not processes_of(llama_env)
