@@ -1,13 +1,14 @@
 """The ``kvbench`` command. Each verb lives in its own module under bench/commands/."""
 import typer
 
-from bench.commands import report, run, setup
+from bench.commands import plan, report, run, setup
 
 app = typer.Typer(help="Measured KV-cache memory, throughput and latency of LLM inference engines.",
                   no_args_is_help=True, add_completion=False)
 app.command("run")(run.run)
 app.command("report")(report.report)
 app.command("setup")(setup.setup)
+app.command("plan")(plan.plan_command)
 
 if __name__ == "__main__":
     app()

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -117,7 +117,7 @@ class Runner:
         cells = [(p, c) for p in lengths for c in o.workload.concurrency]
         self.writer.update_run_info(model={"name": model.name, "sha256": model.sha256,
                                            "gguf": str(model.gguf_path) if model.gguf_path else None,
-                                           "hf_dir": str(model.hf_dir), "geometry": model.geometry.__dict__,
+                                           "hf_dir": str(model.hf_dir), "geometry": asdict(model.geometry),
                                            "max_context": max_context},
                                     cells=[{"prompt_tokens": p, "concurrency": c} for p, c in cells])
         builder = PromptBuilder(model.hf_dir / "tokenizer.json")
