@@ -6,11 +6,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 KVBENCH := $(BIN)/kvbench
 STAMP := $(VENV)/.kvbench-setup
-# What `make bench` runs; override e.g. make bench BENCH_ARGS="-b vllm --workload smoke".
+# What `make bench` runs; override e.g. make bench ENGINES="-b vllm" BENCH_ARGS="--workload smoke".
 BENCH_ARGS ?=
 ENGINES ?= -b hf -b vllm -b llamacpp
+ifndef RUN_ID
+RUN_ID := $(shell date +%Y%m%d-%H%M%S)-cpu-default
+endif
+RUN_DIR := results/runs/$(RUN_ID)
 
-.PHONY: setup engines bench test report clean
+.PHONY: setup engines bench test clean
 
 setup: $(STAMP)
 
@@ -26,7 +30,9 @@ engines: setup
 	$(KVBENCH) setup $(ENGINES)
 
 bench: engines
-	$(KVBENCH) run $(ENGINES) $(BENCH_ARGS)
+	$(KVBENCH) run $(ENGINES) --run-id $(RUN_ID) $(BENCH_ARGS)
+	$(KVBENCH) validate $(ENGINES) --into $(RUN_DIR) || echo "kvbench validate found a mismatch: see the table above"
+	$(KVBENCH) report $(RUN_DIR) --raw
 
 test: engines
 	$(BIN)/python -m pytest tests

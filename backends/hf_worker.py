@@ -23,6 +23,10 @@ import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
+# transformers 5.24 renamed generate's past_key_values to cache (the old name warns until 5.40).
+_VERSION = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+CACHE_KWARG = "cache" if _VERSION >= (5, 24) else "past_key_values"
+
 
 def cache_bytes(cache) -> tuple[int, int]:
     """(bytes, longest cached sequence length) of a cache, summed over its K and V tensors."""
@@ -122,8 +126,8 @@ class Worker:
         with torch.inference_mode():
             self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
                                 min_new_tokens=new_tokens if all(j.ignore_eos for j in batch) else 0,
-                                do_sample=False, past_key_values=self.cache, streamer=RowStreamer(batch),
-                                pad_token_id=pad)
+                                do_sample=False, streamer=RowStreamer(batch), pad_token_id=pad,
+                                **{CACHE_KWARG: self.cache})
         live_bytes, live_seq = cache_bytes(self.cache)
         if cuda:
             torch.cuda.synchronize()

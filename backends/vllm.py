@@ -57,13 +57,16 @@ class VLLMBackend(Backend):
 
     def command(self, spec: ServerSpec):
         self.spec = spec
-        pool_bytes = int(self.pool_tokens_wanted(spec) * self.kv_bytes_per_token())
+        pool_bytes = int(self.options.get("kv_cache_memory_bytes")
+                         or self.pool_tokens_wanted(spec) * self.kv_bytes_per_token())
         argv = [str(env_python(self.env_path)), "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(spec.model.hf_dir), "--served-model-name", spec.model.name,
                 "--host", spec.host, "--port", str(spec.port),
                 "--max-model-len", str(spec.max_context), "--max-num-seqs", str(spec.max_concurrency),
-                "--kv-cache-memory-bytes", str(pool_bytes), "--dtype", "bfloat16",
-                "--kv-cache-dtype", spec.kv_dtype if spec.kv_dtype != "auto" else "auto"]
+                "--kv-cache-memory-bytes", str(pool_bytes),
+                # The KV cache takes the model's dtype unless --kv-cache-dtype says otherwise.
+                "--dtype", "float32" if spec.kv_dtype == "fp32" else "bfloat16",
+                "--kv-cache-dtype", spec.kv_dtype if spec.kv_dtype.startswith("fp8") else "auto"]
         if self.options.get("enforce_eager", True):
             argv.append("--enforce-eager")  # 20-25 s start-up instead of 30-70 s of inductor compile
         if "block_size" in self.options:
@@ -72,6 +75,10 @@ class VLLMBackend(Backend):
         env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "VLLM_LOGGING_LEVEL": "INFO"}
         return argv, env
+
+    def kv_dtype_name(self) -> str:
+        kv = self.spec.kv_dtype
+        return "bf16" if kv in ("auto", "bf16") else kv
 
     def reported_version(self) -> str:
         try:

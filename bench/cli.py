@@ -1,7 +1,7 @@
 """The ``kvbench`` command. Each verb lives in its own module under bench/commands/."""
 import typer
 
-from bench.commands import plan, report, run, setup
+from bench.commands import plan, report, run, setup, validate
 
 app = typer.Typer(help="Measured KV-cache memory, throughput and latency of LLM inference engines.",
                   no_args_is_help=True, add_completion=False)
@@ -9,6 +9,7 @@ app.command("run")(run.run)
 app.command("report")(report.report)
 app.command("setup")(setup.setup)
 app.command("plan")(plan.plan_command)
+app.command("validate")(validate.validate)
 
 if __name__ == "__main__":
     app()

@@ -1,6 +1,7 @@
 """A run as Markdown: a header that lets the table be quoted alone, then one table per question."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pandas as pd
@@ -87,7 +88,21 @@ def problems(cells: pd.DataFrame) -> str:
     return "\n".join(out)
 
 
+def validation_section(run_dir: Path) -> list[str]:
+    path = run_dir / "kv_validation.jsonl"
+    if not path.exists():
+        return []
+    from bench.validate import markdown
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return ["## The KV model against the engines' own allocations",
+            "Predicted by `bench/kvmodel.py` under each engine's rules (`kvbench plan --engine ...`); "
+            "engine-reported from the engine's log or metrics; measured from transformers' cache tensors. "
+            "`kvbench validate` made this table.", markdown(rows)]
+
+
 def render(run_dir: str | Path) -> str:
+    run_dir = Path(run_dir)
     info = load_run_info(run_dir)
     cells = load_cells(run_dir)
     if cells.empty:
@@ -107,4 +122,5 @@ def render(run_dir: str | Path) -> str:
         performance_table(cells),
         "## Failed and flagged cells",
         problems(cells),
+        *validation_section(run_dir),
     ]) + "\n"

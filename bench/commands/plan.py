@@ -1,7 +1,7 @@
 import json
 
 import typer
-from rich.console import Console
+from bench import ui
 from rich.table import Table
 
 from bench.kvmodel import ENGINES, KV_DTYPE_BYTES, MissingConfigKeys, UnknownEngine, UnknownKVDtype
@@ -53,4 +53,4 @@ def plan_command(
         t.add_row(f"max concurrency at {context:,} tokens", str(result["max_batch"]))
         t.add_row(f"longest context at concurrency {batch}", f"{result['max_context_at_batch']:,} tokens"
                   + (" (the model's limit)" if result["max_context_at_batch"] == result["max_context"] else ""))
-    Console().print(t)
+    ui.console().print(t)

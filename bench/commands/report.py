@@ -1,7 +1,7 @@
 from pathlib import Path
 
 import typer
-from rich.console import Console
+from bench import ui
 from rich.markdown import Markdown
 
 from bench.report import render
@@ -21,5 +21,5 @@ def report(
     if raw:
         print(text)
     else:
-        Console(width=250).print(Markdown(text))
+        ui.console().print(Markdown(text))
     print(f"\nreport written to {target}")

@@ -1,7 +1,7 @@
 from pathlib import Path
 
 import typer
-from rich.console import Console
+from bench import ui
 
 from backends import REGISTRY
 from bench.config import BackendConfig, ConfigError
@@ -28,7 +28,7 @@ def run(
     request_timeout: float = typer.Option(900.0, help="Seconds one request may take."),
 ):
     """Run a workload on each backend and write the results folder, then print the report."""
-    console = Console()
+    console = ui.console()
     try:
         backends = [BackendConfig.parse(b) for b in backend]
         wl = load_workload(workload)

@@ -1,5 +1,5 @@
 import typer
-from rich.console import Console
+from bench import ui
 
 from backends import REGISTRY
 from bench import models
@@ -13,7 +13,7 @@ def setup(
     model: str = typer.Option("smollm2", help="Also prepare this model's HF-format copy."),
 ):
     """Install each engine's isolated environment and prepare the model (idempotent: installs only what is missing)."""
-    console = Console()
+    console = ui.console()
     try:
         configs = [BackendConfig.parse(b) for b in backend]
     except ConfigError as exc:
