@@ -67,6 +67,11 @@ class RequestResult:
     engine_details: dict = field(default_factory=dict)
     error: str | None = None
 
+    def add_chunk(self, t: float, n_tokens: int) -> None:
+        if n_tokens:
+            self.chunk_times.append(t)
+            self.chunk_tokens.append(n_tokens)
+
 
 @dataclass
 class KVPool:
@@ -278,6 +283,23 @@ def extra_args(options: dict) -> list[str]:
     """The user's ``extra_args`` option (a list, or one string split on spaces) for the server's argv."""
     value = options.get("extra_args", [])
     return value.split() if isinstance(value, str) else [str(a) for a in value]
+
+
+async def stream_sse(client: httpx.AsyncClient, url: str, body: dict, prompt, handle) -> RequestResult:
+    """POST ``body`` and read a server-sent-event stream; ``handle(event, arrival_time, result)`` reads
+    each JSON event into the result. Arrival is stamped before the event is parsed."""
+    result = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, time.perf_counter())
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:500]}"
+        else:
+            async for line in response.aiter_lines():
+                now = time.perf_counter()
+                event = parse_sse_line(line)
+                if event is not None:
+                    handle(event, now, result)
+    result.t_done = time.perf_counter()
+    return result
 
 
 def parse_sse_line(line: str) -> dict | None:

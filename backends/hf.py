@@ -1,14 +1,13 @@
 """Plain Hugging Face transformers (the baseline): backends/hf_worker.py in an environment of its own."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
 
-from bench.envs import InstallStep, Recipe, env_python, pip_install
+from bench.envs import Recipe, env_python, pip_install
 
-from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, parse_sse_line
+from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, stream_sse
 
 WORKER = Path(__file__).with_name("hf_worker.py")
 
@@ -41,28 +40,19 @@ class HFBackend(Backend):
             return self.version
 
     async def stream(self, client: httpx.AsyncClient, prompt) -> RequestResult:
-        result = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, time.perf_counter())
         body = {"prompt_token_ids": list(prompt.token_ids), "max_new_tokens": prompt.output_tokens, "ignore_eos": True}
-        async with client.stream("POST", self.base_url + "/generate", json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:500]}"
-                return result
-            async for line in response.aiter_lines():
-                event = parse_sse_line(line)
-                if event is None:
-                    continue
-                now = time.perf_counter()
-                if "error" in event:
-                    result.error = event["error"]
-                elif "token_ids" in event:
-                    result.chunk_times.append(now)
-                    result.chunk_tokens.append(len(event["token_ids"]))
-                elif event.get("done"):
-                    result.prompt_tokens_reported = event["usage"]["prompt_tokens"]
-                    result.output_tokens_reported = event["usage"]["completion_tokens"]
-                    result.engine_details = event.get("kv", {})
-        result.t_done = time.perf_counter()
-        return result
+        return await stream_sse(client, self.base_url + "/generate", body, prompt, self._read_event)
+
+    @staticmethod
+    def _read_event(event: dict, now: float, result: RequestResult) -> None:
+        if "error" in event:
+            result.error = event["error"]
+        elif "token_ids" in event:
+            result.add_chunk(now, len(event["token_ids"]))
+        elif event.get("done"):
+            result.prompt_tokens_reported = event["usage"]["prompt_tokens"]
+            result.output_tokens_reported = event["usage"]["completion_tokens"]
+            result.engine_details = event.get("kv", {})
 
     def kv_pool(self) -> KVPool | None:
         # Static batching has no pool: the cache grows with the batch and is freed after it.

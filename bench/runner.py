@@ -90,6 +90,7 @@ class Runner:
         self.run_id = options.run_id or new_run_id(options.workload.name)
         self.writer = RunWriter(options.results_dir / self.run_id)
         self.nvml = NVML()
+        self.reported_versions: dict[str, str] = {}
 
     @property
     def run_dir(self) -> Path:
@@ -166,38 +167,33 @@ class Runner:
             return fail_remaining(cells, f"install failed: {exc}", exc.log_tail)
         backend = cls(cfg.version, env_path, cfg.options)
         progress.update(task, description=f"{cfg.label}: starting")
+        done, started = 0, False
         try:
             backend.start(spec, self.writer.log_path(cfg.label), o.start_timeout_s)
-            self.reported_versions = getattr(self, "reported_versions", {})
+            started = True
             version = backend.reported_version()
             self.reported_versions[cfg.label] = version
             self.writer.update_run_info(engine_versions=self.reported_versions)
             progress.update(task, description=f"{cfg.label}: warm-up")
             if warmup:
-                asyncio.run(run_closed_loop(backend, warmup, 1, o.request_timeout_s))
-            for i, (p, c) in enumerate(cells):
+                for r in asyncio.run(run_closed_loop(backend, warmup, 1, o.request_timeout_s)):
+                    self.writer.write_request(request_row(self.run_id, f"{cfg.label}_warmup", cfg.label, r, warmup=True))
+            for p, c in cells:
                 if not backend.alive():
-                    return fail_remaining(cells[i:], f"engine {backend.exit_description()} during the run",
+                    return fail_remaining(cells[done:], f"engine {backend.exit_description()} during the run",
                                           backend.log_tail())
                 progress.update(task, description=f"{cfg.label}: {p} tok x{c}")
                 row = self._run_cell(backend, cfg, spec, p, c, prompts[(p, c)], version)
                 self.writer.write_cell(row)
+                done += 1
                 progress.advance(task)
                 self.console.print(summary_line(row))
         except (EngineStartError, ValueError) as exc:
-            done = sum(1 for _ in self._cells_written(cfg.label))
-            fail_remaining(cells[done:], f"engine failed to start: {exc}",
-                           getattr(exc, "log_tail", "") or backend.log_tail())
+            what = "engine failed" if started else "engine failed to start"
+            fail_remaining(cells[done:], f"{what}: {exc}", getattr(exc, "log_tail", "") or backend.log_tail())
         finally:
             progress.update(task, description=f"{cfg.label}: stopping")
             backend.stop()
-
-    def _cells_written(self, label: str):
-        path = self.run_dir / "cells.jsonl"
-        if path.exists():
-            for line in path.read_text().splitlines():
-                if f'"backend":"{label}"' in line:
-                    yield line
 
     def _empty_row(self, cfg, spec, p, c, status, error, log_tail) -> CellRow:
         return CellRow(run_id=self.run_id, cell_id=cell_id(cfg.label, p, c), backend=cfg.label, engine=cfg.engine,
@@ -224,7 +220,7 @@ class Runner:
         finally:
             memory.stop()
             kv.stop()
-        t_end = time.perf_counter()
+        time.perf_counter()
         for r in results:
             self.writer.write_request(request_row(self.run_id, row.cell_id, cfg.label, r))
 

@@ -1,6 +1,5 @@
 """Real engines on the embedded model with the smoke workload: figures come back and make sense."""
 import io
-import json
 import math
 
 import pandas as pd

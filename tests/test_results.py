@@ -1,7 +1,6 @@
 """The results schema, the run folder and the Markdown report."""
 import json
 
-import pandas as pd
 import pytest
 from pydantic import ValidationError
 
