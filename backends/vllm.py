@@ -65,7 +65,9 @@ class VLLMBackend(Backend):
                 "--kv-cache-memory-bytes", str(pool_bytes),
                 # The KV cache takes the model's dtype unless --kv-cache-dtype says otherwise.
                 "--dtype", "float32" if spec.kv_dtype == "fp32" else "bfloat16",
-                "--kv-cache-dtype", spec.kv_dtype if spec.kv_dtype.startswith("fp8") else "auto"]
+                "--kv-cache-dtype", spec.kv_dtype if spec.kv_dtype.startswith("fp8") else "auto",
+                # kvbench polls /metrics at 10 Hz: keep those polls out of the engine log.
+                "--disable-uvicorn-access-log"]
         if self.options.get("enforce_eager", True):
             argv.append("--enforce-eager")  # 20-25 s start-up instead of 30-70 s of inductor compile
         if "block_size" in self.options:

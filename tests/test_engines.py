@@ -50,6 +50,9 @@ def check_common(run_dir, cells: pd.DataFrame):
         assert ordered.kv_in_use_peak_bytes.iloc[-1] > ordered.kv_in_use_peak_bytes.iloc[0]
     # every request met the token contract and kept its chunk timestamps
     reqs = requests_of(run_dir)
+    warmup = reqs[reqs.warmup]
+    assert len(warmup) == wl.warmup_requests and warmup.error.isna().all()  # recorded, not counted
+    reqs = reqs[~reqs.warmup]
     assert len(reqs) == sum(c * wl.rounds for c in wl.concurrency) * len(wl.prompt_tokens)
     assert (reqs.prompt_tokens_reported == reqs.prompt_tokens_sent).all()
     assert (reqs.output_tokens_reported == wl.output_tokens).all()

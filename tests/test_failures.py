@@ -80,8 +80,13 @@ def test_install_failure_gives_failed_rows(tmp_path):
     assert cells.log_tail.str.contains("0.0.0rc999").all()
 
 
+def _default_sigint():  # a runner started in the background inherits SIGINT ignored; a user's terminal does not
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _kvbench(*args, **popen):
-    return subprocess.Popen([sys.executable, "-m", "bench.cli", "run", *args], cwd=REPO, **popen)
+    return subprocess.Popen([sys.executable, "-m", "bench.cli", "run", *args], cwd=REPO, preexec_fn=_default_sigint,
+                            **popen)
 
 
 def _wait_for_cells(run_dir: Path, n: int, proc, timeout=240):
