@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 from backends.base import ModelFiles
@@ -54,10 +55,11 @@ def embedded_gguf(name: str) -> Path:
     return Path(spec.submodule_search_locations[0]) / filename
 
 
-def resolve(model: str, hf_python: Path | None, log=print) -> ModelFiles:
+def resolve(model: str, hf_python: Callable[[], Path] | Path | None, log=print) -> ModelFiles:
     """Turn the user's model argument into :class:`ModelFiles`, converting a GGUF once if needed.
 
-    ``hf_python`` is the hf environment's interpreter, used only to convert a GGUF (None: no conversion).
+    ``hf_python`` is the hf environment's interpreter (or a function that installs it and returns it),
+    used only when a GGUF has no HF-format copy yet (None: no conversion possible).
     """
     if model in EMBEDDED:
         name, gguf = model, embedded_gguf(model)
@@ -81,6 +83,8 @@ def resolve(model: str, hf_python: Path | None, log=print) -> ModelFiles:
     if not (hf_dir / "config.json").exists():
         if hf_python is None:
             raise ModelError(f"{gguf.name} has no HF-format copy yet and no hf environment to make one")
+        if callable(hf_python):
+            hf_python = hf_python()
         log(f"preparing an HF-format copy of {gguf.name} in {hf_dir} (once)")
         hf_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = hf_dir.with_name("hf.partial")

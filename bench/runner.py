@@ -112,15 +112,27 @@ class Runner:
                 "backends": [b.model_dump() | {"label": b.label} for b in o.backends]}
         self.writer.write_run_info(info)
         self.console.print(f"[bold]kvbench run[/] {self.run_id} -> {self.run_dir}")
-        model = self._prepare_model()
+        try:
+            model = self._prepare_model()
+        except models.ModelError as exc:
+            self.writer.update_run_info(status="failed", error=str(exc))
+            raise
         max_context = min(model.geometry.max_context or 2048, o.max_context or 10**9)
         lengths = o.workload.prompt_lengths(max_context)
+        skipped = [n for n in o.workload.prompt_tokens if n != "max" and n not in lengths]
+        if skipped:
+            self.console.print(f"[yellow]prompt lengths {skipped} skipped: longer than the context limit "
+                               f"{max_context} minus {o.workload.output_tokens} output tokens[/]")
+        if not lengths:
+            error = f"no prompt length of {o.workload.name} fits the context limit {max_context}"
+            self.writer.update_run_info(status="failed", error=error)
+            raise models.ModelError(error)
         cells = [(p, c) for p in lengths for c in o.workload.concurrency]
         self.writer.update_run_info(model={"name": model.name, "sha256": model.sha256,
                                            "gguf": str(model.gguf_path) if model.gguf_path else None,
                                            "hf_dir": str(model.hf_dir), "geometry": asdict(model.geometry),
                                            "max_context": max_context},
-                                    cells=[{"prompt_tokens": p, "concurrency": c} for p, c in cells])
+                                    skipped_prompt_lengths=skipped, cells=[{"prompt_tokens": p, "concurrency": c} for p, c in cells])
         builder = PromptBuilder(model.hf_dir / "tokenizer.json")
         prompts = {(p, c): [builder.build(p, o.workload.seed, f"p{p}-c{c}-r{i}", o.workload.output_tokens)
                             for i in range(c * o.workload.rounds)] for p, c in cells}
@@ -142,11 +154,10 @@ class Runner:
         return self.run_dir
 
     def _prepare_model(self) -> ModelFiles:
-        """The model in every format; converting a GGUF needs the hf environment."""
-        hf_python = None
-        if not Path(self.o.model).is_dir():
+        """The model in every format; converting a GGUF (once) needs the hf environment."""
+        def hf_python() -> Path:
             hf = REGISTRY["hf"]
-            hf_python = env_python(ensure_env(hf.recipe(hf.default_version), log=self.console.print))
+            return env_python(ensure_env(hf.recipe(hf.default_version), log=self.console.print))
         return models.resolve(self.o.model, hf_python, log=self.console.print)
 
     # --- one backend -----------------------------------------------------------------------------
@@ -154,9 +165,9 @@ class Runner:
         o = self.o
         cls = REGISTRY[cfg.engine]
 
-        def fail_remaining(remaining, error: str, log_tail: str = "", status: str = "failed"):
+        def fail_remaining(remaining, error: str, log_tail: str = ""):
             for p, c in remaining:
-                self.writer.write_cell(self._empty_row(cfg, spec, p, c, status, error, log_tail))
+                self.writer.write_cell(self._empty_row(cfg, spec, p, c, "failed", error, log_tail))
                 progress.advance(task)
             self.console.print(f"[red]{cfg.label}: {error}[/]" + (f"\n{log_tail}" if log_tail else ""))
 

@@ -5,6 +5,7 @@ from bench import ui
 
 from backends import REGISTRY
 from bench.config import BackendConfig, ConfigError
+from bench.models import ModelError
 from bench.report import render
 from bench.results import load_cells
 from bench.runner import RunOptions, Runner
@@ -40,6 +41,9 @@ def run(
     runner = Runner(options, console)
     try:
         run_dir = runner.run()
+    except ModelError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2)
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted; finished cells are in {runner.run_dir}[/]")
         raise typer.Exit(130)
