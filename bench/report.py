@@ -101,7 +101,27 @@ def validation_section(run_dir: Path) -> list[str]:
             "`kvbench validate` made this table.", markdown(rows)]
 
 
-def render(run_dir: str | Path) -> str:
+def plots_section(run_dir: Path, cells: pd.DataFrame) -> list[str]:
+    """Write the run's PNG plots into RUN_DIR/plots/ and link them (paths relative to report.md)."""
+    from bench import plots
+
+    folder = run_dir / "plots"
+    folder.mkdir(exist_ok=True)
+    out = ["## Plots"]
+    if plots.kv_vs_context(cells, folder / "kv_vs_context.png"):
+        out.append("![KV in use vs prompt length](plots/kv_vs_context.png)")
+    requests_file = run_dir / "requests.jsonl"
+    requests = pd.read_json(requests_file, lines=True) if requests_file.exists() else pd.DataFrame()
+    if not requests.empty:
+        requests = requests[~requests.warmup]
+    ok = cells[cells.status.isin(["ok", "flagged"])]
+    for _, cell in ok.sort_values(["prompt_tokens", "concurrency"]).groupby("backend").tail(1).iterrows():
+        if plots.memory_timeline(run_dir, cell, requests, folder / f"timeline_{cell.cell_id}.png"):
+            out.append(f"![memory and KV over {cell.cell_id}](plots/timeline_{cell.cell_id}.png)")
+    return out if len(out) > 1 else []
+
+
+def render(run_dir: str | Path, with_plots: bool = True) -> str:
     run_dir = Path(run_dir)
     info = load_run_info(run_dir)
     cells = load_cells(run_dir)
@@ -123,4 +143,5 @@ def render(run_dir: str | Path) -> str:
         "## Failed and flagged cells",
         problems(cells),
         *validation_section(run_dir),
+        *(plots_section(run_dir, cells) if with_plots else []),
     ]) + "\n"

@@ -85,6 +85,7 @@ class CellRow(BaseModel):
     gpu_device_peak_bytes: int | None = None
     memory_samples: int = 0
     memory_sample_hz: float | None = None
+    t_cell_start: float | None = None  # perf_counter at the cell's start: timelines count from here
 
 
 class RequestRow(BaseModel):

@@ -223,7 +223,7 @@ class Runner:
         row.rss_baseline_bytes = tree_rss(backend.pid)[0]
         memory = ProcessTreeMemorySampler(backend.pid, o.memory_hz, self.nvml)
         kv = KVPoller(backend, o.kv_poll_hz)
-        t0 = time.perf_counter()
+        t0 = row.t_cell_start = time.perf_counter()
         memory.start()
         kv.start()
         try:

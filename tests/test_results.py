@@ -57,5 +57,8 @@ def test_report_shows_numbers_failures_and_not_measured(tmp_path):
     assert "1.0598" in text  # 1152 / 1087
     assert "engine failed to start" in text and "invalid argument: --bogus" in text
     assert "not measured" in text  # RSS of the third row, never 0
-    kv_lines = [l for l in text.splitlines() if l.startswith("| llamacpp-0.3.36 | 1024")]
-    assert all("failed" in l for l in kv_lines)
+    kv_lines = [line for line in text.splitlines() if line.startswith("| llamacpp-0.3.36 | 1024")]
+    assert all("failed" in line for line in kv_lines)
+    # the KV plot is written beside the report and linked from it
+    assert "![KV in use vs prompt length](plots/kv_vs_context.png)" in text
+    assert (tmp_path / "r1" / "plots" / "kv_vs_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
