@@ -7,6 +7,7 @@ changed recipe (another version, another package list) gets a fresh folder.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -79,23 +80,30 @@ def ensure_env(recipe: Recipe, log=print) -> Path:
     path = env_dir(recipe)
     if is_installed(recipe):
         return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with (path.parent / f".{recipe.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two kvbench processes must not install into one folder at once
+        if not is_installed(recipe):
+            _install(recipe, path, log)
+    return path
+
+
+def _install(recipe: Recipe, path: Path, log) -> None:
     if path.exists():
         shutil.rmtree(path)  # half-installed or another recipe: start clean
     path.mkdir(parents=True)
     log_file = path / "install.log"
     log(f"installing {recipe.name} into {path} (log: {log_file}); this happens once")
+    steps = [InstallStep((sys.executable, "-m", "venv", "{env}")),
+             InstallStep(("{python}", "-m", "pip", "install", "-q", "--upgrade", "pip"))] if recipe.venv else []
     with log_file.open("w") as out:
-        if recipe.venv:
-            _run([sys.executable, "-m", "venv", str(path)], out, {})
-            _run([str(env_python(path)), "-m", "pip", "install", "-q", "--upgrade", "pip"], out, {})
-        for step in recipe.steps:
+        for step in [*steps, *recipe.steps]:
             argv = [a.replace("{env}", str(path)).replace("{python}", str(env_python(path))) for a in step.argv]
             if _run(argv, out, dict(step.env)) != 0:
                 out.flush()
                 raise EnvInstallError(recipe, tail(log_file))
     (path / STAMP).write_text(json.dumps({"digest": recipe.digest(), "engine": recipe.engine,
                                           "version": recipe.version}))
-    return path
 
 
 def _run(argv: list[str], out, extra_env: dict[str, str]) -> int:
