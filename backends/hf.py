@@ -56,7 +56,7 @@ class HFBackend(Backend):
 
     def kv_pool(self) -> KVPool | None:
         # Static batching has no pool: the cache grows with the batch and is freed after it.
-        return None
+        return KVPool(bytes=None, tokens=None, source="no pool (static batching)")
 
     def kv_in_use(self, client: httpx.Client) -> KVInUse | None:
         state = client.get(self.base_url + "/kv").json()

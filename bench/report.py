@@ -67,7 +67,10 @@ def kv_table(cells: pd.DataFrame) -> str:
             continue
         per_token = "-" if pd.isna(r.kv_bytes_per_token_predicted) else f"{r.kv_bytes_per_token_predicted:,.0f}"
         pool_tokens = "-" if pd.isna(r.kv_pool_tokens_engine) else f"{int(r.kv_pool_tokens_engine):,}"
-        pool = _fmt_bytes(r.kv_pool_bytes_engine) if not pd.isna(r.kv_pool_tokens_engine) else "no pool (static)"
+        if not pd.isna(r.kv_pool_bytes_engine):
+            pool = _fmt_bytes(r.kv_pool_bytes_engine)
+        else:  # the adapter says why (e.g. static batching has no pool), or nothing was reported
+            pool = r.kv_pool_source if isinstance(r.kv_pool_source, str) else "not reported"
         lines.append(f"| {r.backend} | {r.prompt_tokens} | {r.concurrency} | {r.kv_dtype} | {per_token} "
                      f"| {_fmt_bytes(r.kv_bytes_peak_predicted)} | {_fmt_bytes(r.kv_in_use_peak_bytes)} "
                      f"| {_fmt_ratio(r.kv_measured_over_predicted)} | {pool} | {pool_tokens} "
