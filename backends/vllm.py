@@ -55,7 +55,6 @@ class VLLMBackend(Backend):
         return (spec.max_concurrency * (round_up(spec.max_context, block) // block) + 1) * block
 
     def command(self, spec: ServerSpec):
-        self.spec = spec
         pool_bytes = int(self.options.get("kv_cache_memory_bytes")
                          or self.pool_tokens_wanted(spec) * self.kv_bytes_per_token())
         argv = [str(env_python(self.env_path)), "-m", "vllm.entrypoints.openai.api_server",

@@ -12,7 +12,7 @@ class ConfigError(ValueError):
 
 class BackendConfig(BaseModel):
     """One engine at one version. The version picks the isolated environment, so two versions of one
-    engine can run in the same run (``vllm@0.32.0`` and ``vllm@0.33.0``)."""
+    engine can run in the same run (``vllm@0.31.0`` and ``vllm@0.32.0``)."""
 
     engine: str
     version: str
