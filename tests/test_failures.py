@@ -100,12 +100,21 @@ def _wait_for_cells(run_dir: Path, n: int, proc, timeout=240):
     raise AssertionError(f"no {n} cells after {timeout} s")
 
 
-def test_ctrl_c_keeps_finished_cells_and_leaves_no_server(tmp_path):
-    llama_env = engine_env("llamacpp")
+def _llama_smoke_run_past_its_first_cell(tmp_path) -> subprocess.Popen:
     proc = _kvbench("-b", "llamacpp", "--workload", "smoke", "--results-dir", str(tmp_path), "--run-id", "run",
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for_cells(tmp_path / "run", 1, proc)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
+def test_ctrl_c_keeps_finished_cells_and_leaves_no_server(tmp_path):
+    llama_env = engine_env("llamacpp")
+    proc = _llama_smoke_run_past_its_first_cell(tmp_path)
+    try:
         assert processes_of(llama_env)  # the server is up mid-run
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 130
@@ -119,10 +128,8 @@ def test_ctrl_c_keeps_finished_cells_and_leaves_no_server(tmp_path):
 
 def test_engine_crash_mid_run_fails_the_remaining_cells(tmp_path):
     llama_env = engine_env("llamacpp")
-    proc = _kvbench("-b", "llamacpp", "--workload", "smoke", "--results-dir", str(tmp_path), "--run-id", "run",
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = _llama_smoke_run_past_its_first_cell(tmp_path)
     try:
-        _wait_for_cells(tmp_path / "run", 1, proc)
         for p in processes_of(llama_env):
             p.kill()  # the engine dies under the harness
         proc.wait(timeout=120)
