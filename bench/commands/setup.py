@@ -4,7 +4,7 @@ from bench import ui
 from backends import REGISTRY
 from bench import models
 from bench.config import BackendConfig, ConfigError
-from bench.envs import EnvInstallError, ensure_env, env_python
+from bench.envs import EnvInstallError, ensure_env
 
 
 def setup(
@@ -27,11 +27,8 @@ def setup(
         except EnvInstallError as exc:
             failed = True
             console.print(f"[red]{exc}[/]\n{exc.log_tail}")
-    hf = REGISTRY["hf"]
-    hf_recipe = hf.recipe(hf.default_version)
-    hf_python = env_python(ensure_env(hf_recipe, log=console.print))
     try:
-        files = models.resolve(model, hf_python, log=console.print)
+        files = models.resolve(model, lambda: models.converter_python(console.print), log=console.print)
         console.print(f"[green]ready[/] model {files.name}: {files.hf_dir}" + (f", {files.gguf_path}" if files.gguf_path else ""))
     except models.ModelError as exc:
         failed = True

@@ -8,7 +8,7 @@ from rich.markdown import Markdown
 from backends import REGISTRY
 from bench import models
 from bench.config import BackendConfig, ConfigError
-from bench.envs import EnvInstallError, ensure_env, env_python
+from bench.envs import EnvInstallError, ensure_env
 from bench.validate import markdown, run_all
 
 VALIDATION_FILE = "kv_validation.jsonl"
@@ -24,8 +24,7 @@ def validate(
         configs = [BackendConfig.parse(b) for b in backend]
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from None
-    hf = REGISTRY["hf"]
-    model = models.resolve("smollm2", env_python(ensure_env(hf.recipe(hf.default_version), log=console.print)))
+    model = models.resolve("smollm2", lambda: models.converter_python(console.print), log=console.print)
     envs = {}
     for cfg in configs:
         try:
