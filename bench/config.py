@@ -1,6 +1,8 @@
 """Typed configuration of a run: which backends (engine + version + options), model, workload."""
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from pydantic import BaseModel, Field
 
 from backends import REGISTRY
@@ -17,9 +19,12 @@ class BackendConfig(BaseModel):
     engine: str
     version: str
     options: dict = Field(default_factory=dict)
+    url: str | None = None  # attach to a server already running there instead of starting one
 
     @property
     def label(self) -> str:
+        if self.url:
+            return f"{self.engine}@{urlsplit(self.url).netloc}"
         return f"{self.engine}-{self.version}"
 
     @classmethod
@@ -36,7 +41,12 @@ class BackendConfig(BaseModel):
             if not eq:
                 raise ConfigError(f"backend option {item!r} in {text!r} must be KEY=VALUE")
             options[key.strip()] = _scalar(value.strip())
-        return cls(engine=engine, version=version or REGISTRY[engine].default_version, options=options)
+        url = options.pop("url", None)
+        if url is not None:
+            url = str(url)
+            if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc:
+                raise ConfigError(f"url {url!r} in {text!r} must look like http://host:port")
+        return cls(engine=engine, version=version or REGISTRY[engine].default_version, options=options, url=url)
 
 
 def _scalar(value: str):

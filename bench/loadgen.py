@@ -4,18 +4,17 @@ from __future__ import annotations
 import asyncio
 import time
 
-import httpx
-
 from backends.base import Backend, RequestResult
+from backends.streaming import TRANSPORT_ERRORS, open_client
 
 
-async def _one(backend: Backend, client: httpx.AsyncClient, prompt, timeout_s: float) -> RequestResult:
+async def _one(backend: Backend, client, prompt, timeout_s: float) -> RequestResult:
     t0 = time.perf_counter()
     try:
         return await asyncio.wait_for(backend.stream(client, prompt), timeout_s)
     except (asyncio.TimeoutError, TimeoutError):
         error = f"timed out after {timeout_s:.0f} s"
-    except httpx.HTTPError as exc:
+    except TRANSPORT_ERRORS as exc:
         error = f"{type(exc).__name__}: {exc}"
     except ValueError as exc:  # malformed stream
         error = f"bad response: {exc}"
@@ -30,8 +29,7 @@ async def run_closed_loop(backend: Backend, prompts: list, concurrency: int, tim
     for p in prompts:
         queue.put_nowait(p)
     results: list[RequestResult] = []
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits) as client:
+    async with open_client(concurrency, timeout_s) as client:
         async def worker():
             while True:
                 try:

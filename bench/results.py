@@ -19,7 +19,14 @@ from typing import Literal
 import pandas as pd
 from pydantic import BaseModel, Field
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# v2 (load generator): repeat, load_profile, request_rate, variant, token_contract, attached, queueing
+# and goodput fields. v1 rows read as v2 with those fields at their defaults (one closed-loop repeat).
+
+#: The fields that say what a cell *is*; two cells with equal values measure the same thing
+#: (``kvbench compare`` matches on these, repeats aside).
+CELL_CONFIG_FIELDS = ("engine", "engine_version", "model", "workload", "variant", "prompt_tokens", "output_tokens",
+                      "load_profile", "concurrency", "request_rate", "kv_dtype")
 
 
 class CellRow(BaseModel):
@@ -34,16 +41,34 @@ class CellRow(BaseModel):
     engine_version_reported: str | None = None  # as the running engine reports it
     model: str
     workload: str
+    variant: str = ""  # a workload's setting beyond length and load, e.g. "prefix_caching=on", "turn=3"
     prompt_tokens: int
     output_tokens: int
-    concurrency: int
+    # load: "concurrent" = closed loop of `concurrency` workers; "poisson"/"constant" = open loop at
+    # `request_rate` requests/s with at most `concurrency` in flight (None: no cap)
+    load_profile: Literal["concurrent", "poisson", "constant"] = "concurrent"
+    concurrency: int | None
+    request_rate: float | None = None
+    repeat: int = 0  # 0-based index of the repeated run of this cell
     kv_dtype: str
+    # how output length was forced and prompts checked, e.g. "token ids, ignore_eos" (compare refuses to
+    # compare cells whose contracts differ)
+    token_contract: str = ""
+    attached: bool = False  # benchmarked a server kvbench did not start: no process memory
     status: Literal["ok", "flagged", "failed", "not run"]
     flags: list[str] = Field(default_factory=list)
     error: str | None = None
     log_tail: str | None = None
     n_requests: int = 0
-    n_ok: int = 0
+    n_ok: int = 0  # requests that met the token contract: the only ones in the headline figures
+    n_failed: int = 0
+    n_truncated: int = 0  # the engine read fewer prompt tokens than were sent
+    n_short: int = 0  # fewer output tokens than asked
+    # load actually achieved (open loop: offered vs achieved shows coordinated omission)
+    offered_request_rate: float | None = None
+    achieved_request_rate: float | None = None
+    send_lag_s_p99: float | None = None  # how late requests left against their schedule
+    max_in_flight: int | None = None
     # latency / throughput (bench/metrics.py defines each)
     ttft_s_mean: float | None = None
     ttft_s_p50: float | None = None
@@ -65,6 +90,13 @@ class CellRow(BaseModel):
     output_tokens_per_s: float | None = None
     total_tokens_per_s: float | None = None
     requests_per_s: float | None = None
+    goodput_requests_per_s: float | None = None  # requests within the SLO per second
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    # queueing (the KV boundary): the engine's own counters during the cell
+    requests_waiting_peak: float | None = None
+    preemptions: float | None = None
+    queue_source: str | None = None
     # KV: predicted from the config, allocated by the engine, and in use at the peak
     kv_bytes_per_token_predicted: float | None = None
     kv_tokens_peak_predicted: int | None = None  # concurrency x (prompt + output - 1)
@@ -104,6 +136,8 @@ class RequestRow(BaseModel):
     t_done: float | None
     chunk_times: list[float]
     chunk_tokens: list[int]
+    t_scheduled: float | None = None  # open loop: when the schedule wanted it sent (t_sent - this = lag)
+    repeat: int = 0
     ttft_s: float | None
     e2e_s: float | None
     error: str | None
