@@ -95,8 +95,13 @@ class CellRow(BaseModel):
     slo_tpot_s: float | None = None
     # queueing (the KV boundary): the engine's own counters during the cell
     requests_waiting_peak: float | None = None
-    preemptions: float | None = None
+    requests_running_peak: float | None = None
+    preemptions: float | None = None  # during the cell (counter difference)
     queue_source: str | None = None
+    # sequences of prompt_tokens + output_tokens that the engine's KV pool holds at once, by the KV model
+    # (bench.kvmodel's engine rule applied to the pool the engine reported); the KV boundary compares
+    # this with requests_running_peak
+    kv_pool_sequences_predicted: int | None = None
     # KV: predicted from the config, allocated by the engine, and in use at the peak
     kv_bytes_per_token_predicted: float | None = None
     kv_tokens_peak_predicted: int | None = None  # concurrency x (prompt + output - 1)
