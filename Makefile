@@ -9,12 +9,26 @@ STAMP := $(VENV)/.kvbench-setup
 # What `make bench` runs; override e.g. make bench ENGINES="-b vllm" BENCH_ARGS="--workload smoke".
 BENCH_ARGS ?=
 ENGINES ?= -b hf -b vllm -b llamacpp
+MODEL ?= smollm2
+# A machine where nvidia-smi lists a GPU gets the GPU profile (CUDA builds of the engines, the
+# gpu_long_context ladder sized for the card by `kvbench profile`); PROFILE=cpu forces the CPU default.
+PROFILE ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo gpu || echo cpu)
+# The engines' recipes read this to choose their CUDA builds (bench/profiles.py).
+export KVBENCH_GPU := $(if $(filter gpu,$(PROFILE)),1,0)
+ifeq ($(PROFILE),gpu)
+# Expanded when the bench recipe runs, after setup: the workload and the context cap for this card and model.
+PROFILE_ARGS = --model $(MODEL) $(shell KVBENCH_GPU=1 $(KVBENCH) profile --model $(MODEL) --args)
+else
+PROFILE_ARGS = $(if $(filter-out smollm2,$(MODEL)),--model $(MODEL))
+endif
 ifndef RUN_ID
-RUN_ID := $(shell date +%Y%m%d-%H%M%S)-cpu-default
+RUN_ID := $(shell date +%Y%m%d-%H%M%S)-$(PROFILE)-default
 endif
 RUN_DIR := results/runs/$(RUN_ID)
+# What `make report` reports on: make report RUN=results/runs/<run id> (default: the latest run).
+RUN ?= $(lastword $(sort $(wildcard results/runs/*)))
 
-.PHONY: setup engines bench test clean
+.PHONY: setup engines bench test browser report clean gpu-check
 
 setup: $(STAMP)
 
@@ -30,12 +44,27 @@ engines: setup
 	$(KVBENCH) setup $(ENGINES)
 
 bench: engines
-	$(KVBENCH) run $(ENGINES) --run-id $(RUN_ID) $(BENCH_ARGS)
+	$(if $(filter gpu,$(PROFILE)),$(KVBENCH) profile --model $(MODEL))
+	$(KVBENCH) run $(ENGINES) --run-id $(RUN_ID) $(PROFILE_ARGS) $(BENCH_ARGS)
 	$(KVBENCH) validate $(ENGINES) --into $(RUN_DIR) || echo "kvbench validate found a mismatch: see the table above"
 	$(KVBENCH) report $(RUN_DIR) --raw
 
-test: engines
+# Headless Chromium for the test that opens the HTML report (Debian's package; installed only when missing).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
+
+test: engines browser
 	$(BIN)/python -m pytest tests
+
+report: setup
+	@test -n "$(RUN)" || { echo "no run under results/runs/: make report RUN=path/to/run"; exit 2; }
+	$(KVBENCH) report $(RUN) --raw
+
+# The GPU checks (bench/gpu_check.py): offline, under 10 minutes; exits 3 on a machine without a GPU.
+gpu-check: setup
+	$(BIN)/python -m bench.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) results/runs

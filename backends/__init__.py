@@ -2,6 +2,10 @@
 from .base import Backend
 from .hf import HFBackend
 from .llamacpp import LlamaCppBackend
+from .ollama import OllamaBackend
+from .openai import OpenAIBackend
+from .tgi import TGIBackend
 from .vllm import VLLMBackend
 
-REGISTRY: dict[str, type[Backend]] = {cls.engine: cls for cls in (HFBackend, VLLMBackend, LlamaCppBackend)}
+REGISTRY: dict[str, type[Backend]] = {cls.engine: cls for cls in (HFBackend, VLLMBackend, LlamaCppBackend, TGIBackend,
+                                                                   OllamaBackend, OpenAIBackend)}

@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.envs import Recipe, tail
 from bench.kvmodel import KVGeometry, kv_bytes_per_token
@@ -48,6 +49,14 @@ class ServerSpec:
     kv_dtype: str  # "auto" = the engine's default for the model's dtype
     host: str = LOCALHOST
     port: int = 0
+    # size the KV pool for this many sequences of max_context (None: max_concurrency); fewer than the
+    # concurrency makes the engine queue or preempt: the KV boundary workload does that on purpose
+    kv_pool_sequences: int | None = None
+    prefix_caching: bool | None = None  # None: the engine's default
+
+    @property
+    def pool_sequences(self) -> int:
+        return self.kv_pool_sequences or self.max_concurrency
 
 
 @dataclass
@@ -61,6 +70,7 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)  # arrival of every chunk that carried tokens
     chunk_tokens: list[int] = field(default_factory=list)  # output tokens in that chunk
     t_done: float | None = None
+    t_scheduled: float | None = None  # open-loop load: when the schedule wanted it sent
     prompt_tokens_reported: int | None = None  # what the engine says it read
     output_tokens_reported: int | None = None  # what the engine says it generated
     engine_details: dict = field(default_factory=dict)
@@ -103,6 +113,11 @@ class Backend(ABC):
     default_version: ClassVar[str]
     #: True when prompts go in as token ids (exact); False when the engine only takes text.
     accepts_token_ids: ClassVar[bool] = True
+    #: True when the engine can be made to generate exactly the asked number of tokens (ignore_eos);
+    #: False: output is normalised by the tokens actually generated and short outputs are flagged.
+    forces_output_length: ClassVar[bool] = True
+    #: Whether the adapter can switch prefix caching on and off (ServerSpec.prefix_caching).
+    supports_prefix_caching: ClassVar[bool] = False
 
     def __init__(self, version: str, env_path: Path, options: dict | None = None):
         self.version = version
@@ -207,8 +222,27 @@ class Backend(ABC):
         assert self.spec
         return "bf16" if self.spec.kv_dtype == "auto" else self.spec.kv_dtype
 
+    def tokenize(self, client: httpx.Client, text: str) -> list[int] | None:
+        """The engine's own token ids for ``text`` (no special tokens added), from its tokenize endpoint;
+        None when it has none (then each request's usage report is the only check)."""
+        return None
+
     def reset_cell(self, client: httpx.Client) -> None:
         """Called before each cell, e.g. to reset an engine's peak counters."""
+
+    def queue_state(self, client: httpx.Client) -> dict | None:
+        """Requests the engine holds back (``{"waiting": n, "source": ...}``, plus engine-specific keys such as
+        ``preemptions``), polled during a cell; None where the engine exposes no queue."""
+        return None
+
+
+def metric_samples(text: str) -> dict[str, list]:
+    """Prometheus text -> {sample name: [(labels, value), ...]}."""
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((s.labels, s.value))
+    return samples
 
 
 # --- process handling shared by every adapter -------------------------------------------------

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.envs import Recipe, env_python, pip_install
+from bench.envs import InstallStep, Recipe, env_python, pip_install
+from bench.profiles import has_nvidia_gpu
 
 from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec
 from .streaming import stream_sse
@@ -21,8 +22,16 @@ class HFBackend(Backend):
     def recipe(cls, version: str) -> Recipe:
         # torch 2.13.0 is the CPU build on these machines; gguf + accelerate let transformers read GGUF files.
         torch = "torch==2.13.0"
-        return Recipe("hf", version, (pip_install(torch, f"transformers=={version}", "gguf", "accelerate",
-                                                  "safetensors", "sentencepiece"),))
+        packages = (torch, f"transformers=={version}", "gguf", "accelerate", "safetensors", "sentencepiece")
+        if has_nvidia_gpu():
+            # PyPI's Linux torch wheel is the CUDA build; a local CPU wheel (a find-links folder) would win
+            # the resolution, so the environment is refused unless its torch sees CUDA.
+            return Recipe("hf", version, (pip_install(*packages), InstallStep((
+                "{python}", "-c", "import sys, torch; ok = torch.version.cuda and torch.cuda.is_available(); "
+                "print('torch', torch.__version__, 'cuda', torch.version.cuda); "
+                "sys.exit(0 if ok else 'this torch is not a CUDA build that sees the GPU: the GPU profile needs one')")),),
+                          extra_key=("cuda",))
+        return Recipe("hf", version, (pip_install(*packages),))
 
     def command(self, spec: ServerSpec):
         dtype = "bf16" if spec.kv_dtype == "auto" else spec.kv_dtype
@@ -68,7 +77,10 @@ class HFBackend(Backend):
         state = client.get(self.base_url + "/kv").json()
         return KVInUse(bytes=state["kv_bytes_peak"], tokens=state["kv_tokens_peak"],
                        source="cache tensors (numel x element_size) at the end of generate",
-                       details={"allocator_bytes": state.get("allocator_kv_bytes_peak")})
+                       details={"allocator_bytes": state.get("allocator_kv_bytes_peak"),
+                                "allocator_generate_peak_bytes": state.get("allocator_generate_peak_bytes"),
+                                "allocator_reserved_delta_bytes": state.get("allocator_reserved_delta_bytes"),
+                                "device": state.get("device")})
 
     def reset_cell(self, client: httpx.Client) -> None:
         client.get(self.base_url + "/kv", params={"reset": 1})

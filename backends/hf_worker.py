@@ -81,17 +81,25 @@ class Worker:
         self.cache = None  # the live cache, read by /kv from the HTTP threads
         self.peak_bytes = 0
         self.peak_tokens = 0
-        self.allocator_peak_delta = None
+        # CUDA only (None on CPU): the allocator's view, per cell (the highest of the cell's generate calls).
+        self.allocator_peak_delta = None  # memory_allocated after generate - before: the cache alone
+        self.allocator_generate_peak = None  # max_memory_allocated during generate - before: cache + activations
+        self.allocator_reserved_delta = None  # memory_reserved after generate - before: what NVML can see grow
         threading.Thread(target=self.loop, daemon=True).start()
 
     def kv_state(self) -> dict:
         live_bytes, live_seq = cache_bytes(self.cache)
         return {"kv_bytes_in_use": live_bytes, "kv_seq_len": live_seq, "kv_bytes_peak": self.peak_bytes,
                 "kv_tokens_peak": self.peak_tokens, "allocator_kv_bytes_peak": self.allocator_peak_delta,
+                "allocator_generate_peak_bytes": self.allocator_generate_peak,
+                "allocator_reserved_delta_bytes": self.allocator_reserved_delta,
+                "allocator_allocated_bytes": torch.cuda.memory_allocated() if self.device == "cuda" else None,
+                "allocator_reserved_bytes": torch.cuda.memory_reserved() if self.device == "cuda" else None,
                 "device": self.device}
 
     def reset_peak(self):
         self.peak_bytes, self.peak_tokens, self.allocator_peak_delta = 0, 0, None
+        self.allocator_generate_peak = self.allocator_reserved_delta = None
 
     def loop(self):
         while True:
@@ -122,6 +130,8 @@ class Worker:
         if cuda:
             torch.cuda.synchronize()
             allocated_before = torch.cuda.memory_allocated()
+            reserved_before = torch.cuda.memory_reserved()
+            torch.cuda.reset_peak_memory_stats()  # max_memory_allocated now covers this generate call only
         self.cache = DynamicCache(config=self.model.config)
         with torch.inference_mode():
             self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
@@ -134,6 +144,10 @@ class Worker:
             # The cache is the only allocation still alive from this generate call.
             delta = torch.cuda.memory_allocated() - allocated_before
             self.allocator_peak_delta = max(self.allocator_peak_delta or 0, delta)
+            peak = torch.cuda.max_memory_allocated() - allocated_before
+            self.allocator_generate_peak = max(self.allocator_generate_peak or 0, peak)
+            grown = torch.cuda.memory_reserved() - reserved_before
+            self.allocator_reserved_delta = max(self.allocator_reserved_delta or 0, grown)
         self.peak_bytes = max(self.peak_bytes, live_bytes)
         self.peak_tokens = max(self.peak_tokens, live_seq * len(batch))
         for job in batch:

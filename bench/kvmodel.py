@@ -222,6 +222,25 @@ def engine_kv(geom: KVGeometry, dtype: str, context: int, batch: int, engine: st
                     "DynamicCache: exact tokens, sliding layers keep window - 1")
 
 
+def sequences_in_pool(engine: str, pool_tokens: int, context: int, block_size: int | None = None) -> int | None:
+    """How many sequences of ``context`` tokens (prompt + output) the engine's KV pool of ``pool_tokens``
+    holds at once, by the same rules as :func:`engine_kv`: the planner's maximum concurrency for that pool.
+
+    vllm: whole blocks per sequence, one block of the pool is vLLM's null block; tgi: whole blocks of
+    prompt + max_new_tokens; llamacpp / ollama: one slot of n_ctx / slots cells (padded to 256) per
+    sequence; hf: no pool (None)."""
+    engine = engine.lower()
+    if engine == "vllm":
+        bs = block_size or DEFAULT_BLOCK_SIZE["vllm"]
+        return max(0, pool_tokens - bs) // round_up(context, bs)
+    if engine == "tgi":
+        bs = block_size or DEFAULT_BLOCK_SIZE["tgi"]
+        return pool_tokens // round_up(context, bs)
+    if engine in ("llamacpp", "ollama"):
+        return pool_tokens // round_up(context, LLAMACPP_PAD)
+    return None
+
+
 # --- reading the geometry ------------------------------------------------------------------------
 
 def load_hf_config(path: str | Path) -> dict:

@@ -14,11 +14,18 @@ of every streamed chunk that carried at least one output token.
 - **E2E**: arrival of the last chunk (or the end of the stream) minus the send time.
 - **Output tokens**: the tokens the client received in chunks (cross-checked against the engine's own count).
 - **Output tokens/s** of a cell: all output tokens of its successful requests divided by the cell's wall
-  time, from its first send to its last completion; **total tokens/s** adds the prompt tokens.
+  time, from its first send to its last completion; **total tokens/s** adds the prompt tokens;
+  **requests/s** counts the successful requests.
+- **Goodput**: successful requests whose TTFT <= the SLO's TTFT and whose TPOT <= the SLO's TPOT (each
+  bound only when given), per second of the same wall time.
+- **Successful** = met the token contract (:func:`request_verdict`): no error, the engine read exactly
+  the prompt tokens sent, and generated exactly the output tokens asked. Failed, truncated and short
+  requests are counted separately and kept out of every figure above.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -72,7 +79,41 @@ def percentiles(values, prefix: str) -> dict[str, float | None]:
     return out
 
 
-def cell_metrics(requests: list[RequestTimes], prompt_tokens: list[int]) -> dict[str, float | int | None]:
+Verdict = Literal["ok", "failed", "truncated", "short", "long", "miscounted"]
+
+
+def request_verdict(error: str | None, prompt_sent: int, prompt_reported: int | None, output_asked: int,
+                    output_reported: int | None, output_received: int) -> Verdict:
+    """Whether one request met the token contract, and if not, how it broke it.
+
+    failed: an error, or no token at all; truncated: the engine read fewer prompt tokens than were sent
+    (or more: then "miscounted"); short / long: fewer / more output tokens than asked (by the engine's
+    count, or by the tokens the client received when the engine reports none); miscounted: the engine's
+    output count and the tokens received disagree."""
+    if error or output_received == 0:
+        return "failed"
+    if prompt_reported is not None and prompt_reported != prompt_sent:
+        return "truncated" if prompt_reported < prompt_sent else "miscounted"
+    produced = output_reported if output_reported is not None else output_received
+    if produced < output_asked:
+        return "short"
+    if produced > output_asked:
+        return "long"
+    if output_reported is not None and output_received != output_reported:
+        return "miscounted"
+    return "ok"
+
+
+def within_slo(r: RequestTimes, slo_ttft_s: float | None, slo_tpot_s: float | None) -> bool:
+    if slo_ttft_s is not None and (r.ttft is None or r.ttft > slo_ttft_s):
+        return False
+    if slo_tpot_s is not None and r.tpot is not None and r.tpot > slo_tpot_s:
+        return False
+    return True
+
+
+def cell_metrics(requests: list[RequestTimes], prompt_tokens: list[int], slo_ttft_s: float | None = None,
+                 slo_tpot_s: float | None = None) -> dict[str, float | int | None]:
     """Metrics of one cell from its successful requests (and their prompt lengths)."""
     out: dict[str, float | int | None] = {}
     out.update(percentiles([r.ttft for r in requests], "ttft_s"))
@@ -89,6 +130,9 @@ def cell_metrics(requests: list[RequestTimes], prompt_tokens: list[int]) -> dict
         out["output_tokens_per_s"] = output / wall if wall > 0 else None
         out["total_tokens_per_s"] = (output + sum(prompt_tokens)) / wall if wall > 0 else None
         out["requests_per_s"] = len(done) / wall if wall > 0 else None
+        good = sum(within_slo(r, slo_ttft_s, slo_tpot_s) for r in done)
+        out["goodput_requests_per_s"] = good / wall if wall > 0 and (slo_ttft_s or slo_tpot_s) else None
     else:
-        out.update({"wall_s": None, "output_tokens_per_s": None, "total_tokens_per_s": None, "requests_per_s": None})
+        out.update({"wall_s": None, "output_tokens_per_s": None, "total_tokens_per_s": None, "requests_per_s": None,
+                    "goodput_requests_per_s": None})
     return out

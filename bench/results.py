@@ -115,11 +115,17 @@ class CellRow(BaseModel):
     kv_in_use_source: str | None = None
     kv_measured_over_predicted: float | None = None
     kv_allocator_bytes_peak: int | None = None  # CUDA allocator delta (transformers on a GPU)
+    kv_allocator_generate_peak_bytes: int | None = None  # allocator peak during generate, over its start
+    kv_allocator_reserved_delta_bytes: int | None = None  # the caching allocator's reserved growth
     # memory of the engine's process tree
     rss_baseline_bytes: int | None = None
     rss_peak_bytes: int | None = None
     gpu_process_peak_bytes: int | None = None
     gpu_device_peak_bytes: int | None = None
+    gpu_device_over_baseline_peak_bytes: int | None = None  # device used minus the idle baseline
+    gpu_baseline_used_bytes: int | None = None  # device used before the engine started
+    gpu_device_total_bytes: int | None = None
+    gpu_device_reserved_bytes: int | None = None
     memory_samples: int = 0
     memory_sample_hz: float | None = None
     t_cell_start: float | None = None  # perf_counter at the cell's start: timelines count from here
@@ -183,12 +189,141 @@ class RunWriter:
         return self.root / "logs" / f"{backend}.log"
 
 
+def migrate_row(row: dict, model: type[BaseModel]) -> dict:
+    """One stored row (any schema version) as a row of the current schema.
+
+    v1 -> v2: the fields v2 added take their defaults (``repeat`` 0, ``load_profile`` "concurrent",
+    ``request_rate`` None, ``variant`` "", ``token_contract`` "" = not recorded, ``attached`` False, the
+    queueing and goodput fields None): a v1 run was one closed-loop repeat of each cell.
+    """
+    version = int(row.get("schema_version", 1))
+    if version > SCHEMA_VERSION:
+        raise ValueError(f"row has schema version {version}, newer than this kvbench's {SCHEMA_VERSION}: upgrade kvbench")
+    out = model.model_validate(row).model_dump()
+    out["schema_version"] = SCHEMA_VERSION
+    return out
+
+
+def _read_jsonl(path: Path, model: type[BaseModel]) -> pd.DataFrame:
+    rows = [migrate_row(json.loads(line), model) for line in path.read_text().splitlines() if line.strip()] \
+        if path.exists() else []
+    return pd.DataFrame(rows, columns=list(model.model_fields))
+
+
 def load_cells(run_dir: str | Path) -> pd.DataFrame:
-    """The cells of a run as a DataFrame (one row per cell)."""
-    path = Path(run_dir) / "cells.jsonl"
-    rows = [CellRow.model_validate_json(line) for line in path.read_text().splitlines() if line.strip()]
-    return pd.DataFrame([r.model_dump() for r in rows])
+    """The cells of a run as a DataFrame (one row per cell), migrated to the current schema."""
+    return _read_jsonl(Path(run_dir) / "cells.jsonl", CellRow)
 
 
 def load_run_info(run_dir: str | Path) -> dict:
     return json.loads((Path(run_dir) / "run.json").read_text())
+
+
+# --- the columnar copy (Parquet) and the one public loader ---------------------------------------------
+
+PARQUET_FILES = {"cells": ("cells.jsonl", "cells.parquet", CellRow),
+                 "requests": ("requests.jsonl", "requests.parquet", RequestRow)}
+PARQUET_META_KEY = b"kvbench_schema_version"
+
+
+def _requests_derived(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per-request figures the cell's percentiles are made of (bench/metrics.py), as columns."""
+    frame = frame.copy()
+    received = frame.output_tokens_received
+    first = frame.chunk_times.map(lambda c: c[0] if len(c) else None)
+    last = frame.chunk_times.map(lambda c: c[-1] if len(c) else None)
+    tpot = (last.astype(float) - first.astype(float)) / (received - 1)
+    frame["tpot_s"] = tpot.where(received >= 2)
+    # met the token contract (the only requests in a cell's headline figures)
+    frame["ok"] = (frame.error.isna() & ~frame.warmup
+                   & (frame.prompt_tokens_reported == frame.prompt_tokens_sent)
+                   & (frame.output_tokens_reported == frame.output_tokens_requested)
+                   & (received == frame.output_tokens_requested))
+    return frame
+
+
+def write_parquet(run_dir: str | Path) -> list[Path]:
+    """Write cells.parquet and requests.parquet beside the JSONL files (migrated to the current schema;
+    the schema version is in each file's metadata under ``kvbench_schema_version``). The JSONL files stay
+    the crash-safe record; the Parquet files are a derived copy that :func:`load` prefers when current."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    run_dir = Path(run_dir)
+    written = []
+    for jsonl, parquet, model in PARQUET_FILES.values():
+        if not (run_dir / jsonl).exists():
+            continue
+        frame = _read_jsonl(run_dir / jsonl, model)
+        if model is RequestRow:
+            # engine_details is free-form per engine: kept as JSON text so every run has one column type
+            frame["engine_details"] = frame.engine_details.map(json.dumps)
+        table = pa.Table.from_pandas(frame, preserve_index=False)
+        meta = dict(table.schema.metadata or {})
+        meta[PARQUET_META_KEY] = str(SCHEMA_VERSION).encode()
+        pq.write_table(table.replace_schema_metadata(meta), run_dir / parquet)
+        written.append(run_dir / parquet)
+    return written
+
+
+def parquet_is_current(run_dir: str | Path) -> bool:
+    """True when every Parquet copy exists, has the current schema version and is newer than its JSONL."""
+    import pyarrow.parquet as pq
+
+    run_dir = Path(run_dir)
+    for jsonl, parquet, _ in PARQUET_FILES.values():
+        src, dst = run_dir / jsonl, run_dir / parquet
+        if not src.exists():
+            continue
+        if not dst.exists() or dst.stat().st_mtime < src.stat().st_mtime:
+            return False
+        meta = pq.read_schema(dst).metadata or {}
+        if meta.get(PARQUET_META_KEY) != str(SCHEMA_VERSION).encode():
+            return False
+    return True
+
+
+def ensure_parquet(run_dir: str | Path) -> bool:
+    """Write the Parquet copies unless they are current; True when they were (re)written."""
+    if parquet_is_current(run_dir):
+        return False
+    write_parquet(run_dir)
+    return True
+
+
+def load(*run_dirs: str | Path, what: Literal["cells", "requests"] = "cells") -> pd.DataFrame:
+    """One or more runs as one tidy DataFrame: one row per cell (``what="cells"``) or per request
+    (``what="requests"``), every run migrated to the current schema, with ``run_id`` and ``run_dir``
+    columns. Reads the Parquet copy when it is current, else the JSONL record (never writes).
+
+    Requests get three derived columns: ``tpot_s`` (bench/metrics.py's definition), ``ok`` (a measured
+    request that met the token contract: the only kind in the cells' figures) and ``engine_details``
+    as a dict. ``load(a, b)`` and ``load([a, b])`` are the same.
+    """
+    if len(run_dirs) == 1 and isinstance(run_dirs[0], (list, tuple)):
+        run_dirs = tuple(run_dirs[0])
+    if what not in PARQUET_FILES:
+        raise ValueError(f"what must be one of {', '.join(PARQUET_FILES)}, not {what!r}")
+    jsonl, parquet, model = PARQUET_FILES[what]
+    frames = []
+    for run_dir in map(Path, run_dirs):
+        if not (run_dir / "run.json").exists():
+            raise FileNotFoundError(f"{run_dir} has no run.json: not a kvbench run folder")
+        if (run_dir / parquet).exists() and parquet_is_current(run_dir):
+            frame = pd.read_parquet(run_dir / parquet)
+            if model is RequestRow:
+                frame["engine_details"] = frame.engine_details.map(json.loads)
+            for col in ("flags", "chunk_times", "chunk_tokens"):  # numpy arrays back to lists
+                if col in frame:
+                    frame[col] = frame[col].map(list)
+        else:
+            frame = _read_jsonl(run_dir / jsonl, model)
+        if frame.empty:
+            continue
+        if model is RequestRow:
+            frame = _requests_derived(frame)
+        frame["run_dir"] = str(run_dir)
+        frames.append(frame)
+    if not frames:
+        return pd.DataFrame(columns=[*model.model_fields, "run_dir"])
+    return pd.concat(frames, ignore_index=True)

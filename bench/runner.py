@@ -1,14 +1,14 @@
 """Runs a workload on every backend, one cell at a time, and writes results as it goes.
 
-For each backend: install its environment (once), start the server, send warm-up requests, then for
-each cell (prompt length x concurrency) sample memory and KV in use while a closed loop of requests runs,
-and append the cell's row. Anything that goes wrong with one backend (install, start, crash, timeout)
-becomes failed rows with the engine's log tail; the other backends still run; the server is always
-stopped, also on Ctrl-C.
+For each backend (and each server variant the workload asks for, e.g. prefix caching on and off):
+install its environment (once), start the server (or attach to a running one), send warm-up requests,
+then for each cell (prompt length x load point x repeat) sample memory, KV in use and the engine's queue
+while the cell's load runs, and append the cell's row. Anything that goes wrong with one backend
+(install, start, crash, timeout) becomes failed rows with the engine's log tail; the other backends
+still run; a server kvbench started is always stopped, also on Ctrl-C.
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import platform
 import signal
@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -33,12 +33,14 @@ from bench import models
 from bench.config import BackendConfig
 from bench.envs import EnvInstallError, ensure_env
 from bench.kvmodel import kv_bytes_per_token
-from bench.loadgen import run_closed_loop
-from bench.metrics import RequestTimes, cell_metrics
-from bench.results import CellRow, RequestRow, RunWriter
-from bench.samplers import NVML, KVPoller, ProcessTreeMemorySampler, tree_rss
+from bench.cells import Cell, CellPrompts, cells_for, server_variants
+from bench.kvmodel import sequences_in_pool
+from bench.load import concurrent, rate, run_async, sweep
+from bench.metrics import RequestTimes, cell_metrics, percentiles, request_verdict
+from bench.results import CellRow, RequestRow, RunWriter, ensure_parquet
+from bench.samplers import NVML, KVPoller, ProcessTreeMemorySampler, _Sampler, tree_rss
 from workloads import Workload
-from workloads.prompts import PromptBuilder
+from workloads.prompts import Prompt, PromptBuilder
 
 
 @dataclass
@@ -48,6 +50,7 @@ class RunOptions:
     backends: list[BackendConfig]
     results_dir: Path = Path("results/runs")
     run_id: str | None = None
+    repeats: int | None = None  # overrides the workload's
     kv_dtype: str = "auto"
     max_context: int | None = None  # cap below the model's own limit
     start_timeout_s: float = 600.0
@@ -67,10 +70,7 @@ def _sigterm_as_interrupt(signum, frame):  # so `finally` blocks stop the server
 
 def environment_info() -> dict:
     nvml = NVML()
-    gpus = []
-    if nvml.available:
-        for h in nvml.handles:
-            gpus.append({"name": nvml.nv.nvmlDeviceGetName(h), "memory_bytes": nvml.nv.nvmlDeviceGetMemoryInfo(h).total})
+    gpus = nvml.devices() if nvml.available else []
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
@@ -80,7 +80,38 @@ def environment_info() -> dict:
 
     return {"kvbench_version": bench.__version__, "kvbench_commit": commit, "python": platform.python_version(),
             "os": platform.platform(), "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
-            "memory_bytes": psutil.virtual_memory().total, "gpus": gpus}
+            "memory_bytes": psutil.virtual_memory().total, "gpus": gpus, "nvml": nvml.error or "ok"}
+
+
+@dataclass
+class QueueSample:
+    t: float
+    waiting: float | None
+    running: float | None
+    preemptions: float | None  # the engine's cumulative counter
+
+
+class QueuePoller(_Sampler):
+    """The engine's own queue (requests waiting, running, preempted), through its adapter's
+    ``queue_state``: the evidence of the KV boundary."""
+
+    def __init__(self, backend: Backend, hz: float = 10.0):
+        super().__init__(hz)
+        self.backend = backend
+        self.client = httpx.Client(timeout=2.0)
+        self.samples: list[QueueSample] = []
+        self.source: str | None = None
+
+    def sample(self):
+        state = self.backend.queue_state(self.client)
+        if state:
+            self.source = state.get("source")
+            self.samples.append(QueueSample(time.perf_counter(), state.get("waiting"), state.get("running"),
+                                            state.get("preemptions")))
+
+    def stop(self):
+        super().stop()
+        self.client.close()
 
 
 class Runner:
@@ -91,10 +122,17 @@ class Runner:
         self.writer = RunWriter(options.results_dir / self.run_id)
         self.nvml = NVML()
         self.reported_versions: dict[str, str] = {}
+        self.token_checks: dict[str, str] = {}
+        self.gpu_baselines: dict[str, dict | None] = {}
+        self.gpu_baseline = None
 
     @property
     def run_dir(self) -> Path:
         return self.writer.root
+
+    @property
+    def repeats(self) -> int:
+        return self.o.repeats or self.o.workload.repeats
 
     # --- the whole run ---------------------------------------------------------------------------
     def run(self) -> Path:
@@ -105,11 +143,11 @@ class Runner:
             signal.signal(signal.SIGTERM, previous)
 
     def _run(self) -> Path:
-        o = self.o
+        o, w = self.o, self.o.workload
         info = {"run_id": self.run_id, "command": " ".join(o.command),
                 "started_at": datetime.now(timezone.utc).isoformat(), "status": "running",
-                "environment": environment_info(), "workload": o.workload.model_dump(), "kv_dtype": o.kv_dtype,
-                "backends": [b.model_dump() | {"label": b.label} for b in o.backends]}
+                "environment": environment_info(), "workload": w.model_dump(), "repeats": self.repeats,
+                "kv_dtype": o.kv_dtype, "backends": [b.model_dump() | {"label": b.label} for b in o.backends]}
         self.writer.write_run_info(info)
         self.console.print(f"[bold]kvbench run[/] {self.run_id} -> {self.run_dir}")
         try:
@@ -118,39 +156,44 @@ class Runner:
             self.writer.update_run_info(status="failed", error=str(exc))
             raise
         max_context = min(model.geometry.max_context or 2048, o.max_context or 10**9)
-        lengths = o.workload.prompt_lengths(max_context)
-        skipped = [n for n in o.workload.prompt_tokens if n != "max" and n not in lengths]
+        lengths = w.prompt_lengths(max_context)
+        skipped = [n for n in w.prompt_tokens if n != "max" and n not in lengths]
         if skipped:
-            self.console.print(f"[yellow]prompt lengths {skipped} skipped: longer than the context limit "
-                               f"{max_context} minus {o.workload.output_tokens} output tokens[/]")
+            self.console.print(f"[yellow]prompt lengths {skipped} skipped: they do not fit the context limit "
+                               f"{max_context} with {w.output_tokens} output tokens[/]")
         if not lengths:
-            error = f"no prompt length of {o.workload.name} fits the context limit {max_context}"
+            error = f"no prompt length of {w.name} fits the context limit {max_context}"
             self.writer.update_run_info(status="failed", error=error)
             raise models.ModelError(error)
-        cells = [(p, c) for p in lengths for c in o.workload.concurrency]
+        self.lengths = lengths
+        self.points = sweep.static_points(w)
         self.writer.update_run_info(model={"name": model.name, "sha256": model.sha256,
                                            "gguf": str(model.gguf_path) if model.gguf_path else None,
                                            "hf_dir": str(model.hf_dir), "geometry": asdict(model.geometry),
                                            "max_context": max_context},
-                                    skipped_prompt_lengths=skipped, cells=[{"prompt_tokens": p, "concurrency": c} for p, c in cells])
-        builder = PromptBuilder(model.hf_dir / "tokenizer.json")
-        prompts = {(p, c): [builder.build(p, o.workload.seed, f"p{p}-c{c}-r{i}", o.workload.output_tokens)
-                            for i in range(c * o.workload.rounds)] for p, c in cells}
-        warmup = [builder.build(o.workload.warmup_prompt_tokens, o.workload.seed, f"warmup-{i}", 8)
-                  for i in range(o.workload.warmup_requests)]
-        spec = ServerSpec(model=model, max_context=max(lengths) + o.workload.output_tokens,
-                          max_concurrency=max(o.workload.concurrency), kv_dtype=o.kv_dtype)
+                                    skipped_prompt_lengths=skipped, prompt_lengths=lengths,
+                                    load_points=[asdict(p) for p in self.points])
+        self.prompts = CellPrompts(PromptBuilder(model.hf_dir / "tokenizer.json"), w)
+        spec = ServerSpec(model=model, max_context=w.longest_prompt(max(lengths)) + w.output_tokens,
+                          max_concurrency=sweep.max_in_flight(w), kv_dtype=o.kv_dtype,
+                          kv_pool_sequences=w.kv_pool_sequences)
+        per_start = self.repeats * len(cells_for(w, lengths, self.points, 0, None))
+        if w.request_rates == "saturation":
+            per_start += self.repeats * len(lengths) * w.saturation_steps * (w.turns if w.family == "multi_turn" else 1)
         status = "interrupted"
         columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("cells"),
                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
         try:
             with Progress(*columns, console=self.console) as progress:
-                task = progress.add_task("cells", total=len(cells) * len(o.backends))
+                task = progress.add_task("cells", total=per_start * len(server_variants(w)) * len(o.backends))
                 for cfg in o.backends:
-                    self._run_backend(cfg, spec, cells, prompts, warmup, progress, task)
+                    for prefix_caching in server_variants(w):
+                        self._run_backend(cfg, replace(spec, prefix_caching=prefix_caching), progress, task)
             status = "finished"
         finally:
             self.writer.update_run_info(status=status, finished_at=datetime.now(timezone.utc).isoformat())
+            if (self.run_dir / "cells.jsonl").exists():
+                ensure_parquet(self.run_dir)  # the columnar copy beside the JSONL record
         return self.run_dir
 
     def _prepare_model(self) -> ModelFiles:
@@ -158,107 +201,190 @@ class Runner:
         return models.resolve(self.o.model, lambda: models.converter_python(self.console.print),
                               log=self.console.print)
 
-    # --- one backend -----------------------------------------------------------------------------
-    def _run_backend(self, cfg: BackendConfig, spec: ServerSpec, cells, prompts, warmup, progress, task):
-        o = self.o
-        cls = REGISTRY[cfg.engine]
+    def _planned_cells(self, spec: ServerSpec) -> list[Cell]:
+        return [c for r in range(self.repeats)
+                for c in cells_for(self.o.workload, self.lengths, self.points, r, spec.prefix_caching)]
 
-        def fail_remaining(remaining, error: str, log_tail: str = ""):
-            for p, c in remaining:
-                self.writer.write_cell(self._empty_row(cfg, spec, p, c, "failed", error, log_tail))
-                progress.advance(task)
+    # --- one backend (one server start) ---------------------------------------------------------
+    def _run_backend(self, cfg: BackendConfig, spec: ServerSpec, progress, task):
+        o, w = self.o, self.o.workload
+        cls = REGISTRY[cfg.engine]
+        planned = self._planned_cells(spec)
+        done: list[Cell] = []
+
+        def fail_remaining(error: str, log_tail: str = ""):
+            for cell in planned:
+                if cell not in done:
+                    self.writer.write_cell(self._empty_row(cfg, spec, cell, "failed", error, log_tail))
+                    progress.advance(task)
+            if w.request_rates == "saturation":  # the rate cells never planned: count them off the bar
+                progress.advance(task, len(self.lengths) * w.saturation_steps * self.repeats
+                                 - sum(1 for c in done if c.load.profile != "concurrent"))
             self.console.print(f"[red]{cfg.label}: {error}[/]" + (f"\n{log_tail}" if log_tail else ""))
 
-        progress.update(task, description=f"{cfg.label}: installing")
+        if spec.prefix_caching is not None and not cls.supports_prefix_caching:
+            return fail_remaining(f"{cfg.engine} has no prefix caching to switch "
+                                  f"{'on' if spec.prefix_caching else 'off'}: not run")
+        if cfg.url:
+            backend = cls(cfg.version, None, cfg.options)
+        else:
+            progress.update(task, description=f"{cfg.label}: installing")
+            try:
+                env_path = ensure_env(cls.recipe(cfg.version), log=self.console.print)
+            except EnvInstallError as exc:
+                return fail_remaining(f"install failed: {exc}", exc.log_tail)
+            backend = cls(cfg.version, env_path, cfg.options)
+        progress.update(task, description=f"{cfg.label}: {'attaching' if cfg.url else 'starting'}")
+        started = False
         try:
-            env_path = ensure_env(cls.recipe(cfg.version), log=self.console.print)
-        except EnvInstallError as exc:
-            return fail_remaining(cells, f"install failed: {exc}", exc.log_tail)
-        backend = cls(cfg.version, env_path, cfg.options)
-        progress.update(task, description=f"{cfg.label}: starting")
-        done, started = 0, False
-        try:
-            backend.start(spec, self.writer.log_path(cfg.label), o.start_timeout_s)
+            if cfg.url:
+                backend.attach(spec, cfg.url, timeout_s=min(o.start_timeout_s, 60))
+            else:
+                # GPU memory before the engine exists: its figures are measured against this
+                self.gpu_baseline = self.nvml.idle_baseline() if self.nvml.available else None
+                self.gpu_baselines[cfg.label] = self.gpu_baseline.to_dict() if self.gpu_baseline else None
+                self.writer.update_run_info(gpu_baselines=self.gpu_baselines)
+                backend.start(spec, self.writer.log_path(cfg.label), o.start_timeout_s)
             started = True
             version = backend.reported_version()
             self.reported_versions[cfg.label] = version
             self.writer.update_run_info(engine_versions=self.reported_versions)
+            contract = self._token_contract(backend, cfg)
             progress.update(task, description=f"{cfg.label}: warm-up")
+            warmup = self.prompts.warmup()
             if warmup:
-                for r in asyncio.run(run_closed_loop(backend, warmup, 1, o.request_timeout_s)):
+                load = run_async(concurrent.run(backend, warmup, 1, o.request_timeout_s))
+                for r in load.results:
                     self.writer.write_request(request_row(self.run_id, f"{cfg.label}_warmup", cfg.label, r, warmup=True))
-            for p, c in cells:
-                if not backend.alive():
-                    return fail_remaining(cells[done:], f"engine {backend.exit_description()} during the run",
-                                          backend.log_tail())
-                progress.update(task, description=f"{cfg.label}: {p} tok x{c}")
-                row = self._run_cell(backend, cfg, spec, p, c, prompts[(p, c)], version)
+            queue = list(planned)
+            while queue:
+                cell = queue.pop(0)
+                if not backend.attached and not backend.alive():
+                    return fail_remaining(f"engine {backend.exit_description()} during the run", backend.log_tail())
+                progress.update(task, description=f"{cfg.label}: {cell.describe()}")
+                row = self._run_cell(backend, cfg, spec, cell, version, contract)
                 self.writer.write_cell(row)
-                done += 1
+                done.append(cell)
                 progress.advance(task)
                 self.console.print(summary_line(row))
+                if w.request_rates == "saturation" and cell.load.profile == "concurrent":
+                    # the closed loop found the saturation rate: the open-loop rates follow it
+                    more = [Cell(cell.prompt_tokens, point, cell.repeat, cell.turn, cell.prefix_caching)
+                            for point in sweep.saturation_points(w, row.requests_per_s or 0)]
+                    planned[planned.index(cell) + 1:planned.index(cell) + 1] = more
+                    queue[0:0] = more
         except (EngineStartError, ValueError) as exc:
             what = "engine failed" if started else "engine failed to start"
-            fail_remaining(cells[done:], f"{what}: {exc}", getattr(exc, "log_tail", "") or backend.log_tail())
+            fail_remaining(f"{what}: {exc}", getattr(exc, "log_tail", "") or backend.log_tail())
         finally:
             progress.update(task, description=f"{cfg.label}: stopping")
             backend.stop()
 
-    def _empty_row(self, cfg, spec, p, c, status, error, log_tail) -> CellRow:
-        return CellRow(run_id=self.run_id, cell_id=cell_id(cfg.label, p, c), backend=cfg.label, engine=cfg.engine,
-                       engine_version=cfg.version, model=spec.model.name, workload=self.o.workload.name,
-                       prompt_tokens=p, output_tokens=self.o.workload.output_tokens, concurrency=c,
-                       kv_dtype=spec.kv_dtype, status=status, error=error, log_tail=log_tail or None)
+    def _token_contract(self, backend: Backend, cfg: BackendConfig) -> str:
+        """How prompts reach the engine and how output length is forced, plus a check of the prompt
+        tokens against the engine's own tokenizer where it has a tokenize endpoint."""
+        parts = ["token ids" if backend.accepts_token_ids else "text",
+                 "output forced" if backend.forces_output_length else "output as generated"]
+        probe = self.prompts.builder.build(64, self.o.workload.seed, "tokenizer-check", 1)
+        with httpx.Client(timeout=10.0) as client:
+            try:
+                ids = backend.tokenize(client, probe.text)
+            except httpx.HTTPError as exc:
+                ids, note = None, f"tokenize endpoint failed ({type(exc).__name__})"
+            else:
+                note = "no tokenize endpoint: checked per request by the engine's usage report"
+        if ids is not None:
+            if list(ids) != list(probe.token_ids):
+                raise ValueError(f"the engine's tokenizer disagrees with the model's tokenizer.json: 64 prompt "
+                                 f"tokens became {len(ids)} ({list(ids)[:8]}... vs {list(probe.token_ids)[:8]}...)")
+            note = "tokenizer checked against the engine's tokenize endpoint"
+        self.token_checks[cfg.label] = note
+        self.writer.update_run_info(token_checks=self.token_checks)
+        return ", ".join(parts)
+
+    def _empty_row(self, cfg, spec: ServerSpec, cell: Cell, status, error, log_tail) -> CellRow:
+        w = self.o.workload
+        return CellRow(run_id=self.run_id, cell_id=cell.cell_id(cfg.label), backend=cfg.label, engine=cfg.engine,
+                       engine_version=cfg.version, model=spec.model.name, workload=w.name, variant=cell.variant,
+                       prompt_tokens=w.prompt_tokens_sent(cell.prompt_tokens, cell.turn),
+                       output_tokens=w.output_tokens, load_profile=cell.load.profile,
+                       concurrency=cell.load.concurrency, request_rate=cell.load.request_rate, repeat=cell.repeat,
+                       kv_dtype=spec.kv_dtype, attached=bool(cfg.url), status=status, error=error,
+                       log_tail=log_tail or None, slo_ttft_s=w.slo_ttft_s, slo_tpot_s=w.slo_tpot_s)
 
     # --- one cell --------------------------------------------------------------------------------
-    def _run_cell(self, backend: Backend, cfg, spec, p: int, c: int, prompts, version: str) -> CellRow:
-        o = self.o
-        row = self._empty_row(cfg, spec, p, c, "ok", None, None)
+    def _run_load(self, backend: Backend, cell: Cell, prompts: list[Prompt]):
+        o, w, point = self.o, self.o.workload, cell.load
+        if point.profile == "concurrent":
+            return run_async(concurrent.run(backend, prompts, point.concurrency, o.request_timeout_s, w.duration_s))
+        seed = hash((w.seed, cell.prompt_tokens, cell.repeat, point.slug)) & 0xFFFFFFFF
+        return run_async(rate.run(backend, prompts, point.request_rate, point.profile, o.request_timeout_s,
+                                  point.concurrency, seed, w.duration_s))
+
+    def _run_cell(self, backend: Backend, cfg, spec, cell: Cell, version: str, contract: str) -> CellRow:
+        o, w = self.o, self.o.workload
+        row = self._empty_row(cfg, spec, cell, "ok", None, None)
         row.engine_version_reported = version
-        row.n_requests = len(prompts)
+        row.token_contract = contract
+        prompts = self.prompts.for_cell(cell, w.requests_per_cell(cell.load.concurrency, cell.load.request_rate))
         with httpx.Client(timeout=5.0) as client:
             backend.reset_cell(client)
-        row.rss_baseline_bytes = tree_rss(backend.pid)[0]
-        memory = ProcessTreeMemorySampler(backend.pid, o.memory_hz, self.nvml)
+        memory = None
+        if backend.pid:
+            row.rss_baseline_bytes = tree_rss(backend.pid)[0]
+            memory = ProcessTreeMemorySampler(backend.pid, o.memory_hz, self.nvml, baseline=self.gpu_baseline)
         kv = KVPoller(backend, o.kv_poll_hz)
+        queue = QueuePoller(backend, o.kv_poll_hz)
+        samplers = [s for s in (memory, kv, queue) if s]
         t0 = row.t_cell_start = time.perf_counter()
-        memory.start()
-        kv.start()
+        for s in samplers:
+            s.start()
         try:
-            results = asyncio.run(run_closed_loop(backend, prompts, c, o.request_timeout_s))
+            load = self._run_load(backend, cell, prompts)
         finally:
-            memory.stop()
-            kv.stop()
+            for s in samplers:
+                s.stop()
+        results = load.results
+        row.n_requests = len(results)
         for r in results:
-            self.writer.write_request(request_row(self.run_id, row.cell_id, cfg.label, r))
+            self.writer.write_request(request_row(self.run_id, row.cell_id, cfg.label, r, repeat=cell.repeat))
+
+        # load achieved
+        row.offered_request_rate = load.offered_request_rate
+        row.achieved_request_rate = load.achieved_request_rate
+        row.max_in_flight = load.max_in_flight
+        if load.send_lags:
+            row.send_lag_s_p99 = percentiles(load.send_lags, "lag")["lag_p99"]
 
         # token contract: what was sent and asked for against what the engine says it did
-        good, flags = [], []
-        failed = [r for r in results if r.error]
+        good, flags, counts = [], [], {"failed": 0, "truncated": 0, "short": 0}
         for r in results:
-            if r.error:
-                continue
-            received = sum(r.chunk_tokens)
-            if r.prompt_tokens_reported != r.prompt_tokens_sent:
-                flags.append(f"{r.request_id}: engine read {r.prompt_tokens_reported} prompt tokens, "
-                             f"{r.prompt_tokens_sent} sent")
-            elif r.output_tokens_reported != r.output_tokens_requested or received != r.output_tokens_requested:
-                flags.append(f"{r.request_id}: {r.output_tokens_requested} output tokens asked, engine reported "
-                             f"{r.output_tokens_reported}, client received {received}")
-            else:
+            verdict = request_verdict(r.error, r.prompt_tokens_sent, r.prompt_tokens_reported,
+                                      r.output_tokens_requested, r.output_tokens_reported, sum(r.chunk_tokens))
+            if verdict == "ok":
                 good.append(r)
-        if failed:
-            flags.append(f"{len(failed)} of {len(results)} requests failed: {failed[0].error}")
+                continue
+            counts[verdict] = counts.get(verdict, 0) + 1
+            if len(flags) < 10:
+                flags.append(f"{r.request_id}: {verdict}: " + (r.error or
+                             f"prompt {r.prompt_tokens_sent} sent / {r.prompt_tokens_reported} read, output "
+                             f"{r.output_tokens_requested} asked / {r.output_tokens_reported} reported / "
+                             f"{sum(r.chunk_tokens)} received"))
+        bad = len(results) - len(good)
+        if bad > len(flags):
+            flags.append(f"... {bad - len(flags)} more requests broke the token contract")
         row.flags = flags
-        row.n_ok = len(good)
+        row.n_ok, row.n_failed, row.n_truncated, row.n_short = (len(good), counts["failed"], counts["truncated"],
+                                                                 counts["short"])
         row.status = "failed" if not good else ("flagged" if flags else "ok")
         if not good:
+            failed = [r for r in results if r.error]
             row.error = failed[0].error if failed else "no request met the token contract"
-            if not backend.alive():
+            if not backend.attached and not backend.alive():
                 row.error = f"engine {backend.exit_description()} during the cell: {row.error}"
             row.log_tail = backend.log_tail() or None
         metrics = cell_metrics([RequestTimes(r.t_sent, tuple(r.chunk_times), tuple(r.chunk_tokens), r.t_done)
-                                for r in good], [r.prompt_tokens_sent for r in good])
+                                for r in good], [r.prompt_tokens_sent for r in good], w.slo_ttft_s, w.slo_tpot_s)
         for k, v in metrics.items():
             setattr(row, k, v)
 
@@ -266,14 +392,18 @@ class Runner:
         row.kv_dtype = backend.kv_dtype_name()
         per_token = kv_bytes_per_token(spec.model.geometry, row.kv_dtype)
         row.kv_bytes_per_token_predicted = per_token
-        # The last sampled token is never fed back, so its K/V never exist: prompt + output - 1 per sequence.
-        row.kv_tokens_peak_predicted = c * (p + o.workload.output_tokens - 1)
-        row.kv_bytes_peak_predicted = per_token * row.kv_tokens_peak_predicted
         pool = backend.kv_pool()
         if pool:
             row.kv_pool_bytes_engine, row.kv_pool_tokens_engine, row.kv_pool_source = pool.bytes, pool.tokens, pool.source
             if pool.tokens:
                 row.kv_pool_bytes_predicted = pool.tokens * per_token
+                row.kv_pool_sequences_predicted = sequences_in_pool(
+                    cfg.engine, pool.tokens, row.prompt_tokens + w.output_tokens, pool.details.get("block_size"))
+        # The last sampled token is never fed back, so its K/V never exist: prompt + output - 1 per sequence.
+        # Sequences held at once: as many as were in flight, unless the pool holds fewer (the KV boundary).
+        held = max(1, min(row.max_in_flight or 1, row.kv_pool_sequences_predicted or 10**9))
+        row.kv_tokens_peak_predicted = held * (row.prompt_tokens + w.output_tokens - 1)
+        row.kv_bytes_peak_predicted = per_token * row.kv_tokens_peak_predicted
         with httpx.Client(timeout=5.0) as client:
             try:
                 peak = backend.kv_peak(client)
@@ -286,11 +416,23 @@ class Runner:
         elif peak is not None:
             row.kv_in_use_peak_bytes, row.kv_in_use_peak_tokens, row.kv_in_use_source = peak.bytes, peak.tokens, peak.source
             row.kv_allocator_bytes_peak = peak.details.get("allocator_bytes")
+            row.kv_allocator_generate_peak_bytes = peak.details.get("allocator_generate_peak_bytes")
+            row.kv_allocator_reserved_delta_bytes = peak.details.get("allocator_reserved_delta_bytes")
         if row.kv_in_use_peak_bytes and row.kv_bytes_peak_predicted:
             row.kv_measured_over_predicted = row.kv_in_use_peak_bytes / row.kv_bytes_peak_predicted
 
-        # memory timeline
-        samples = memory.samples
+        # the engine's queue: the KV boundary shows as requests waiting or preempted
+        if queue.samples:
+            waiting = [q.waiting for q in queue.samples if q.waiting is not None]
+            running = [q.running for q in queue.samples if q.running is not None]
+            preempted = [q.preemptions for q in queue.samples if q.preemptions is not None]
+            row.requests_waiting_peak = max(waiting) if waiting else None
+            row.requests_running_peak = max(running) if running else None
+            row.preemptions = preempted[-1] - preempted[0] if preempted else None
+            row.queue_source = f"max of {len(queue.samples)} polls of {queue.source}"
+
+        # memory timeline (not measured for an attached server: its processes are not ours)
+        samples = memory.samples if memory else []
         row.memory_samples = len(samples)
         if samples:
             row.rss_peak_bytes = max(s.rss_bytes for s in samples)
@@ -300,33 +442,38 @@ class Runner:
             row.gpu_process_peak_bytes = max(gpu) if gpu else None
             dev = [s.gpu_device_used_bytes for s in samples if s.gpu_device_used_bytes is not None]
             row.gpu_device_peak_bytes = max(dev) if dev else None
-        self.writer.write_timeline(row.cell_id, timeline_frame(t0, memory.samples, kv.samples))
+            over = [s.gpu_device_over_baseline_bytes for s in samples if s.gpu_device_over_baseline_bytes is not None]
+            row.gpu_device_over_baseline_peak_bytes = max(over) if over else None
+            row.gpu_device_total_bytes = samples[-1].gpu_device_total_bytes
+            row.gpu_device_reserved_bytes = samples[-1].gpu_device_reserved_bytes
+            row.gpu_baseline_used_bytes = self.gpu_baseline.used_bytes if self.gpu_baseline else None
+        self.writer.write_timeline(row.cell_id, timeline_frame(t0, samples, kv.samples, queue.samples))
         return row
 
-
-def cell_id(label: str, prompt_tokens: int, concurrency: int) -> str:
-    return f"{label}_p{prompt_tokens}_c{concurrency}"
-
-
-def request_row(run_id: str, cid: str, label: str, r: RequestResult, warmup: bool = False) -> RequestRow:
+def request_row(run_id: str, cid: str, label: str, r: RequestResult, warmup: bool = False,
+                repeat: int = 0) -> RequestRow:
     times = RequestTimes(r.t_sent, tuple(r.chunk_times), tuple(r.chunk_tokens), r.t_done)
     return RequestRow(run_id=run_id, cell_id=cid, backend=label, request_id=r.request_id, warmup=warmup,
                       prompt_tokens_sent=r.prompt_tokens_sent, prompt_tokens_reported=r.prompt_tokens_reported,
                       output_tokens_requested=r.output_tokens_requested, output_tokens_received=times.output_tokens,
                       output_tokens_reported=r.output_tokens_reported, t_sent=r.t_sent, t_done=r.t_done,
                       chunk_times=r.chunk_times, chunk_tokens=r.chunk_tokens, ttft_s=times.ttft, e2e_s=times.e2e,
-                      error=r.error, engine_details=r.engine_details)
+                      error=r.error, engine_details=r.engine_details, t_scheduled=r.t_scheduled,
+                      repeat=repeat)
 
 
-def timeline_frame(t0: float, memory, kv) -> pd.DataFrame:
-    """Memory and KV samples on one time axis (seconds since the cell started)."""
+def timeline_frame(t0: float, memory, kv, queue=()) -> pd.DataFrame:
+    """Memory, KV and queue samples on one time axis (seconds since the cell started)."""
     rows = [{"t_s": s.t - t0, "series": "memory", "rss_bytes": s.rss_bytes, "n_processes": s.n_processes,
-             "gpu_process_bytes": s.gpu_process_bytes, "gpu_device_used_bytes": s.gpu_device_used_bytes}
-            for s in memory]
+             "gpu_process_bytes": s.gpu_process_bytes, "gpu_device_used_bytes": s.gpu_device_used_bytes,
+             "gpu_device_reserved_bytes": s.gpu_device_reserved_bytes,
+             "gpu_device_over_baseline_bytes": s.gpu_device_over_baseline_bytes} for s in memory]
     rows += [{"t_s": s.t - t0, "series": "kv", "kv_bytes_in_use": s.kv_bytes_in_use,
               "kv_tokens_in_use": s.kv_tokens_in_use} for s in kv]
+    rows += [{"t_s": s.t - t0, "series": "queue", "requests_waiting": s.waiting, "requests_running": s.running,
+              "preemptions": s.preemptions} for s in queue]
     columns = ["t_s", "series", "rss_bytes", "n_processes", "gpu_process_bytes", "gpu_device_used_bytes",
-               "kv_bytes_in_use", "kv_tokens_in_use"]
+               "gpu_device_reserved_bytes", "gpu_device_over_baseline_bytes", "kv_bytes_in_use", "kv_tokens_in_use", "requests_waiting", "requests_running", "preemptions"]
     return pd.DataFrame(rows, columns=columns).sort_values("t_s")
 
 
@@ -335,11 +482,13 @@ def _mb(x) -> str:
 
 
 def summary_line(row: CellRow) -> str:
-    head = f"{row.backend:<18} prompt {row.prompt_tokens:>6} x{row.concurrency:<2}"
+    load = f"x{row.concurrency}" if row.load_profile == "concurrent" else f"{row.load_profile} {row.request_rate:g}/s"
+    head = f"{row.backend:<18} prompt {row.prompt_tokens:>6} {load:<8}" + (f" {row.variant}" if row.variant else "")
     if row.status == "failed":
         return f"{head} [red]failed[/]: {row.error}"
     color = "green" if row.status == "ok" else "yellow"
     ratio = f" (x{row.kv_measured_over_predicted:.3f} of predicted)" if row.kv_measured_over_predicted else ""
+    queue = f", waiting peak {row.requests_waiting_peak:g}" if row.requests_waiting_peak else ""
     return (f"{head} [{color}]{row.status}[/] TTFT p50 {row.ttft_s_p50:.3f} s, ITL p50 "
             f"{(row.itl_s_p50 or 0) * 1000:.1f} ms, {row.output_tokens_per_s or 0:.1f} out tok/s, "
-            f"KV peak {_mb(row.kv_in_use_peak_bytes)}{ratio}, RSS peak {_mb(row.rss_peak_bytes)}")
+            f"KV peak {_mb(row.kv_in_use_peak_bytes)}{ratio}, RSS peak {_mb(row.rss_peak_bytes)}{queue}")

@@ -16,32 +16,199 @@ import httpx
 import psutil
 
 
-class NVML:
-    """Thin wrapper over nvidia-ml-py (imports as ``pynvml``); ``available`` is False without a GPU."""
+# NVML error codes (the values pynvml uses) for the cases handled here.
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
 
-    def __init__(self):
+
+@dataclass
+class DeviceMemory:
+    """One device as NVML sees it. ``used`` is total - free (NVML v1's "used": allocations plus the memory
+    the driver and firmware reserve), the same figure whichever API answered; ``reserved`` is that
+    driver/firmware share alone, known only through nvmlDeviceGetMemoryInfo_v2 (None through v1)."""
+
+    index: int
+    total: int
+    used: int
+    free: int
+    reserved: int | None = None
+
+
+@dataclass
+class ProcessGpuMemory:
+    """GPU memory NVML attributes to a set of pids, over every device.
+
+    ``bytes`` is None when no process of the set is listed with a known figure (NVML lists the process
+    but reports its usedGpuMemory as not available, or lists none of them). ``pids_found`` are the pids of
+    the set NVML listed; ``pids_listed`` every pid NVML listed on the devices (a container whose pid
+    namespace differs from the host's sees host pids here and none of its own)."""
+
+    bytes: int | None
+    pids_found: set[int] = field(default_factory=set)
+    pids_listed: set[int] = field(default_factory=set)
+    pids_unknown_bytes: set[int] = field(default_factory=set)
+
+
+@dataclass
+class GPUBaseline:
+    """Device memory before an engine starts: what the engine's figures are measured against."""
+
+    t: float  # time.perf_counter()
+    device_used_bytes: list[int]  # per device, the lowest of ``readings`` readings
+    device_total_bytes: list[int]
+    device_reserved_bytes: list[int | None]
+    names: list[str]
+    readings: int
+    process_bytes: dict[int, int | None] = field(default_factory=dict)  # pid -> bytes of processes already there
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self.device_used_bytes)
+
+    def to_dict(self) -> dict:
+        return {"device_used_bytes": self.device_used_bytes, "device_total_bytes": self.device_total_bytes,
+                "device_reserved_bytes": self.device_reserved_bytes, "names": self.names,
+                "readings": self.readings, "used_bytes": self.used_bytes,
+                "process_bytes": {str(k): v for k, v in self.process_bytes.items()}}
+
+
+class NVML:
+    """Thin wrapper over nvidia-ml-py (imports as ``pynvml``); ``available`` is False without a GPU.
+
+    ``module`` replaces the ``pynvml`` import (tests pass a fake with the same functions). ``error`` says
+    why NVML is not available (no library, no driver, no device).
+    """
+
+    def __init__(self, module=None):
         self.available = False
         self.handles = []
+        self.nv = None
+        self.error: str | None = None
+        self.memory_api: str | None = None  # "v2" or "v1", once a device was read
+        self._v2 = True
         try:
-            import pynvml
+            if module is None:
+                import pynvml as module  # nvidia-ml-py (never the deprecated `pynvml` PyPI package)
 
-            pynvml.nvmlInit()
-            self.nv = pynvml
-            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            module.nvmlInit()
+            self.nv = module
+            self.handles = [module.nvmlDeviceGetHandleByIndex(i) for i in range(module.nvmlDeviceGetCount())]
             self.available = bool(self.handles)
-        except Exception:  # no driver, no library, no device: CPU-only machine
+            if not self.handles:
+                self.error = "NVML found no device"
+        except Exception as exc:  # no driver, no library, no device: CPU-only machine
             self.available = False
+            self.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+    # --- devices ---------------------------------------------------------------------------------
+    def _memory(self, handle):
+        if self._v2:
+            try:
+                info = self.nv.nvmlDeviceGetMemoryInfo(handle, version=self.nv.nvmlMemory_v2)
+                self.memory_api = "v2"
+                return info, True
+            except Exception as exc:  # old driver (no _v2 symbol), old binding (no version=), not supported
+                if not _is_unsupported(exc):
+                    raise
+                self._v2 = False
+        self.memory_api = "v1"
+        return self.nv.nvmlDeviceGetMemoryInfo(handle), False
+
+    def device_memory(self) -> list[DeviceMemory]:
+        """Every device's memory, v2 (with the reserved share) where the driver has it, else v1."""
+        out = []
+        for i, h in enumerate(self.handles):
+            info, v2 = self._memory(h)
+            out.append(DeviceMemory(index=i, total=int(info.total), used=int(info.total) - int(info.free),
+                                    free=int(info.free), reserved=int(info.reserved) if v2 else None))
+        return out
 
     def device_used_bytes(self) -> int:
-        return sum(self.nv.nvmlDeviceGetMemoryInfo(h).used for h in self.handles)
+        return sum(d.used for d in self.device_memory())
 
-    def process_bytes(self, pids: set[int]) -> int:
-        total = 0
+    def device_names(self) -> list[str]:
+        names = []
         for h in self.handles:
-            for proc in self.nv.nvmlDeviceGetComputeRunningProcesses(h):
-                if proc.pid in pids and proc.usedGpuMemory:
-                    total += proc.usedGpuMemory
-        return total
+            name = self.nv.nvmlDeviceGetName(h)
+            names.append(name.decode() if isinstance(name, bytes) else str(name))
+        return names
+
+    def devices(self) -> list[dict]:
+        """Name and memory of every device (for run.json's environment)."""
+        return [{"index": d.index, "name": n, "memory_bytes": d.total, "reserved_bytes": d.reserved}
+                for d, n in zip(self.device_memory(), self.device_names())]
+
+    # --- processes -------------------------------------------------------------------------------
+    def _processes(self, handle) -> dict[int, int | None]:
+        """pid -> usedGpuMemory on one device, compute and graphics processes together, each pid once."""
+        listed: dict[int, int | None] = {}
+        for fn in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+            get = getattr(self.nv, fn, None)
+            if get is None:
+                continue
+            try:
+                procs = get(handle)
+            except Exception as exc:
+                if _is_unsupported(exc):  # e.g. graphics processes on a compute-only device
+                    continue
+                raise
+            for p in procs:
+                used = getattr(p, "usedGpuMemory", None)
+                # A process with compute and graphics contexts is listed twice with the same figure.
+                if p.pid in listed and listed[p.pid] is not None:
+                    used = max(listed[p.pid], used) if used is not None else listed[p.pid]
+                listed[p.pid] = used
+        return listed
+
+    def process_memory(self, pids: set[int]) -> ProcessGpuMemory:
+        total, known = 0, False
+        result = ProcessGpuMemory(bytes=None)
+        for h in self.handles:
+            for pid, used in self._processes(h).items():
+                result.pids_listed.add(pid)
+                if pid not in pids:
+                    continue
+                result.pids_found.add(pid)
+                if used is None:
+                    result.pids_unknown_bytes.add(pid)
+                else:
+                    total += used
+                    known = True
+        result.bytes = total if known else (0 if not result.pids_found else None)
+        return result
+
+    def process_bytes(self, pids: set[int]) -> int | None:
+        """GPU bytes of the processes in ``pids`` over every device (0 when NVML lists none of them;
+        None when it lists them without a figure)."""
+        return self.process_memory(pids).bytes
+
+    # --- baseline --------------------------------------------------------------------------------
+    def idle_baseline(self, readings: int = 5, interval_s: float = 0.05) -> GPUBaseline | None:
+        """Device memory before an engine starts: per device the lowest of ``readings`` readings.
+        None without a GPU."""
+        if not self.available:
+            return None
+        lowest: list[DeviceMemory] = []
+        for k in range(readings):
+            mem = self.device_memory()
+            lowest = mem if not lowest else [a if a.used <= b.used else b for a, b in zip(lowest, mem)]
+            if k + 1 < readings:
+                time.sleep(interval_s)
+        procs: dict[int, int | None] = {}
+        for h in self.handles:
+            for pid, used in self._processes(h).items():
+                procs[pid] = (procs.get(pid) or 0) + used if used is not None else procs.get(pid)
+        return GPUBaseline(t=time.perf_counter(), device_used_bytes=[d.used for d in lowest],
+                           device_total_bytes=[d.total for d in lowest],
+                           device_reserved_bytes=[d.reserved for d in lowest], names=self.device_names(),
+                           readings=readings, process_bytes=procs)
+
+
+def _is_unsupported(exc: Exception) -> bool:
+    """NVML says the call does not exist or is not supported here (or the binding is too old for it)."""
+    if isinstance(exc, (TypeError, AttributeError)):
+        return True
+    return getattr(exc, "value", None) in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_FUNCTION_NOT_FOUND)
 
 
 @dataclass
@@ -49,8 +216,11 @@ class MemorySample:
     t: float  # time.perf_counter()
     rss_bytes: int
     n_processes: int
-    gpu_process_bytes: int | None = None
-    gpu_device_used_bytes: int | None = None
+    gpu_process_bytes: int | None = None  # NVML: the process tree's GPU memory, all devices
+    gpu_device_used_bytes: int | None = None  # NVML: total - free, all devices
+    gpu_device_reserved_bytes: int | None = None  # NVML v2: driver/firmware reserve, all devices
+    gpu_device_total_bytes: int | None = None
+    gpu_device_over_baseline_bytes: int | None = None  # used minus the idle baseline (given one)
 
 
 def process_tree(pid: int) -> list[psutil.Process]:
@@ -95,9 +265,12 @@ class _Sampler(threading.Thread):
 
 
 class ProcessTreeMemorySampler(_Sampler):
-    def __init__(self, pid: int, hz: float = 20.0, nvml: NVML | None = None):
+    """RSS of the process tree at ``hz`` and, with NVML, its GPU memory and the devices' (see MemorySample).
+    ``baseline`` (NVML.idle_baseline(), taken before the engine started) gives the device delta."""
+
+    def __init__(self, pid: int, hz: float = 20.0, nvml: NVML | None = None, baseline: GPUBaseline | None = None):
         super().__init__(hz)
-        self.pid, self.nvml = pid, nvml
+        self.pid, self.nvml, self.baseline = pid, nvml, baseline
         self.samples: list[MemorySample] = []
 
     def sample(self):
@@ -106,7 +279,13 @@ class ProcessTreeMemorySampler(_Sampler):
         s = MemorySample(now, rss, n)
         if self.nvml and self.nvml.available:
             s.gpu_process_bytes = self.nvml.process_bytes(pids)
-            s.gpu_device_used_bytes = self.nvml.device_used_bytes()
+            devices = self.nvml.device_memory()
+            s.gpu_device_used_bytes = sum(d.used for d in devices)
+            s.gpu_device_total_bytes = sum(d.total for d in devices)
+            if all(d.reserved is not None for d in devices):
+                s.gpu_device_reserved_bytes = sum(d.reserved for d in devices)
+            if self.baseline is not None:
+                s.gpu_device_over_baseline_bytes = s.gpu_device_used_bytes - self.baseline.used_bytes
         self.samples.append(s)
 
 

@@ -1,4 +1,5 @@
 """The kvbench command as a user runs it."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +20,9 @@ concurrency = [1]
 
 
 def kvbench(*args, timeout=600):
+    # a wide terminal, so that rich does not wrap the error messages the tests look for
     return subprocess.run([sys.executable, "-m", "bench.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env={**os.environ, "COLUMNS": "300"})
 
 
 @pytest.mark.engine
@@ -52,8 +54,10 @@ def test_hf_folder_model_runs_on_hf_and_llamacpp_says_why_not(tmp_path, smollm2)
 
 
 def test_bad_arguments_name_the_allowed_values(tmp_path):
-    bad_backend = kvbench("run", "-b", "tgi")
-    assert bad_backend.returncode == 2 and "allowed: hf, llamacpp, vllm" in bad_backend.stderr
+    bad_backend = kvbench("run", "-b", "sglang")
+    assert bad_backend.returncode == 2 and "allowed: hf, llamacpp, ollama, openai, tgi, vllm" in bad_backend.stderr
+    two_urls = kvbench("run", "-b", "vllm", "-b", "hf", "--url", "http://127.0.0.1:9")
+    assert two_urls.returncode == 2 and "exactly one --backend" in two_urls.stderr
     bad_workload = kvbench("run", "--workload", "nope")
     assert bad_workload.returncode == 2 and "long_context_ladder" in bad_workload.stderr
     not_a_run = kvbench("report", str(tmp_path))

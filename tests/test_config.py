@@ -15,7 +15,7 @@ def test_default_version_comes_from_the_adapter():
 
 
 def test_unknown_engine_lists_allowed():
-    with pytest.raises(ConfigError, match="allowed: hf, llamacpp, vllm"):
+    with pytest.raises(ConfigError, match="allowed: hf, llamacpp, ollama, openai, tgi, vllm"):
         BackendConfig.parse("sglang")
 
 

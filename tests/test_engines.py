@@ -8,7 +8,7 @@ from rich.console import Console
 
 from bench.config import BackendConfig
 from bench.kvmodel import round_up
-from bench.results import load_cells, load_run_info
+from bench.results import SCHEMA_VERSION, load_cells, load_run_info
 from bench.runner import RunOptions, Runner
 from workloads import load
 
@@ -37,7 +37,7 @@ def check_common(run_dir, cells: pd.DataFrame):
     wl = load("smoke")
     assert len(cells) == len(wl.prompt_tokens) * len(wl.concurrency)
     assert (cells.status == "ok").all(), cells[["cell_id", "status", "error", "flags"]].to_string()
-    assert (cells.schema_version == 1).all()
+    assert (cells.schema_version == SCHEMA_VERSION).all()
     assert (cells.ttft_s_p50 > 0).all() and (cells.output_tokens_per_s > 0).all()
     assert (cells.itl_s_p50 > 0).all() and (cells.e2e_s_p50 > cells.ttft_s_p50).all()
     assert (cells.kv_bytes_per_token_predicted == SMOLLM2_BYTES_PER_TOKEN).all()
@@ -125,3 +125,61 @@ def test_llamacpp(llama_run):
         assert row.kv_in_use_peak_tokens <= row.concurrency * (row.prompt_tokens + row.output_tokens - 1)
         if row.concurrency == 1:
             assert row.kv_in_use_peak_tokens >= row.prompt_tokens
+
+
+def run_workload(tmp_path_factory, workload, *backends):
+    root = tmp_path_factory.mktemp("runs")
+    opts = RunOptions(model="smollm2", workload=workload, backends=[BackendConfig.parse(b) for b in backends],
+                      results_dir=root, run_id="run", start_timeout_s=300, request_timeout_s=300)
+    run_dir = Runner(opts, Console(file=io.StringIO(), width=200)).run()
+    return run_dir, load_cells(run_dir)
+
+
+def test_attach_to_a_running_llamacpp_with_an_open_loop(tmp_path_factory, smollm2):
+    """A llama-server kvbench did not start: it is benchmarked, left running, and its memory is "not
+    measured" (None), never 0. The load is an open loop (Poisson arrivals, at most 2 in flight)."""
+    from backends.base import ServerSpec
+    from backends.llamacpp import LlamaCppBackend
+    from workloads import Workload
+
+    server = LlamaCppBackend(LlamaCppBackend.default_version, engine_env("llamacpp"))
+    server.start(ServerSpec(model=smollm2, max_context=512, max_concurrency=2, kv_dtype="auto"),
+                 tmp_path_factory.mktemp("external") / "llama.log", 120)
+    try:
+        wl = Workload(name="attach", seed=5, prompt_tokens=[64], output_tokens=8, load_profile="poisson",
+                      request_rates=[4.0], concurrency=[2], requests=6, warmup_requests=0)
+        run_dir, cells = run_workload(tmp_path_factory, wl, f"llamacpp:url={server.base_url}")
+        assert server.alive()  # kvbench does not stop what it did not start
+        row = cells.iloc[0]
+        assert row.status == "ok", row.flags
+        assert row.attached and row.backend == f"llamacpp@{server.base_url.split('//')[1]}"
+        assert row.load_profile == "poisson" and row.request_rate == 4.0 and row.offered_request_rate == 4.0
+        assert 0 < row.achieved_request_rate and row.max_in_flight <= 2 and row.n_ok == 6
+        assert pd.isna(row.rss_peak_bytes) and row.memory_samples == 0  # not measured, not zero
+        assert row.kv_in_use_peak_tokens > 0  # /slots still answers remotely
+        assert row.token_contract == "token ids, output forced"
+        info = load_run_info(run_dir)
+        assert "tokenize endpoint" in info["token_checks"][row.backend]
+        reqs = requests_of(run_dir)
+        assert reqs.t_scheduled.notna().all() and (reqs.t_sent >= reqs.t_scheduled - 1e-3).all()
+    finally:
+        server.stop()
+    assert not server.alive()
+
+
+def test_vllm_kv_boundary(tmp_path_factory):
+    """The pool holds 2 sequences of 128 + 16 tokens (2 blocks of 128 each, plus the null block); 4
+    requests at once: vLLM runs at most 2 and queues the rest, and the KV model predicts 2."""
+    from workloads import Workload
+
+    engine_env("vllm")
+    wl = Workload(name="boundary", family="kv_boundary", seed=5, prompt_tokens=[128], output_tokens=16,
+                  kv_pool_sequences=2, concurrency=[4], warmup_requests=0)
+    run_dir, cells = run_workload(tmp_path_factory, wl, "vllm")
+    row = cells.iloc[0]
+    assert row.status == "ok", (row.error, row.flags)
+    assert row.kv_pool_tokens_engine == (2 * 2 + 1) * 128
+    assert row.kv_pool_sequences_predicted == 2
+    assert row.requests_running_peak == 2 and row.requests_waiting_peak >= 1
+    assert row.preemptions == 0
+    assert row.kv_in_use_peak_tokens <= 2 * 2 * 128

@@ -1,7 +1,7 @@
 """Metrics against timelines computed by hand."""
 import pytest
 
-from bench.metrics import RequestTimes, cell_metrics, percentiles
+from bench.metrics import RequestTimes, cell_metrics, percentiles, request_verdict
 
 
 def test_single_token_chunks():
@@ -52,3 +52,39 @@ def test_percentiles_interpolate_and_ignore_none():
 def test_empty_cell():
     m = cell_metrics([], [])
     assert m["output_tokens_per_s"] is None and m["ttft_s_p50"] is None
+
+
+def test_goodput_counts_requests_within_both_slo_bounds():
+    ok = RequestTimes(0.0, (0.5, 0.6, 0.7), (1, 1, 1))  # TTFT 0.5, TPOT 0.1
+    slow_first = RequestTimes(0.0, (2.0, 2.1), (1, 1))  # TTFT 2.0
+    slow_decode = RequestTimes(0.0, (0.4, 1.4), (1, 1))  # TPOT 1.0
+    m = cell_metrics([ok, slow_first, slow_decode], [10, 10, 10], slo_ttft_s=1.0, slo_tpot_s=0.5)
+    assert m["wall_s"] == pytest.approx(2.1)
+    assert m["goodput_requests_per_s"] == pytest.approx(1 / 2.1)
+    assert m["requests_per_s"] == pytest.approx(3 / 2.1)
+    assert cell_metrics([ok], [10])["goodput_requests_per_s"] is None  # no SLO, no goodput
+
+
+@pytest.mark.parametrize("args, verdict", [
+    ((None, 100, 100, 8, 8, 8), "ok"),
+    ((None, 100, None, 8, None, 8), "ok"),  # the engine reports nothing: the client's count decides
+    (("HTTP 500: boom", 100, None, 8, None, 3), "failed"),  # an error fails it even with tokens received
+    ((None, 100, None, 8, None, 0), "failed"),  # no token at all
+    ((None, 100, 60, 8, 8, 8), "truncated"),  # the engine read 60 of 100 prompt tokens
+    ((None, 100, 101, 8, 8, 8), "miscounted"),  # read more than sent: e.g. a BOS added
+    ((None, 100, 100, 8, 5, 5), "short"),  # stopped at EOS after 5
+    ((None, 100, 100, 8, None, 5), "short"),
+    ((None, 100, 100, 8, 9, 9), "long"),
+    ((None, 100, 100, 8, 8, 7), "miscounted"),  # engine says 8, client got 7
+])
+def test_request_verdict(args, verdict):
+    assert request_verdict(*args) == verdict
+
+
+def test_failed_and_flagged_requests_stay_out_of_the_figures():
+    # what the runner does: only verdict "ok" requests reach cell_metrics
+    good = RequestTimes(0.0, (1.0, 1.5), (1, 1))
+    truncated = RequestTimes(0.0, (0.1, 0.2), (1, 1))  # fast because the engine read less
+    verdicts = [request_verdict(None, 100, 100, 2, 2, 2), request_verdict(None, 100, 40, 2, 2, 2)]
+    kept = [r for r, v in zip([good, truncated], verdicts) if v == "ok"]
+    assert cell_metrics(kept, [100])["ttft_s_p50"] == pytest.approx(1.0)

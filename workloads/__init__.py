@@ -1,29 +1,56 @@
-"""Workload definitions (TOML data files in this folder) and the token-exact prompt builder."""
+"""Workload definitions (TOML data files in this folder) and the token-exact prompt builder.
+
+A workload is data: prompt lengths, output length, the load (closed loop over concurrency levels, or an
+open loop over request rates, up to saturation), repeats, and the family's own settings (a shared prefix,
+several chat turns, a KV pool sized below the concurrency). Every engine runs exactly the same requests.
+"""
 from __future__ import annotations
 
+import math
 import tomllib
 from pathlib import Path
 from typing import Literal, Union
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 WORKLOAD_DIR = Path(__file__).parent
 
 
 class Workload(BaseModel):
-    """One workload family. Cells are every (prompt_tokens, concurrency) pair."""
+    """One workload file. Cells are every (variant, prompt length, load point, repeat)."""
 
     model_config = {"extra": "forbid"}
 
     name: str
     description: str = ""
+    family: Literal["ladder", "shared_prefix", "multi_turn", "kv_boundary"] = "ladder"
     seed: int
     prompt_tokens: list[Union[int, Literal["max"]]] = Field(min_length=1)
     output_tokens: int = Field(gt=0)
-    concurrency: list[int] = Field(min_length=1)
+    # --- load -----------------------------------------------------------------------------------
+    # concurrent: a closed loop per level of `concurrency`. poisson / constant: an open loop per rate
+    # of `request_rates` (requests/s, or "saturation": a closed loop at the highest concurrency first,
+    # then `saturation_steps` rates evenly up to the rate it achieved), with `concurrency` as the cap on
+    # requests in flight (one cap; leave it out for none).
+    load_profile: Literal["concurrent", "poisson", "constant"] = "concurrent"
+    concurrency: list[int] = Field(default_factory=list)
+    request_rates: Union[list[float], Literal["saturation"]] = Field(default_factory=list)
+    saturation_steps: int = Field(default=4, gt=0)
+    # requests per cell: `requests`, or concurrency x rounds for a closed loop
+    requests: int | None = Field(default=None, gt=0)
     rounds: int = Field(default=1, gt=0)
+    duration_s: float | None = Field(default=None, gt=0)  # stop sending after this long (in-flight ones finish)
+    repeats: int = Field(default=1, gt=0)  # run every cell this many times (for confidence intervals)
     warmup_requests: int = Field(default=1, ge=0)
     warmup_prompt_tokens: int = Field(default=128, gt=0)
+    # --- SLO for goodput ------------------------------------------------------------------------
+    slo_ttft_s: float | None = Field(default=None, gt=0)
+    slo_tpot_s: float | None = Field(default=None, gt=0)
+    # --- family settings ------------------------------------------------------------------------
+    shared_prefix_tokens: int = Field(default=0, ge=0)  # shared_prefix: the same first N tokens in every prompt
+    prefix_caching: list[bool] = Field(default_factory=list)  # one engine start per setting; []: engine default
+    turns: int = Field(default=1, gt=0)  # multi_turn: prompt_tokens of new user text per turn
+    kv_pool_sequences: int | None = Field(default=None, gt=0)  # kv_boundary: pool sized for this many sequences
 
     @field_validator("prompt_tokens")
     @classmethod
@@ -40,11 +67,67 @@ class Workload(BaseModel):
             raise ValueError("every concurrency level must be >= 1")
         return levels
 
+    @field_validator("request_rates")
+    @classmethod
+    def _positive_rates(cls, rates):
+        if isinstance(rates, list) and any(r <= 0 for r in rates):
+            raise ValueError("every request rate must be > 0 requests/s")
+        return rates
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.load_profile == "concurrent":
+            if not self.concurrency:
+                raise ValueError("load_profile \"concurrent\" needs concurrency = [levels, ...]")
+            if self.request_rates:
+                raise ValueError("request_rates only apply to load_profile \"poisson\" or \"constant\"")
+        else:
+            if not self.request_rates:
+                raise ValueError(f"load_profile {self.load_profile!r} needs request_rates = [...] or \"saturation\"")
+            if len(self.concurrency) > 1:
+                raise ValueError("an open loop takes one concurrency cap: concurrency = [N] (or leave it out)")
+            if self.request_rates == "saturation" and not self.concurrency:
+                raise ValueError("request_rates = \"saturation\" needs concurrency = [N] for the closed loop "
+                                 "that finds the saturation rate (N is also the cap)")
+            if self.requests is None and self.duration_s is None:
+                raise ValueError("an open loop needs requests = N (per cell) or duration_s")
+        if self.family == "shared_prefix" and not self.shared_prefix_tokens:
+            raise ValueError("family \"shared_prefix\" needs shared_prefix_tokens > 0")
+        if self.family != "shared_prefix" and self.shared_prefix_tokens:
+            raise ValueError("shared_prefix_tokens only applies to family \"shared_prefix\"")
+        if self.family == "multi_turn" and self.turns < 2:
+            raise ValueError("family \"multi_turn\" needs turns >= 2")
+        if self.family == "kv_boundary" and not self.kv_pool_sequences:
+            raise ValueError("family \"kv_boundary\" needs kv_pool_sequences (the pool is sized for that many)")
+        return self
+
     def prompt_lengths(self, max_context: int) -> list[int]:
-        """Resolve "max" against the model's context limit; drop rungs that would not fit."""
+        """Resolve "max" against the model's context limit; drop rungs that would not fit (a multi-turn
+        rung must fit all its turns)."""
         limit = max_context - self.output_tokens
+        if self.family == "multi_turn":  # the last turn holds every earlier turn and reply
+            limit = (max_context - self.output_tokens * self.turns) // self.turns
         resolved = sorted({limit if n == "max" else int(n) for n in self.prompt_tokens})
-        return [n for n in resolved if n <= limit]
+        return [n for n in resolved if self.shared_prefix_tokens < n <= limit] if self.shared_prefix_tokens \
+            else [n for n in resolved if n <= limit]
+
+    def longest_prompt(self, length: int) -> int:
+        """Tokens of the longest prompt a rung sends (the last turn of a multi-turn rung)."""
+        return self.prompt_tokens_sent(length, self.turns if self.family == "multi_turn" else 0)
+
+    def prompt_tokens_sent(self, length: int, turn: int = 0) -> int:
+        """Tokens a rung's prompt has (turn ``turn`` of a multi-turn rung holds the earlier turns and replies)."""
+        return turn * length + (turn - 1) * self.output_tokens if turn else length
+
+    def requests_per_cell(self, concurrency: int | None, request_rate: float | None = None) -> int:
+        """Prompts a cell needs: ``requests``; else concurrency x rounds (closed loop); else, for an open
+        loop bounded only by ``duration_s``, enough for the duration at the rate (Poisson arrivals can
+        run ahead of the mean, hence the margin; the schedule drops what falls after the duration)."""
+        if self.requests is not None:
+            return self.requests
+        if self.load_profile == "concurrent":
+            return (concurrency or 1) * self.rounds
+        return int(math.ceil(request_rate * self.duration_s * 1.5)) + 10
 
 
 class WorkloadError(ValueError):
@@ -68,5 +151,5 @@ def load(name_or_path: str) -> Workload:
     except tomllib.TOMLDecodeError as exc:
         raise WorkloadError(f"{path}: not valid TOML: {exc}") from None
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'workload'}: {e['msg']}" for e in exc.errors())
         raise WorkloadError(f"{path}: {problems}") from None

@@ -1,25 +1,42 @@
 from pathlib import Path
 
 import typer
-from bench import ui
 from rich.markdown import Markdown
 
-from bench.report import render
+from bench import ui
+from bench.reports import build, html, markdown
+from bench.results import ensure_parquet
 
 
 def report(
-    run_dir: Path = typer.Argument(..., help="A run folder under results/runs/ (or any folder with cells.jsonl)."),
-    output: Path = typer.Option(None, "--output", "-o", help="Write the Markdown here (default: RUN_DIR/report.md)."),
+    run_dirs: list[Path] = typer.Argument(..., help="One or more run folders under results/runs/ "
+                                                    "(or any folder with run.json and cells.jsonl)."),
+    output: Path = typer.Option(None, "--output", "-o", help="Write the Markdown here (default: RUN_DIR/report.md "
+                                                             "for one run, results/reports/<ids>/report.md for several)."),
+    html_file: Path = typer.Option(None, "--html", help="Write the HTML page here (default: beside the Markdown)."),
     raw: bool = typer.Option(False, "--raw", help="Print the Markdown source instead of rendering it."),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="Make the PNG plots (into plots/ beside the Markdown)."),
 ):
-    """Turn a run into Markdown tables (KV predicted vs engine, latency and throughput, failures)."""
-    if not (run_dir / "cells.jsonl").exists() or not (run_dir / "run.json").exists():
-        raise typer.BadParameter(f"{run_dir} has no run.json/cells.jsonl: not a kvbench run folder", param_hint="RUN_DIR")
-    text = render(run_dir)
-    target = output or run_dir / "report.md"
-    target.write_text(text)
+    """Turn one or more runs into Markdown tables (KV predicted vs engine vs measured, latency and throughput,
+    the KV boundary, failures), PNG plots and one self-contained HTML page; also writes each run's Parquet
+    copy (cells.parquet, requests.parquet) when it is missing or stale."""
+    for run_dir in run_dirs:
+        if not (run_dir / "cells.jsonl").exists() or not (run_dir / "run.json").exists():
+            raise typer.BadParameter(f"{run_dir} has no run.json/cells.jsonl: not a kvbench run folder",
+                                     param_hint="RUN_DIR")
+    for run_dir in run_dirs:
+        ensure_parquet(run_dir)
+    if output is None:
+        folder = run_dirs[0] if len(run_dirs) == 1 else Path("results/reports") / "+".join(d.name for d in run_dirs)
+        output = folder / "report.md"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    result = build(run_dirs, output.parent / "plots" if plots else None)
+    text = markdown.render(result, output.parent)
+    output.write_text(text)
+    target_html = html_file or output.with_suffix(".html")
+    target_html.write_text(html.render(result))
     if raw:
         print(text)
     else:
         ui.console().print(Markdown(text))
-    print(f"\nreport written to {target}")
+    print(f"\nreport written to {output} and {target_html}")

@@ -25,6 +25,10 @@ def run(
     max_context: int = typer.Option(None, help="Cap the context below the model's own limit."),
     results_dir: Path = typer.Option(Path("results/runs"), help="Where the run's folder is created."),
     run_id: str = typer.Option(None, help="Name of the run folder (default: time, workload, host)."),
+    repeats: int = typer.Option(None, min=1, help="Run every cell this many times (default: the workload's); "
+                                                 "repeats give confidence intervals to kvbench compare."),
+    url: str = typer.Option(None, help="Benchmark a server already running at this URL instead of starting one "
+                                       "(one --backend; or give each backend its own url=... option)."),
     start_timeout: float = typer.Option(600.0, help="Seconds an engine may take to become ready."),
     request_timeout: float = typer.Option(900.0, help="Seconds one request may take."),
 ):
@@ -32,12 +36,17 @@ def run(
     console = ui.console()
     try:
         backends = [BackendConfig.parse(b) for b in backend]
+        if url:
+            if len(backends) != 1:
+                raise ConfigError("--url attaches one backend: give exactly one --backend "
+                                  "(or a url=... option per backend)")
+            backends = [BackendConfig.parse(f"{backend[0]}{',' if ':' in backend[0] else ':'}url={url}")]
         wl = load_workload(workload)
     except (ConfigError, WorkloadError) as exc:
         raise typer.BadParameter(str(exc)) from None
     options = RunOptions(model=model, workload=wl, backends=backends, results_dir=results_dir, run_id=run_id,
                          kv_dtype=kv_dtype, max_context=max_context, start_timeout_s=start_timeout,
-                         request_timeout_s=request_timeout)
+                         request_timeout_s=request_timeout, repeats=repeats)
     runner = Runner(options, console)
     try:
         run_dir = runner.run()

@@ -1,0 +1,128 @@
+"""The CUDA side of ``python -m bench.gpu_check`` (run by an interpreter whose torch sees the GPU, e.g. the hf
+environment's). It talks with the parent over stdin/stdout: at each step it prints one JSON line and waits
+for a line on stdin, so the parent reads NVML while this process holds exactly what the step says.
+
+    python gpu_probe.py info
+    python gpu_probe.py alloc --bytes N [--hold-s 1.0]
+    python gpu_probe.py kv --model DIR --cells 1024x1,4096x4 --new 16 [--dtype bf16]
+
+Events (one JSON object a line, ``event`` first): info; ready (CUDA context up, nothing allocated);
+allocated / freed (alloc); loaded, cell_before, cell_after, cell_freed, cell_error (kv); done.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def emit(event: str, wait: bool = True, **fields):
+    print(json.dumps({"event": event, **fields}), flush=True)
+    if wait:
+        line = sys.stdin.readline()
+        if not line or line.strip() == "stop":
+            sys.exit(0)
+
+
+def allocator() -> dict:
+    torch.cuda.synchronize()
+    return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+            "max_allocated": torch.cuda.max_memory_allocated()}
+
+
+def info() -> dict:
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        out["transformers"] = None
+    if torch.cuda.is_available():
+        out["device"] = torch.cuda.get_device_name(0)
+        out["device_total"] = torch.cuda.get_device_properties(0).total_memory
+    return out
+
+
+def cmd_alloc(args):
+    torch.zeros(1, device="cuda")  # the CUDA context: NVML sees it, the allocator does not
+    emit("ready", **allocator())
+    block = torch.empty(args.bytes, dtype=torch.uint8, device="cuda")
+    block.fill_(1)  # touch every page
+    emit("allocated", requested=args.bytes, **allocator())
+    del block
+    torch.cuda.empty_cache()
+    emit("freed", **allocator())
+    emit("done", wait=False)
+
+
+def cmd_kv(args):
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from hf_worker import CACHE_KWARG, cache_bytes
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    torch.zeros(1, device="cuda")
+    emit("ready", **allocator())
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to("cuda").eval()
+    vocab = model.config.get_text_config().vocab_size
+    emit("loaded", **allocator())
+    generator = torch.Generator().manual_seed(0)
+    for cell in args.cells.split(","):
+        prompt, batch = (int(x) for x in cell.split("x"))
+        ids = torch.randint(3, vocab, (batch, prompt), generator=generator).to("cuda")
+        mask = torch.ones_like(ids)
+        torch.cuda.empty_cache()  # reserved ~ allocated before the cell, so NVML's delta is the cell's
+        before = allocator()
+        torch.cuda.reset_peak_memory_stats()
+        emit("cell_before", prompt=prompt, batch=batch, **before)
+        cache = DynamicCache(config=model.config)
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new, min_new_tokens=args.new,
+                               do_sample=False, pad_token_id=0, **{CACHE_KWARG: cache})
+        except torch.cuda.OutOfMemoryError as exc:
+            del cache
+            torch.cuda.empty_cache()
+            emit("cell_error", prompt=prompt, batch=batch, error=f"CUDA out of memory: {str(exc)[:300]}")
+            continue
+        seconds = time.perf_counter() - t0
+        after = allocator()  # the cache is the only allocation of this cell still alive
+        torch.cuda.empty_cache()  # drop the activations' cached blocks: what NVML then sees is the cache
+        trimmed = allocator()
+        kv_bytes, seq = cache_bytes(cache)
+        emit("cell_after", prompt=prompt, batch=batch, new=args.new, seconds=seconds, cache_bytes=kv_bytes,
+             cache_seq_len=seq, allocated=after["allocated"], reserved_before_trim=after["reserved"],
+             reserved=trimmed["reserved"], max_allocated=after["max_allocated"])
+        del cache
+        torch.cuda.empty_cache()
+        emit("cell_freed", prompt=prompt, batch=batch, **allocator())
+    emit("done", wait=False)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info")
+    a = sub.add_parser("alloc")
+    a.add_argument("--bytes", type=int, required=True)
+    k = sub.add_parser("kv")
+    k.add_argument("--model", required=True)
+    k.add_argument("--cells", required=True, help="PROMPTxBATCH,...")
+    k.add_argument("--new", type=int, default=16)
+    k.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    args = parser.parse_args()
+    if args.command == "info":
+        print(json.dumps(info()), flush=True)
+    elif args.command == "alloc":
+        cmd_alloc(args)
+    else:
+        cmd_kv(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+import json
+from pathlib import Path
+
+import typer
+
+from bench.compare import CompareError, compare as run_compare, load_config, load_side, markdown
+
+
+def compare(
+    runs: list[Path] = typer.Argument(..., help="BASELINE CANDIDATE run folders, or one run holding both "
+                                                "(with --baseline-backend and --candidate-backend)."),
+    baseline_backend: str = typer.Option(None, "--baseline-backend", help="Backend label of the baseline, e.g. vllm-0.31.0."),
+    candidate_backend: str = typer.Option(None, "--candidate-backend", help="Backend label of the candidate, e.g. vllm-0.32.0."),
+    tolerances: Path = typer.Option(None, "--tolerances", help="TOML file laid over bench/compare_tolerances.toml."),
+    match_on: str = typer.Option(None, "--match-on", help="Comma-separated cell fields that must agree "
+                                                          "(default: the cell configuration minus engine_version)."),
+    json_file: Path = typer.Option(None, "--json", help="Also write the result as JSON to this file."),
+    output_format: str = typer.Option("table", "--format", help="table (Markdown) or json, on stdout."),
+):
+    """Compare a candidate run with a baseline, cell by cell: change and confidence interval of every headline
+    metric. Exit code 0: no regression; 1: a regression (or a cell that failed only on the candidate);
+    2: bad input or nothing to compare."""
+    if output_format not in ("table", "json"):
+        raise typer.BadParameter("--format must be table or json")
+    try:
+        if len(runs) == 1:
+            if not (baseline_backend and candidate_backend):
+                raise CompareError("one run: say which backends to compare with --baseline-backend and "
+                                   "--candidate-backend (e.g. vllm-0.31.0 and vllm-0.32.0)")
+            runs = [runs[0], runs[0]]
+        elif len(runs) != 2:
+            raise CompareError(f"give BASELINE and CANDIDATE (two run folders) or one run with backends, not {len(runs)}")
+        config = load_config(tolerances, match_on.split(",") if match_on else None)
+        base = load_side("baseline", [runs[0]], baseline_backend)
+        cand = load_side("candidate", [runs[1]], candidate_backend)
+        result = run_compare(base, cand, config)
+    except CompareError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    if json_file:
+        json_file.write_text(json.dumps(result, indent=2))
+    if output_format == "json":
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        typer.echo(markdown(result))
+    raise typer.Exit(result["exit_code"])

@@ -1,0 +1,540 @@
+"""The GPU checks: ``python -m bench.gpu_check [--out results/gpu/<id>] [--model DIR ...]``.
+
+Runs offline, in under 10 minutes (``--budget-s``, default 540), on a machine with an NVIDIA GPU:
+
+a. the NVML sampler against a real allocation of known size (a CUDA torch process allocates
+   ``--alloc-gib`` GiB; the device and process deltas NVML reports, read at that moment and by the 20 Hz
+   sampler, against the bytes allocated);
+b. transformers on CUDA (the embedded SmolLM2 model and each ``--model`` HF folder): the KV cache of one
+   ``generate`` call measured three ways (the cache tensors' bytes, the CUDA allocator's delta, NVML's
+   device delta) at several prompt lengths and batches, against bench.kvmodel's prediction;
+c. every engine whose environment is installed here, through ``kvbench run`` with the GPU profile's
+   workload, each time-boxed.
+
+Writes ``gpu_check.md`` (the tables and the exact command) and ``gpu_check.json`` under ``--out``. Without
+an NVIDIA GPU it prints why, runs nothing and exits with code 3. Exit 0: every check ran and agreed;
+1: a check disagreed, failed or was skipped for lack of time or of a CUDA torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+EXIT_NO_GPU = 3
+GIB = 2**30
+MIB = 2**20
+PROBE = Path(__file__).resolve().parent.parent / "backends" / "gpu_probe.py"
+ROOT = Path(__file__).resolve().parent.parent
+# (prompt tokens, batch) for transformers on CUDA; cells longer than the model's context are dropped.
+KV_CELLS = [(1024, 1), (4096, 1), (4096, 4), (16384, 1), (32768, 1), ("max", 1), ("max", 8)]
+NEW_TOKENS = 16
+# Agreement: the allocator holds the cache tensors rounded up to 512-byte blocks; NVML sees whole
+# segments the caching allocator reserved (2 MiB granularity, 20 MiB for large blocks, fragmentation).
+ALLOCATOR_REL, ALLOCATOR_ABS = 0.01, 4 * MIB
+NVML_REL, NVML_ABS = 0.05, 64 * MIB
+
+
+def no_gpu_message(error: str | None) -> str:
+    return (f"no NVIDIA GPU found (NVML: {error or 'no device'}): the GPU checks need one; nothing was run")
+
+
+# --- pure: rows and tables -----------------------------------------------------------------------
+
+def within(measured: float | None, expected: float | None, rel: float, abs_: float) -> bool | None:
+    if measured is None or expected is None:
+        return None
+    return abs(measured - expected) <= max(rel * abs(expected), abs_)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def fmt_bytes(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if abs(x) >= GIB:
+        return f"{x / GIB:,.3f} GiB"
+    return f"{x / MIB:,.2f} MiB"
+
+
+def fmt_ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def fmt_ok(x: bool | None) -> str:
+    return {True: "yes", False: "**no**", None: "-"}[x]
+
+
+def sampler_row(requested: int, events: dict, snaps: dict, sampled: dict) -> dict:
+    """Check (a) from the probe's events (ready, allocated), NVML read at those moments, and the sampler's
+    peaks. ``snaps[x]`` = {"device_used", "process_bytes"}; ``sampled`` = peaks over the hold."""
+    device_delta = snaps["allocated"]["device_used"] - snaps["ready"]["device_used"]
+    proc = [snaps[k].get("process_bytes") for k in ("ready", "allocated")]
+    process_delta = proc[1] - proc[0] if None not in proc else None
+    allocator_delta = events["allocated"]["allocated"] - events["ready"]["allocated"]
+    sampled_device = sampled.get("device_over_ready")
+    sampled_process = sampled.get("process_over_ready")
+    return {"requested_bytes": requested, "allocator_delta_bytes": allocator_delta,
+            "nvml_device_delta_bytes": device_delta, "nvml_process_delta_bytes": process_delta,
+            "sampled_device_delta_bytes": sampled_device, "sampled_process_delta_bytes": sampled_process,
+            "sampler_hz": sampled.get("hz"), "sampler_samples": sampled.get("samples"),
+            "process_found": snaps["allocated"].get("process_found"),
+            "device_ok": within(device_delta, requested, NVML_REL, NVML_ABS),
+            "process_ok": within(process_delta, requested, NVML_REL, NVML_ABS),
+            "sampled_ok": within(sampled_device, requested, NVML_REL, NVML_ABS),
+            "rate_ok": sampled.get("hz") is not None and sampled["hz"] >= 19.0}
+
+
+def kv_row(model: str, predicted: float, before: dict, after: dict, snap_before: dict, snap_after: dict) -> dict:
+    """Check (b), one cell: the three measurements of one generate call's KV cache against the model."""
+    allocator = after["allocated"] - before["allocated"]
+    nvml = snap_after["device_used"] - snap_before["device_used"]
+    pb, pa = snap_before.get("process_bytes"), snap_after.get("process_bytes")
+    return {"model": model, "prompt_tokens": after["prompt"], "batch": after["batch"], "new_tokens": after["new"],
+            "predicted_bytes": predicted, "cache_bytes": after["cache_bytes"], "allocator_delta_bytes": allocator,
+            "allocator_peak_delta_bytes": after["max_allocated"] - before["allocated"],
+            "nvml_device_delta_bytes": nvml, "nvml_process_delta_bytes": pa - pb if None not in (pa, pb) else None,
+            "generate_s": after.get("seconds"),
+            "cache_over_predicted": ratio(after["cache_bytes"], predicted),
+            "allocator_over_cache": ratio(allocator, after["cache_bytes"]),
+            "nvml_over_cache": ratio(nvml, after["cache_bytes"]),
+            "cache_ok": after["cache_bytes"] == round(predicted),
+            "allocator_ok": within(allocator, after["cache_bytes"], ALLOCATOR_REL, ALLOCATOR_ABS),
+            "nvml_ok": within(nvml, after["cache_bytes"], NVML_REL, NVML_ABS)}
+
+
+def engine_row(engine: str, status: str, cells: list[dict], seconds: float | None, note: str = "") -> dict:
+    ok = [c for c in cells if c.get("status") in ("ok", "flagged")]
+    best = max(ok, key=lambda c: c.get("kv_bytes_peak_predicted") or 0) if ok else {}
+    return {"engine": engine, "status": status, "cells": len(cells), "cells_ok": len(ok), "seconds": seconds,
+            "largest_cell": f"{best['prompt_tokens']} x{best['concurrency']}" if best else None,
+            "kv_predicted_bytes": best.get("kv_bytes_peak_predicted"), "kv_in_use_bytes": best.get("kv_in_use_peak_bytes"),
+            "kv_pool_bytes": best.get("kv_pool_bytes_engine"), "allocator_bytes": best.get("kv_allocator_bytes_peak"),
+            "gpu_process_peak_bytes": best.get("gpu_process_peak_bytes"),
+            "gpu_device_peak_bytes": best.get("gpu_device_peak_bytes"), "note": note}
+
+
+def verdict(result: dict) -> tuple[bool, list[str]]:
+    """(every check ran and agreed, the problems)."""
+    problems = list(result.get("skipped", []))
+    s = result.get("sampler")
+    if not s:
+        problems.append("(a) the NVML sampler check did not run")
+    else:
+        for key, what in (("device_ok", "NVML device delta"), ("sampled_ok", "sampled device delta"),
+                          ("rate_ok", "sampler rate")):
+            if s.get(key) is False:
+                problems.append(f"(a) {what} disagrees with the allocation")
+    if not result.get("kv"):
+        problems.append("(b) no transformers KV measurement on CUDA")
+    for r in result.get("kv", []):
+        if "error" in r:
+            problems.append(f"(b) {r['model']} {r['prompt_tokens']} x{r['batch']}: {r['error']}")
+            continue
+        for key in ("cache_ok", "allocator_ok", "nvml_ok"):
+            if r.get(key) is False:
+                problems.append(f"(b) {r['model']} {r['prompt_tokens']} x{r['batch']}: {key[:-3]} disagrees")
+    for e in result.get("engines", []):
+        if e["status"] not in ("finished", "not installed"):
+            problems.append(f"(c) {e['engine']}: {e['status']}")
+    return not problems, problems
+
+
+def render_markdown(result: dict) -> str:
+    env = result.get("environment", {})
+    gpus = ", ".join(f"{g['name']} ({fmt_bytes(g['memory_bytes'])})" for g in env.get("gpus", [])) or "-"
+    lines = [f"# kvbench GPU check {result.get('id', '')}", "",
+             f"Command: `{result.get('command', '')}`", "",
+             f"Started {result.get('started_at', '-')}, {result.get('seconds', 0):.0f} s. GPUs: {gpus}; "
+             f"driver {env.get('driver', '-')}; NVML memory API {env.get('memory_api', '-')}; "
+             f"torch {env.get('torch', '-')} (CUDA {env.get('cuda', '-')}), transformers "
+             f"{env.get('transformers', '-')} from `{env.get('torch_python', '-')}`.", ""]
+    ok, problems = verdict(result)
+    lines += ["**All checks agreed.**" if ok else "**Problems:** " + "; ".join(problems), ""]
+    lines += ["## (a) NVML sampler against a real allocation", ""]
+    s = result.get("sampler")
+    if s:
+        lines += ["| allocated | allocator delta | NVML device delta | NVML process delta | sampled device peak "
+                  "| sampled process peak | sampler rate | agrees |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---|",
+                  f"| {fmt_bytes(s['requested_bytes'])} | {fmt_bytes(s['allocator_delta_bytes'])} "
+                  f"| {fmt_bytes(s['nvml_device_delta_bytes'])} | {fmt_bytes(s['nvml_process_delta_bytes'])} "
+                  f"| {fmt_bytes(s['sampled_device_delta_bytes'])} | {fmt_bytes(s['sampled_process_delta_bytes'])} "
+                  f"| {s['sampler_hz'] or 0:.1f} Hz ({s['sampler_samples']}) "
+                  f"| device {fmt_ok(s['device_ok'])}, sampled {fmt_ok(s['sampled_ok'])}, "
+                  f"process {fmt_ok(s['process_ok'])}, rate {fmt_ok(s['rate_ok'])} |", ""]
+        if not s.get("process_found"):
+            lines += ["NVML did not list the allocating process's pid (a container with its own pid namespace "
+                      "sees host pids): per-process figures are not attributable here; the device delta is.", ""]
+    else:
+        lines += ["not run", ""]
+    lines += ["## (b) transformers on CUDA: the KV cache three ways", "",
+              f"One `generate` call per row ({NEW_TOKENS} new tokens): predicted = bench.kvmodel (hf rules) for "
+              "prompt + new - 1 tokens; cache = the cache tensors' numel x element_size; allocator = "
+              "`torch.cuda.memory_allocated()` after - before (the cache is all that is left); NVML = device "
+              "used after - before, with the allocator's cached blocks released on both sides.", "",
+              "| model | prompt | batch | predicted | cache tensors | allocator delta | NVML delta | "
+              "cache / predicted | allocator / cache | NVML / cache | allocator peak delta | agrees |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in result.get("kv", []):
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['prompt_tokens']} | {r['batch']} | {fmt_bytes(r.get('predicted_bytes'))} "
+                         f"| {r['error']} | | | | | | | **no** |")
+            continue
+        lines.append(f"| {r['model']} | {r['prompt_tokens']} | {r['batch']} | {fmt_bytes(r['predicted_bytes'])} "
+                     f"| {fmt_bytes(r['cache_bytes'])} | {fmt_bytes(r['allocator_delta_bytes'])} "
+                     f"| {fmt_bytes(r['nvml_device_delta_bytes'])} | {fmt_ratio(r['cache_over_predicted'])} "
+                     f"| {fmt_ratio(r['allocator_over_cache'])} | {fmt_ratio(r['nvml_over_cache'])} "
+                     f"| {fmt_bytes(r['allocator_peak_delta_bytes'])} | cache {fmt_ok(r['cache_ok'])}, allocator "
+                     f"{fmt_ok(r['allocator_ok'])}, NVML {fmt_ok(r['nvml_ok'])} |")
+    lines += ["", "## (c) engines through `kvbench run` (GPU profile)", ""]
+    if result.get("engine_command"):
+        lines += [f"Each: `{result['engine_command']}`", ""]
+    lines += ["| engine | status | cells ok | largest cell | KV predicted | KV in use (engine) | KV pool | "
+              "allocator | GPU process peak | GPU device peak | time | note |",
+              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for e in result.get("engines", []):
+        seconds = "-" if e["seconds"] is None else f"{e['seconds']:.0f} s"
+        lines.append(f"| {e['engine']} | {e['status']} | {e['cells_ok']}/{e['cells']} | {e['largest_cell'] or '-'} "
+                     f"| {fmt_bytes(e['kv_predicted_bytes'])} | {fmt_bytes(e['kv_in_use_bytes'])} "
+                     f"| {fmt_bytes(e['kv_pool_bytes'])} | {fmt_bytes(e['allocator_bytes'])} "
+                     f"| {fmt_bytes(e['gpu_process_peak_bytes'])} | {fmt_bytes(e['gpu_device_peak_bytes'])} "
+                     f"| {seconds} | {e['note']} |")
+    return "\n".join(lines) + "\n"
+
+
+def kv_cells(max_context: int | None, new_tokens: int = NEW_TOKENS) -> list[tuple[int, int]]:
+    """The (prompt, batch) cells that fit the model's context, in order, without duplicates."""
+    limit = (max_context or 2048) - new_tokens
+    out = []
+    for prompt, batch in KV_CELLS:
+        p = limit if prompt == "max" else prompt
+        if p <= limit and (p, batch) not in out:
+            out.append((p, batch))
+    return out
+
+
+# --- measuring -----------------------------------------------------------------------------------
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.deadline = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+class Probe:
+    """backends/gpu_probe.py in a CUDA torch interpreter, stepped through its events."""
+
+    def __init__(self, python: str, args: list[str], log: Path, script: Path = PROBE):
+        self.log = log.open("w")
+        self.proc = subprocess.Popen([python, str(script), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, bufsize=1, cwd=PROBE.parent,
+                                     env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"})
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def next(self, timeout: float) -> dict:
+        end = time.monotonic() + max(timeout, 0.1)
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.05, end - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"the GPU probe said nothing for {timeout:.0f} s") from None
+            if line is None:
+                raise RuntimeError(f"the GPU probe exited ({self.proc.wait()}); see {self.log.name}")
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict) and "event" in event:
+                return event
+
+    def go(self):
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("stop\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def nvml_snapshot(nvml, pids: set[int], settle_s: float = 0.2, readings: int = 3) -> dict:
+    """NVML at one moment: the median of a few readings once the driver's figures have settled."""
+    time.sleep(settle_s)
+    used, procs, found = [], [], set()
+    for _ in range(readings):
+        used.append(nvml.device_used_bytes())
+        mem = nvml.process_memory(pids)
+        procs.append(mem.bytes)
+        found |= mem.pids_found
+        time.sleep(0.02)
+    known = sorted(p for p in procs if p is not None)
+    return {"device_used": sorted(used)[len(used) // 2], "process_bytes": known[len(known) // 2] if known else None,
+            "process_found": bool(found)}
+
+
+def find_torch_python(explicit: str | None) -> tuple[str | None, dict, list[str]]:
+    """The first interpreter whose torch sees CUDA: --torch-python, the hf environments, this one, python3."""
+    from bench.envs import kvbench_home
+
+    candidates = [explicit] if explicit else []
+    candidates += sorted(str(p) for p in (kvbench_home() / "envs").glob("hf-*/bin/python"))
+    candidates += [sys.executable, "python3"]
+    tried = []
+    for python in dict.fromkeys(candidates):
+        try:
+            out = subprocess.run([python, str(PROBE), "info"], capture_output=True, text=True, timeout=60)
+            info = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {}
+        except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+            info = {}
+        if info.get("cuda_available"):
+            return python, info, tried
+        tried.append(f"{python}: " + ("torch without CUDA" if info else "no torch"))
+    return None, {}, tried
+
+
+def check_sampler(nvml, python: str, alloc_bytes: int, budget: Budget, logs: Path, script: Path = PROBE) -> dict:
+    from bench.samplers import ProcessTreeMemorySampler
+
+    baseline = nvml.idle_baseline()
+    probe = Probe(python, ["alloc", "--bytes", str(alloc_bytes)], logs / "probe_alloc.log", script)
+    try:
+        pids = {probe.proc.pid}
+        sampler = ProcessTreeMemorySampler(probe.proc.pid, 20.0, nvml, baseline)
+        sampler.start()
+        events, snaps = {}, {}
+        try:
+            events["ready"] = probe.next(min(120, budget.left()))
+            snaps["ready"] = nvml_snapshot(nvml, pids)
+            t_ready = time.perf_counter()
+            probe.go()
+            events["allocated"] = probe.next(min(60, budget.left()))
+            snaps["allocated"] = nvml_snapshot(nvml, pids)
+            time.sleep(1.0)  # the sampler sees the allocation held for a second
+        finally:
+            sampler.stop()
+        probe.go()
+        events["freed"] = probe.next(30)
+        snaps["freed"] = nvml_snapshot(nvml, pids)
+    finally:
+        probe.close()
+    samples = sampler.samples
+    at_ready = [s for s in samples if s.t <= t_ready] or samples[:1]
+    ready_dev = at_ready[-1].gpu_device_used_bytes
+    ready_proc = at_ready[-1].gpu_process_bytes
+    span = samples[-1].t - samples[0].t if len(samples) > 1 else 0
+    dev = [s.gpu_device_used_bytes for s in samples if s.gpu_device_used_bytes is not None]
+    proc = [s.gpu_process_bytes for s in samples if s.gpu_process_bytes is not None]
+    sampled = {"hz": (len(samples) - 1) / span if span else None, "samples": len(samples),
+               "device_over_ready": max(dev) - ready_dev if dev and ready_dev is not None else None,
+               "process_over_ready": max(proc) - ready_proc if proc and ready_proc is not None else None}
+    row = sampler_row(alloc_bytes, events, snaps, sampled)
+    row["baseline"] = baseline.to_dict() if baseline else None
+    row["freed_device_delta_bytes"] = snaps["freed"]["device_used"] - snaps["ready"]["device_used"]
+    return row
+
+
+def check_kv(nvml, python: str, model_dir: Path, name: str, budget: Budget, logs: Path,
+             script: Path = PROBE) -> list[dict]:
+    from bench.kvmodel import engine_kv, geometry_from_hf_config, load_hf_config
+
+    geom = geometry_from_hf_config(load_hf_config(model_dir), str(model_dir / "config.json"))
+    cells = kv_cells(geom.max_context)
+    probe = Probe(python, ["kv", "--model", str(model_dir), "--cells", ",".join(f"{p}x{b}" for p, b in cells),
+                           "--new", str(NEW_TOKENS)], logs / f"probe_kv_{name}.log", script)
+    rows = []
+    try:
+        pids = {probe.proc.pid}
+        probe.next(min(120, budget.left()))  # ready
+        probe.go()
+        probe.next(min(300, budget.left()))  # loaded
+        probe.go()
+        for prompt, batch in cells:
+            if budget.left() < 30:
+                rows.append({"model": name, "prompt_tokens": prompt, "batch": batch, "error": "skipped: time budget"})
+                continue
+            predicted = engine_kv(geom, "bf16", prompt + NEW_TOKENS - 1, batch, engine="hf").bytes_per_rank
+            before = probe.next(60)
+            snap_before = nvml_snapshot(nvml, pids)
+            probe.go()
+            after = before if before["event"] == "cell_error" else probe.next(max(10, budget.left() - 20))
+            if after["event"] == "cell_error":
+                rows.append({"model": name, "prompt_tokens": prompt, "batch": batch, "predicted_bytes": predicted,
+                             "error": after["error"]})
+                probe.go()
+                continue
+            snap_after = nvml_snapshot(nvml, pids)
+            rows.append(kv_row(name, predicted, before, after, snap_before, snap_after))
+            probe.go()
+            probe.next(60)  # cell_freed
+            probe.go()
+    except (TimeoutError, RuntimeError) as exc:
+        rows.append({"model": name, "prompt_tokens": "-", "batch": "-", "error": str(exc)})
+    finally:
+        probe.close()
+    return rows
+
+
+def check_engines(engines: list[str], model: str, run_args: list[str], out: Path, budget: Budget) -> tuple[list[dict], str]:
+    from backends import REGISTRY
+    from bench.envs import is_installed
+
+    runs = out / "runs"
+    base = [sys.executable, "-m", "bench.cli", "run", "--model", model, *run_args, "--results-dir", str(runs)]
+    rows, todo = [], []
+    for e in engines:
+        cls = REGISTRY[e]
+        if is_installed(cls.recipe(cls.default_version)):
+            todo.append(e)
+        else:
+            rows.append(engine_row(e, "not installed", [], None, f"`kvbench setup -b {e}` (needs the network) first"))
+    for i, e in enumerate(todo):
+        share = (budget.left() - 15) / (len(todo) - i)
+        if share < 60:
+            rows.append(engine_row(e, "skipped: time budget", [], None))
+            continue
+        argv = [*base, "-b", e, "--run-id", e, "--start-timeout", str(int(min(300, share * 0.6)))]
+        t0 = time.monotonic()
+        with (out / "logs" / f"kvbench_run_{e}.log").open("w") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+            try:
+                code = proc.wait(timeout=share)
+                status = "finished" if code == 0 else f"exit {code}"
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGINT)  # the runner stops the engine and marks the run interrupted
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                status = f"time box ({share:.0f} s) reached"
+        cells = []
+        cells_file = runs / e / "cells.jsonl"
+        if cells_file.exists():
+            cells = [json.loads(line) for line in cells_file.read_text().splitlines() if line.strip()]
+        failed = next((c.get("error") for c in cells if c.get("status") == "failed"), None)
+        rows.append(engine_row(e, status, cells, time.monotonic() - t0, (failed or "")[:160]))
+    return rows, shlex.join([Path(base[0]).name, *base[1:], "-b", "ENGINE", "--run-id", "ENGINE"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="folder for gpu_check.md/json (default results/gpu/<time>-<gpu>)")
+    parser.add_argument("--model", action="append", default=[], help="an extra local HF model folder (repeatable)")
+    parser.add_argument("--budget-s", type=float, default=540, help="the whole check's time budget (default 540)")
+    parser.add_argument("--alloc-gib", type=float, default=4.0, help="size of check (a)'s allocation")
+    parser.add_argument("--engines", default="hf,vllm,llamacpp", help="engines for check (c); '' for none")
+    parser.add_argument("--torch-python", help="an interpreter whose torch sees CUDA (default: found)")
+    args = parser.parse_args(argv)
+    t_start = time.monotonic()
+    budget = Budget(args.budget_s)
+    command = shlex.join(["python", "-m", "bench.gpu_check", *(sys.argv[1:] if argv is None else argv)])
+
+    from bench.samplers import NVML
+
+    nvml = NVML()
+    if not nvml.available:
+        print(no_gpu_message(nvml.error), file=sys.stderr)
+        return EXIT_NO_GPU
+
+    from bench import profiles
+
+    names = nvml.device_names()
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or ROOT / "results" / "gpu" / f"{stamp}-{names[0].lower().replace('nvidia', '').strip().replace(' ', '-')}"
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    try:
+        driver = nvml.nv.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else str(driver)
+    except Exception:
+        driver = None
+    result: dict = {"id": out.name, "command": command, "started_at": datetime.now(timezone.utc).isoformat(),
+                    "environment": {"gpus": nvml.devices(), "driver": driver}, "skipped": []}
+
+    def save():
+        result["seconds"] = time.monotonic() - t_start
+        result["environment"]["memory_api"] = nvml.memory_api
+        result["ok"], result["problems"] = verdict(result)
+        (out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))
+        (out / "gpu_check.md").write_text(render_markdown(result))
+
+    python, info, tried = find_torch_python(args.torch_python)
+    result["environment"].update({"torch_python": python, **{k: info.get(k) for k in ("torch", "cuda", "transformers")}})
+    print(f"GPU: {', '.join(names)}; CUDA torch: {python or 'none found'}", flush=True)
+    if python is None:
+        result["skipped"].append("(a), (b): no interpreter whose torch sees CUDA (" + "; ".join(tried) + ")")
+    else:
+        try:
+            print("(a) NVML sampler against a real allocation", flush=True)
+            result["sampler"] = check_sampler(nvml, python, int(args.alloc_gib * GIB), budget, out / "logs")
+        except (TimeoutError, RuntimeError) as exc:
+            result["skipped"].append(f"(a) failed: {exc}")
+        save()
+        if info.get("transformers"):
+            from bench import models
+
+            targets = []
+            try:
+                # The hf environment converts the GGUF once if needed (offline: a local conversion).
+                targets.append(("smollm2", models.resolve("smollm2", Path(python), log=print).hf_dir))
+            except models.ModelError as exc:
+                result["skipped"].append(f"(b) smollm2: {exc}")
+            targets += [(Path(m).name, Path(m)) for m in args.model]
+            for name, folder in targets:
+                if budget.left() < 60:
+                    result["skipped"].append(f"(b) {name}: time budget")
+                    continue
+                print(f"(b) transformers on CUDA: {name}", flush=True)
+                result.setdefault("kv", []).extend(check_kv(nvml, python, folder, name, budget, out / "logs"))
+                save()
+        else:
+            result["skipped"].append(f"(b): {python} has torch but not transformers")
+    engines = [e for e in args.engines.split(",") if e]
+    if engines:
+        try:
+            per_token, weights, context = profiles.model_sizing("smollm2")
+            from workloads import load
+
+            wl = load(profiles.GPU_WORKLOAD)
+            profile = profiles.choose_profile([profiles.GPUInfo(d["name"], d["memory_bytes"]) for d in nvml.devices()],
+                                              kv_bytes_per_token=per_token, weights_bytes=weights,
+                                              model_max_context=context, max_concurrency=max(wl.concurrency),
+                                              output_tokens=wl.output_tokens)
+            print(f"(c) engines via kvbench run: {', '.join(engines)} ({profile.note})", flush=True)
+            result["engines"], result["engine_command"] = check_engines(engines, "smollm2", profile.run_args(), out, budget)
+        except Exception as exc:  # the engines are the optional part: say why and keep the rest
+            result["skipped"].append(f"(c) failed: {type(exc).__name__}: {exc}")
+    save()
+    ok, problems = verdict(result)
+    print(render_markdown(result))
+    print(f"written: {out / 'gpu_check.md'} and gpu_check.json ({result['seconds']:.0f} s)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""``kvbench report``: one or more runs as Markdown tables, PNG plots and one self-contained HTML page.
+
+``build`` loads the runs (``bench.results.load``), makes the tables (``tables.py``: one pandas frame per
+question) and the plots (``plots.py``), and returns a :class:`Report`; ``markdown.py`` and ``html.py``
+lay it out. Each table carries a caption with the run id, hardware, model and engine versions, so it can
+be quoted alone.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from bench.reports import plots, tables
+from bench.results import load, load_run_info
+
+
+@dataclass
+class Section:
+    title: str
+    intro: str
+    table: pd.DataFrame | None = None
+    right: set[str] = field(default_factory=set)
+    caption: str = ""
+    note: str = ""  # shown instead of (or after) the table
+    code_blocks: list[tuple[str, str]] = field(default_factory=list)  # (title, text), e.g. log tails
+
+
+@dataclass
+class Figure:
+    title: str
+    path: Path  # the PNG on disk
+
+
+@dataclass
+class Report:
+    title: str
+    headers: list[list[tuple[str, str]]]  # per run: (label, value) lines
+    sections: list[Section]
+    figures: list[Figure]
+
+
+def run_header(info: dict) -> list[tuple[str, str]]:
+    model = info.get("model", {})
+    wl = info.get("workload", {})
+    return [
+        ("Run", f"`{info['run_id']}` ({info.get('status')}), started {info.get('started_at', '?')}"),
+        ("Command", f"`{info.get('command', '?')}`"),
+        ("Hardware", hardware(info)),
+        ("Model", f"{model.get('name', '?')} (sha256 `{str(model.get('sha256', '?'))[:16]}…`), "
+                  f"context limit {model.get('max_context', '?')}"),
+        ("Engines", engines(info)),
+        ("Workload", f"{wl.get('name', '?')}: {wl.get('description', '')} (seed {wl.get('seed', '?')})"),
+    ]
+
+
+def hardware(info: dict) -> str:
+    env = info.get("environment", {})
+    gpus = ", ".join(g["name"] for g in env.get("gpus", [])) or "none"
+    return (f"{env.get('cpu', '?')}, {env.get('cpu_count', '?')} cores, "
+            f"{env.get('memory_bytes', 0) / 2**30:.0f} GiB RAM, GPU: {gpus}")
+
+
+def engines(info: dict) -> str:
+    versions = info.get("engine_versions") or {b["label"]: b["version"] for b in info.get("backends", [])}
+    return ", ".join(f"{k} ({v})" for k, v in versions.items()) or "-"
+
+
+def caption(infos: list[dict]) -> str:
+    """One line that lets a table be quoted alone: run, hardware, model, engine versions (per run)."""
+    parts = []
+    for info in infos:
+        model = info.get("model", {})
+        parts.append(f"run `{info['run_id']}` · {hardware(info)} · model {model.get('name', '?')} "
+                     f"(sha256 `{str(model.get('sha256', '?'))[:12]}…`) · engines {engines(info)}")
+    return "; ".join(parts)
+
+
+KV_INTRO = ("Predicted = 2 x layers x KV heads x head_dim x dtype bytes per token, times concurrency x "
+            "(prompt + output - 1) tokens (the last sampled token is never fed back). \"In use\" is each "
+            "engine's own figure at the cell's peak: transformers' cache tensors (exact), vLLM's "
+            "kv_cache_usage_perc x blocks (block-rounded), llama.cpp's /slots cached tokens x bytes/token. "
+            "The pool is what the engine allocated up front (vLLM: its KV budget; llama.cpp: its log line).")
+PERF_INTRO = ("TTFT, ITL, TPOT and E2E as defined in docs/metrics.md (client-side, per streamed chunk), over the "
+              "requests that met the token contract; throughput over the cell's wall time.")
+BOUNDARY_INTRO = ("The KV boundary: how many sequences of the cell's length the engine's KV pool holds by the KV "
+                  "model's rule for that engine (predicted), against how many the engine ran at once and how many "
+                  "waited or were preempted (its own counters, polled at 10 Hz; schema v2 runs). Past the "
+                  "boundary an engine must queue requests or preempt running ones. The `kv_boundary` workload "
+                  "sizes the pool below the concurrency on purpose; llama.cpp runs at most one sequence per slot.")
+REPEATS_NOTE = " Cells run several times (rep > 1) show the mean over their repeats."
+
+
+def _validation(run_dirs: list[Path], infos: list[dict]) -> list[Section]:
+    out = []
+    for run_dir, info in zip(run_dirs, infos):
+        path = run_dir / "kv_validation.jsonl"
+        if not path.exists():
+            continue
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        title = "The KV model against the engines' own allocations"
+        out.append(Section(title + (f" ({info['run_id']})" if len(run_dirs) > 1 else ""),
+                           "Predicted by `bench/kvmodel.py` under each engine's rules (`kvbench plan --engine ...`); "
+                           "engine-reported from the engine's log or metrics; measured from transformers' cache "
+                           "tensors. `kvbench validate` made this table.",
+                           tables.validation_table(rows), tables.VALIDATION_RIGHT, caption([info])))
+    return out
+
+
+def make_plots(run_dirs: list[Path], agg: pd.DataFrame, folder: Path) -> list[Figure]:
+    folder.mkdir(parents=True, exist_ok=True)
+    figures = []
+    if plots.kv_vs_context(agg, folder / "kv_vs_context.png"):
+        figures.append(Figure("KV in use vs prompt length", folder / "kv_vs_context.png"))
+    if plots.throughput_ttft_vs_concurrency(agg, folder / "throughput_ttft_vs_concurrency.png"):
+        figures.append(Figure("Throughput and TTFT vs concurrency", folder / "throughput_ttft_vs_concurrency.png"))
+    if plots.kv_boundary(agg, folder / "kv_boundary.png"):
+        figures.append(Figure("The KV boundary", folder / "kv_boundary.png"))
+    requests = load(run_dirs, what="requests")
+    if not requests.empty:
+        requests = requests[~requests.warmup.astype(bool)]
+    ok = agg[agg.status.isin(tables.OK_STATUSES)]
+    # the largest cell of each series: the longest prompt at the highest load
+    largest = ok.sort_values(["prompt_tokens", "concurrency"]).groupby("label").tail(1)
+    for _, cell in largest.iterrows():
+        first_repeat = cell.cell_id
+        name = f"timeline_{cell.run_id}_{first_repeat}.png" if len(run_dirs) > 1 else f"timeline_{first_repeat}.png"
+        if plots.memory_timeline(Path(cell.run_dir), cell, requests, folder / name):
+            figures.append(Figure(f"memory and KV over {cell.label}: {cell.cell_id}", folder / name))
+    return figures
+
+
+def build(run_dirs: list[str | Path], plots_dir: Path | None = None) -> Report:
+    """The report of one or more runs; plots are written into ``plots_dir`` (None: no plots)."""
+    run_dirs = [Path(d) for d in run_dirs]
+    infos = [load_run_info(d) for d in run_dirs]
+    title = "kvbench run " + ", ".join(i["run_id"] for i in infos) if len(infos) == 1 else \
+        "kvbench runs " + ", ".join(i["run_id"] for i in infos)
+    headers = [run_header(i) for i in infos]
+    cells = load(run_dirs, what="cells")
+    if cells.empty:
+        return Report(title, headers, [Section("No cells", "", note="(no cells finished)")], [])
+    agg = tables.aggregate(cells)
+    agg["label"] = agg.backend if len(infos) == 1 else agg.run_id + ": " + agg.backend
+    cap = caption(infos)
+    repeats = REPEATS_NOTE if (agg.repeats > 1).any() else ""
+    problems = tables.problems_table(agg)
+    sections = [
+        Section("KV cache: predicted from the config vs reported by the engine", KV_INTRO + repeats,
+                tables.kv_table(agg), tables.KV_RIGHT, cap),
+        Section("Latency and throughput", PERF_INTRO + repeats, tables.performance_table(agg), tables.PERF_RIGHT, cap),
+        Section("The KV boundary", BOUNDARY_INTRO, tables.boundary_table(agg), tables.BOUNDARY_RIGHT, cap),
+        Section("Failed and flagged cells", "Cells whose engine failed, or whose requests broke the token contract "
+                "(the reason is the error, then the flags).",
+                problems if not problems.empty else None, tables.LEAD_RIGHT, cap if not problems.empty else "",
+                note="" if not problems.empty else
+                "No failed or flagged cells: every request's prompt and output token counts matched the engine's.",
+                code_blocks=[(f"log tail of {cid}", tail) for cid, tail in tables.log_tails(agg)]),
+        *_validation(run_dirs, infos),
+    ]
+    figures = make_plots(run_dirs, agg, plots_dir) if plots_dir is not None else []
+    return Report(title, headers, sections, figures)
+
+
+def render(run_dir: str | Path, with_plots: bool = True) -> str:
+    """One run's Markdown (plots into RUN_DIR/plots/, linked relative to RUN_DIR/report.md)."""
+    from bench.reports import markdown
+
+    run_dir = Path(run_dir)
+    return markdown.render(build([run_dir], run_dir / "plots" if with_plots else None), run_dir)

@@ -1,0 +1,32 @@
+"""A :class:`bench.reports.Report` as Markdown (GitHub-flavoured: pipe tables, images by relative path)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from bench.reports.tables import md_table
+
+
+def render(report, base: Path) -> str:
+    """The Markdown text; image links are relative to ``base`` (the folder the .md file is written to)."""
+    out = [f"# {report.title}"]
+    for header in report.headers:
+        out.append("  \n".join(f"**{label}** {value}" for label, value in header))
+    for s in report.sections:
+        out.append(f"## {s.title}")
+        if s.intro:
+            out.append(s.intro)
+        if s.table is not None:
+            out.append(md_table(s.table, s.right))
+            if s.caption:
+                out.append(f"<sub>{s.caption}</sub>")
+        if s.note:
+            out.append(s.note)
+        for title, text in s.code_blocks:
+            out.append(f"{title}:\n\n```\n{text}\n```")
+    if report.figures:
+        out.append("## Plots")
+        for f in report.figures:
+            rel = Path(os.path.relpath(f.path, base)).as_posix()
+            out.append(f"![{f.title}]({rel})")
+    return "\n\n".join(out) + "\n"

@@ -1,0 +1,138 @@
+"""PNG plots of one or more runs (matplotlib, Agg: no display needed). Each function takes the tidy
+cells (repeats averaged by ``tables.aggregate``, with a ``label`` column naming the series) and writes one
+PNG, or returns None when the runs hold nothing to plot."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+MIB = 2**20
+MARKERS = "osd^v<>PX*"
+DPI = 110
+
+
+def _save(fig, out: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(out, dpi=DPI)
+    plt.close(fig)
+    return out
+
+
+def kv_vs_context(cells: pd.DataFrame, out: Path) -> Path | None:
+    """KV in use at the peak per engine against prompt length, with the formula's prediction."""
+    done = cells[cells.kv_in_use_peak_bytes.notna()]
+    if done.empty:
+        return None
+    levels = sorted(done.concurrency.dropna().unique())
+    if not levels:
+        return None
+    fig, axes = plt.subplots(1, len(levels), figsize=(5.5 * len(levels), 4.2), squeeze=False)
+    for ax, c in zip(axes[0], levels):
+        part = done[done.concurrency == c]
+        predicted = part.drop_duplicates("prompt_tokens").sort_values("prompt_tokens")
+        ax.plot(predicted.prompt_tokens, predicted.kv_bytes_peak_predicted / MIB, "k--", lw=1.5,
+                label="predicted (formula)")
+        for (label, group), marker in zip(part.groupby("label"), MARKERS * 4):
+            group = group.sort_values("prompt_tokens")
+            ax.plot(group.prompt_tokens, group.kv_in_use_peak_bytes / MIB, marker=marker, ls="", ms=7,
+                    label=f"{label} (engine)")
+        ax.set(title=f"concurrency {int(c)}", xlabel="prompt tokens", ylabel="KV in use at peak (MiB)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("KV cache: engine-reported peak vs predicted")
+    return _save(fig, out)
+
+
+def memory_timeline(run_dir: Path, cell: pd.Series, requests: pd.DataFrame, out: Path) -> Path | None:
+    """Process-tree memory and the engine's KV in use over one cell on one time axis, with each request's
+    span shaded and its start and end marked."""
+    cell_id = cell.cell_id
+    path = Path(run_dir) / "timelines" / f"{cell_id}.csv"
+    if not path.exists():
+        return None
+    tl = pd.read_csv(path)
+    mem, kv = tl[tl.series == "memory"], tl[tl.series == "kv"]
+    if mem.empty and kv.empty:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    if not mem.empty and mem.rss_bytes.notna().any():
+        ax.plot(mem.t_s, mem.rss_bytes / MIB, color="tab:blue", label="engine process tree RSS")
+    if "gpu_process_bytes" in mem and mem.gpu_process_bytes.notna().any():
+        ax.plot(mem.t_s, mem.gpu_process_bytes / MIB, color="tab:purple", label="engine GPU memory")
+    ax.set(xlabel="seconds since the cell started", ylabel="memory (MiB)", title=f"{cell.label}: {cell_id}")
+    ax2 = ax.twinx()
+    ax2.plot(kv.t_s, kv.kv_bytes_in_use / MIB, color="tab:red", label="KV in use (engine)")
+    ax2.set_ylabel("KV in use (MiB)")
+    reqs = requests[(requests.cell_id == cell_id) & (requests.run_id == cell.run_id)] if not requests.empty else requests
+    if "repeat" in reqs and not reqs.empty:
+        reqs = reqs[reqs.repeat == reqs.repeat.min()]
+    if not reqs.empty and pd.notna(cell.t_cell_start):  # each request's span, on the cell's time axis
+        starts = reqs.t_sent - cell.t_cell_start
+        ends = reqs.t_done.fillna(reqs.t_sent) - cell.t_cell_start
+        for s, e in zip(starts, ends):
+            ax.axvspan(s, e, color="grey", alpha=0.08)
+        ax.vlines(starts, 0, 0.06, transform=ax.get_xaxis_transform(), color="tab:green", lw=1.5,
+                  label="request start")
+        ax.vlines(ends, 0, 0.06, transform=ax.get_xaxis_transform(), color="black", lw=1.5, label="request end")
+    lines, labels = ax.get_legend_handles_labels()
+    lines2, labels2 = ax2.get_legend_handles_labels()
+    ax.legend(lines + lines2, labels + labels2, loc="upper left", fontsize=8)
+    return _save(fig, out)
+
+
+def throughput_ttft_vs_concurrency(cells: pd.DataFrame, out: Path) -> Path | None:
+    """Output tokens/s (top) and TTFT p50 (bottom) against concurrency, one column per prompt length,
+    one line per engine (closed-loop cells)."""
+    done = cells[(cells.load_profile == "concurrent") & cells.output_tokens_per_s.notna() & cells.concurrency.notna()]
+    if done.empty:
+        return None
+    lengths = sorted(done.prompt_tokens.unique())
+    fig, axes = plt.subplots(2, len(lengths), figsize=(4.2 * len(lengths), 6.8), squeeze=False, sharex=True)
+    for j, p in enumerate(lengths):
+        part = done[done.prompt_tokens == p]
+        for (label, group), marker in zip(part.groupby("label"), MARKERS * 4):
+            group = group.sort_values("concurrency")
+            axes[0][j].plot(group.concurrency, group.output_tokens_per_s, marker=marker, label=label)
+            axes[1][j].plot(group.concurrency, group.ttft_s_p50, marker=marker, label=label)
+        axes[0][j].set(title=f"prompt {p} tokens", ylabel="output tokens/s" if j == 0 else None)
+        axes[1][j].set(xlabel="concurrency", ylabel="TTFT p50 (s)" if j == 0 else None)
+        levels = sorted(part.concurrency.unique())
+        for row in (0, 1):
+            axes[row][j].set_xticks(levels)
+            axes[row][j].grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Throughput and time to first token against concurrency")
+    return _save(fig, out)
+
+
+def kv_boundary(cells: pd.DataFrame, out: Path) -> Path | None:
+    """Per engine with a KV pool: how many sequences fit the pool against the context length (the
+    boundary), and each measured cell's concurrency on it (filled: within, hollow: beyond)."""
+    pooled = cells[cells.kv_pool_tokens_engine.notna() & cells.concurrency.notna()]
+    if pooled.empty:
+        return None
+    labels = sorted(pooled.label.unique())
+    fig, axes = plt.subplots(1, len(labels), figsize=(5.2 * len(labels), 4.2), squeeze=False)
+    for ax, label in zip(axes[0], labels):
+        part = pooled[pooled.label == label]
+        pool = part.kv_pool_tokens_engine.max()
+        context = part.prompt_tokens + part.output_tokens - 1
+        lo, hi = max(1, int(context.min() * 0.5)), int(context.max() * 1.3)
+        xs = list(range(lo, hi + 1, max(1, (hi - lo) // 200)))
+        ax.plot(xs, [pool / x for x in xs], color="tab:red", label=f"boundary: pool of {int(pool):,} tokens / context")
+        fits = part.concurrency <= pool // context
+        ax.scatter(context[fits], part.concurrency[fits], color="tab:blue", zorder=3, label="cell within the pool")
+        if (~fits).any():
+            ax.scatter(context[~fits], part.concurrency[~fits], facecolors="none", edgecolors="tab:blue", zorder=3,
+                       label="cell beyond the pool")
+        ax.set(title=label, xlabel="context per sequence (prompt + output - 1 tokens)",
+               ylabel="concurrent sequences", yscale="log", xscale="log")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.suptitle("The KV boundary: sequences that fit the engine's KV pool")
+    return _save(fig, out)

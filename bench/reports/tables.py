@@ -1,0 +1,254 @@
+"""The report's tables as pandas DataFrames of display strings, one function per question.
+
+Every function takes the tidy cells of :func:`bench.results.load` (one or more runs, repeats
+included) and returns a frame whose columns are the table's headings; ``markdown.py`` and ``html.py``
+only lay them out. Repeats of one cell are averaged (the ``rep`` column says how many).
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from bench.results import CELL_CONFIG_FIELDS
+
+NOT_MEASURED = "not measured"
+MIB = 2**20
+OK_STATUSES = ("ok", "flagged")
+
+
+# --- formatting ----------------------------------------------------------------------------------------
+
+def _missing(x) -> bool:
+    return x is None or (not isinstance(x, str) and pd.isna(x))
+
+
+def fmt_bytes(x) -> str:
+    return NOT_MEASURED if _missing(x) else f"{x / MIB:,.2f} MiB"
+
+
+def fmt_num(x, scale=1.0, digits=3) -> str:
+    return "-" if _missing(x) else f"{x * scale:,.{digits}f}"
+
+
+def fmt_ratio(x) -> str:
+    return "-" if _missing(x) else f"{x:.4f}"
+
+
+def fmt_int(x) -> str:
+    return "-" if _missing(x) else f"{int(x):,}"
+
+
+def md_table(frame: pd.DataFrame, right: set[str] | None = None) -> str:
+    """A frame of strings as a Markdown table; columns in ``right`` are right-aligned."""
+    right = right or set()
+
+    def cell(v) -> str:
+        return str(v).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(map(str, frame.columns)) + " |",
+             "|" + "|".join("---:" if c in right else "---" for c in frame.columns) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+# --- the cells, repeats averaged -----------------------------------------------------------------------
+
+def many_runs(cells: pd.DataFrame) -> bool:
+    return cells.run_id.nunique() > 1
+
+
+def load_label(r) -> str:
+    """How the load was applied: concurrency for a closed loop, rate (and cap) for an open one."""
+    if r.load_profile == "concurrent" or _missing(r.request_rate):
+        return f"x{r.concurrency}"
+    cap = "" if _missing(r.concurrency) else f", <={int(r.concurrency)}"
+    return f"{r.load_profile} {r.request_rate:g}/s{cap}"
+
+
+def aggregate(cells: pd.DataFrame) -> pd.DataFrame:
+    """One row per (run, backend, cell configuration): numbers averaged over the repeats, ``repeats``
+    counted, ``status`` the worst of them, flags and errors joined."""
+    keys = ["run_id", "backend", *CELL_CONFIG_FIELDS]
+    frame = cells.copy()
+    for k in keys:  # None in a key (request_rate of a closed loop) must not drop the row
+        frame[k] = frame[k].astype(object).where(frame[k].notna(), None)
+    worst = {"failed": 0, "not run": 1, "flagged": 2, "ok": 3}
+    rows = []
+    for _, group in frame.groupby(keys, dropna=False, sort=False):
+        group = group.sort_values("repeat")
+        first = group.iloc[0].to_dict()
+        good = group[group.status.isin(OK_STATUSES)]
+        numeric = good.select_dtypes("number")
+        if not good.empty:
+            first.update({k: v for k, v in numeric.mean().items() if k not in keys and k != "repeat"})
+        first["repeats"] = len(group)
+        first["status"] = min(group.status, key=lambda s: worst.get(s, 0))
+        first["flags"] = [f for fl in group["flags"] for f in (fl or [])]
+        first["errors"] = [e for e in group.error if isinstance(e, str) and e]
+        first["log_tail"] = next((t for t in group.log_tail if isinstance(t, str) and t), None)
+        rows.append(first)
+    out = pd.DataFrame(rows)
+    return out.sort_values(["run_id", "backend", "prompt_tokens", "load_profile", "concurrency"],
+                           key=lambda s: s.fillna(0) if s.dtype != object else s.fillna("")).reset_index(drop=True)
+
+
+def _lead(agg: pd.DataFrame) -> pd.DataFrame:
+    """The columns that say which cell a row is: [run,] backend, [variant,] prompt, conc|load[, rep]."""
+    lead = pd.DataFrame(index=agg.index)
+    if many_runs(agg):
+        lead["run"] = agg.run_id
+    lead["backend"] = agg.backend
+    if (agg.variant.fillna("") != "").any():
+        lead["variant"] = agg.variant.fillna("")
+    lead["prompt"] = agg.prompt_tokens.map(lambda x: "-" if _missing(x) else str(int(x)))
+    if (agg.load_profile != "concurrent").any():
+        lead["load"] = [load_label(r) for r in agg.itertuples()]
+    else:
+        lead["conc"] = agg.concurrency.map(fmt_int)
+    if (agg.repeats > 1).any():
+        lead["rep"] = agg.repeats.astype(str)
+    return lead
+
+
+LEAD_RIGHT = {"prompt", "conc", "rep"}
+
+
+def kv_table(agg: pd.DataFrame) -> pd.DataFrame:
+    """KV predicted by the formula vs what the engine reports in use and allocates, and process RSS."""
+    out = _lead(agg)
+    failed = ~agg.status.isin(OK_STATUSES)
+    out["KV dtype"] = agg.kv_dtype
+    out["bytes/token (formula)"] = agg.kv_bytes_per_token_predicted.map(lambda x: fmt_num(x, digits=0))
+    out["KV peak predicted"] = agg.kv_bytes_peak_predicted.map(fmt_bytes)
+    out["KV peak in use (engine)"] = agg.kv_in_use_peak_bytes.map(fmt_bytes)
+    out["in use / predicted"] = agg.kv_measured_over_predicted.map(fmt_ratio)
+
+    pool = pool_label
+
+    out["KV pool (engine)"] = [pool(r) for r in agg.itertuples()]
+    out["pool tokens"] = agg.kv_pool_tokens_engine.map(fmt_int)
+    out["RSS peak"] = agg.rss_peak_bytes.map(fmt_bytes)
+    if agg.gpu_process_peak_bytes.notna().any():
+        out["GPU memory peak (process)"] = agg.gpu_process_peak_bytes.map(fmt_bytes)
+    out["source of \"in use\""] = agg.kv_in_use_source.map(lambda s: s if isinstance(s, str) else NOT_MEASURED)
+    # a failed cell says so in the first figure column and nothing else
+    measured = list(out.columns[out.columns.get_loc("bytes/token (formula)"):])
+    out.loc[failed, measured] = ""
+    out.loc[failed, "bytes/token (formula)"] = agg.status[failed]
+    return out
+
+
+KV_RIGHT = LEAD_RIGHT | {"bytes/token (formula)", "KV peak predicted", "KV peak in use (engine)", "in use / predicted",
+                         "KV pool (engine)", "pool tokens", "RSS peak", "GPU memory peak (process)"}
+
+
+def performance_table(agg: pd.DataFrame) -> pd.DataFrame:
+    """Latency percentiles and throughput per engine, context and load."""
+    out = _lead(agg)
+    out["status"] = agg.status
+    out["TTFT p50 (s)"] = agg.ttft_s_p50.map(fmt_num)
+    out["TTFT p99 (s)"] = agg.ttft_s_p99.map(fmt_num)
+    out["ITL p50 (ms)"] = agg.itl_s_p50.map(lambda x: fmt_num(x, 1000, 2))
+    out["ITL p99 (ms)"] = agg.itl_s_p99.map(lambda x: fmt_num(x, 1000, 2))
+    out["TPOT p50 (ms)"] = agg.tpot_s_p50.map(lambda x: fmt_num(x, 1000, 2))
+    out["E2E p50 (s)"] = agg.e2e_s_p50.map(fmt_num)
+    out["E2E p99 (s)"] = agg.e2e_s_p99.map(fmt_num)
+    out["out tok/s"] = agg.output_tokens_per_s.map(lambda x: fmt_num(x, digits=1))
+    out["req/s"] = agg.requests_per_s.map(lambda x: fmt_num(x, digits=3))
+    if agg.goodput_requests_per_s.notna().any():
+        out["goodput req/s"] = agg.goodput_requests_per_s.map(lambda x: fmt_num(x, digits=3))
+    out["ok/sent"] = [f"{int(r.n_ok)}/{int(r.n_requests)}" for r in agg.itertuples()]
+    return out
+
+
+PERF_RIGHT = LEAD_RIGHT | {"TTFT p50 (s)", "TTFT p99 (s)", "ITL p50 (ms)", "ITL p99 (ms)", "TPOT p50 (ms)",
+                           "E2E p50 (s)", "E2E p99 (s)", "out tok/s", "req/s", "goodput req/s", "ok/sent"}
+
+
+def pool_label(r) -> str:
+    """The engine's KV pool, or why there is none (the adapter's word; transformers batches statically)."""
+    if not _missing(r.kv_pool_bytes_engine):
+        return fmt_bytes(r.kv_pool_bytes_engine)
+    if isinstance(r.kv_pool_source, str):
+        return r.kv_pool_source
+    return "no pool (static batching)" if r.engine == "hf" else "not reported"
+
+
+def sequences_fitting(r) -> float | None:
+    """How many sequences of this cell's length the engine's KV pool holds by the KV model's engine rule
+    (the runner's ``kv_pool_sequences_predicted``); for older rows, whole tokens without rounding."""
+    predicted = getattr(r, "kv_pool_sequences_predicted", None)
+    if not _missing(predicted):
+        return predicted
+    if _missing(r.kv_pool_tokens_engine):
+        return None
+    return r.kv_pool_tokens_engine // (r.prompt_tokens + r.output_tokens - 1)
+
+
+def boundary_table(agg: pd.DataFrame) -> pd.DataFrame:
+    """The KV boundary: how many sequences the engine's KV pool holds by the KV model (predicted) against
+    how many the engine ran at once and how many waited or were preempted (its own counters)."""
+    out = _lead(agg)
+    out["KV needed (predicted)"] = agg.kv_bytes_peak_predicted.map(fmt_bytes)
+    out["KV pool (engine)"] = [pool_label(r) for r in agg.itertuples()]
+    fits = [sequences_fitting(r) for r in agg.itertuples()]
+    out["sequences the pool holds (predicted)"] = [fmt_int(f) for f in fits]
+    running = agg.requests_running_peak if "requests_running_peak" in agg else pd.Series(None, index=agg.index)
+    out["running at once (engine, peak)"] = running.map(lambda x: NOT_MEASURED if _missing(x) else f"{x:g}")
+
+    def verdict(r, f) -> str:
+        if f is None:
+            return "no pool" if pool_label(r).startswith("no pool") else "-"
+        wanted = r.concurrency if not _missing(r.concurrency) else r.max_in_flight
+        if _missing(wanted):
+            return "-"
+        return "within" if wanted <= f else "beyond: must queue or preempt"
+
+    out["load vs boundary"] = [verdict(r, f) for r, f in zip(agg.itertuples(), fits)]
+    out["in flight (client, max)"] = agg.max_in_flight.map(fmt_int)
+    out["waiting (peak)"] = agg.requests_waiting_peak.map(lambda x: NOT_MEASURED if _missing(x) else f"{x:g}")
+    out["preemptions"] = agg.preemptions.map(lambda x: NOT_MEASURED if _missing(x) else f"{x:g}")
+    failed = ~agg.status.isin(OK_STATUSES)
+    out.loc[failed, list(out.columns[out.columns.get_loc("KV needed (predicted)"):])] = ""
+    out.loc[failed, "KV needed (predicted)"] = agg.status[failed]
+    return out
+
+
+BOUNDARY_RIGHT = LEAD_RIGHT | {"KV needed (predicted)", "KV pool (engine)", "sequences the pool holds (predicted)",
+                               "running at once (engine, peak)", "in flight (client, max)", "waiting (peak)",
+                               "preemptions"}
+
+
+def problems_table(agg: pd.DataFrame) -> pd.DataFrame:
+    """Every failed, flagged or not-run cell with the reason (the error, then the flags)."""
+    bad = agg[~agg.status.isin(["ok"])]
+    out = _lead(agg).loc[bad.index]  # the same leading columns as the other tables
+    out["status"] = bad.status
+    out["reason"] = ["; ".join(dict.fromkeys([*r.errors, *r.flags])) or "-" for r in bad.itertuples()]
+    return out
+
+
+def log_tails(agg: pd.DataFrame, lines: int = 8) -> list[tuple[str, str]]:
+    """(cell id, last lines of the engine's log) of each failed cell that has a log tail."""
+    bad = agg[~agg.status.isin(["ok"]) & agg.log_tail.map(lambda t: isinstance(t, str) and bool(t))]
+    return [(r.cell_id, "\n".join(r.log_tail.splitlines()[-lines:])) for r in bad.itertuples()]
+
+
+def validation_table(rows: list[dict]) -> pd.DataFrame:
+    """`kvbench validate`'s checks (kv_validation.jsonl): the KV model against the engines' allocations."""
+    def fmt(x):
+        return "-" if x is None else f"{x:,.0f}"
+
+    return pd.DataFrame({
+        "engine": [r["engine"] for r in rows],
+        "case": [r["case"] for r in rows],
+        "quantity": [r["quantity"] for r in rows],
+        "predicted": [fmt(r["predicted"]) for r in rows],
+        "engine-reported": [fmt(r["engine_reported"]) for r in rows],
+        "measured": [fmt(r["measured"]) for r in rows],
+        "error %": ["-" if r["error_pct"] is None else f"{r['error_pct']:+.4f}" for r in rows],
+        "within engine rounding": [f"{'yes' if r['ok'] else 'NO'} {('(' + r['note'] + ')') if r['note'] else ''}".strip()
+                                   for r in rows],
+    })
+
+
+VALIDATION_RIGHT = {"predicted", "engine-reported", "measured", "error %"}

@@ -1,0 +1,95 @@
+"""A fake OpenAI-compatible completions server in vLLM's dialect (vllm/entrypoints/openai/protocol.py and
+serving_completion.py; the OpenAI API reference for the base format):
+
+- GET /v1/models: ``{"object": "list", "data": [{"id", "object": "model", "created", "owned_by", "root",
+  "max_model_len"}]}``; GET /version: ``{"version": ...}`` (vLLM's own route).
+- POST /v1/completions with ``stream: true``: SSE ``data: {"id", "object": "text_completion", "created",
+  "model", "choices": [{"index", "text", "logprobs", "finish_reason", "stop_reason"(, "token_ids")}]}``,
+  then with ``stream_options.include_usage`` a chunk with ``choices: []`` and ``usage {prompt_tokens,
+  total_tokens, completion_tokens}``, then ``data: [DONE]``. ``prompt`` is a string or a list of ids.
+- Errors: HTTP 404 ``{"error": {"message": "The model `x` does not exist.", "type": "NotFoundError",
+  "param": "model", "code": 404}}``; HTTP 400 for a prompt + max_tokens over max_model_len (vLLM's
+  "This model's maximum context length is N tokens. However, you requested M tokens ..." message).
+
+Knobs: ``tokens_per_chunk`` (several tokens per SSE chunk, as with vLLM's stream interval),
+``eos_after`` (stop with finish_reason "stop" unless the request says ignore_eos), ``cut_after`` (close
+the connection after k chunks), ``include_usage`` (False: a server that ignores stream_options).
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from tests.fakes._http import FakeServer, Handler, count_words
+
+
+class OpenAIHandler(Handler):
+    def do_GET(self):
+        fake: FakeOpenAI = self.server.fake
+        if self.path == "/v1/models":
+            self.send_json(200, {"object": "list", "data": [
+                {"id": fake.model, "object": "model", "created": 1764000000, "owned_by": "vllm", "root": fake.model,
+                 "parent": None, "max_model_len": fake.max_model_len}]})
+        elif self.path == "/version":
+            self.send_json(200, {"version": fake.version})
+        else:
+            self.send_json(404, {"detail": "Not Found"})
+
+    def do_POST(self):
+        fake: FakeOpenAI = self.server.fake
+        if self.path != "/v1/completions":
+            return self.send_json(404, {"detail": "Not Found"})
+        fake.last_request = req = self.read_json()
+        if req.get("model") != fake.model:
+            return self.send_json(404, {"error": {"message": f"The model `{req.get('model')}` does not exist.",
+                                                  "type": "NotFoundError", "param": "model", "code": 404}})
+        prompt = req.get("prompt")
+        n_prompt = len(prompt) if isinstance(prompt, list) else count_words(prompt or "")
+        max_tokens = int(req.get("max_tokens") or 16)
+        if n_prompt + max_tokens > fake.max_model_len:
+            return self.send_json(400, {"error": {
+                "message": f"This model's maximum context length is {fake.max_model_len} tokens. However, you "
+                           f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} in "
+                           f"the completion). Please reduce the length of the messages or completion.",
+                "type": "BadRequestError", "param": None, "code": 400}})
+        n_out = max_tokens
+        if fake.eos_after is not None and not req.get("ignore_eos"):
+            n_out = min(n_out, max(fake.eos_after, int(req.get("min_tokens") or 0)))
+        base = {"id": "cmpl-fake0001", "object": "text_completion", "created": int(time.time()), "model": fake.model}
+        self.start_stream("text/event-stream; charset=utf-8")
+        sent, chunks = 0, 0
+        while sent < n_out:
+            time.sleep(fake.token_delay_s)
+            k = min(fake.tokens_per_chunk, n_out - sent)
+            ids = list(range(1000 + sent, 1000 + sent + k))
+            sent += k
+            done = sent == n_out
+            choice = {"index": 0, "text": "".join(f" w{i}" for i in ids), "logprobs": None,
+                      "finish_reason": ("length" if n_out == max_tokens else "stop") if done else None,
+                      "stop_reason": None}
+            if req.get("return_token_ids"):
+                choice["token_ids"] = ids
+            self._event({**base, "choices": [choice], "usage": None})
+            chunks += 1
+            if fake.cut_after is not None and chunks >= fake.cut_after:
+                return self.cut()
+        if fake.include_usage and (req.get("stream_options") or {}).get("include_usage"):
+            self._event({**base, "choices": [], "usage": {"prompt_tokens": n_prompt, "total_tokens": n_prompt + n_out,
+                                                           "completion_tokens": n_out}})
+        self.chunk(b"data: [DONE]\n\n")
+        self.end_stream()
+
+    def _event(self, obj) -> None:
+        self.chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+
+class FakeOpenAI(FakeServer):
+    handler = OpenAIHandler
+
+    def __init__(self, host="127.0.0.1", port=0, model="smollm2", max_model_len=8192, version="0.32.0",
+                 token_delay_s=0.002, tokens_per_chunk=1, eos_after=None, cut_after=None, include_usage=True):
+        super().__init__(host, port)
+        self.model, self.max_model_len, self.version = model, max_model_len, version
+        self.token_delay_s, self.tokens_per_chunk = token_delay_s, tokens_per_chunk
+        self.eos_after, self.cut_after, self.include_usage = eos_after, cut_after, include_usage
+        self.last_request: dict | None = None

@@ -1,0 +1,135 @@
+"""Load profiles, against an in-process fake engine whose requests take a programmed time."""
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from backends.base import Backend, RequestResult
+from bench.load import LoadPoint, concurrent, rate, run_async, sweep
+from workloads import Workload
+
+
+class SleepyBackend(Backend):
+    """Each request: TTFT then one token every ITL; records how many were in flight at once."""
+    engine, default_version = "fake", "0"
+
+    def __init__(self, ttft=0.05, itl=0.01, tokens=3):
+        super().__init__("0", None)
+        self.ttft, self.itl, self.tokens = ttft, itl, tokens
+        self.now = self.peak = 0
+
+    @classmethod
+    def recipe(cls, version):
+        raise NotImplementedError
+
+    def command(self, spec):
+        raise NotImplementedError
+
+    def kv_pool(self):
+        return None
+
+    def kv_in_use(self, client):
+        return None
+
+    async def stream(self, client, prompt):
+        r = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, time.perf_counter())
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        await asyncio.sleep(self.ttft)
+        for _ in range(self.tokens):
+            r.add_chunk(time.perf_counter(), 1)
+            await asyncio.sleep(self.itl)
+        self.now -= 1
+        r.t_done = time.perf_counter()
+        return r
+
+
+class P:
+    def __init__(self, i):
+        self.request_id, self.prompt_tokens, self.output_tokens = f"r{i}", 10, 3
+
+
+def test_constant_arrivals_are_evenly_spaced():
+    assert rate.arrival_offsets(4, 2.0, "constant", 0).tolist() == [0.0, 0.5, 1.0, 1.5]
+
+
+def test_poisson_arrivals_have_the_asked_mean_and_are_seeded():
+    a = rate.arrival_offsets(20000, 5.0, "poisson", 1)
+    assert a[0] == 0.0 and np.all(np.diff(a) >= 0)
+    assert np.mean(np.diff(a)) == pytest.approx(0.2, rel=0.03)
+    assert np.array_equal(a, rate.arrival_offsets(20000, 5.0, "poisson", 1))
+    assert not np.array_equal(a, rate.arrival_offsets(20000, 5.0, "poisson", 2))
+    with pytest.raises(ValueError, match="poisson, constant"):
+        rate.arrival_offsets(3, 1.0, "bursty", 0)
+
+
+def test_closed_loop_keeps_exactly_concurrency_in_flight():
+    backend = SleepyBackend()
+    load = run_async(concurrent.run(backend, [P(i) for i in range(9)], 3, timeout_s=5))
+    assert len(load.results) == 9 and all(r.error is None for r in load.results)
+    assert backend.peak == 3 and load.max_in_flight == 3
+    assert load.offered_request_rate is None and load.send_lags == []
+
+
+def test_closed_loop_duration_stops_new_requests():
+    load = run_async(concurrent.run(SleepyBackend(ttft=0.1, itl=0.0, tokens=1), [P(i) for i in range(50)], 2,
+                                    timeout_s=5, duration_s=0.25))
+    assert 4 <= len(load.results) <= 8  # 2 workers x ~0.1 s per request for 0.25 s, in-flight ones finish
+
+
+def test_open_loop_sends_on_schedule_when_the_engine_keeps_up():
+    load = run_async(rate.run(SleepyBackend(ttft=0.01, itl=0.0, tokens=1), [P(i) for i in range(8)], 20.0,
+                              "constant", timeout_s=5))
+    assert load.offered_request_rate == 20.0
+    assert load.achieved_request_rate == pytest.approx(20.0, rel=0.1)
+    assert max(load.send_lags) < 0.02
+    assert all(r.t_scheduled is not None for r in load.results)
+
+
+def test_open_loop_with_a_cap_records_the_lag_it_causes():
+    # 10 requests/s offered, but each takes 0.2 s and only one may be in flight: the engine is offered
+    # 5/s in fact, and the lag behind the schedule grows with every request (coordinated omission shows).
+    backend = SleepyBackend(ttft=0.2, itl=0.0, tokens=1)
+    load = run_async(rate.run(backend, [P(i) for i in range(6)], 10.0, "constant", timeout_s=5, max_concurrency=1))
+    assert backend.peak == 1 and load.max_in_flight == 1
+    assert load.achieved_request_rate == pytest.approx(5.0, rel=0.15)
+    assert load.send_lags[-1] > 0.45 and load.send_lags == sorted(load.send_lags)
+
+
+def test_failed_request_is_a_result_not_an_exception():
+    class Broken(SleepyBackend):
+        async def stream(self, client, prompt):
+            raise ValueError("not JSON")
+    load = run_async(concurrent.run(Broken(), [P(0)], 1, timeout_s=5))
+    assert load.results[0].error == "bad response: not JSON"
+
+
+def test_timeout_becomes_a_failed_request():
+    load = run_async(concurrent.run(SleepyBackend(ttft=2.0), [P(0)], 1, timeout_s=0.1))
+    assert "timed out" in load.results[0].error
+
+
+def test_load_point_validation_and_slug():
+    assert LoadPoint("concurrent", 4).slug == "c4"
+    assert LoadPoint("poisson", 8, 2.5).slug == "poisson-r2_5-cap8"
+    assert LoadPoint("constant", None, 1.0).slug == "constant-r1"
+    with pytest.raises(ValueError, match="request_rate"):
+        LoadPoint("poisson", 4)
+    with pytest.raises(ValueError, match="concurrency"):
+        LoadPoint("concurrent", 0)
+
+
+def _workload(**kw):
+    base = dict(name="w", seed=1, prompt_tokens=[16], output_tokens=4)
+    return Workload.model_validate(base | kw)
+
+
+def test_sweep_points():
+    assert [p.slug for p in sweep.static_points(_workload(concurrency=[1, 4]))] == ["c1", "c4"]
+    w = _workload(load_profile="poisson", request_rates=[1, 2], concurrency=[8], requests=5)
+    assert [p.slug for p in sweep.static_points(w)] == ["poisson-r1-cap8", "poisson-r2-cap8"]
+    sat = _workload(load_profile="constant", request_rates="saturation", concurrency=[4], requests=5)
+    assert [p.slug for p in sweep.static_points(sat)] == ["c4"]  # the closed loop that finds the rate
+    assert [p.request_rate for p in sweep.saturation_points(sat, 2.0)] == [0.5, 1.0, 1.5, 2.0]
+    assert sweep.saturation_points(sat, 0) == []

@@ -1,0 +1,110 @@
+"""The attach-only OpenAI-compatible adapter against a fake vLLM-style completions server
+(tests/fakes/openai_server.py); queue_state of every adapter that has one."""
+import httpx
+import pytest
+
+from backends import REGISTRY
+from backends.base import EngineStartError
+from backends.llamacpp import LlamaCppBackend
+from backends.openai import OpenAIBackend
+from backends.vllm import VLLMBackend
+from bench.config import BackendConfig
+from tests.fakes.openai_server import FakeOpenAI
+from tests.fakes.testkit import prompt, run, spec
+
+
+def attached(tmp_path, fake, **options):
+    backend = OpenAIBackend("v1", tmp_path, options)
+    backend.attach(spec(tmp_path), fake.url, timeout_s=5)
+    return backend
+
+
+def test_text_prompt_one_token_per_text_chunk_and_usage(tmp_path):
+    with FakeOpenAI(model="served-name") as fake:
+        backend = attached(tmp_path, fake)
+        assert backend.model == "served-name"  # the first id of /v1/models
+        (r,) = run(backend, [prompt(100, 16)])
+        assert backend.reported_version() == "0.32.0"
+    assert r.error is None
+    assert (r.prompt_tokens_reported, r.output_tokens_reported) == (100, 16)
+    assert r.chunk_tokens == [1] * 16 and all(a <= b for a, b in zip(r.chunk_times, r.chunk_times[1:])) and len(set(r.chunk_times)) > 1
+    assert r.engine_details["finish_reason"] == "length"
+    body = fake.last_request
+    assert body["prompt"] == " w" * 100 and body["max_tokens"] == 16 and body["stream_options"] == {"include_usage": True}
+    assert "ignore_eos" not in body and "min_tokens" not in body and "return_token_ids" not in body
+    assert backend.kv_pool() is None and backend.kv_in_use(None) is None
+    assert backend.accepts_token_ids is False and backend.forces_output_length is False
+
+
+def test_token_ids_ignore_eos_and_multi_token_chunks(tmp_path):
+    with FakeOpenAI(tokens_per_chunk=4, eos_after=5) as fake:
+        backend = attached(tmp_path, fake, token_ids=True, ignore_eos=True, return_token_ids=True)
+        (r,) = run(backend, [prompt(50, 16)])
+    assert fake.last_request["prompt"] == list(range(100, 150))
+    assert fake.last_request["ignore_eos"] is True and fake.last_request["min_tokens"] == 16
+    assert r.error is None and r.chunk_tokens == [4, 4, 4, 4] and r.output_tokens_reported == 16
+    assert backend.accepts_token_ids and backend.forces_output_length
+
+
+def test_without_token_ids_a_packed_chunk_counts_once(tmp_path):
+    # documented under-count: the usage's completion_tokens stays exact, and the two disagree
+    with FakeOpenAI(tokens_per_chunk=4) as fake:
+        (r,) = run(attached(tmp_path, fake), [prompt(50, 16)])
+    assert r.chunk_tokens == [1, 1, 1, 1] and r.output_tokens_reported == 16
+
+
+def test_eos_without_ignore_eos_stops_early(tmp_path):
+    with FakeOpenAI(eos_after=5) as fake:
+        (r,) = run(attached(tmp_path, fake), [prompt(50, 16)])
+    assert r.error is None and r.output_tokens_reported == 5 and r.engine_details["finish_reason"] == "stop"
+
+
+def test_error_bodies_cut_off_and_missing_usage(tmp_path):
+    with FakeOpenAI(max_model_len=128) as fake:
+        backend = attached(tmp_path, fake)
+        (too_long,) = run(backend, [prompt(120, 16)])
+        assert too_long.error.startswith("HTTP 400: ") and "maximum context length is 128 tokens" in too_long.error
+        wrong = attached(tmp_path, fake, served_model="other")
+        (missing,) = run(wrong, [prompt(10, 4)])
+        assert missing.error.startswith("HTTP 404: ") and "The model `other` does not exist." in missing.error
+        fake.cut_after = 2
+        (cut,) = run(backend, [prompt(10, 8)])
+        assert cut.error and cut.output_tokens_reported is None
+        fake.cut_after, fake.include_usage = None, False
+        (no_usage,) = run(backend, [prompt(10, 8)])
+        assert no_usage.error and no_usage.output_tokens_reported is None
+
+
+def test_start_needs_a_url(tmp_path):
+    backend = OpenAIBackend("v1", tmp_path, {})
+    with pytest.raises(EngineStartError, match="benchmarks a running server: give it a url"):
+        backend.start(spec(tmp_path), tmp_path / "x.log", timeout_s=5)
+
+
+def test_registered_and_parsed():
+    assert {"tgi", "ollama", "openai"} <= set(REGISTRY)
+    cfg = BackendConfig.parse("openai:url=http://127.0.0.1:8000,served_model=m,ignore_eos=true")
+    assert (cfg.engine, cfg.url, cfg.options) == ("openai", "http://127.0.0.1:8000", {"served_model": "m", "ignore_eos": True})
+    assert BackendConfig.parse("tgi").version == "3.3.5" and BackendConfig.parse("ollama").engine == "ollama"
+
+
+def _metrics_client(text: str, status: int = 200) -> httpx.Client:
+    return httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(status, text=text)))
+
+
+def test_queue_state_of_vllm_and_llamacpp(tmp_path):
+    vllm = VLLMBackend("0.32.0", tmp_path, {})
+    vllm.base_url = "http://127.0.0.1:1"
+    text = ("# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"m\"} 3.0\n"
+            "# TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{model_name=\"m\"} 7.0\n")
+    state = vllm.queue_state(_metrics_client(text))
+    assert state["waiting"] == 3.0 and state["preemptions"] == 7.0 and "vllm:num_requests_waiting" in state["source"]
+    assert vllm.queue_state(_metrics_client("")) is None
+    llama = LlamaCppBackend("0.3.36", tmp_path, {})
+    llama.base_url = "http://127.0.0.1:1"
+    text = ("# HELP llamacpp:requests_deferred Number of requests deferred.\n# TYPE llamacpp:requests_deferred gauge\n"
+            "llamacpp:requests_deferred 2\n# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 4\n")
+    state = llama.queue_state(_metrics_client(text))
+    assert state["waiting"] == 2 and "llamacpp:requests_deferred" in state["source"]
+    assert llama.queue_state(_metrics_client("", status=501)) is None
+    assert OpenAIBackend("v1", tmp_path, {}).queue_state(None) is None  # the base default

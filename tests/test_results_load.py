@@ -1,0 +1,89 @@
+"""bench.results.load: tidy DataFrames from JSONL or Parquet, v1 runs migrated to the current schema."""
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from bench.results import SCHEMA_VERSION, CellRow, ensure_parquet, load, migrate_row, parquet_is_current, write_parquet
+
+from .synth import make_run
+
+PUBLISHED = Path(__file__).resolve().parent.parent / "results/published/20261129-143003-cpu-default"
+
+
+@pytest.fixture
+def published(tmp_path):
+    """A copy of the published run without its Parquet files (the test writes its own)."""
+    copy = tmp_path / PUBLISHED.name
+    shutil.copytree(PUBLISHED, copy, ignore=shutil.ignore_patterns("*.parquet", "plots", "report.*"))
+    return copy
+
+
+def test_the_published_v1_run_migrates_to_the_current_schema(published):
+    assert json.loads((published / "cells.jsonl").read_text().splitlines()[0])["schema_version"] == 1
+    cells = load(published)
+    assert len(cells) == 24 and set(cells.schema_version) == {SCHEMA_VERSION}
+    assert set(cells.repeat) == {0} and set(cells.load_profile) == {"concurrent"}
+    assert cells.request_rate.isna().all() and set(cells.variant) == {""} and set(cells.token_contract) == {""}
+    assert not cells.attached.any() and cells.requests_waiting_peak.isna().all()
+    assert set(cells.run_id) == {PUBLISHED.name} and set(cells.run_dir) == {str(published)}
+    assert list(cells.columns[:len(CellRow.model_fields)]) == list(CellRow.model_fields)
+    assert cells.set_index("cell_id").loc["vllm-0.32.0_p1024_c1", "kv_measured_over_predicted"] == pytest.approx(1.0598,
+                                                                                                              abs=1e-4)
+
+
+def test_requests_are_tidy_with_derived_columns(published):
+    requests = load(published, what="requests")
+    assert len(requests) == 63 and set(requests["repeat"]) == {0}
+    assert not requests[requests.warmup].ok.any()  # warm-up requests never count
+    measured = requests[~requests.warmup]
+    assert measured.ok.all() and (measured.tpot_s > 0).all()
+    one = measured.set_index("cell_id").loc["hf-5.24.0_p1024_c1"]
+    assert one.tpot_s == pytest.approx(0.057632356, rel=1e-6)  # the cell's TPOT, one request
+    assert isinstance(one.chunk_times, list) and isinstance(one.engine_details, dict)
+
+
+def test_parquet_copy_carries_the_schema_version_and_reads_back_the_same(published):
+    jsonl_cells, jsonl_requests = load(published), load(published, what="requests")
+    assert not parquet_is_current(published)
+    assert ensure_parquet(published) and not ensure_parquet(published)  # written once, then current
+    meta = pq.read_schema(published / "cells.parquet").metadata
+    assert meta[b"kvbench_schema_version"] == str(SCHEMA_VERSION).encode()
+    assert pq.read_schema(published / "requests.parquet").metadata[b"kvbench_schema_version"] == b"2"
+    from_parquet = load(published)
+    assert from_parquet.drop(columns="flags").equals(jsonl_cells.drop(columns="flags"))
+    assert list(from_parquet["flags"]) == list(jsonl_cells["flags"])
+    req = load(published, what="requests")
+    assert list(req.chunk_times.iloc[3]) == list(jsonl_requests.chunk_times.iloc[3])
+    assert list(req.engine_details) == list(jsonl_requests.engine_details)
+
+
+def test_a_stale_parquet_copy_is_not_read(published):
+    write_parquet(published)
+    with (published / "cells.jsonl").open("a") as f:  # a cell appended after the copy was made
+        line = (published / "cells.jsonl").read_text().splitlines()[0]
+        f.write(line.replace("hf-5.24.0_p1024_c1", "extra") + "\n")
+    os.utime(published / "cells.jsonl", (os.path.getmtime(published / "cells.parquet") + 5,) * 2)
+    assert not parquet_is_current(published)
+    assert "extra" in set(load(published).cell_id)
+
+
+def test_several_runs_load_into_one_frame(tmp_path):
+    a = make_run(tmp_path, "a", repeats=2, prompts=(1024,), concurrency=(1,))
+    b = make_run(tmp_path, "b", repeats=3, prompts=(1024,), concurrency=(1,))
+    both = load(a, b)
+    assert both.equals(load([a, b]))
+    assert both.groupby("run_id")["repeat"].apply(list).to_dict() == {"a": [0, 1], "b": [0, 1, 2]}
+    assert len(load(a, b, what="requests")) == 5 * 16
+
+
+def test_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="what must be"):
+        load(PUBLISHED, what="timelines")
+    with pytest.raises(FileNotFoundError, match="not a kvbench run folder"):
+        load(tmp_path)
+    with pytest.raises(ValueError, match="newer than this kvbench"):
+        migrate_row({"schema_version": SCHEMA_VERSION + 1}, CellRow)

@@ -1,0 +1,73 @@
+"""bench/stats.py on known distributions: a real 10 % regression is caught, noise within tolerance is not."""
+import numpy as np
+import pytest
+
+from bench import stats
+
+
+@pytest.mark.parametrize("p, df, expected", [(0.975, 1, 12.7062), (0.975, 4, 2.7764), (0.975, 10, 2.2281),
+                                             (0.95, 30, 1.6973), (0.975, 1e12, 1.9600)])
+def test_t_quantile_matches_the_tables(p, df, expected):
+    assert stats.t_quantile(p, df) == pytest.approx(expected, abs=1e-4)
+    assert stats.t_quantile(1 - p, df) == pytest.approx(-expected, abs=1e-4)
+
+
+def test_welch_catches_a_real_10_percent_regression():
+    rng = np.random.default_rng(7)
+    base, cand = rng.normal(1.00, 0.02, 5), rng.normal(1.10, 0.02, 5)  # TTFT in s: 10 % slower
+    iv = stats.welch_relative_change(base, cand)
+    assert iv.low < 0.10 < iv.high
+    assert stats.decide(iv, 0.05, higher_is_worse=True) == "regression"
+    # the same change in a throughput metric is an improvement
+    assert stats.decide(iv, 0.05, higher_is_worse=False) == "improvement"
+
+
+def test_noise_within_tolerance_is_not_a_regression():
+    rng = np.random.default_rng(8)
+    for trial in range(50):
+        base, cand = rng.normal(1.0, 0.02, 3), rng.normal(1.01, 0.02, 3)  # +1 %, tolerance 5 %
+        assert stats.decide(stats.welch_relative_change(base, cand), 0.05, True) != "regression", trial
+
+
+def test_a_change_beyond_tolerance_with_wide_noise_is_inconclusive_not_regression():
+    rng = np.random.default_rng(9)
+    base, cand = rng.normal(1.0, 0.15, 2), rng.normal(1.08, 0.15, 2)
+    assert stats.decide(stats.welch_relative_change(base, cand), 0.05, True) == "inconclusive"
+
+
+def test_welch_false_alarm_rate_is_at_most_alpha_over_two():
+    """No change and tolerance 0: a 95 % interval excludes 0 on the worse side in about 2.5 % of trials."""
+    rng = np.random.default_rng(11)
+    alarms = sum(stats.decide(stats.welch_relative_change(rng.normal(10, 1, 4), rng.normal(10, 1, 4)), 0.0, True)
+                 == "regression" for _ in range(400))
+    assert alarms / 400 < 0.06
+
+
+def test_identical_repeats_give_a_point_interval():
+    iv = stats.welch_relative_change([100.0, 100.0], [110.0, 110.0])
+    assert (iv.change, iv.low, iv.high) == pytest.approx((0.10, 0.10, 0.10))
+
+
+def test_bootstrap_from_requests_catches_10_percent_and_ignores_noise():
+    rng = np.random.default_rng(3)
+    base = rng.lognormal(0, 0.1, 200)
+    slower = 1.10 * rng.lognormal(0, 0.1, 200)
+    same = rng.lognormal(0, 0.1, 200)
+    iv = stats.bootstrap_relative_change(base, slower, stats.percentile_stat(50))
+    assert iv.method.startswith("single run: interval from requests")
+    assert stats.decide(iv, 0.05, True) == "regression"
+    assert stats.decide(stats.bootstrap_relative_change(base, same, stats.percentile_stat(50)), 0.05, True) \
+        != "regression"
+
+
+def test_bootstrap_is_seeded_and_needs_samples():
+    a, b = np.arange(1, 21.0), np.arange(2, 22.0)
+    assert stats.bootstrap_relative_change(a, b, seed=1) == stats.bootstrap_relative_change(a, b, seed=1)
+    with pytest.raises(ValueError, match="at least"):
+        stats.bootstrap_relative_change([1.0, 2.0], b)
+    with pytest.raises(ValueError, match="at least 2"):
+        stats.welch_relative_change([1.0], [1.0, 2.0])
+
+
+def test_decide_without_an_interval():
+    assert stats.decide(None, 0.05, True) == "not compared"
