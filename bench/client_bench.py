@@ -293,7 +293,8 @@ def ceiling_table(rows: list[dict], tokens: int, concurrency: int) -> Table:
     for col in ("client", "requests", "failed", "output tokens/s", "client CPU us/token", "client cores",
                 "mock cores", "x vllm bench serve"):
         t.add_column(col, justify="left" if col == "client" else "right")
-    base = next((r["tokens_per_s"] for r in rows if r.get("client") == "vllm bench serve" and not r.get("not_run")), None)
+    base = next((r["tokens_per_s"] for r in rows
+                 if r.get("client", "").startswith("vllm bench serve") and not r.get("not_run")), None)
     for r in rows:
         if r.get("not_run"):
             t.add_row(r["client"], "", "", "not run", r["not_run"][:70], "", "", "")
@@ -318,6 +319,7 @@ def main(
     ceiling_requests: int = typer.Option(2048, help="ceiling: requests per run"),
     peers: bool = typer.Option(False, "--peers", help="also run GuideLLM, AIPerf and vllm bench serve"),
     peer: list[str] = typer.Option([], help="run only these peers (guidellm, aiperf, vllm)"),
+    peer_repeats: int = typer.Option(3, help="runs of each peer measurement (a peer run takes 10-30 s)"),
     quick: bool = typer.Option(False, "--quick", help="a few requests per measurement (for tests)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the results here"),
     pin: bool = typer.Option(True, help="mock and client on separate cores"),
@@ -329,7 +331,7 @@ def main(
     if client_cpu is not None:
         os.sched_setaffinity(0, {client_cpu})
     console.print(f"machine: {machine()}; mock on CPU {mock_cpu}, client on CPU {client_cpu}")
-    out: dict = {"machine": machine(), "repeats": repeats, "ttft_ms": ttft_ms, "itl_ms": itl_ms, "tokens": tokens,
+    out: dict = {"machine": machine(), "repeats": repeats, "mock_cpu": mock_cpu, "client_cpu": client_cpu, "ttft_ms": ttft_ms, "itl_ms": itl_ms, "tokens": tokens,
                  "ceiling_tokens": ceiling_tokens, "ceiling_concurrency": ceiling_concurrency,
                  "command": " ".join(["python -m bench.client_bench", *sys.argv[1:]])}
 
@@ -359,7 +361,7 @@ def main(
         acc_c = 16 if 16 in concurrencies else concurrencies[-1]
         for name in names:
             console.print(f"peer {name}: installing / running")
-            acc, ceil = client_peers.run_peer(name, repeats=repeats, concurrency=acc_c, ttft_ms=ttft_ms,
+            acc, ceil = client_peers.run_peer(name, repeats=min(repeats, peer_repeats), concurrency=acc_c, ttft_ms=ttft_ms,
                                               itl_ms=itl_ms, tokens=tokens, requests=2 * acc_c if quick else max(32, rounds * acc_c),
                                               ceiling_tokens=ceiling_tokens, ceiling_concurrency=ceiling_concurrency,
                                               ceiling_requests=ceiling_requests, mock_cpu=mock_cpu, log=console.print)

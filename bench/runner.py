@@ -212,10 +212,10 @@ class Runner:
         planned = self._planned_cells(spec)
         done: list[Cell] = []
 
-        def fail_remaining(error: str, log_tail: str = ""):
+        def fail_remaining(error: str, log_tail: str = "", status: str = "failed"):
             for cell in planned:
                 if cell not in done:
-                    self.writer.write_cell(self._empty_row(cfg, spec, cell, "failed", error, log_tail))
+                    self.writer.write_cell(self._empty_row(cfg, spec, cell, status, error, log_tail))
                     progress.advance(task)
             if w.request_rates == "saturation":  # the rate cells never planned: count them off the bar
                 progress.advance(task, len(self.lengths) * w.saturation_steps * self.repeats
@@ -223,8 +223,8 @@ class Runner:
             self.console.print(f"[red]{cfg.label}: {error}[/]" + (f"\n{log_tail}" if log_tail else ""))
 
         if spec.prefix_caching is not None and not cls.supports_prefix_caching:
-            return fail_remaining(f"{cfg.engine} has no prefix caching to switch "
-                                  f"{'on' if spec.prefix_caching else 'off'}: not run")
+            return fail_remaining(f"the {cfg.engine} adapter cannot switch prefix caching "
+                                  f"{'on' if spec.prefix_caching else 'off'}", status="not run")
         if cfg.url:
             backend = cls(cfg.version, None, cfg.options)
         else:

@@ -4,7 +4,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from bench.report import render
+from bench.reports import render
 from bench.results import SCHEMA_VERSION, CellRow, RunWriter, load_cells
 
 

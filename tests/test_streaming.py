@@ -228,3 +228,14 @@ def test_line_parsers():
     assert parse_ndjson_line("  ") is None
     with pytest.raises(ValueError):
         parse_sse_line("data: {broken")
+
+
+def test_works_on_the_default_event_loop_too():
+    """The runner may call asyncio.run (no uvloop): the client does not depend on uvloop."""
+    body = CHUNKED_HEAD + chunk(token_event([1, 2], "length") + USAGE + DONE) + b"0\r\n\r\n"
+
+    async def client_fn(url):
+        async with open_client(1, 10.0) as client:
+            return await stream_sse(client, url, {}, PROMPT, VLLMBackend._read_event)
+    r = asyncio.run(_serve([body], client_fn))
+    assert r.error is None and r.chunk_tokens == [2]

@@ -4,7 +4,7 @@ import typer
 from rich.markdown import Markdown
 
 from bench import ui
-from bench.reports import build, html, markdown
+from bench import reports
 from bench.results import ensure_parquet
 
 
@@ -26,15 +26,7 @@ def report(
                                      param_hint="RUN_DIR")
     for run_dir in run_dirs:
         ensure_parquet(run_dir)
-    if output is None:
-        folder = run_dirs[0] if len(run_dirs) == 1 else Path("results/reports") / "+".join(d.name for d in run_dirs)
-        output = folder / "report.md"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    result = build(run_dirs, output.parent / "plots" if plots else None)
-    text = markdown.render(result, output.parent)
-    output.write_text(text)
-    target_html = html_file or output.with_suffix(".html")
-    target_html.write_text(html.render(result))
+    output, target_html, text = reports.write(run_dirs, output, html_file, plots)
     if raw:
         print(text)
     else:

@@ -6,7 +6,7 @@ from bench import ui
 from backends import REGISTRY
 from bench.config import BackendConfig, ConfigError
 from bench.models import ModelError
-from bench.report import render
+from bench import reports
 from bench.results import load_cells
 from bench.runner import RunOptions, Runner
 from workloads import WorkloadError, available
@@ -56,9 +56,8 @@ def run(
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted; finished cells are in {runner.run_dir}[/]")
         raise typer.Exit(130)
-    text = render(run_dir)
-    (run_dir / "report.md").write_text(text)
-    console.print(f"\nresults: {run_dir}\nreport:  {run_dir / 'report.md'}  (kvbench report {run_dir})")
+    md, page, _ = reports.write([run_dir])
+    console.print(f"\nresults: {run_dir}\nreport:  {md} and {page}  (kvbench report {run_dir})")
     cells = load_cells(run_dir)
     if cells.empty or (cells.status == "failed").all():
         raise typer.Exit(1)

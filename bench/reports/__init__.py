@@ -170,3 +170,22 @@ def render(run_dir: str | Path, with_plots: bool = True) -> str:
 
     run_dir = Path(run_dir)
     return markdown.render(build([run_dir], run_dir / "plots" if with_plots else None), run_dir)
+
+
+def write(run_dirs: list[Path], output: Path | None = None, html_file: Path | None = None,
+          plots: bool = True) -> tuple[Path, Path, str]:
+    """Write the Markdown report, its plots and the HTML page; returns (markdown path, HTML path, text).
+    Default place: RUN_DIR/report.md for one run, results/reports/<ids>/report.md for several."""
+    from bench.reports import html, markdown
+
+    run_dirs = [Path(d) for d in run_dirs]
+    if output is None:
+        folder = run_dirs[0] if len(run_dirs) == 1 else Path("results/reports") / "+".join(d.name for d in run_dirs)
+        output = folder / "report.md"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    result = build(run_dirs, output.parent / "plots" if plots else None)
+    text = markdown.render(result, output.parent)
+    output.write_text(text)
+    target_html = html_file or output.with_suffix(".html")
+    target_html.write_text(html.render(result))
+    return output, target_html, text
