@@ -4,8 +4,8 @@ Adapters build the request body and read each event; these functions do the tran
 event's arrival time *before* it is parsed. ``client`` is whatever :func:`open_client` returns: adapters
 pass it through and never use it directly, so the transport can change without touching them.
 
-The transport is aiohttp (its C HTTP parser), JSON is orjson, and :func:`run_async` runs a coroutine on
-uvloop where it is installed. Each read from the socket is stamped once with ``time.perf_counter()``; the
+The transport is aiohttp (its C HTTP parser), JSON is orjson; the load generator runs on uvloop where it
+is installed (:func:`bench.load.common.run_async`). Each read from the socket is stamped once with ``time.perf_counter()``; the
 events in it are then split out and parsed, so every event of one read gets the time the read returned.
 ``bench/client_bench.py`` measures how accurate and how fast this is (README: "How accurate and fast is
 the client").
@@ -18,7 +18,6 @@ SSE ``data: [DONE]`` line, or any event from which the adapter read the engine's
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from contextlib import asynccontextmanager
 
@@ -40,22 +39,14 @@ _JSON_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-strea
 _DONE = b"[DONE]"
 
 
-def run_async(coro):
-    """``asyncio.run(coro)`` on uvloop when it is installed (the event loop the client was measured on)."""
-    if uvloop is not None:
-        return uvloop.run(coro)
-    return asyncio.run(coro)
-
-
 @asynccontextmanager
 async def open_client(max_connections: int, timeout_s: float):
     """One connection pool for ``max_connections`` concurrent streams (plus a few spare).
     ``timeout_s`` bounds each wait for the server (connect: 10 s); the load generator also bounds each
     whole request."""
-    # force_close: a fresh connection per request. Reusing keep-alive connections raced with servers that
-    # close them (llama-server: ServerDisconnectedError on a reused connection); a local connect costs
-    # ~0.1 ms of client CPU, nothing against a streamed request.
-    connector = aiohttp.TCPConnector(limit=max_connections + 4, limit_per_host=0, ttl_dns_cache=300, force_close=True)
+    # Keep-alive connections: a new TCP connection per request added ~2 ms to TTFT at concurrency 16
+    # (bench/client_bench.py). A server may close an idle one under us: _post retries that case once.
+    connector = aiohttp.TCPConnector(limit=max_connections + 4, limit_per_host=0, ttl_dns_cache=300)
     timeout = aiohttp.ClientTimeout(total=None, connect=10.0, sock_connect=10.0, sock_read=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as session:
         yield session
@@ -66,6 +57,23 @@ async def _http_error(response, result: RequestResult) -> RequestResult:
     result.error = f"HTTP {response.status}: {body.decode(errors='replace')[:500]}"
     result.t_done = time.perf_counter()
     return result
+
+
+#: A reused keep-alive connection the server had already closed fails like this before any response.
+_STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
+
+async def _post(client, url: str, body: dict, result: RequestResult):
+    """POST and wait for the response headers. When the server closed the pooled connection the request
+    went out on (llama-server does, between requests), retry once on a fresh one; ``result.t_sent`` is
+    the send time of the attempt that was answered."""
+    payload = orjson.dumps(body)
+    try:
+        return await client.post(url, data=payload, headers=_JSON_HEADERS)
+    except _STALE_CONNECTION:
+        result.t_sent = time.perf_counter()
+        result.engine_details["resent_on_fresh_connection"] = True
+        return await client.post(url, data=payload, headers=_JSON_HEADERS)
 
 
 def _ended_early(result: RequestResult, done_marker: bool) -> None:
@@ -79,7 +87,7 @@ async def stream_sse(client, url: str, body: dict, prompt, handle) -> RequestRes
     result = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, time.perf_counter())
     perf_counter, loads, JSONDecodeError = time.perf_counter, orjson.loads, orjson.JSONDecodeError
     done_marker = False
-    async with client.post(url, data=orjson.dumps(body), headers=_JSON_HEADERS) as response:
+    async with await _post(client, url, body, result) as response:
         if response.status != 200:
             return await _http_error(response, result)
         buf = b""
@@ -114,7 +122,7 @@ async def stream_ndjson(client, url: str, body: dict, prompt, handle) -> Request
     """POST ``body`` and read a newline-delimited JSON stream (Ollama), one event per line."""
     result = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, time.perf_counter())
     perf_counter, loads = time.perf_counter, orjson.loads
-    async with client.post(url, data=orjson.dumps(body), headers=_JSON_HEADERS) as response:
+    async with await _post(client, url, body, result) as response:
         if response.status != 200:
             return await _http_error(response, result)
         buf = b""

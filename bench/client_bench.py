@@ -2,7 +2,8 @@
 
 ``python -m bench.client_bench --repeats 5`` starts :mod:`bench.mock_server` in a process of its own,
 pinned to one core, pins itself (the client) to another, and drives the mock with kvbench's own load
-generator (:func:`bench.loadgen.run_closed_loop`), its vLLM adapter and its metrics (:mod:`bench.metrics`):
+generator (:func:`bench.load.concurrent.run` on :func:`bench.load.common.run_async`, as ``kvbench run``
+drives it), its vLLM adapter and its metrics (:mod:`bench.metrics`):
 
 (a) accuracy: the mock sends the first token ``--ttft-ms`` after it read the request and the next ones
     every ``--itl-ms``; the table shows reported TTFT and ITL percentiles minus the programmed values at
@@ -35,10 +36,10 @@ from rich.console import Console
 from rich.table import Table
 
 from backends.base import LOCALHOST, ModelFiles, ServerSpec, free_port
-from backends.streaming import run_async
 from backends.vllm import VLLMBackend
 from bench.kvmodel import KVGeometry
-from bench.loadgen import run_closed_loop
+from bench.load import concurrent
+from bench.load.common import run_async
 from bench.metrics import RequestTimes, cell_metrics
 from workloads.prompts import Prompt
 
@@ -117,6 +118,11 @@ def make_prompts(n: int, output_tokens: int, start: int = 0) -> list[Prompt]:
     return [Prompt(f"r{start + i}", (start + i, 1, 2, 3), "", output_tokens) for i in range(n)]
 
 
+def run_closed_loop(backend, prompts, concurrency: int) -> list:
+    """kvbench's closed-loop load on the event loop the runner uses."""
+    return run_async(concurrent.run(backend, prompts, concurrency, 60.0)).results
+
+
 def _pct(values, q) -> float:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else float("nan")
 
@@ -136,7 +142,7 @@ def accuracy_run(mock: Mock, concurrency: int, n_requests: int, output_tokens: i
     backend = mock_backend(mock.url)
     mock.records()  # clear
     prompts = make_prompts(n_requests, output_tokens, start)
-    results = run_async(run_closed_loop(backend, prompts, concurrency, 60.0))
+    results = run_closed_loop(backend, prompts, concurrency)
     records = {r["key"]: r for r in mock.records()}
     failed = check_results(results, output_tokens)
     good = [r for r in results if not r.error and r.chunk_times]
@@ -170,7 +176,7 @@ def ceiling_run(mock: Mock, concurrency: int, n_requests: int, output_tokens: in
     backend = mock_backend(mock.url)
     prompts = make_prompts(n_requests, output_tokens, start)
     mock_cpu0, cpu0, wall0 = mock.cpu_seconds(), time.process_time(), time.perf_counter()
-    results = run_async(run_closed_loop(backend, prompts, concurrency, 60.0))
+    results = run_closed_loop(backend, prompts, concurrency)
     wall, cpu, mock_cpu = time.perf_counter() - wall0, time.process_time() - cpu0, mock.cpu_seconds() - mock_cpu0
     mock.records()  # keep the mock's list short
     failed = check_results(results, output_tokens)

@@ -251,27 +251,29 @@ class MockServer:
         self._timer = self.loop.call_later(max(0.0, deadline - self.spin_s - perf_counter()), self._tick)
 
     def _tick(self) -> None:
+        """Send what is due. Spins only up to the first deadline (at most ``spin_s``), sends everything due
+        by then, and goes back to the event loop, so that requests arriving meanwhile are read on time."""
         self._timer, self._timer_at = None, float("inf")
-        heap, spin = self._heap, self.spin_s
-        while heap:
+        heap = self._heap
+        if heap:
             deadline = heap[0][0]
             now = perf_counter()
-            if deadline > now + spin:
-                break
-            while now < deadline:
+            if deadline <= now + self.spin_s:
+                while now < deadline:
+                    now = perf_counter()
+            while heap and heap[0][0] <= now:
+                _, _, stream = heapq.heappop(heap)
+                if stream.transport.is_closing():
+                    continue
+                i = stream.sent
+                last = i + 1 == len(stream.events)
+                stream.transport.write(stream.events[i] + stream.tail if last else stream.events[i])
+                if self.record_sends:
+                    stream.record["sends"].append(now)
+                stream.sent = i + 1
+                if not last:
+                    heapq.heappush(heap, (stream.deadlines[i + 1], id(stream), stream))
                 now = perf_counter()
-            _, _, stream = heapq.heappop(heap)
-            if stream.transport.is_closing():
-                continue
-            i = stream.sent
-            data = stream.events[i]
-            last = i + 1 == len(stream.events)
-            stream.transport.write(data + stream.tail if last else data)
-            if self.record_sends:
-                stream.record["sends"].append(now)
-            stream.sent = i + 1
-            if not last:
-                heapq.heappush(heap, (stream.deadlines[i + 1], id(stream), stream))
         if heap:
             self._arm(heap[0][0])
 

@@ -35,12 +35,10 @@ def test_client_bench_quick(tmp_path):
 
 def test_mock_records_pair_with_client_timings():
     """The mock's send times and the client's arrival stamps share one clock: arrivals come after sends."""
-    from backends.streaming import run_async
-    from bench.client_bench import Mock, make_prompts, mock_backend
-    from bench.loadgen import run_closed_loop
+    from bench.client_bench import Mock, make_prompts, mock_backend, run_closed_loop
 
     with Mock(10, 2, None) as mock:
-        results = run_async(run_closed_loop(mock_backend(mock.url), make_prompts(4, 8, 100), 2, 30.0))
+        results = run_closed_loop(mock_backend(mock.url), make_prompts(4, 8, 100), 2)
         records = {r["key"]: r for r in mock.records()}
     assert sorted(records) == [100, 101, 102, 103]
     for r in results:

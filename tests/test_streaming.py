@@ -9,8 +9,9 @@ import time
 import pytest
 
 from backends.base import RequestResult
-from backends.streaming import (TRANSPORT_ERRORS, open_client, parse_ndjson_line, parse_sse_line, run_async,
-                                stream_ndjson, stream_sse)
+from backends.streaming import (TRANSPORT_ERRORS, open_client, parse_ndjson_line, parse_sse_line, stream_ndjson,
+                                stream_sse)
+from bench.load import run_async
 from backends.vllm import VLLMBackend
 from workloads.prompts import Prompt
 
@@ -239,3 +240,37 @@ def test_works_on_the_default_event_loop_too():
             return await stream_sse(client, url, {}, PROMPT, VLLMBackend._read_event)
     r = asyncio.run(_serve([body], client_fn))
     assert r.error is None and r.chunk_tokens == [2]
+
+
+def test_a_keep_alive_connection_the_server_dropped_is_resent_once():
+    """The second request goes out on the pooled connection, which the server closes without answering
+    (an idle keep-alive connection expiring just then): the client resends it on a fresh connection."""
+    body = b"".join(chunk(e) for e in (token_event([5, 6, 7, 8], "length"), USAGE, DONE)) + b"0\r\n\r\n"
+    connections = []
+
+    async def handler(reader, writer):
+        connections.append(writer)
+        for n in range(2):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:")))
+            await reader.readexactly(length)
+            if n == 1:  # the reused connection: drop it unanswered
+                writer.transport.abort()
+                return
+            writer.write(CHUNKED_HEAD + body)
+            await writer.drain()
+
+    async def go():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+        async with server, open_client(1, 10.0) as client:
+            first = await stream_sse(client, url, {}, PROMPT, VLLMBackend._read_event)
+            second = await stream_sse(client, url, {}, PROMPT, VLLMBackend._read_event)
+        return first, second
+
+    first, second = run_async(go())
+    assert first.error is None and second.error is None
+    assert second.chunk_tokens == [4] and second.output_tokens_reported == 4
+    assert second.engine_details.get("resent_on_fresh_connection") and "resent_on_fresh_connection" not in first.engine_details
+    assert len(connections) == 2
