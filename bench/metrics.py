@@ -6,7 +6,8 @@ of every streamed chunk that carried at least one output token.
 - **TTFT**: arrival of the first token-carrying chunk minus the send time.
 - **ITL** (inter-token latency): one sample per output token after the first chunk. A chunk that carries
   k tokens and arrives g seconds after the previous token-carrying chunk contributes k samples of g/k,
-  so engines that batch tokens into chunks are neither rewarded nor punished. Tokens that share the
+  so engines that batch tokens into chunks are neither rewarded nor punished. Chunks that arrive together
+  (in one read from the socket, so with one timestamp) count as one chunk of all their tokens. Tokens that share the
   first chunk give no ITL sample (their latency is in TTFT). Percentiles pool the samples of all
   requests of a cell: they are per gap, not per-request averages.
 - **TPOT** (time per output token): per request, (E2E - TTFT) / (output tokens - 1), excluding the first
@@ -62,11 +63,22 @@ class RequestTimes:
         return (self.chunk_times[-1] - self.chunk_times[0]) / (n - 1)
 
     def itl_samples(self) -> list[float]:
+        """One sample per token after the first arrival: chunks that arrived together (one read from the
+        socket, hence one timestamp) count as one chunk of their tokens together."""
         samples: list[float] = []
-        for i in range(1, len(self.chunk_times)):
-            gap = self.chunk_times[i] - self.chunk_times[i - 1]
-            k = self.chunk_tokens[i]
-            samples.extend([gap / k] * k)
+        times, tokens = self.chunk_times, self.chunk_tokens
+        i = 1
+        while i < len(times) and times[i] == times[0]:  # tokens that came with the first: TTFT only
+            i += 1
+        previous = times[0] if times else 0.0
+        while i < len(times):
+            t, k = times[i], tokens[i]
+            i += 1
+            while i < len(times) and times[i] == t:
+                k += tokens[i]
+                i += 1
+            samples.extend([(t - previous) / k] * k)
+            previous = t
         return samples
 
 

@@ -88,3 +88,13 @@ def test_failed_and_flagged_requests_stay_out_of_the_figures():
     verdicts = [request_verdict(None, 100, 100, 2, 2, 2), request_verdict(None, 100, 40, 2, 2, 2)]
     kept = [r for r, v in zip([good, truncated], verdicts) if v == "ok"]
     assert cell_metrics(kept, [100])["ttft_s_p50"] == pytest.approx(1.0)
+
+
+def test_chunks_arriving_together_count_as_one_chunk():
+    # events 2 and 3 came in one read (one timestamp): 0.4 s over their 2 tokens, not 0.4 and 0
+    r = RequestTimes(t_sent=0.0, chunk_times=(1.0, 1.4, 1.4, 1.5), chunk_tokens=(1, 1, 1, 1))
+    assert r.itl_samples() == pytest.approx([0.2, 0.2, 0.1])
+    # tokens that arrived with the first chunk stay in TTFT
+    r = RequestTimes(t_sent=0.0, chunk_times=(1.0, 1.0, 1.3), chunk_tokens=(1, 2, 1))
+    assert r.itl_samples() == pytest.approx([0.3])
+    assert r.tpot == pytest.approx(0.3 / 3)
