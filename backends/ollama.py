@@ -14,7 +14,6 @@ live KV figure (its runner's /slots is not reachable), so ``kv_in_use`` is None.
 """
 from __future__ import annotations
 
-import hashlib
 import re
 import shutil
 from pathlib import Path
@@ -51,14 +50,6 @@ def parse_slog_kv(text: str) -> list[dict]:
 def model_tag(spec: ServerSpec) -> str:
     name = re.sub(r"[^a-z0-9._-]+", "-", spec.model.name.lower()).strip("-.") or "model"
     return f"kvbench-{name}:{spec.model.sha256[:12] if spec.model.sha256 else 'latest'}"
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class OllamaBackend(Backend):
@@ -124,7 +115,9 @@ class OllamaBackend(Backend):
                 if gguf is None:
                     raise EngineStartError("Ollama needs a GGUF model file (or ollama:served_model=NAME)")
                 self.model = model_tag(self.spec)
-                digest = "sha256:" + file_sha256(Path(gguf))
+                from bench.models import sha256_file  # here: bench.models imports the adapters' package
+
+                digest = "sha256:" + sha256_file(Path(gguf))
                 if client.head(f"/api/blobs/{digest}").status_code != 200:
                     with Path(gguf).open("rb") as f:
                         r = client.post(f"/api/blobs/{digest}", content=f,

@@ -38,7 +38,7 @@ from bench.kvmodel import sequences_in_pool
 from bench.load import concurrent, rate, run_async, sweep
 from bench.metrics import RequestTimes, cell_metrics, percentiles, request_verdict
 from bench.results import CellRow, RequestRow, RunWriter, ensure_parquet
-from bench.samplers import NVML, KVPoller, ProcessTreeMemorySampler, _Sampler, tree_rss
+from bench.samplers import NVML, KVPoller, ProcessTreeMemorySampler, QueuePoller, tree_rss
 from workloads import Workload
 from workloads.prompts import Prompt, PromptBuilder
 
@@ -81,37 +81,6 @@ def environment_info() -> dict:
     return {"kvbench_version": bench.__version__, "kvbench_commit": commit, "python": platform.python_version(),
             "os": platform.platform(), "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
             "memory_bytes": psutil.virtual_memory().total, "gpus": gpus, "nvml": nvml.error or "ok"}
-
-
-@dataclass
-class QueueSample:
-    t: float
-    waiting: float | None
-    running: float | None
-    preemptions: float | None  # the engine's cumulative counter
-
-
-class QueuePoller(_Sampler):
-    """The engine's own queue (requests waiting, running, preempted), through its adapter's
-    ``queue_state``: the evidence of the KV boundary."""
-
-    def __init__(self, backend: Backend, hz: float = 10.0):
-        super().__init__(hz)
-        self.backend = backend
-        self.client = httpx.Client(timeout=2.0)
-        self.samples: list[QueueSample] = []
-        self.source: str | None = None
-
-    def sample(self):
-        state = self.backend.queue_state(self.client)
-        if state:
-            self.source = state.get("source")
-            self.samples.append(QueueSample(time.perf_counter(), state.get("waiting"), state.get("running"),
-                                            state.get("preemptions")))
-
-    def stop(self):
-        super().stop()
-        self.client.close()
 
 
 class Runner:

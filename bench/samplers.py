@@ -296,13 +296,23 @@ class KVSample:
     kv_tokens_in_use: float | None
 
 
-class KVPoller(_Sampler):
+class _AdapterPoller(_Sampler):
+    """Polls one of the adapter's figures over its own HTTP client."""
+
     def __init__(self, backend, hz: float = 10.0):
         super().__init__(hz)
         self.backend = backend
         self.client = httpx.Client(timeout=2.0)
-        self.samples: list[KVSample] = []
+        self.samples: list = []
         self.source: str | None = None
+
+    def stop(self):
+        super().stop()
+        self.client.close()
+
+
+class KVPoller(_AdapterPoller):
+    """The engine's own "KV in use" figure (``kv_in_use``)."""
 
     def sample(self):
         usage = self.backend.kv_in_use(self.client)
@@ -310,12 +320,22 @@ class KVPoller(_Sampler):
             self.source = usage.source
             self.samples.append(KVSample(time.perf_counter(), usage.bytes, usage.tokens))
 
-    def stop(self):
-        super().stop()
-        self.client.close()
-
 
 @dataclass
-class Timeline:
-    memory: list[MemorySample] = field(default_factory=list)
-    kv: list[KVSample] = field(default_factory=list)
+class QueueSample:
+    t: float
+    waiting: float | None
+    running: float | None
+    preemptions: float | None  # the engine's cumulative counter
+
+
+class QueuePoller(_AdapterPoller):
+    """The engine's own queue (requests waiting, running, preempted; ``queue_state``): the evidence of
+    the KV boundary."""
+
+    def sample(self):
+        state = self.backend.queue_state(self.client)
+        if state:
+            self.source = state.get("source")
+            self.samples.append(QueueSample(time.perf_counter(), state.get("waiting"), state.get("running"),
+                                            state.get("preemptions")))
