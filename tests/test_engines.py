@@ -185,3 +185,30 @@ def test_vllm_kv_boundary(tmp_path_factory):
     assert row.requests_running_peak == 2 and row.requests_waiting_peak >= 1
     assert row.preemptions == 0
     assert row.kv_in_use_peak_tokens <= 2 * 128
+
+
+def test_all_six_backends_in_one_run(tmp_path_factory, monkeypatch):
+    """hf, vllm and llama.cpp for real; TGI and Ollama started from stand-in executables of their faithful
+    fakes (tests/fakes/); a fake OpenAI-compatible server attached by URL: one run, one row each."""
+    from tests.fakes.openai_server import FakeOpenAI
+    from tests.fakes.testkit import stand_in
+    from workloads import Workload
+
+    for engine in ("hf", "vllm", "llamacpp"):
+        engine_env(engine)
+    bin_dir = tmp_path_factory.mktemp("bin")
+    stand_in(bin_dir, "text-generation-launcher", "tests.fakes.tgi_server")
+    stand_in(bin_dir, "ollama", "tests.fakes.ollama_server")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    wl = Workload(name="six", seed=5, prompt_tokens=[32], output_tokens=4, concurrency=[1], warmup_requests=0)
+    with FakeOpenAI() as fake:
+        run_dir, cells = run_workload(tmp_path_factory, wl, "hf", "vllm", "llamacpp", "tgi",
+                                      f"ollama:models_dir={tmp_path_factory.mktemp('ollama-models')}",
+                                      f"openai:url={fake.url}")
+    assert sorted(cells.engine) == ["hf", "llamacpp", "ollama", "openai", "tgi", "vllm"]
+    assert (cells.status == "ok").all(), cells[["backend", "status", "error", "flags"]].to_string()
+    contracts = dict(zip(cells.engine, cells.token_contract))
+    assert contracts["vllm"] == contracts["llamacpp"] == contracts["hf"] == "token ids, output forced"
+    assert contracts["tgi"] == contracts["ollama"] == contracts["openai"] == "text, output as generated"
+    assert cells.set_index("engine").attached.to_dict() == {
+        "hf": False, "vllm": False, "llamacpp": False, "tgi": False, "ollama": False, "openai": True}
