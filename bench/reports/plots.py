@@ -111,11 +111,15 @@ def throughput_ttft_vs_concurrency(cells: pd.DataFrame, out: Path) -> Path | Non
 
 
 def kv_boundary(cells: pd.DataFrame, out: Path) -> Path | None:
-    """Per engine with a KV pool: how many sequences fit the pool against the context length (the
-    boundary), and each measured cell's concurrency on it (filled: within, hollow: beyond)."""
+    """The KV boundary. Where the engine's queue was polled (schema v2): per engine and prompt length,
+    requests running at once and waiting (engine peaks) against the concurrency asked, with the
+    predicted number of sequences the pool holds as a line. Otherwise: how many sequences fit the pool
+    against the context length, and each cell's concurrency on it (filled: within, hollow: beyond)."""
     pooled = cells[cells.kv_pool_tokens_engine.notna() & cells.concurrency.notna()]
     if pooled.empty:
         return None
+    if "requests_running_peak" in pooled and pooled.requests_running_peak.notna().any():
+        return _kv_boundary_measured(pooled[pooled.requests_running_peak.notna()], out)
     labels = sorted(pooled.label.unique())
     fig, axes = plt.subplots(1, len(labels), figsize=(5.2 * len(labels), 4.2), squeeze=False)
     for ax, label in zip(axes[0], labels):
@@ -135,4 +139,31 @@ def kv_boundary(cells: pd.DataFrame, out: Path) -> Path | None:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
     fig.suptitle("The KV boundary: sequences that fit the engine's KV pool")
+    return _save(fig, out)
+
+
+def _kv_boundary_measured(cells: pd.DataFrame, out: Path) -> Path | None:
+    labels = sorted(cells.label.unique())
+    fig, axes = plt.subplots(1, len(labels), figsize=(5.2 * len(labels), 4.2), squeeze=False)
+    for ax, label in zip(axes[0], labels):
+        part = cells[cells.label == label]
+        for prompt, group in part.groupby("prompt_tokens"):
+            group = group.groupby("concurrency", as_index=False)[
+                ["requests_running_peak", "requests_waiting_peak", "kv_pool_sequences_predicted"]].mean()
+            (line,) = ax.plot(group.concurrency, group.requests_running_peak, marker="o",
+                              label=f"running at once ({prompt} tok)")
+            ax.plot(group.concurrency, group.requests_waiting_peak, marker="x", linestyle="--", color=line.get_color(),
+                    alpha=0.6, label=f"waiting ({prompt} tok)")
+            predicted = group.kv_pool_sequences_predicted.dropna()
+            if not predicted.empty:
+                ax.axhline(predicted.iloc[0], color=line.get_color(), linewidth=1.5, alpha=0.5,
+                           label=f"pool holds {int(predicted.iloc[0])} of {prompt} tok (KV model)")
+        top = max(part.concurrency.max(), part.requests_running_peak.max(), part.requests_waiting_peak.fillna(0).max(),
+                  part.kv_pool_sequences_predicted.fillna(0).max())
+        ax.plot([0, top], [0, top], color="grey", linewidth=0.6, linestyle=":", label="running = concurrency")
+        ax.set(title=label, xlabel="concurrency asked (client)", ylabel="requests (engine's peak, 10 Hz polls)",
+               xlim=(0, top + 0.5), ylim=(0, top + 0.5))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("The KV boundary: what the engine ran and queued against what its KV pool holds")
     return _save(fig, out)
