@@ -286,7 +286,7 @@ class Runner:
         o, w, point = self.o, self.o.workload, cell.load
         if point.profile == "concurrent":
             return run_async(concurrent.run(backend, prompts, point.concurrency, o.request_timeout_s, w.duration_s))
-        seed = hash((w.seed, cell.prompt_tokens, cell.repeat, point.slug)) & 0xFFFFFFFF
+        seed = rate.schedule_seed(w.seed, cell.prompt_tokens, cell.repeat, point.slug)
         return run_async(rate.run(backend, prompts, point.request_rate, point.profile, o.request_timeout_s,
                                   point.concurrency, seed, w.duration_s))
 

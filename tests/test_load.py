@@ -1,5 +1,8 @@
 """Load profiles, against an in-process fake engine whose requests take a programmed time."""
 import asyncio
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -62,6 +65,14 @@ def test_poisson_arrivals_have_the_asked_mean_and_are_seeded():
     assert not np.array_equal(a, rate.arrival_offsets(20000, 5.0, "poisson", 2))
     with pytest.raises(ValueError, match="poisson, constant"):
         rate.arrival_offsets(3, 1.0, "bursty", 0)
+
+
+def test_poisson_schedule_seed_is_the_same_in_every_process():
+    code = "from bench.load import rate; print(rate.schedule_seed(20261129, 1024, 0, 'poisson-r1-cap8'))"
+    seeds = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONHASHSEED": str(h)}).stdout for h in (1, 2)}
+    assert seeds == {f"{rate.schedule_seed(20261129, 1024, 0, 'poisson-r1-cap8')}\n"}
+    assert rate.schedule_seed(20261129, 1024, 1, "poisson-r1-cap8") != rate.schedule_seed(20261129, 1024, 0, "poisson-r1-cap8")
 
 
 def test_closed_loop_keeps_exactly_concurrency_in_flight():

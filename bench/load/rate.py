@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import zlib
 
 import numpy as np
 
@@ -13,6 +14,12 @@ from backends.base import Backend
 from backends.streaming import open_client
 
 from .common import InFlight, LoadResult, send_one
+
+
+def schedule_seed(workload_seed: int, prompt_tokens: int, repeat: int, load_slug: str) -> int:
+    """The arrival schedule's seed for one cell: the same in every process, so every engine and every run
+    of a workload gets the same Poisson schedule (``hash()`` of a str would change with PYTHONHASHSEED)."""
+    return zlib.crc32(f"{workload_seed}:{prompt_tokens}:{repeat}:{load_slug}".encode())
 
 
 def arrival_offsets(n: int, request_rate: float, kind: str, seed: int) -> np.ndarray:
