@@ -26,6 +26,21 @@ from .streaming import stream_sse
 NEEDS_URL = "the openai backend benchmarks a running server: give it a url (-b openai:url=http://host:port)"
 
 
+def read_completion_chunk(event: dict, now: float, result: RequestResult) -> None:
+    """The choices and usage of one ``/v1/completions`` stream chunk (vLLM's too). Tokens in the chunk:
+    its ``token_ids`` when the server sends them (vLLM with ``return_token_ids``), else one per non-empty
+    text delta."""
+    for choice in event.get("choices") or []:
+        ids = choice.get("token_ids")
+        result.add_chunk(now, len(ids) if ids is not None else (1 if choice.get("text") else 0))
+        if choice.get("finish_reason"):
+            result.engine_details["finish_reason"] = choice["finish_reason"]
+    usage = event.get("usage")
+    if usage:
+        result.prompt_tokens_reported = usage.get("prompt_tokens")
+        result.output_tokens_reported = usage.get("completion_tokens")
+
+
 class OpenAIBackend(Backend):
     engine = "openai"
     default_version = "v1"  # the API; the server's own version is whatever /version says, if it has one
@@ -85,15 +100,7 @@ class OpenAIBackend(Backend):
             error = event.get("error", event)
             result.error = (error.get("message") if isinstance(error, dict) else None) or json.dumps(error)[:500]
             return
-        for choice in event.get("choices") or []:
-            ids = choice.get("token_ids")
-            result.add_chunk(now, len(ids) if ids is not None else (1 if choice.get("text") else 0))
-            if choice.get("finish_reason"):
-                result.engine_details["finish_reason"] = choice["finish_reason"]
-        usage = event.get("usage")
-        if usage:
-            result.prompt_tokens_reported = usage.get("prompt_tokens")
-            result.output_tokens_reported = usage.get("completion_tokens")
+        read_completion_chunk(event, now, result)
 
     def kv_pool(self) -> KVPool | None:
         return None  # not measured: the OpenAI API exposes no KV figure

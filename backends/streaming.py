@@ -144,8 +144,7 @@ class Client:
     """Keep-alive connections per host, opened as needed (the load generator bounds how many requests
     are in flight, so this pool needs no limit of its own)."""
 
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
+    def __init__(self):
         self.idle: dict[tuple[str, int], list[_Connection]] = {}
         self.all: set[_Connection] = set()
 
@@ -183,7 +182,7 @@ class Client:
 async def open_client(max_connections: int, timeout_s: float):
     """A connection pool for up to ``max_connections`` concurrent streams. ``timeout_s`` is enforced
     around each whole request by the load generator."""
-    client = Client(timeout_s)
+    client = Client()
     try:
         yield client
     finally:
@@ -234,7 +233,7 @@ async def _stream(client: Client, url: str, body: dict, prompt, split_events) ->
     """The request, its body fed through ``split_events(data, now, state)``; returns the result, the
     unfinished tail of the body and whether the SSE [DONE] marker came."""
     result = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, perf_counter())
-    state = {"buf": b"", "done": False, "result": result, "error_body": None}
+    state = {"buf": b"", "done": False, "result": result}
 
     def on_body(data: bytes, now: float):
         split_events(data, now, state)

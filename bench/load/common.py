@@ -36,10 +36,6 @@ class LoadPoint:
         rate = f"{self.request_rate:g}".replace(".", "_")
         return f"{self.profile}-r{rate}" + (f"-cap{self.concurrency}" if self.concurrency else "")
 
-    @property
-    def max_in_flight(self) -> int | None:
-        return self.concurrency
-
 
 @dataclass
 class LoadResult:

@@ -164,14 +164,6 @@ def build(run_dirs: list[str | Path], plots_dir: Path | None = None) -> Report:
     return Report(title, headers, sections, figures)
 
 
-def render(run_dir: str | Path, with_plots: bool = True) -> str:
-    """One run's Markdown (plots into RUN_DIR/plots/, linked relative to RUN_DIR/report.md)."""
-    from bench.reports import markdown
-
-    run_dir = Path(run_dir)
-    return markdown.render(build([run_dir], run_dir / "plots" if with_plots else None), run_dir)
-
-
 def write(run_dirs: list[Path], output: Path | None = None, html_file: Path | None = None,
           plots: bool = True) -> tuple[Path, Path, str]:
     """Write the Markdown report, its plots and the HTML page; returns (markdown path, HTML path, text).
