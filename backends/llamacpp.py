@@ -173,7 +173,7 @@ class LlamaCppBackend(Backend):
         response = client.get(self.base_url + "/metrics")
         if response.status_code != 200:  # started without --metrics
             return None
-        samples = metric_samples(response.text)
+        samples = metric_samples(response.text, ("llamacpp:requests_deferred", "llamacpp:requests_processing"))
         deferred = samples.get("llamacpp:requests_deferred")
         if not deferred:
             return None

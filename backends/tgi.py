@@ -21,7 +21,7 @@ import httpx
 
 from bench.envs import Recipe
 
-from .base import Backend, EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec, extra_args, metric_samples
+from .base import Backend, EngineStartError, EngineState, KVInUse, KVPool, RequestResult, ServerSpec, extra_args, metric_samples
 from .streaming import stream_sse
 
 IMAGE = "ghcr.io/huggingface/text-generation-inference"
@@ -45,6 +45,9 @@ def parse_tgi_log(text: str) -> dict:
     if blocks:
         out["num_blocks"], out["block_size"] = int(blocks[-1][0]), int(blocks[-1][1])
     return out
+
+
+_POLLED = ("tgi_batch_current_max_tokens", "tgi_queue_size")  # the samples polled during a cell
 
 
 class TGIBackend(Backend):
@@ -155,8 +158,8 @@ class TGIBackend(Backend):
             result.engine_details = {"finish_reason": details.get("finish_reason"), "seed": details.get("seed"),
                                      "last_token_special": bool(token and token.get("special"))}
 
-    def _metrics(self, client: httpx.Client) -> dict[str, list]:
-        return metric_samples(client.get(self.base_url + "/metrics").text)
+    def _metrics(self, client: httpx.Client, names=None) -> dict[str, list]:
+        return metric_samples(client.get(self.base_url + "/metrics").text, names)
 
     @staticmethod
     def _gauge(samples: dict, name: str) -> float | None:
@@ -183,13 +186,23 @@ class TGIBackend(Backend):
                       details={"log": log, "per_shard": True})
 
     def kv_in_use(self, client: httpx.Client) -> KVInUse | None:
-        tokens = self._gauge(self._metrics(client), "tgi_batch_current_max_tokens")
+        return self._kv_in_use(self._metrics(client, _POLLED))
+
+    def queue_state(self, client: httpx.Client) -> dict | None:
+        return self._queue_state(self._metrics(client, _POLLED))
+
+    def poll(self, client: httpx.Client) -> EngineState:
+        samples = self._metrics(client, _POLLED)  # one /metrics for both
+        return EngineState(self._kv_in_use(samples), self._queue_state(samples))
+
+    def _kv_in_use(self, samples: dict) -> KVInUse | None:
+        tokens = self._gauge(samples, "tgi_batch_current_max_tokens")
         if tokens is None:
             return None
         return KVInUse(bytes=tokens * self.kv_bytes_per_token(), tokens=tokens,
                        source="tgi_batch_current_max_tokens x bytes/token (a reservation: prompt + max_new_tokens "
                               "of the running batch, not tokens written)")
 
-    def queue_state(self, client: httpx.Client) -> dict | None:
-        waiting = self._gauge(self._metrics(client), "tgi_queue_size")
+    def _queue_state(self, samples: dict) -> dict | None:
+        waiting = self._gauge(samples, "tgi_queue_size")
         return None if waiting is None else {"waiting": waiting, "source": "tgi_queue_size (/metrics)"}

@@ -68,6 +68,7 @@ class CellRow(BaseModel):
     offered_request_rate: float | None = None
     achieved_request_rate: float | None = None
     send_lag_s_p99: float | None = None  # how late requests left against their schedule
+    client_loop_lag_s_max: float | None = None  # the client's event loop at its latest: bounds its own timing error
     max_in_flight: int | None = None
     # latency / throughput (bench/metrics.py defines each)
     ttft_s_mean: float | None = None

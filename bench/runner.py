@@ -35,10 +35,10 @@ from bench.envs import EnvInstallError, ensure_env
 from bench.kvmodel import kv_bytes_per_token
 from bench.cells import Cell, CellPrompts, cells_for, server_variants
 from bench.kvmodel import sequences_in_pool
-from bench.load import concurrent, rate, run_async, sweep
+from bench.load import concurrent, frozen_heap, rate, run_async, sweep
 from bench.metrics import RequestTimes, cell_metrics, percentiles, request_verdict
 from bench.results import CellRow, RequestRow, RunWriter, ensure_parquet
-from bench.samplers import NVML, KVPoller, ProcessTreeMemorySampler, QueuePoller, tree_rss
+from bench.samplers import NVML, EnginePoller, ProcessTreeMemorySampler, tree_rss
 from workloads import Workload
 from workloads.prompts import Prompt, PromptBuilder
 
@@ -302,17 +302,17 @@ class Runner:
         if backend.pid:
             row.rss_baseline_bytes = tree_rss(backend.pid)[0]
             memory = ProcessTreeMemorySampler(backend.pid, o.memory_hz, self.nvml, baseline=self.gpu_baseline)
-        kv = KVPoller(backend, o.kv_poll_hz)
-        queue = QueuePoller(backend, o.kv_poll_hz)
-        samplers = [s for s in (memory, kv, queue) if s]
-        t0 = row.t_cell_start = time.perf_counter()
-        for s in samplers:
-            s.start()
-        try:
-            load = self._run_load(backend, cell, prompts)
-        finally:
+        engine = EnginePoller(backend, o.kv_poll_hz)
+        samplers = [s for s in (memory, engine) if s]
+        with frozen_heap():  # no full garbage collection while the client and samplers measure
+            t0 = row.t_cell_start = time.perf_counter()
             for s in samplers:
-                s.stop()
+                s.start()
+            try:
+                load = self._run_load(backend, cell, prompts)
+            finally:
+                for s in samplers:
+                    s.stop()
         results = load.results
         row.n_requests = len(results)
         for r in results:
@@ -324,6 +324,7 @@ class Runner:
         row.max_in_flight = load.max_in_flight
         if load.send_lags:
             row.send_lag_s_p99 = percentiles(load.send_lags, "lag")["lag_p99"]
+        row.client_loop_lag_s_max = load.loop_lag_s_max
 
         # token contract: what was sent and asked for against what the engine says it did
         good, flags, counts = [], [], {"failed": 0, "truncated": 0, "short": 0}
@@ -378,10 +379,10 @@ class Runner:
                 peak = backend.kv_peak(client)
             except httpx.HTTPError:
                 peak = None
-        if peak is None and kv.samples:
-            best = max(kv.samples, key=lambda s: s.kv_bytes_in_use or 0)
+        if peak is None and engine.kv_samples:
+            best = max(engine.kv_samples, key=lambda s: s.kv_bytes_in_use or 0)
             row.kv_in_use_peak_bytes, row.kv_in_use_peak_tokens = best.kv_bytes_in_use, best.kv_tokens_in_use
-            row.kv_in_use_source = f"max of {len(kv.samples)} polls of {kv.source}"
+            row.kv_in_use_source = f"max of {len(engine.kv_samples)} polls of {engine.kv_source}"
         elif peak is not None:
             row.kv_in_use_peak_bytes, row.kv_in_use_peak_tokens, row.kv_in_use_source = peak.bytes, peak.tokens, peak.source
             row.kv_allocator_bytes_peak = peak.details.get("allocator_bytes")
@@ -391,14 +392,15 @@ class Runner:
             row.kv_measured_over_predicted = row.kv_in_use_peak_bytes / row.kv_bytes_peak_predicted
 
         # the engine's queue: the KV boundary shows as requests waiting or preempted
-        if queue.samples:
-            waiting = [q.waiting for q in queue.samples if q.waiting is not None]
-            running = [q.running for q in queue.samples if q.running is not None]
-            preempted = [q.preemptions for q in queue.samples if q.preemptions is not None]
+        if engine.queue_samples:
+            queue = engine.queue_samples
+            waiting = [q.waiting for q in queue if q.waiting is not None]
+            running = [q.running for q in queue if q.running is not None]
+            preempted = [q.preemptions for q in queue if q.preemptions is not None]
             row.requests_waiting_peak = max(waiting) if waiting else None
             row.requests_running_peak = max(running) if running else None
             row.preemptions = preempted[-1] - preempted[0] if preempted else None
-            row.queue_source = f"max of {len(queue.samples)} polls of {queue.source}"
+            row.queue_source = f"max of {len(queue)} polls of {engine.queue_source}"
 
         # memory timeline (not measured for an attached server: its processes are not ours)
         samples = memory.samples if memory else []
@@ -416,7 +418,7 @@ class Runner:
             row.gpu_device_total_bytes = samples[-1].gpu_device_total_bytes
             row.gpu_device_reserved_bytes = samples[-1].gpu_device_reserved_bytes
             row.gpu_baseline_used_bytes = self.gpu_baseline.used_bytes if self.gpu_baseline else None
-        self.writer.write_timeline(row.cell_id, timeline_frame(t0, samples, kv.samples, queue.samples))
+        self.writer.write_timeline(row.cell_id, timeline_frame(t0, samples, engine.kv_samples, engine.queue_samples))
         return row
 
 def request_row(run_id: str, cid: str, label: str, r: RequestResult, warmup: bool = False,
@@ -450,6 +452,9 @@ def _mb(x) -> str:
     return "-" if x is None else f"{x / 1e6:,.1f} MB"
 
 
+CLIENT_LAG_WARN_S = 0.05  # docs/metrics.md, "Client lag"
+
+
 def summary_line(row: CellRow) -> str:
     load = f"x{row.concurrency}" if row.load_profile == "concurrent" else f"{row.load_profile} {row.request_rate:g}/s"
     head = f"{row.backend:<18} prompt {row.prompt_tokens:>6} {load:<8}" + (f" {row.variant}" if row.variant else "")
@@ -458,6 +463,10 @@ def summary_line(row: CellRow) -> str:
     color = "green" if row.status == "ok" else "yellow"
     ratio = f" (x{row.kv_measured_over_predicted:.3f} of predicted)" if row.kv_measured_over_predicted else ""
     queue = f", waiting peak {row.requests_waiting_peak:g}" if row.requests_waiting_peak else ""
+    lag = row.client_loop_lag_s_max
+    lagged = (f"\n  [yellow]warning[/]: the client's event loop ran up to {lag * 1000:.0f} ms late: its TTFT/ITL "
+              "may be late by as much (a CPU shared with the engine or another process)"
+              if lag is not None and lag > CLIENT_LAG_WARN_S else "")
     return (f"{head} [{color}]{row.status}[/] TTFT p50 {row.ttft_s_p50:.3f} s, ITL p50 "
             f"{(row.itl_s_p50 or 0) * 1000:.1f} ms, {row.output_tokens_per_s or 0:.1f} out tok/s, "
-            f"KV peak {_mb(row.kv_in_use_peak_bytes)}{ratio}, RSS peak {_mb(row.rss_peak_bytes)}{queue}")
+            f"KV peak {_mb(row.kv_in_use_peak_bytes)}{ratio}, RSS peak {_mb(row.rss_peak_bytes)}{queue}{lagged}")

@@ -40,7 +40,7 @@ def check_common(run_dir, cells: pd.DataFrame):
     assert (cells.status == "ok").all(), cells[["cell_id", "status", "error", "flags"]].to_string()
     assert (cells.schema_version == SCHEMA_VERSION).all()
     assert (cells.ttft_s_p50 > 0).all() and (cells.output_tokens_per_s > 0).all()
-    assert (cells.itl_s_p50 > 0).all() and (cells.e2e_s_p50 > cells.ttft_s_p50).all()
+    assert (cells.e2e_s_p50 > cells.ttft_s_p50).all()
     assert (cells.kv_bytes_per_token_predicted == SMOLLM2_BYTES_PER_TOKEN).all()
     # memory sampled at 10 Hz or faster, over the engine's whole process tree
     assert (cells.memory_sample_hz >= 10).all() and (cells.rss_peak_bytes > 50e6).all()
@@ -59,6 +59,12 @@ def check_common(run_dir, cells: pd.DataFrame):
     assert (reqs.output_tokens_reported == wl.output_tokens).all()
     assert (reqs.output_tokens_received == wl.output_tokens).all()
     assert all(sorted(t) == t for t in reqs.chunk_times)
+    # ITL has a sample wherever a request's tokens arrived in two reads or more (docs/metrics.md); a
+    # stalled client reads a whole short stream at once, and then the cell has none, and says so
+    for row in cells.itertuples():
+        spread = [len(set(t)) > 1 for t in reqs[reqs.cell_id == row.cell_id].chunk_times]
+        assert (row.itl_s_p50 > 0) if any(spread) else pd.isna(row.itl_s_p50), (row.cell_id, row.client_loop_lag_s_max)
+    assert (cells.client_loop_lag_s_max >= 0).all()
     for row in cells.itertuples():
         timeline = pd.read_csv(run_dir / "timelines" / f"{row.cell_id}.csv")
         assert (timeline.series == "memory").sum() == row.memory_samples
@@ -169,13 +175,14 @@ def test_attach_to_a_running_llamacpp_with_an_open_loop(tmp_path_factory, smollm
 
 
 def test_vllm_kv_boundary(tmp_path_factory):
-    """The pool holds 2 sequences of 100 + 16 tokens (one 128-token block each, plus the null block); 4
+    """The pool holds 2 sequences of 48 + 64 tokens (one 128-token block each, plus the null block); 4
     requests at once: vLLM runs 2 and queues the rest, as the KV model predicts. (Sequences stay inside
-    their first block, so vLLM never has to preempt one to grow another.)"""
+    their first block, so vLLM never has to preempt one to grow another; 64 decode steps keep each state
+    for a second or more, many polls at 10 Hz.)"""
     from workloads import Workload
 
     engine_env("vllm")
-    wl = Workload(name="boundary", family="kv_boundary", seed=5, prompt_tokens=[100], output_tokens=16,
+    wl = Workload(name="boundary", family="kv_boundary", seed=5, prompt_tokens=[48], output_tokens=64,
                   kv_pool_sequences=2, concurrency=[4], warmup_requests=0)
     run_dir, cells = run_workload(tmp_path_factory, wl, "vllm")
     row = cells.iloc[0]

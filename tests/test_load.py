@@ -144,3 +144,55 @@ def test_sweep_points():
     assert [p.slug for p in sweep.static_points(sat)] == ["c4"]  # the closed loop that finds the rate
     assert [p.request_rate for p in sweep.saturation_points(sat, 2.0)] == [0.5, 1.0, 1.5, 2.0]
     assert sweep.saturation_points(sat, 0) == []
+
+
+def test_run_async_records_how_late_the_client_loop_ran():
+    """A load whose event loop is blocked (here by a synchronous sleep in the backend, as a starved client
+    would be) reports that lag; an idle one reports little."""
+
+    class Blocking(SleepyBackend):
+        async def stream(self, client, prompt):
+            time.sleep(0.12)  # holds the loop: nothing else can be read meanwhile
+            return await super().stream(client, prompt)
+
+    quiet = run_async(concurrent.run(SleepyBackend(ttft=0.05, itl=0.0, tokens=1), [P(0), P(1)], 1, timeout_s=5))
+    assert quiet.loop_lag_s_max is not None and quiet.loop_lag_s_max < 0.05
+    blocked = run_async(concurrent.run(Blocking(ttft=0.05, itl=0.0, tokens=1), [P(0), P(1)], 1, timeout_s=5))
+    assert blocked.loop_lag_s_max >= 0.1
+
+
+def test_run_async_keeps_a_full_garbage_collection_out_of_the_load():
+    """A big heap of tracked objects (a full collection over it takes ~0.3 s here) is frozen for the load
+    (frozen_heap), so the collections that the load's own allocations trigger do not stop the client."""
+    import gc
+
+    heap = [[i] for i in range(1_500_000)]  # noqa: F841 - kept alive on purpose
+    gc.collect()
+    started = time.perf_counter()
+    gc.collect()
+    full = time.perf_counter() - started
+    assert full > 0.05  # the walk that must not happen inside the load
+
+    class Allocating(SleepyBackend):
+        async def stream(self, client, prompt):
+            junk = [[j] for j in range(200_000)]  # enough young objects to trigger collections
+            del junk
+            return await super().stream(client, prompt)
+
+    load = run_async(concurrent.run(Allocating(ttft=0.01, itl=0.0, tokens=1), [P(i) for i in range(10)], 1, timeout_s=5))
+    assert load.loop_lag_s_max < full / 2, (load.loop_lag_s_max, full)
+    assert gc.get_freeze_count() == 0  # unfrozen again afterwards
+
+
+def test_frozen_heap_nests_and_thaws_once():
+    import gc
+
+    from bench.load import frozen_heap
+
+    with frozen_heap():
+        outer = gc.get_freeze_count()
+        assert outer > 0
+        with frozen_heap():
+            [[i] for i in range(1000)]
+        assert gc.get_freeze_count() == outer  # the inner block neither thawed nor refroze
+    assert gc.get_freeze_count() == 0

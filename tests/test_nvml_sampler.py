@@ -159,3 +159,24 @@ def test_baseline_takes_the_lowest_reading():
     readings = iter([5 * GiB, 3 * GiB, 4 * GiB])
     nv = FakeNVML([FakeDevice(reserved=0, used=lambda t: next(readings))])
     assert NVML(module=nv).idle_baseline(readings=3, interval_s=0.0).device_used_bytes == [3 * GiB]
+
+
+def test_sampler_follows_children_that_start_and_end_during_a_cell():
+    """The tree is listed again every TREE_REFRESH_S and at once when one of its processes ends, so a
+    worker the engine starts mid-run is counted within that time and one that ended drops out."""
+    code = ("import subprocess, sys, time; time.sleep(0.6); "
+            "c = subprocess.Popen(['sleep', '60']); time.sleep(1.2); c.kill(); c.wait(); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        time.sleep(0.2)
+        sampler = ProcessTreeMemorySampler(parent.pid, 20.0)
+        samples = run_sampler(sampler, 2.6)
+    finally:
+        parent.kill()
+        parent.wait()
+    t0 = samples[0].t
+    counts = [(s.t - t0, s.n_processes) for s in samples]
+    assert counts[0][1] == 1 and counts[-1][1] == 1  # before the child starts and after it ended
+    with_child = [t for t, n in counts if n == 2]
+    assert with_child and with_child[0] < 0.4 + sampler.TREE_REFRESH_S + 0.2  # started at ~0.4 s
+    assert with_child[-1] - with_child[0] > 0.7

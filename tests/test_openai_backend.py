@@ -1,10 +1,12 @@
 """The attach-only OpenAI-compatible adapter against a fake vLLM-style completions server
 (tests/fakes/openai_server.py); queue_state of every adapter that has one."""
+from pathlib import Path
+
 import httpx
 import pytest
 
 from backends import REGISTRY
-from backends.base import EngineStartError
+from backends.base import EngineStartError, metric_samples
 from backends.llamacpp import LlamaCppBackend
 from backends.openai import OpenAIBackend
 from backends.vllm import VLLMBackend
@@ -108,3 +110,31 @@ def test_queue_state_of_vllm_and_llamacpp(tmp_path):
     assert state["waiting"] == 2 and "llamacpp:requests_deferred" in state["source"]
     assert llama.queue_state(_metrics_client("", status=501)) is None
     assert OpenAIBackend("v1", tmp_path, {}).queue_state(None) is None  # the base default
+
+
+def test_vllm_poll_reads_one_metrics_page_and_parses_only_what_it_needs(tmp_path):
+    """A real vLLM 0.32.0 /metrics page (600 lines, mostly histograms), with the KV gauge and queue set:
+    one poll fetches it once, and the filtered parse gives what the full parse gives for those samples."""
+    page = (Path(__file__).parent / "fakes" / "data" / "vllm-0.32.0-metrics.txt").read_text()
+    page = (page.replace('vllm:kv_cache_usage_perc{engine="0",model_name="smollm2"} 0.0',
+                         'vllm:kv_cache_usage_perc{engine="0",model_name="smollm2"} 0.045454545454545456')
+                .replace('vllm:num_requests_waiting{engine="0",model_name="smollm2"} 0.0',
+                         'vllm:num_requests_waiting{engine="0",model_name="smollm2"} 5.0')
+                .replace('vllm:num_requests_running{engine="0",model_name="smollm2"} 0.0',
+                         'vllm:num_requests_running{engine="0",model_name="smollm2"} 3.0'))
+    fetches = []
+    client = httpx.Client(transport=httpx.MockTransport(
+        lambda request: fetches.append(request.url.path) or httpx.Response(200, text=page)))
+    vllm = VLLMBackend("0.32.0", tmp_path, {})
+    vllm.base_url = "http://127.0.0.1:1"
+    vllm.spec = spec(tmp_path)
+    vllm._cache_info = metric_samples(page)["vllm:cache_config_info"][0][0]  # read once at start in a run
+    state = vllm.poll(client)
+    assert fetches == ["/metrics"]
+    # 67 blocks of 128, one of them vLLM's null block: 0.04545... x 66 = 3 blocks in use
+    assert state.kv.tokens == 3 * 128 and state.kv.bytes == 3 * 128 * vllm.kv_bytes_per_token()
+    assert (state.queue["waiting"], state.queue["running"], state.queue["preemptions"]) == (5.0, 3.0, 0.0)
+    names = ("vllm:num_requests_waiting", "vllm:num_preemptions_total", "vllm:kv_cache_usage_perc", "absent")
+    full = metric_samples(page)
+    assert metric_samples(page, names) == {n: full[n] for n in names if n in full}
+    assert len(full) > 100  # the page really is mostly other samples

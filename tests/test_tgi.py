@@ -67,15 +67,16 @@ def test_kv_pool_in_use_and_queue_against_the_fake(tmp_path):
         pool = backend.kv_pool()
         assert (pool.tokens, pool.bytes) == (20_000, 20_000 * BYTES_PER_TOKEN)
         assert pool.source.startswith("tgi_batch_max_total_tokens")
-        with Poller(backend.kv_in_use) as kv, Poller(backend.queue_state) as queue:
+        with Poller(backend.poll) as polls:  # KV in use and the queue from one /metrics per poll
             results = run(backend, [prompt(100, 20, "a"), prompt(200, 20, "b")], concurrency=2)
         assert all(r.error is None for r in results)
+    kv, queue = [p.kv for p in polls.samples], [p.queue for p in polls.samples]
     # one request decodes at a time (batch_slots=1): the reservation is one prompt + max_new_tokens
-    peak = max(kv.samples, key=lambda s: s.tokens)
+    peak = max(kv, key=lambda s: s.tokens)
     assert peak.tokens == fake.peak_reserved == 220 and peak.bytes == 220 * BYTES_PER_TOKEN
     assert "reservation" in peak.source
-    assert kv.samples[0].tokens == 0 and queue.samples[0]["waiting"] == 0  # idle before the requests
-    assert max(q["waiting"] for q in queue.samples) == 1 and queue.samples[0]["source"] == "tgi_queue_size (/metrics)"
+    assert kv[0].tokens == 0 and queue[0]["waiting"] == 0  # idle before the requests
+    assert max(q["waiting"] for q in queue) == 1 and queue[0]["source"] == "tgi_queue_size (/metrics)"
 
 
 def test_kv_pool_from_the_log_when_metrics_lack_the_gauge(tmp_path):

@@ -5,6 +5,6 @@ settings, and returns a :class:`~bench.load.common.LoadResult`.
 - :mod:`.rate`: open loop at a request rate (Poisson or constant arrivals), optionally capped in flight;
 - :mod:`.sweep`: which load points a workload asks for, including a sweep of rates up to saturation.
 """
-from .common import LoadPoint, LoadResult, run_async
+from .common import LoadPoint, LoadResult, frozen_heap, run_async
 
-__all__ = ["LoadPoint", "LoadResult", "run_async"]
+__all__ = ["LoadPoint", "LoadResult", "frozen_heap", "run_async"]

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -45,6 +47,7 @@ class LoadResult:
     offered_request_rate: float | None = None  # open loop: the rate asked for
     max_in_flight: int = 0  # most requests outstanding at once, as the client saw it
     send_lags: list[float] = field(default_factory=list)  # open loop: t_sent - t_scheduled per request
+    loop_lag_s_max: float | None = None  # the client's own delay (LoopLagMonitor), set by run_async
 
     @property
     def achieved_request_rate(self) -> float | None:
@@ -85,9 +88,48 @@ async def send_one(backend: Backend, client, prompt, timeout_s: float) -> Reques
     return result
 
 
+_frozen_depth = 0
+
+
+@contextmanager
+def frozen_heap():
+    """Collect the heap once, then freeze it (``gc.freeze``) until the block ends (nested blocks share the
+    outermost freeze). A full collection walks every object the process holds: 0.1-0.5 s in a process that
+    has loaded pandas and a run's results, and one that fell inside a load would stop the client and its
+    samplers that long. Frozen, the collections during the block walk only what the block allocates."""
+    global _frozen_depth
+    if _frozen_depth == 0:
+        gc.collect()
+        gc.freeze()
+    _frozen_depth += 1
+    try:
+        yield
+    finally:
+        _frozen_depth -= 1
+        if _frozen_depth == 0:
+            gc.unfreeze()
+
+
+class LoopLagMonitor:
+    """How late the client's event loop runs a timer due every ``interval_s``. While the loop is late it
+    reads no socket, so a token that arrived then is stamped up to that much late: the largest lateness
+    bounds the client's own error in that cell's TTFT and ITL (a starved or overloaded client shows here)."""
+
+    def __init__(self, interval_s: float = 0.01):
+        self.interval_s = interval_s
+        self.lag_max = 0.0
+
+    async def run(self):
+        while True:
+            due = time.perf_counter() + self.interval_s
+            await asyncio.sleep(self.interval_s)
+            self.lag_max = max(self.lag_max, time.perf_counter() - due)
+
+
 def run_async(coro):
     """Run a load coroutine to completion on a fresh event loop (uvloop's when installed: less client
-    overhead per streamed token) and return its result.
+    overhead per streamed token) with the heap frozen (:func:`frozen_heap`), and return its result; a
+    :class:`LoadResult` gets the loop's largest lag (:class:`LoopLagMonitor`).
 
     The result is handed out through a box rather than as the main task's result: at the end of
     ``asyncio.run`` Python 3.11 formats the main task's repr (in ``signal.getsignal``), which for a load's
@@ -95,12 +137,21 @@ def run_async(coro):
     box = []
 
     async def main():
-        box.append(await coro)
+        monitor = LoopLagMonitor()
+        watch = asyncio.create_task(monitor.run())
+        try:
+            result = await coro
+        finally:
+            watch.cancel()
+        if isinstance(result, LoadResult):
+            result.loop_lag_s_max = monitor.lag_max
+        box.append(result)
 
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main())
-    else:
-        uvloop.run(main())
+    with frozen_heap():
+        try:
+            import uvloop
+        except ImportError:
+            asyncio.run(main())
+        else:
+            uvloop.run(main())
     return box[0]
