@@ -250,6 +250,35 @@ class Backend(ABC):
         return EngineState(self.kv_in_use(client), self.queue_state(client))
 
 
+class PrometheusPolled:
+    """For adapters that read both KV in use and the queue from one Prometheus page (vLLM, TGI): each
+    poll fetches ``/metrics`` once and parses only ``POLLED``. Mixed in before :class:`Backend`; the
+    adapter says how to read the two figures from the samples (:meth:`kv_from_samples`,
+    :meth:`queue_from_samples`)."""
+
+    POLLED: tuple[str, ...] = ()
+
+    def metrics(self, client: httpx.Client, names=None) -> dict[str, list]:
+        """The server's /metrics samples (of ``names`` only, when given)."""
+        return metric_samples(client.get(self.base_url + "/metrics").text, names)
+
+    def kv_from_samples(self, samples: dict) -> KVInUse | None:
+        raise NotImplementedError
+
+    def queue_from_samples(self, samples: dict) -> dict | None:
+        raise NotImplementedError
+
+    def kv_in_use(self, client: httpx.Client) -> KVInUse | None:
+        return self.kv_from_samples(self.metrics(client, self.POLLED))
+
+    def queue_state(self, client: httpx.Client) -> dict | None:
+        return self.queue_from_samples(self.metrics(client, self.POLLED))
+
+    def poll(self, client: httpx.Client) -> EngineState:
+        samples = self.metrics(client, self.POLLED)
+        return EngineState(self.kv_from_samples(samples), self.queue_from_samples(samples))
+
+
 def metric_samples(text: str, names=None) -> dict[str, list]:
     """Prometheus text -> {sample name: [(labels, value), ...]}, of the samples in ``names`` only when given.
 

@@ -21,7 +21,7 @@ import httpx
 
 from bench.envs import Recipe
 
-from .base import Backend, EngineStartError, EngineState, KVInUse, KVPool, RequestResult, ServerSpec, extra_args, metric_samples
+from .base import Backend, EngineStartError, KVInUse, KVPool, RequestResult, PrometheusPolled, ServerSpec, extra_args
 from .streaming import stream_sse
 
 IMAGE = "ghcr.io/huggingface/text-generation-inference"
@@ -47,15 +47,13 @@ def parse_tgi_log(text: str) -> dict:
     return out
 
 
-_POLLED = ("tgi_batch_current_max_tokens", "tgi_queue_size")  # the samples polled during a cell
-
-
-class TGIBackend(Backend):
+class TGIBackend(PrometheusPolled, Backend):
     engine = "tgi"
     default_version = "3.3.5"  # the Docker image tag when TGI runs in Docker
     accepts_token_ids = False
     forces_output_length = False  # no ignore_eos in TGI's API
     health_path = "/health"
+    POLLED = ("tgi_batch_current_max_tokens", "tgi_queue_size")  # the samples polled during a cell
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -158,9 +156,6 @@ class TGIBackend(Backend):
             result.engine_details = {"finish_reason": details.get("finish_reason"), "seed": details.get("seed"),
                                      "last_token_special": bool(token and token.get("special"))}
 
-    def _metrics(self, client: httpx.Client, names=None) -> dict[str, list]:
-        return metric_samples(client.get(self.base_url + "/metrics").text, names)
-
     @staticmethod
     def _gauge(samples: dict, name: str) -> float | None:
         rows = samples.get(name)
@@ -170,7 +165,7 @@ class TGIBackend(Backend):
         log = parse_tgi_log(self.server.log_path.read_text(errors="replace")) if self.server else {}
         try:
             with httpx.Client(timeout=5) as client:
-                tokens = self._gauge(self._metrics(client), "tgi_batch_max_total_tokens")
+                tokens = self._gauge(self.metrics(client), "tgi_batch_max_total_tokens")
         except httpx.HTTPError:
             tokens = None
         if tokens:
@@ -185,17 +180,7 @@ class TGIBackend(Backend):
         return KVPool(bytes=round(tokens * self.kv_bytes_per_token()), tokens=tokens, source=source,
                       details={"log": log, "per_shard": True})
 
-    def kv_in_use(self, client: httpx.Client) -> KVInUse | None:
-        return self._kv_in_use(self._metrics(client, _POLLED))
-
-    def queue_state(self, client: httpx.Client) -> dict | None:
-        return self._queue_state(self._metrics(client, _POLLED))
-
-    def poll(self, client: httpx.Client) -> EngineState:
-        samples = self._metrics(client, _POLLED)  # one /metrics for both
-        return EngineState(self._kv_in_use(samples), self._queue_state(samples))
-
-    def _kv_in_use(self, samples: dict) -> KVInUse | None:
+    def kv_from_samples(self, samples: dict) -> KVInUse | None:
         tokens = self._gauge(samples, "tgi_batch_current_max_tokens")
         if tokens is None:
             return None
@@ -203,6 +188,6 @@ class TGIBackend(Backend):
                        source="tgi_batch_current_max_tokens x bytes/token (a reservation: prompt + max_new_tokens "
                               "of the running batch, not tokens written)")
 
-    def _queue_state(self, samples: dict) -> dict | None:
+    def queue_from_samples(self, samples: dict) -> dict | None:
         waiting = self._gauge(samples, "tgi_queue_size")
         return None if waiting is None else {"waiting": waiting, "source": "tgi_queue_size (/metrics)"}

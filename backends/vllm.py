@@ -15,7 +15,7 @@ from bench.envs import InstallStep, Recipe, env_python
 from bench.kvmodel import round_up
 from bench.profiles import has_nvidia_gpu
 
-from .base import Backend, EngineState, KVInUse, KVPool, RequestResult, ServerSpec, extra_args, metric_samples
+from .base import Backend, KVInUse, KVPool, RequestResult, PrometheusPolled, ServerSpec, extra_args
 from .openai import read_completion_chunk
 from .streaming import stream_sse
 
@@ -24,15 +24,13 @@ _NOT_ON_CPU = ("torchvision", "torchaudio", "torchcodec", "triton")
 _DEPS_SCRIPT = "install_requires_except.py"
 
 
-# The samples polled during a cell (gpu_cache_usage_perc: the KV gauge's name before vLLM 0.10).
-_POLLED = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_requests_waiting",
-           "vllm:num_requests_running", "vllm:num_preemptions_total")
-
-
-class VLLMBackend(Backend):
+class VLLMBackend(PrometheusPolled, Backend):
     engine = "vllm"
     default_version = "0.32.0"
     supports_prefix_caching = True
+    # The samples polled during a cell (gpu_cache_usage_perc: the KV gauge's name before vLLM 0.10).
+    POLLED = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_requests_waiting",
+              "vllm:num_requests_running", "vllm:num_preemptions_total")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -111,13 +109,10 @@ class VLLMBackend(Backend):
             result.error = json.dumps(event["error"])[:500]
         read_completion_chunk(event, now, result)  # token_ids per chunk: return_token_ids is always on
 
-    def _metrics(self, client: httpx.Client, names=None) -> dict[str, list]:
-        return metric_samples(client.get(self.base_url + "/metrics").text, names)
-
     def _read_cache_info(self) -> dict | None:
         if self._cache_info is None:
             with httpx.Client(timeout=5) as client:
-                rows = self._metrics(client).get("vllm:cache_config_info")
+                rows = self.metrics(client).get("vllm:cache_config_info")
             if rows:
                 self._cache_info = rows[0][0]
         return self._cache_info
@@ -134,17 +129,7 @@ class VLLMBackend(Backend):
                                "cache_dtype": info.get("cache_dtype"),
                                "enable_prefix_caching": info.get("enable_prefix_caching")})
 
-    def kv_in_use(self, client: httpx.Client) -> KVInUse | None:
-        return self._kv_in_use(self._metrics(client, _POLLED))
-
-    def queue_state(self, client: httpx.Client) -> dict | None:
-        return self._queue_state(self._metrics(client, _POLLED))
-
-    def poll(self, client: httpx.Client) -> EngineState:
-        samples = self._metrics(client, _POLLED)  # one /metrics for both
-        return EngineState(self._kv_in_use(samples), self._queue_state(samples))
-
-    def _kv_in_use(self, samples: dict) -> KVInUse | None:
+    def kv_from_samples(self, samples: dict) -> KVInUse | None:
         usage = samples.get("vllm:kv_cache_usage_perc") or samples.get("vllm:gpu_cache_usage_perc")
         info = self._read_cache_info()
         if not usage or not info:
@@ -156,8 +141,7 @@ class VLLMBackend(Backend):
         return KVInUse(bytes=tokens * self.kv_bytes_per_token(), tokens=tokens,
                        source="vllm:kv_cache_usage_perc x (num_gpu_blocks - 1) blocks")
 
-    @staticmethod
-    def _queue_state(samples: dict) -> dict | None:
+    def queue_from_samples(self, samples: dict) -> dict | None:
         waiting, preempted = samples.get("vllm:num_requests_waiting"), samples.get("vllm:num_preemptions_total")
         running = samples.get("vllm:num_requests_running")
         if not waiting and not preempted:
