@@ -62,3 +62,17 @@ def test_report_shows_numbers_failures_and_not_measured(tmp_path):
     # the KV plot is written beside the report and linked from it
     assert "![KV in use vs prompt length](plots/kv_vs_context.png)" in text
     assert (tmp_path / "r1" / "plots" / "kv_vs_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_client_lag_column_takes_the_worst_repeat_and_is_absent_for_runs_without_it():
+    import pandas as pd
+
+    from bench.reports.tables import aggregate, performance_table
+
+    repeats = [cell(repeat=k, cell_id=f"vllm-0.32.0_p1024_c1_r{k}", client_loop_lag_s_max=lag, ttft_s_p50=t)
+               for k, (lag, t) in enumerate([(0.002, 0.2), (0.090, 0.4)])]
+    table = performance_table(aggregate(pd.DataFrame([r.model_dump() for r in repeats])))
+    assert table["client lag max (ms)"].tolist() == ["90.0"]  # the bound is the worst repeat's
+    assert table["TTFT p50 (s)"].tolist() == ["0.300"]  # the figures are means
+    old = pd.DataFrame([cell().model_dump()]).drop(columns=["client_loop_lag_s_max"])  # a run from before
+    assert "client lag max (ms)" not in performance_table(aggregate(old))

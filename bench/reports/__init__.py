@@ -84,7 +84,8 @@ KV_INTRO = ("Predicted = 2 x layers x KV heads x head_dim x dtype bytes per toke
             "kv_cache_usage_perc x blocks (block-rounded), llama.cpp's /slots cached tokens x bytes/token. "
             "The pool is what the engine allocated up front (vLLM: its KV budget; llama.cpp: its log line).")
 PERF_INTRO = ("TTFT, ITL, TPOT and E2E as defined in docs/metrics.md (client-side, per streamed chunk), over the "
-              "requests that met the token contract; throughput over the cell's wall time.")
+              "requests that met the token contract; throughput over the cell's wall time. Client lag: how late "
+              "the client's event loop ran at worst in the cell, a bound on its own error in TTFT and ITL.")
 BOUNDARY_INTRO = ("The KV boundary: how many sequences of the cell's length the engine's KV pool holds by the KV "
                   "model's rule for that engine (predicted), against how many the engine ran at once and how many "
                   "waited or were preempted (its own counters, polled at 10 Hz; schema v2 runs). Past the "

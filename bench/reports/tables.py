@@ -80,6 +80,8 @@ def aggregate(cells: pd.DataFrame) -> pd.DataFrame:
         numeric = good.select_dtypes("number")
         if not good.empty:
             first.update({k: v for k, v in numeric.mean().items() if k not in keys and k != "repeat"})
+            if "client_loop_lag_s_max" in numeric:  # a bound on the client's error: the worst repeat's
+                first["client_loop_lag_s_max"] = numeric.client_loop_lag_s_max.max()
         first["repeats"] = len(group)
         first["status"] = min(group.status, key=lambda s: worst.get(s, 0))
         first["flags"] = [f for fl in group["flags"] for f in (fl or [])]
@@ -157,11 +159,14 @@ def performance_table(agg: pd.DataFrame) -> pd.DataFrame:
     if agg.goodput_requests_per_s.notna().any():
         out["goodput req/s"] = agg.goodput_requests_per_s.map(lambda x: fmt_num(x, digits=3))
     out["ok/sent"] = [f"{int(r.n_ok)}/{int(r.n_requests)}" for r in agg.itertuples()]
+    if "client_loop_lag_s_max" in agg and agg.client_loop_lag_s_max.notna().any():  # runs before it lack it
+        out["client lag max (ms)"] = agg.client_loop_lag_s_max.map(lambda x: fmt_num(x, 1000, 1))
     return out
 
 
 PERF_RIGHT = LEAD_RIGHT | {"TTFT p50 (s)", "TTFT p99 (s)", "ITL p50 (ms)", "ITL p99 (ms)", "TPOT p50 (ms)",
-                           "E2E p50 (s)", "E2E p99 (s)", "out tok/s", "req/s", "goodput req/s", "ok/sent"}
+                           "E2E p50 (s)", "E2E p99 (s)", "out tok/s", "req/s", "goodput req/s", "ok/sent",
+                           "client lag max (ms)"}
 
 
 def pool_label(r) -> str:
