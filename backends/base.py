@@ -245,8 +245,8 @@ class Backend(ABC):
 
     def poll(self, client: httpx.Client) -> EngineState:
         """One poll during a cell: :meth:`kv_in_use` and :meth:`queue_state`. Adapters that read both from
-        one page override this to fetch it once: rendering and parsing it costs the engine's server and
-        the client CPU, at 10 Hz through every measured cell."""
+        one page fetch it once instead (:class:`PrometheusPolled`): rendering and parsing it costs the
+        engine's server and the client CPU, at 10 Hz through every measured cell."""
         return EngineState(self.kv_in_use(client), self.queue_state(client))
 
 
