@@ -38,7 +38,7 @@ from bench.kvmodel import sequences_in_pool
 from bench.load import concurrent, frozen_heap, rate, run_async, sweep
 from bench.metrics import RequestTimes, cell_metrics, percentiles, request_verdict
 from bench.results import CellRow, RequestRow, RunWriter, ensure_parquet
-from bench.samplers import NVML, EnginePoller, ProcessTreeMemorySampler, tree_rss
+from bench.samplers import NVML, EnginePoller, KVSample, ProcessTreeMemorySampler, tree_rss
 from workloads import Workload
 from workloads.prompts import Prompt, PromptBuilder
 
@@ -380,9 +380,10 @@ class Runner:
             except httpx.HTTPError:
                 peak = None
         if peak is None and engine.kv_samples:
-            best = max(engine.kv_samples, key=lambda s: s.kv_bytes_in_use or 0)
-            row.kv_in_use_peak_bytes, row.kv_in_use_peak_tokens = best.kv_bytes_in_use, best.kv_tokens_in_use
-            row.kv_in_use_source = f"max of {len(engine.kv_samples)} polls of {engine.kv_source}"
+            windows = [(r.t_sent, r.t_done or (r.chunk_times[-1] if r.chunk_times else r.t_sent)) for r in results]
+            best, row.kv_in_use_source = polled_kv_peak(engine.kv_samples, windows, engine.kv_source)
+            if best is not None:
+                row.kv_in_use_peak_bytes, row.kv_in_use_peak_tokens = best.kv_bytes_in_use, best.kv_tokens_in_use
         elif peak is not None:
             row.kv_in_use_peak_bytes, row.kv_in_use_peak_tokens, row.kv_in_use_source = peak.bytes, peak.tokens, peak.source
             row.kv_allocator_bytes_peak = peak.details.get("allocator_bytes")
@@ -420,6 +421,18 @@ class Runner:
             row.gpu_baseline_used_bytes = self.gpu_baseline.used_bytes if self.gpu_baseline else None
         self.writer.write_timeline(row.cell_id, timeline_frame(t0, samples, engine.kv_samples, engine.queue_samples))
         return row
+
+def polled_kv_peak(samples: list[KVSample], windows: list[tuple[float, float]], source: str | None):
+    """The largest polled "KV in use" of a cell and how it was found, or None: when every poll read
+    nothing and none of them fell while a request was in flight (a starved poller, a cell shorter than
+    the poll period), a zero would be the polls' blind spot, not a measurement."""
+    best = max(samples, key=lambda s: s.kv_bytes_in_use or 0)
+    during = sum(1 for s in samples if any(start <= s.t <= end for start, end in windows))
+    if not best.kv_bytes_in_use and windows and not during:
+        return None, (f"not measured: none of {len(samples)} polls of {source} fell while a request was in "
+                      "flight")
+    return best, f"max of {len(samples)} polls of {source}"
+
 
 def request_row(run_id: str, cid: str, label: str, r: RequestResult, warmup: bool = False,
                 repeat: int = 0) -> RequestRow:

@@ -196,3 +196,4 @@ def test_frozen_heap_nests_and_thaws_once():
             [[i] for i in range(1000)]
         assert gc.get_freeze_count() == outer  # the inner block neither thawed nor refroze
     assert gc.get_freeze_count() == 0
+

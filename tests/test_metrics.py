@@ -98,3 +98,19 @@ def test_chunks_arriving_together_count_as_one_chunk():
     r = RequestTimes(t_sent=0.0, chunk_times=(1.0, 1.0, 1.3), chunk_tokens=(1, 2, 1))
     assert r.itl_samples() == pytest.approx([0.3])
     assert r.tpot == pytest.approx(0.3 / 3)
+
+
+def test_polled_kv_peak_is_not_measured_when_no_poll_saw_a_request_in_flight():
+    from bench.runner import polled_kv_peak
+    from bench.samplers import KVSample
+
+    windows = [(10.0, 10.8)]  # one request, sent at 10.0, done at 10.8
+    idle = [KVSample(9.9, 0.0, 0.0), KVSample(11.0, 0.0, 0.0)]  # a poller that slept through it
+    best, source = polled_kv_peak(idle, windows, "gauge")
+    assert best is None and source.startswith("not measured: none of 2 polls of gauge")
+    seen = [*idle, KVSample(10.5, 256.0, 128.0)]
+    best, source = polled_kv_peak(seen, windows, "gauge")
+    assert best.kv_tokens_in_use == 128.0 and source == "max of 3 polls of gauge"
+    # zero read while the request was in flight is the engine's own figure, kept as measured
+    best, _ = polled_kv_peak([KVSample(10.4, 0.0, 0.0)], windows, "gauge")
+    assert best is not None and best.kv_bytes_in_use == 0.0
