@@ -38,7 +38,7 @@ from bench.kvmodel import sequences_in_pool
 from bench.load import concurrent, frozen_heap, rate, run_async, sweep
 from bench.metrics import RequestTimes, cell_metrics, percentiles, request_verdict
 from bench.results import CellRow, RequestRow, RunWriter, ensure_parquet
-from bench.samplers import NVML, EnginePoller, KVSample, ProcessTreeMemorySampler, tree_rss
+from bench.samplers import NVML, EnginePoller, KVSample, ProcessTreeMemorySampler, QueueSample, tree_rss
 from workloads import Workload
 from workloads.prompts import Prompt, PromptBuilder
 
@@ -379,8 +379,8 @@ class Runner:
                 peak = backend.kv_peak(client)
             except httpx.HTTPError:
                 peak = None
+        windows = [(r.t_sent, r.t_done or (r.chunk_times[-1] if r.chunk_times else r.t_sent)) for r in results]
         if peak is None and engine.kv_samples:
-            windows = [(r.t_sent, r.t_done or (r.chunk_times[-1] if r.chunk_times else r.t_sent)) for r in results]
             best, row.kv_in_use_source = polled_kv_peak(engine.kv_samples, windows, engine.kv_source)
             if best is not None:
                 row.kv_in_use_peak_bytes, row.kv_in_use_peak_tokens = best.kv_bytes_in_use, best.kv_tokens_in_use
@@ -394,14 +394,8 @@ class Runner:
 
         # the engine's queue: the KV boundary shows as requests waiting or preempted
         if engine.queue_samples:
-            queue = engine.queue_samples
-            waiting = [q.waiting for q in queue if q.waiting is not None]
-            running = [q.running for q in queue if q.running is not None]
-            preempted = [q.preemptions for q in queue if q.preemptions is not None]
-            row.requests_waiting_peak = max(waiting) if waiting else None
-            row.requests_running_peak = max(running) if running else None
-            row.preemptions = preempted[-1] - preempted[0] if preempted else None
-            row.queue_source = f"max of {len(queue)} polls of {engine.queue_source}"
+            (row.requests_waiting_peak, row.requests_running_peak, row.preemptions,
+             row.queue_source) = queue_peaks(engine.queue_samples, windows, engine.queue_source)
 
         # memory timeline (not measured for an attached server: its processes are not ours)
         samples = memory.samples if memory else []
@@ -422,13 +416,32 @@ class Runner:
         self.writer.write_timeline(row.cell_id, timeline_frame(t0, samples, engine.kv_samples, engine.queue_samples))
         return row
 
+def polls_during(samples, windows: list[tuple[float, float]]) -> int:
+    """How many polls (anything with a ``t``) fell inside a request's window (sent to done)."""
+    return sum(1 for s in samples if any(start <= s.t <= end for start, end in windows))
+
+
+def queue_peaks(samples: list[QueueSample], windows: list[tuple[float, float]], source: str | None):
+    """(waiting peak, running peak, preemptions, how found) of a cell from the engine's queue polls.
+    Peaks of zero from polls of which none fell while a request was in flight are a blind spot, "not
+    measured"; the preemption counter is cumulative, so it stays right whenever the polls bracket the cell."""
+    waiting = [q.waiting for q in samples if q.waiting is not None]
+    running = [q.running for q in samples if q.running is not None]
+    preempted = [q.preemptions for q in samples if q.preemptions is not None]
+    preemptions = preempted[-1] - preempted[0] if preempted else None
+    if windows and not any(running) and not any(waiting) and not polls_during(samples, windows):
+        return None, None, preemptions, (f"not measured: none of {len(samples)} polls of {source} fell while "
+                                         "a request was in flight")
+    return (max(waiting) if waiting else None, max(running) if running else None, preemptions,
+            f"max of {len(samples)} polls of {source}")
+
+
 def polled_kv_peak(samples: list[KVSample], windows: list[tuple[float, float]], source: str | None):
     """The largest polled "KV in use" of a cell and how it was found, or None: when every poll read
     nothing and none of them fell while a request was in flight (a starved poller, a cell shorter than
     the poll period), a zero would be the polls' blind spot, not a measurement."""
     best = max(samples, key=lambda s: s.kv_bytes_in_use or 0)
-    during = sum(1 for s in samples if any(start <= s.t <= end for start, end in windows))
-    if not best.kv_bytes_in_use and windows and not during:
+    if not best.kv_bytes_in_use and windows and not polls_during(samples, windows):
         return None, (f"not measured: none of {len(samples)} polls of {source} fell while a request was in "
                       "flight")
     return best, f"max of {len(samples)} polls of {source}"

@@ -114,3 +114,15 @@ def test_polled_kv_peak_is_not_measured_when_no_poll_saw_a_request_in_flight():
     # zero read while the request was in flight is the engine's own figure, kept as measured
     best, _ = polled_kv_peak([KVSample(10.4, 0.0, 0.0)], windows, "gauge")
     assert best is not None and best.kv_bytes_in_use == 0.0
+
+
+def test_queue_peaks_not_measured_when_no_poll_saw_a_request_in_flight():
+    from bench.runner import queue_peaks
+    from bench.samplers import QueueSample
+
+    windows = [(10.0, 10.8), (10.1, 11.2)]
+    blind = [QueueSample(9.9, 0, 0, 3), QueueSample(11.5, 0, 0, 5)]  # before and after: preempted twice
+    assert queue_peaks(blind, windows, "q")[:3] == (None, None, 2)
+    assert queue_peaks(blind, windows, "q")[3].startswith("not measured: none of 2 polls of q")
+    seen = [QueueSample(9.9, 0, 0, 3), QueueSample(10.5, 1, 2, 3), QueueSample(11.5, 0, 0, 3)]
+    assert queue_peaks(seen, windows, "q") == (1, 2, 0, "max of 3 polls of q")
