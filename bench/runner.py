@@ -416,6 +416,7 @@ class Runner:
         self.writer.write_timeline(row.cell_id, timeline_frame(t0, samples, engine.kv_samples, engine.queue_samples))
         return row
 
+
 def polls_during(samples, windows: list[tuple[float, float]]) -> int:
     """How many polls (anything with a ``t``) fell inside a request's window (sent to done)."""
     return sum(1 for s in samples if any(start <= s.t <= end for start, end in windows))
