@@ -152,10 +152,8 @@ class OllamaBackend(Backend):
     async def stream(self, client, prompt) -> RequestResult:
         body = {"model": self.model, "prompt": prompt.text, "raw": True, "stream": True, "keep_alive": -1,
                 "options": self._options(prompt.output_tokens)}
-        result = await stream_ndjson(client, self.base_url + "/api/generate", body, prompt, self._read_event)
-        if result.error is None and result.output_tokens_reported is None:
-            result.error = "stream ended without Ollama's final object (done: true)"
-        return result
+        return await stream_ndjson(client, self.base_url + "/api/generate", body, prompt, self._read_event,
+                                   final_event="Ollama's final object (done: true)")
 
     @staticmethod
     def _read_event(event: dict, now: float, result: RequestResult) -> None:

@@ -255,14 +255,16 @@ async def _stream(client: Client, url: str, body: dict, prompt, split_events) ->
     return result, state["buf"], state["done"]
 
 
-def _ended_early(result: RequestResult, done_marker: bool) -> None:
+def _ended_early(result: RequestResult, done_marker: bool, final_event: str) -> None:
     if not done_marker and result.error is None and result.output_tokens_reported is None:
-        result.error = "stream ended before its final event (connection closed early)"
+        result.error = f"stream ended before {final_event} (connection closed early)"
 
 
-async def stream_sse(client, url: str, body: dict, prompt, handle) -> RequestResult:
+async def stream_sse(client, url: str, body: dict, prompt, handle,
+                     final_event: str = "its final event") -> RequestResult:
     """POST ``body`` and read a server-sent-event stream; ``handle(event, arrival_time, result)`` reads
-    each JSON event (one ``data:`` line) into the result."""
+    each JSON event (one ``data:`` line) into the result. ``final_event`` names, in the error of a
+    stream that ended early, the engine's last event (the one that carries its token counts)."""
     loads, JSONDecodeError = orjson.loads, orjson.JSONDecodeError
 
     def split_events(data: bytes, now: float, state: dict) -> None:
@@ -291,12 +293,14 @@ async def stream_sse(client, url: str, body: dict, prompt, handle) -> RequestRes
     if buf.strip():
         result.error = f"stream cut off inside an event: {buf[:200]!r}"
     else:
-        _ended_early(result, done_marker)
+        _ended_early(result, done_marker, final_event)
     return result
 
 
-async def stream_ndjson(client, url: str, body: dict, prompt, handle) -> RequestResult:
-    """POST ``body`` and read a newline-delimited JSON stream (Ollama), one event per line."""
+async def stream_ndjson(client, url: str, body: dict, prompt, handle,
+                        final_event: str = "its final event") -> RequestResult:
+    """POST ``body`` and read a newline-delimited JSON stream (Ollama), one event per line; ``final_event``
+    as for :func:`stream_sse`."""
     loads = orjson.loads
     last = {"now": 0.0}
 
@@ -320,7 +324,7 @@ async def stream_ndjson(client, url: str, body: dict, prompt, handle) -> Request
             result.error = f"stream cut off inside an event: {buf[:200]!r}"
             return result
         handle(event, last["now"], result)
-    _ended_early(result, False)
+    _ended_early(result, False, final_event)
     return result
 
 

@@ -136,10 +136,9 @@ class TGIBackend(PrometheusPolled, Backend):
         body = {"inputs": prompt.text, "add_special_tokens": False,
                 "parameters": {"max_new_tokens": prompt.output_tokens, "details": True,
                                "decoder_input_details": False, "do_sample": False}}
-        result = await stream_sse(client, self.base_url + "/generate_stream", body, prompt, self._read_event)
-        if result.error is None and result.output_tokens_reported is None:
-            result.error = "stream ended without TGI's final event (no details)"
-        return result
+        # /generate_stream sends no [DONE]: a stream without the final event (details) ended early
+        return await stream_sse(client, self.base_url + "/generate_stream", body, prompt, self._read_event,
+                                final_event="TGI's final event (details)")
 
     @staticmethod
     def _read_event(event: dict, now: float, result: RequestResult) -> None:

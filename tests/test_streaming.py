@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from functools import partial
 
 import pytest
 
@@ -168,6 +169,10 @@ def test_close_delimited_stream_cut_off_between_events():
     # no chunked encoding, no length: only the missing final event tells a cut from an end
     error = _failed([CLOSE_HEAD, token_event([1]), 0.02, token_event([2]), 0.02, "close"])
     assert "final event" in error
+    # the adapter names its engine's final event in that error
+    named = partial(stream_sse, final_event="TGI's final event (details)")
+    r = run_sse([CLOSE_HEAD, token_event([1]), 0.02, "close"], reader=named)
+    assert r.error == "stream ended before TGI's final event (details) (connection closed early)"
 
 
 def test_close_delimited_stream_cut_off_inside_an_event():
