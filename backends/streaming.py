@@ -88,12 +88,12 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc):
         self.closed = True
         if not self.headers_done.done():
-            self.headers_done.set_exception(StreamCutOff("server closed the connection before answering"))
+            _set_failed(self.headers_done, StreamCutOff("server closed the connection before answering"))
         if not self.done.done():
             if self.headers_done.exception() is None and not self.framed:
                 self.done.set_result(None)  # a body without length ends when the connection does
             else:
-                self.done.set_exception(StreamCutOff("connection closed before the end of the response"))
+                _set_failed(self.done, StreamCutOff("connection closed before the end of the response"))
 
     # --- httptools callbacks ---------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes):
@@ -121,8 +121,7 @@ class _Connection(asyncio.Protocol):
     def _fail(self, exc: BaseException):
         for future in (self.headers_done, self.done):
             if not future.done():
-                future.set_exception(exc)
-                future.exception()  # one waiter retrieves it; keep asyncio from warning about the other
+                _set_failed(future, exc)
         self.close()
 
     def close(self):
@@ -138,6 +137,13 @@ class _Connection(asyncio.Protocol):
             self.headers_done.set_exception(StreamCutOff("connection closed before the request was sent"))
             return
         self.transport.write(head + payload)
+
+
+def _set_failed(future: asyncio.Future, exc: BaseException) -> None:
+    """Fail ``future``, marked as seen: a request awaits only one of its connection's two futures (or
+    none, once it has given up), and asyncio would otherwise warn that the other's error went unread."""
+    future.set_exception(exc)
+    future.exception()
 
 
 class Client:
