@@ -115,9 +115,7 @@ class OllamaBackend(Backend):
                 if gguf is None:
                     raise EngineStartError("Ollama needs a GGUF model file (or ollama:served_model=NAME)")
                 self.model = model_tag(self.spec)
-                from bench.models import sha256_file  # here: bench.models imports the adapters' package
-
-                digest = "sha256:" + sha256_file(Path(gguf))
+                digest = "sha256:" + self.spec.model.sha256  # the GGUF's own digest, computed once at load
                 if client.head(f"/api/blobs/{digest}").status_code != 200:
                     with Path(gguf).open("rb") as f:
                         r = client.post(f"/api/blobs/{digest}", content=f,

@@ -14,6 +14,7 @@ import psutil
 
 from backends.base import ModelFiles, ServerSpec
 from bench.kvmodel import KVGeometry
+from bench.models import sha256_file
 from bench.load import concurrent, run_async
 from workloads.prompts import Prompt
 
@@ -26,7 +27,8 @@ BYTES_PER_TOKEN = 23_040  # 2 x 30 x 3 x 64 x 2 bytes
 def spec(tmp_path: Path, max_context=4096, max_concurrency=2, kv_dtype="auto", gguf: Path | None = None) -> ServerSpec:
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir(exist_ok=True)
-    model = ModelFiles("smollm2", hf_dir, gguf, "ab" * 32, SMOLLM2)
+    # as bench.models.load_model does: a GGUF model's digest is the file's
+    model = ModelFiles("smollm2", hf_dir, gguf, sha256_file(gguf) if gguf and gguf.exists() else "ab" * 32, SMOLLM2)
     return ServerSpec(model, max_context, max_concurrency, kv_dtype)
 
 
