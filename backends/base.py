@@ -279,6 +279,12 @@ class PrometheusPolled:
         return EngineState(self.kv_from_samples(samples), self.queue_from_samples(samples))
 
 
+def gauge_sum(samples: dict[str, list], name: str) -> float | None:
+    """A sample's values summed over its label sets (engines, models), None when the page lacks it."""
+    rows = samples.get(name)
+    return sum(v for _, v in rows) if rows else None
+
+
 def metric_samples(text: str, names=None) -> dict[str, list]:
     """Prometheus text -> {sample name: [(labels, value), ...]}, of the samples in ``names`` only when given.
 

@@ -16,7 +16,7 @@ import httpx
 from bench.envs import InstallStep, Recipe
 from bench.profiles import has_nvcc, has_nvidia_gpu
 
-from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, extra_args, metric_samples
+from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, extra_args, gauge_sum, metric_samples
 from .streaming import stream_sse
 
 BUILD_SCRIPT = Path(__file__).with_name("build_llama_server.sh")
@@ -174,10 +174,8 @@ class LlamaCppBackend(Backend):
         if response.status_code != 200:  # started without --metrics
             return None
         samples = metric_samples(response.text, ("llamacpp:requests_deferred", "llamacpp:requests_processing"))
-        deferred = samples.get("llamacpp:requests_deferred")
-        if not deferred:
+        waiting = gauge_sum(samples, "llamacpp:requests_deferred")
+        if waiting is None:
             return None
-        processing = samples.get("llamacpp:requests_processing")
-        return {"waiting": sum(v for _, v in deferred),
-                "running": sum(v for _, v in processing) if processing else None,
+        return {"waiting": waiting, "running": gauge_sum(samples, "llamacpp:requests_processing"),
                 "source": "llamacpp:requests_deferred/requests_processing (/metrics)"}

@@ -21,7 +21,7 @@ import httpx
 
 from bench.envs import Recipe
 
-from .base import Backend, EngineStartError, KVInUse, KVPool, RequestResult, PrometheusPolled, ServerSpec, extra_args
+from .base import Backend, EngineStartError, KVInUse, KVPool, RequestResult, PrometheusPolled, ServerSpec, extra_args, gauge_sum
 from .streaming import stream_sse
 
 IMAGE = "ghcr.io/huggingface/text-generation-inference"
@@ -155,16 +155,11 @@ class TGIBackend(PrometheusPolled, Backend):
             result.engine_details = {"finish_reason": details.get("finish_reason"), "seed": details.get("seed"),
                                      "last_token_special": bool(token and token.get("special"))}
 
-    @staticmethod
-    def _gauge(samples: dict, name: str) -> float | None:
-        rows = samples.get(name)
-        return sum(v for _, v in rows) if rows else None
-
     def kv_pool(self) -> KVPool | None:
         log = parse_tgi_log(self.server.log_path.read_text(errors="replace")) if self.server else {}
         try:
             with httpx.Client(timeout=5) as client:
-                tokens = self._gauge(self.metrics(client), "tgi_batch_max_total_tokens")
+                tokens = gauge_sum(self.metrics(client), "tgi_batch_max_total_tokens")
         except httpx.HTTPError:
             tokens = None
         if tokens:
@@ -180,7 +175,7 @@ class TGIBackend(PrometheusPolled, Backend):
                       details={"log": log, "per_shard": True})
 
     def kv_from_samples(self, samples: dict) -> KVInUse | None:
-        tokens = self._gauge(samples, "tgi_batch_current_max_tokens")
+        tokens = gauge_sum(samples, "tgi_batch_current_max_tokens")
         if tokens is None:
             return None
         return KVInUse(bytes=tokens * self.kv_bytes_per_token(), tokens=tokens,
@@ -188,5 +183,5 @@ class TGIBackend(PrometheusPolled, Backend):
                               "of the running batch, not tokens written)")
 
     def queue_from_samples(self, samples: dict) -> dict | None:
-        waiting = self._gauge(samples, "tgi_queue_size")
+        waiting = gauge_sum(samples, "tgi_queue_size")
         return None if waiting is None else {"waiting": waiting, "source": "tgi_queue_size (/metrics)"}

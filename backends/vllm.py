@@ -15,7 +15,7 @@ from bench.envs import InstallStep, Recipe, env_python
 from bench.kvmodel import round_up
 from bench.profiles import has_nvidia_gpu
 
-from .base import Backend, KVInUse, KVPool, RequestResult, PrometheusPolled, ServerSpec, extra_args
+from .base import Backend, KVInUse, KVPool, RequestResult, PrometheusPolled, ServerSpec, extra_args, gauge_sum
 from .openai import read_completion_chunk
 from .streaming import stream_sse
 
@@ -142,11 +142,10 @@ class VLLMBackend(PrometheusPolled, Backend):
                        source="vllm:kv_cache_usage_perc x (num_gpu_blocks - 1) blocks")
 
     def queue_from_samples(self, samples: dict) -> dict | None:
-        waiting, preempted = samples.get("vllm:num_requests_waiting"), samples.get("vllm:num_preemptions_total")
-        running = samples.get("vllm:num_requests_running")
-        if not waiting and not preempted:
+        waiting = gauge_sum(samples, "vllm:num_requests_waiting")
+        preempted = gauge_sum(samples, "vllm:num_preemptions_total")
+        if waiting is None and preempted is None:
             return None
-        return {"waiting": sum(v for _, v in waiting) if waiting else None,
-                "running": sum(v for _, v in running) if running else None,
-                "preemptions": sum(v for _, v in preempted) if preempted else None,
+        return {"waiting": waiting, "running": gauge_sum(samples, "vllm:num_requests_running"),
+                "preemptions": preempted,
                 "source": "vllm:num_requests_waiting/running, vllm:num_preemptions_total (/metrics)"}
