@@ -332,19 +332,3 @@ async def stream_ndjson(client, url: str, body: dict, prompt, handle,
         handle(event, last["now"], result)
     _ended_early(result, False, final_event)
     return result
-
-
-def parse_sse_line(line: str | bytes) -> dict | None:
-    """One ``data:`` line of a server-sent-event stream as JSON; None for anything else or [DONE]."""
-    prefix = b"data:" if isinstance(line, bytes) else "data:"
-    if not line.startswith(prefix):
-        return None
-    payload = line[5:].strip()
-    if not payload or payload in ("[DONE]", _DONE):
-        return None
-    return orjson.loads(payload)
-
-
-def parse_ndjson_line(line: str | bytes) -> dict | None:
-    line = line.strip()
-    return orjson.loads(line) if line else None

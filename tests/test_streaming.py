@@ -10,8 +10,7 @@ from functools import partial
 import pytest
 
 from backends.base import RequestResult
-from backends.streaming import (TRANSPORT_ERRORS, open_client, parse_ndjson_line, parse_sse_line, stream_ndjson,
-                                stream_sse)
+from backends.streaming import TRANSPORT_ERRORS, open_client, stream_ndjson, stream_sse
 from bench.load import run_async
 from backends.vllm import VLLMBackend
 from workloads.prompts import Prompt
@@ -223,17 +222,6 @@ def test_connection_refused_is_a_transport_error():
             return await stream_sse(client, "http://127.0.0.1:9/v1/completions", {}, PROMPT, VLLMBackend._read_event)
     with pytest.raises(TRANSPORT_ERRORS):
         run_async(go())
-
-
-def test_line_parsers():
-    assert parse_sse_line('data: {"a": 1}') == {"a": 1}
-    assert parse_sse_line(b'data:{"a": 1}\r') == {"a": 1}
-    assert parse_sse_line("data: [DONE]") is None
-    assert parse_sse_line(": comment") is None and parse_sse_line("") is None
-    assert parse_ndjson_line('{"done": true}\n') == {"done": True}
-    assert parse_ndjson_line("  ") is None
-    with pytest.raises(ValueError):
-        parse_sse_line("data: {broken")
 
 
 def test_works_on_the_default_event_loop_too():
