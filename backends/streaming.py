@@ -45,7 +45,7 @@ perf_counter = time.perf_counter
 
 class _Connection(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection carrying one request at a time. The response body goes to
-    ``on_body(data, arrival_time)`` as it arrives, from inside ``data_received``."""
+    ``body_handler(data, arrival_time)`` (given to :meth:`send`) as it arrives, from inside ``data_received``."""
 
     def __init__(self):
         self.transport = None
@@ -60,7 +60,7 @@ class _Connection(asyncio.Protocol):
         self.framed = False  # Content-Length or chunked: the body has a known end
         self.headers_done = asyncio.get_running_loop().create_future()
         self.done = asyncio.get_running_loop().create_future()
-        self.on_body = None
+        self.body_handler = None
         self.error_chunks: list[bytes] = []  # the body of a non-200 answer
         self.pending: list[bytes] = []  # body pieces of the current read
         self.failure: BaseException | None = None
@@ -76,7 +76,7 @@ class _Connection(asyncio.Protocol):
             if self.pending:
                 body = self.pending[0] if len(self.pending) == 1 else b"".join(self.pending)
                 self.pending.clear()
-                self.on_body(body, now)  # one call per read, however many chunks it held
+                self.body_handler(body, now)  # one call per read, however many chunks it held
         except httptools.HttpParserCallbackError:
             self._fail(self.failure or StreamCutOff("response handler failed"))
         except httptools.HttpParserError as exc:
@@ -107,7 +107,7 @@ class _Connection(asyncio.Protocol):
             self.headers_done.set_result(None)
 
     def on_body(self, body: bytes):
-        if self.status != 200 or self.on_body is None:
+        if self.status != 200 or self.body_handler is None:
             self.error_chunks.append(body)
         else:
             self.pending.append(body)
@@ -131,7 +131,7 @@ class _Connection(asyncio.Protocol):
 
     def send(self, head: bytes, payload: bytes, on_body):
         self._reset()
-        self.on_body = on_body
+        self.body_handler = on_body
         self.used = True
         if self.closed or self.transport.is_closing():  # closed between the pool and now
             self.headers_done.set_exception(StreamCutOff("connection closed before the request was sent"))
@@ -174,7 +174,7 @@ class Client:
             conn.close()
             self.all.discard(conn)
         else:
-            conn.on_body = None
+            conn.body_handler = None
             self.idle.setdefault((host, port), []).append(conn)
 
     def close(self) -> None:
