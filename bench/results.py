@@ -19,6 +19,8 @@ from typing import Literal
 import pandas as pd
 from pydantic import BaseModel, Field
 
+from bench.metrics import RequestTimes, request_verdict
+
 SCHEMA_VERSION = 2
 # v2 (load generator): repeat, load_profile, request_rate, variant, token_contract, attached, queueing
 # and goodput fields. v1 rows read as v2 with those fields at their defaults (one closed-loop repeat).
@@ -230,16 +232,18 @@ PARQUET_META_KEY = b"kvbench_schema_version"
 def _requests_derived(frame: pd.DataFrame) -> pd.DataFrame:
     """Per-request figures the cell's percentiles are made of (bench/metrics.py), as columns."""
     frame = frame.copy()
-    received = frame.output_tokens_received
-    first = frame.chunk_times.map(lambda c: c[0] if len(c) else None)
-    last = frame.chunk_times.map(lambda c: c[-1] if len(c) else None)
-    tpot = (last.astype(float) - first.astype(float)) / (received - 1)
-    frame["tpot_s"] = tpot.where(received >= 2)
+    frame["tpot_s"] = [RequestTimes(0.0, tuple(t), tuple(k)).tpot
+                       for t, k in zip(frame.chunk_times, frame.chunk_tokens)]
+
+    def count(x):  # a count the engine did not report reads back as NaN
+        return None if pd.isna(x) else int(x)
+
     # met the token contract (the only requests in a cell's headline figures)
-    frame["ok"] = (frame.error.isna() & ~frame.warmup
-                   & (frame.prompt_tokens_reported == frame.prompt_tokens_sent)
-                   & (frame.output_tokens_reported == frame.output_tokens_requested)
-                   & (received == frame.output_tokens_requested))
+    frame["ok"] = [not warmup and request_verdict(None if pd.isna(error) else error, sent, count(p_reported),
+                                                 asked, count(o_reported), int(received)) == "ok"
+                   for warmup, error, sent, p_reported, asked, o_reported, received in zip(
+                       frame.warmup, frame.error, frame.prompt_tokens_sent, frame.prompt_tokens_reported,
+                       frame.output_tokens_requested, frame.output_tokens_reported, frame.output_tokens_received)]
     return frame
 
 

@@ -87,3 +87,24 @@ def test_bad_input(tmp_path):
         load(tmp_path)
     with pytest.raises(ValueError, match="newer than this kvbench"):
         migrate_row({"schema_version": SCHEMA_VERSION + 1}, CellRow)
+
+
+def test_ok_column_is_the_cells_token_contract():
+    """`ok` is bench.metrics.request_verdict, as the cell's n_ok: a count the engine did not report falls
+    back to the tokens received (Ollama or TGI without a prompt count) instead of failing the request."""
+    import pandas as pd
+
+    from bench.results import _requests_derived
+
+    def req(**kw):
+        base = dict(warmup=False, error=None, prompt_tokens_sent=8, prompt_tokens_reported=8,
+                    output_tokens_requested=3, output_tokens_reported=3, output_tokens_received=3,
+                    chunk_times=[1.0, 1.1, 1.3], chunk_tokens=[1, 1, 1])
+        return {**base, **kw}
+
+    frame = pd.DataFrame([req(), req(prompt_tokens_reported=None), req(prompt_tokens_reported=7),
+                          req(output_tokens_reported=None, output_tokens_received=2, chunk_times=[1.0, 1.1],
+                              chunk_tokens=[1, 1]), req(error="HTTP 500"), req(warmup=True)])
+    derived = _requests_derived(frame)
+    assert derived.ok.tolist() == [True, True, False, False, False, False]
+    assert derived.tpot_s.iloc[0] == pytest.approx(0.15)  # (1.3 - 1.0) / (3 - 1)
