@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from bench import stats
+from bench.metrics import RequestTimes
 from bench.results import CELL_CONFIG_FIELDS, load
 
 JSON_SCHEMA = "kvbench.compare/1"
@@ -122,6 +123,16 @@ class Side:
     requests: pd.DataFrame
     runs: list[str] = field(default_factory=list)
     backend: str | None = None
+    _samples: dict = field(default_factory=dict, repr=False)  # (cells, source) -> per-request samples
+    _ok_by_cell: dict | None = field(default=None, repr=False)  # (run_id, cell_id, repeat) -> ok requests
+
+    def ok_requests(self, keys) -> pd.DataFrame:
+        """The requests of these (run_id, cell_id, repeat) cells that met the token contract."""
+        if self._ok_by_cell is None:
+            ok = self.requests[self.requests.ok.to_numpy(dtype=bool)] if not self.requests.empty else self.requests
+            self._ok_by_cell = {k: g for k, g in ok.groupby(["run_id", "cell_id", "repeat"], sort=False)}
+        parts = [self._ok_by_cell[k] for k in keys if k in self._ok_by_cell]
+        return pd.concat(parts) if parts else self.requests.iloc[0:0]
 
 
 def load_side(name: str, run_dirs: list[Path], backend: str | None = None) -> Side:
@@ -165,21 +176,18 @@ def _groups(side: Side, fields: tuple[str, ...]) -> dict[tuple, pd.DataFrame]:
 
 
 def _samples(side: Side, rows: pd.DataFrame, source: str) -> list[float]:
-    """The per-request samples of a metric over the requests of these cells that met the token contract."""
-    req = side.requests
-    if req.empty:
-        return []
-    wanted = set(zip(rows.run_id, rows.cell_id, rows.repeat))
-    selected = np.array([(r, c, p) in wanted for r, c, p in zip(req.run_id, req.cell_id, req["repeat"])], dtype=bool)
-    mine = req[selected & req.ok.to_numpy(dtype=bool)]
-    if source != "itl":
-        return [float(v) for v in mine[source] if v is not None and not pd.isna(v)]
-    gaps: list[float] = []
-    for times, tokens in zip(mine.chunk_times, mine.chunk_tokens):
-        for i in range(1, len(times)):
-            k = tokens[i]
-            gaps.extend([(times[i] - times[i - 1]) / k] * k)
-    return gaps
+    """The per-request samples of a metric over the requests of these cells that met the token contract
+    (ITL: bench.metrics' per-gap samples), worked out once per cell and source."""
+    keys = tuple(sorted(set(zip(rows.run_id, rows.cell_id, rows.repeat))))
+    if (keys, source) not in side._samples:
+        mine = side.ok_requests(keys)
+        if source != "itl":
+            samples = [float(v) for v in mine[source] if v is not None and not pd.isna(v)]
+        else:
+            samples = [gap for times, tokens in zip(mine.chunk_times, mine.chunk_tokens)
+                       for gap in RequestTimes(0.0, tuple(times), tuple(tokens)).itl_samples()]
+        side._samples[(keys, source)] = samples
+    return side._samples[(keys, source)]
 
 
 def _interval(metric: Metric, b_rows, c_rows, baseline: Side, candidate: Side, confidence: float, seed: int):

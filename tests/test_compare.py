@@ -171,3 +171,23 @@ def test_the_published_v1_run_against_itself_is_unchanged():
     assert result["summary"]["compared_cells"] == 24 and result["summary"]["regression"] == 0
     changes = [m["change"] for c in result["cells"] for m in c["metrics"] if m["change"] is not None]
     assert changes and all(abs(x) < 1e-12 for x in changes)
+
+
+def test_single_run_itl_samples_are_the_metrics_own():
+    """The bootstrap's ITL samples are bench.metrics' per-gap samples: tokens read together count as one
+    chunk, tokens that came with the first chunk are TTFT's, and only ok requests count."""
+    import pandas as pd
+
+    from bench.compare import Side, _samples
+    from bench.metrics import RequestTimes
+
+    times, tokens = [1.0, 1.0, 1.2, 1.2, 1.5], [1, 1, 1, 1, 2]
+    requests = pd.DataFrame([
+        dict(run_id="r", cell_id="c", repeat=0, ok=True, chunk_times=times, chunk_tokens=tokens, ttft_s=0.5),
+        dict(run_id="r", cell_id="c", repeat=0, ok=False, chunk_times=[1.0, 9.0], chunk_tokens=[1, 1], ttft_s=9.0),
+        dict(run_id="r", cell_id="other", repeat=0, ok=True, chunk_times=[1.0, 3.0], chunk_tokens=[1, 1], ttft_s=7.0)])
+    side = Side("baseline", pd.DataFrame(), requests)
+    rows = pd.DataFrame([dict(run_id="r", cell_id="c", repeat=0)])
+    expected = RequestTimes(0.0, tuple(times), tuple(tokens)).itl_samples()
+    assert _samples(side, rows, "itl") == expected == pytest.approx([0.1, 0.1, 0.15, 0.15])
+    assert _samples(side, rows, "ttft_s") == [0.5]
