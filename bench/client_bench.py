@@ -40,7 +40,7 @@ from backends.vllm import VLLMBackend
 from bench.kvmodel import KVGeometry
 from bench.load import concurrent
 from bench.load.common import run_async
-from bench.metrics import RequestTimes, cell_metrics
+from bench.metrics import RequestTimes, cell_metrics, request_verdict
 from workloads.prompts import Prompt
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
@@ -128,13 +128,9 @@ def _pct(values, q) -> float:
 
 
 def check_results(results, output_tokens: int) -> int:
-    """How many requests failed or broke the token contract."""
-    bad = 0
-    for r in results:
-        if (r.error or sum(r.chunk_tokens) != output_tokens or r.output_tokens_reported != output_tokens
-                or r.prompt_tokens_reported != r.prompt_tokens_sent):
-            bad += 1
-    return bad
+    """How many requests failed or broke the token contract (as ``kvbench run`` judges them)."""
+    return sum(request_verdict(r.error, r.prompt_tokens_sent, r.prompt_tokens_reported, output_tokens,
+                               r.output_tokens_reported, sum(r.chunk_tokens)) != "ok" for r in results)
 
 
 def accuracy_run(mock: Mock, concurrency: int, n_requests: int, output_tokens: int, ttft_s: float,
@@ -146,8 +142,7 @@ def accuracy_run(mock: Mock, concurrency: int, n_requests: int, output_tokens: i
     records = {r["key"]: r for r in mock.records()}
     failed = check_results(results, output_tokens)
     good = [r for r in results if not r.error and r.chunk_times]
-    m = cell_metrics([RequestTimes(r.t_sent, tuple(r.chunk_times), tuple(r.chunk_tokens), r.t_done) for r in good],
-                     [r.prompt_tokens_sent for r in good])
+    m = cell_metrics([RequestTimes.of(r) for r in good], [r.prompt_tokens_sent for r in good])
     mock_late, mock_itl_err, request_path, delivery = [], [], [], []
     for r in good:
         rec = records.get(int(r.request_id[1:]))
@@ -181,8 +176,7 @@ def ceiling_run(mock: Mock, concurrency: int, n_requests: int, output_tokens: in
     mock.records()  # keep the mock's list short
     failed = check_results(results, output_tokens)
     good = [r for r in results if not r.error and r.chunk_times]
-    m = cell_metrics([RequestTimes(r.t_sent, tuple(r.chunk_times), tuple(r.chunk_tokens), r.t_done) for r in good],
-                     [r.prompt_tokens_sent for r in good])
+    m = cell_metrics([RequestTimes.of(r) for r in good], [r.prompt_tokens_sent for r in good])
     tokens = sum(sum(r.chunk_tokens) for r in good)
     return {"concurrency": concurrency, "requests": len(results), "failed": failed, "tokens": tokens,
             "tokens_per_s": m["output_tokens_per_s"] or float("nan"),

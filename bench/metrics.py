@@ -40,6 +40,11 @@ class RequestTimes:
     chunk_tokens: tuple[int, ...]
     t_done: float | None = None
 
+    @classmethod
+    def of(cls, result) -> RequestTimes:
+        """The times of one streamed request (a :class:`backends.base.RequestResult`)."""
+        return cls(result.t_sent, tuple(result.chunk_times), tuple(result.chunk_tokens), result.t_done)
+
     @property
     def output_tokens(self) -> int:
         return sum(self.chunk_tokens)

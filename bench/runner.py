@@ -353,8 +353,8 @@ class Runner:
             if not backend.attached and not backend.alive():
                 row.error = f"engine {backend.exit_description()} during the cell: {row.error}"
             row.log_tail = backend.log_tail() or None
-        metrics = cell_metrics([RequestTimes(r.t_sent, tuple(r.chunk_times), tuple(r.chunk_tokens), r.t_done)
-                                for r in good], [r.prompt_tokens_sent for r in good], w.slo_ttft_s, w.slo_tpot_s)
+        metrics = cell_metrics([RequestTimes.of(r) for r in good], [r.prompt_tokens_sent for r in good],
+                               w.slo_ttft_s, w.slo_tpot_s)
         for k, v in metrics.items():
             setattr(row, k, v)
 
@@ -450,7 +450,7 @@ def polled_kv_peak(samples: list[KVSample], windows: list[tuple[float, float]], 
 
 def request_row(run_id: str, cid: str, label: str, r: RequestResult, warmup: bool = False,
                 repeat: int = 0) -> RequestRow:
-    times = RequestTimes(r.t_sent, tuple(r.chunk_times), tuple(r.chunk_tokens), r.t_done)
+    times = RequestTimes.of(r)
     return RequestRow(run_id=run_id, cell_id=cid, backend=label, request_id=r.request_id, warmup=warmup,
                       prompt_tokens_sent=r.prompt_tokens_sent, prompt_tokens_reported=r.prompt_tokens_reported,
                       output_tokens_requested=r.output_tokens_requested, output_tokens_received=times.output_tokens,
