@@ -146,9 +146,11 @@ class Runner:
         spec = ServerSpec(model=model, max_context=w.longest_prompt(max(lengths)) + w.output_tokens,
                           max_concurrency=sweep.max_in_flight(w), kv_dtype=o.kv_dtype,
                           kv_pool_sequences=w.kv_pool_sequences)
+        # cells per engine start, for the progress bar: a saturation sweep adds its open-loop rates later
         per_start = self.repeats * len(cells_for(w, lengths, self.points, 0, None))
         if w.request_rates == "saturation":
             per_start += self.repeats * len(lengths) * w.saturation_steps * (w.turns if w.family == "multi_turn" else 1)
+        self.cells_per_start = per_start
         status = "interrupted"
         columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("cells"),
                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
@@ -178,22 +180,18 @@ class Runner:
     def _run_backend(self, cfg: BackendConfig, spec: ServerSpec, progress, task):
         o, w = self.o, self.o.workload
         cls = REGISTRY[cfg.engine]
-        planned = self._planned_cells(spec)
-        done: list[Cell] = []
+        planned = self._planned_cells(spec)  # grows as a saturation sweep finds its rates
+        position = 0  # planned[:position] have their rows written
 
         def fail_remaining(error: str, log_tail: str = "", status: str = "failed"):
-            for cell in planned:
-                if cell not in done:
-                    self.writer.write_cell(self._empty_row(cfg, spec, cell, status, error, log_tail))
-                    progress.advance(task)
-            if w.request_rates == "saturation":  # the rate cells never planned: count them off the bar
-                progress.advance(task, len(self.lengths) * w.saturation_steps * self.repeats
-                                 - sum(1 for c in done if c.load.profile != "concurrent"))
+            for cell in planned[position:]:
+                self.writer.write_cell(self._empty_row(cfg, spec, cell, status, error, log_tail))
             self.console.print(f"[red]{cfg.label}: {error}[/]" + (f"\n{log_tail}" if log_tail else ""))
 
         if spec.prefix_caching is not None and not cls.supports_prefix_caching:
-            return fail_remaining(f"the {cfg.engine} adapter cannot switch prefix caching "
-                                  f"{'on' if spec.prefix_caching else 'off'}", status="not run")
+            fail_remaining(f"the {cfg.engine} adapter cannot switch prefix caching "
+                           f"{'on' if spec.prefix_caching else 'off'}", status="not run")
+            return progress.advance(task, self.cells_per_start)
         if cfg.url:
             backend = cls(cfg.version, None, cfg.options)
         else:
@@ -201,7 +199,8 @@ class Runner:
             try:
                 env_path = ensure_env(cls.recipe(cfg.version), log=self.console.print)
             except EnvInstallError as exc:
-                return fail_remaining(f"install failed: {exc}", exc.log_tail)
+                fail_remaining(f"install failed: {exc}", exc.log_tail)
+                return progress.advance(task, self.cells_per_start)
             backend = cls(cfg.version, env_path, cfg.options)
         progress.update(task, description=f"{cfg.label}: {'attaching' if cfg.url else 'starting'}")
         started = False
@@ -225,29 +224,28 @@ class Runner:
                 load = run_async(concurrent.run(backend, warmup, 1, o.request_timeout_s))
                 for r in load.results:
                     self.writer.write_request(request_row(self.run_id, f"{cfg.label}_warmup", cfg.label, r, warmup=True))
-            queue = list(planned)
-            while queue:
-                cell = queue.pop(0)
+            while position < len(planned):
+                cell = planned[position]
                 if not backend.attached and not backend.alive():
                     return fail_remaining(f"engine {backend.exit_description()} during the run", backend.log_tail())
                 progress.update(task, description=f"{cfg.label}: {cell.describe()}")
                 row = self._run_cell(backend, cfg, spec, cell, version, contract)
                 self.writer.write_cell(row)
-                done.append(cell)
+                position += 1
                 progress.advance(task)
                 self.console.print(summary_line(row))
                 if w.request_rates == "saturation" and cell.load.profile == "concurrent":
                     # the closed loop found the saturation rate: the open-loop rates follow it
-                    more = [Cell(cell.prompt_tokens, point, cell.repeat, cell.turn, cell.prefix_caching)
-                            for point in sweep.saturation_points(w, row.requests_per_s or 0)]
-                    planned[planned.index(cell) + 1:planned.index(cell) + 1] = more
-                    queue[0:0] = more
+                    planned[position:position] = [replace(cell, load=point) for point in
+                                                  sweep.saturation_points(w, row.requests_per_s or 0)]
         except (EngineStartError, ValueError) as exc:
             what = "engine failed" if started else "engine failed to start"
             fail_remaining(f"{what}: {exc}", getattr(exc, "log_tail", "") or backend.log_tail())
         finally:
             progress.update(task, description=f"{cfg.label}: stopping")
             backend.stop()
+            # this start's share of the bar, whatever ran: failed cells, and sweep rates never found
+            progress.advance(task, max(0, self.cells_per_start - position))
 
     def _token_contract(self, backend: Backend, cfg: BackendConfig) -> str:
         """How prompts reach the engine and how output length is forced, plus a check of the prompt
