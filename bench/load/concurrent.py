@@ -11,7 +11,7 @@ from .common import InFlight, LoadResult, send_one
 
 
 async def run(backend: Backend, prompts: list, concurrency: int, timeout_s: float,
-              duration_s: float | None = None, on_done=None) -> LoadResult:
+              duration_s: float | None = None) -> LoadResult:
     """Send ``prompts`` in order; with ``duration_s``, no request starts after that many seconds (the
     ones in flight finish)."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -31,8 +31,6 @@ async def run(backend: Backend, prompts: list, concurrency: int, timeout_s: floa
                 with in_flight:
                     result = await send_one(backend, client, prompt, timeout_s)
                 results.append(result)
-                if on_done:
-                    on_done(result)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return LoadResult(results, t_start, time.perf_counter(), max_in_flight=in_flight.peak)

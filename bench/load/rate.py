@@ -35,8 +35,7 @@ def arrival_offsets(n: int, request_rate: float, kind: str, seed: int) -> np.nda
 
 
 async def run(backend: Backend, prompts: list, request_rate: float, kind: str, timeout_s: float,
-              max_concurrency: int | None = None, seed: int = 0, duration_s: float | None = None,
-              on_done=None) -> LoadResult:
+              max_concurrency: int | None = None, seed: int = 0, duration_s: float | None = None) -> LoadResult:
     offsets = arrival_offsets(len(prompts), request_rate, kind, seed)
     if duration_s:
         keep = offsets < duration_s
@@ -56,8 +55,6 @@ async def run(backend: Backend, prompts: list, request_rate: float, kind: str, t
                     result = await send_one(backend, client, prompt, timeout_s)
                 result.t_scheduled = due
                 results.append(result)
-                if on_done:
-                    on_done(result)
             finally:
                 if cap:
                     cap.release()
