@@ -11,6 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from .tables import sequences_fitting  # noqa: E402
+
 MIB = 2**20
 MARKERS = "osd^v<>PX*"
 DPI = 110
@@ -129,7 +131,9 @@ def kv_boundary(cells: pd.DataFrame, out: Path) -> Path | None:
         lo, hi = max(1, int(context.min() * 0.5)), int(context.max() * 1.3)
         xs = list(range(lo, hi + 1, max(1, (hi - lo) // 200)))
         ax.plot(xs, [pool / x for x in xs], color="tab:red", label=f"boundary: pool of {int(pool):,} tokens / context")
-        fits = part.concurrency <= pool // context
+        # within the pool by the boundary table's rule (the KV model's engine rule where the row has it)
+        fits = part.concurrency <= pd.Series([sequences_fitting(r) for r in part.itertuples()], index=part.index,
+                                             dtype=float)
         ax.scatter(context[fits], part.concurrency[fits], color="tab:blue", zorder=3, label="cell within the pool")
         if (~fits).any():
             ax.scatter(context[~fits], part.concurrency[~fits], facecolors="none", edgecolors="tab:blue", zorder=3,
