@@ -28,12 +28,11 @@ import pandas as pd
 
 from bench import stats
 from bench.metrics import RequestTimes
-from bench.results import CELL_CONFIG_FIELDS, load
+from bench.results import CELL_CONFIG_FIELDS, OK_STATUSES, load, not_a_run_dir
 
 JSON_SCHEMA = "kvbench.compare/1"
 DEFAULT_TOLERANCES = Path(__file__).with_name("compare_tolerances.toml")
 DEFAULT_MATCH = tuple(f for f in CELL_CONFIG_FIELDS if f != "engine_version")
-USABLE = ("ok", "flagged")
 
 
 class CompareError(Exception):
@@ -137,8 +136,8 @@ class Side:
 
 def load_side(name: str, run_dirs: list[Path], backend: str | None = None) -> Side:
     for d in run_dirs:
-        if not (Path(d) / "run.json").exists() or not (Path(d) / "cells.jsonl").exists():
-            raise CompareError(f"{d} has no run.json/cells.jsonl: not a kvbench run folder")
+        if problem := not_a_run_dir(d):
+            raise CompareError(problem)
     cells = load(run_dirs, what="cells")
     if backend is not None:
         if backend not in set(cells.backend):
@@ -246,7 +245,7 @@ def compare(baseline: Side, candidate: Side, config: CompareConfig) -> dict:
         if rb is None:
             result["only_in_candidate"].append(ident(key, rows_c=rc))
             continue
-        ub, uc = rb[rb.status.isin(USABLE)], rc[rc.status.isin(USABLE)]
+        ub, uc = rb[rb.status.isin(OK_STATUSES)], rc[rc.status.isin(OK_STATUSES)]
         if ub.empty or uc.empty:
             side = "both" if ub.empty and uc.empty else "baseline" if ub.empty else "candidate"
             errors = [e for e in pd.concat([rb, rc]).error if isinstance(e, str) and e]

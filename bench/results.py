@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 
 from bench.metrics import RequestTimes, request_verdict
 
+OK_STATUSES = ("ok", "flagged")  # cell statuses whose figures count (flagged: some requests broke the contract)
 SCHEMA_VERSION = 2
 # v2 (load generator): repeat, load_profile, request_rate, variant, token_contract, attached, queueing
 # and goodput fields. v1 rows read as v2 with those fields at their defaults (one closed-loop repeat).
@@ -245,6 +246,13 @@ def _requests_derived(frame: pd.DataFrame) -> pd.DataFrame:
                        frame.warmup, frame.error, frame.prompt_tokens_sent, frame.prompt_tokens_reported,
                        frame.output_tokens_requested, frame.output_tokens_reported, frame.output_tokens_received)]
     return frame
+
+
+def not_a_run_dir(run_dir: str | Path) -> str | None:
+    """Why ``run_dir`` is not a kvbench run folder (the message for the user), or None when it is one."""
+    if not (Path(run_dir) / "run.json").exists() or not (Path(run_dir) / "cells.jsonl").exists():
+        return f"{run_dir} has no run.json/cells.jsonl: not a kvbench run folder"
+    return None
 
 
 def write_parquet(run_dir: str | Path) -> list[Path]:

@@ -5,7 +5,7 @@ from rich.markdown import Markdown
 
 from bench import ui
 from bench import reports
-from bench.results import ensure_parquet
+from bench.results import ensure_parquet, not_a_run_dir
 
 
 def report(
@@ -21,10 +21,9 @@ def report(
     the KV boundary, failures), PNG plots and one self-contained HTML page; also writes each run's Parquet
     copy (cells.parquet, requests.parquet) when it is missing or stale."""
     for run_dir in run_dirs:
-        if not (run_dir / "cells.jsonl").exists() or not (run_dir / "run.json").exists():
-            raise typer.BadParameter(f"{run_dir} has no run.json/cells.jsonl: not a kvbench run folder",
-                                     param_hint="RUN_DIR")
-    for run_dir in run_dirs:
+        if problem := not_a_run_dir(run_dir):
+            raise typer.BadParameter(problem, param_hint="RUN_DIR")
+    for run_dir in run_dirs:  # all checked before any is written to
         ensure_parquet(run_dir)
     output, target_html, text = reports.write(run_dirs, output, html_file, plots)
     if raw:

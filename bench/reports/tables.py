@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pandas as pd
 
-from bench.results import CELL_CONFIG_FIELDS
+from bench.results import CELL_CONFIG_FIELDS, OK_STATUSES
 
 NOT_MEASURED = "not measured"
 MIB = 2**20
-OK_STATUSES = ("ok", "flagged")
 
 
 # --- formatting ----------------------------------------------------------------------------------------
