@@ -184,7 +184,7 @@ def ceiling_run(mock: Mock, concurrency: int, n_requests: int, output_tokens: in
             "client_cores": cpu / wall, "mock_cores": mock_cpu / wall}
 
 
-def wakeup_floor(mock_cpu: int | None, client_cpu: int | None, gap_s: float, n: int) -> dict:
+def wakeup_floor(mock_cpu: int | None, gap_s: float, n: int) -> dict:
     """The machine's own floor: a process on the mock's core sends a timestamp over loopback TCP every
     ``gap_s`` (busy-waiting to the deadline), a blocking ``recv`` on the client's core stamps its arrival.
     No event loop, no HTTP, no JSON: what is left is the kernel and the (virtual) CPUs waking up."""
@@ -230,12 +230,17 @@ def wakeup_floor(mock_cpu: int | None, client_cpu: int | None, gap_s: float, n: 
             "over_1ms": float((d > 1).mean())}
 
 
+def median_finite(values) -> float:
+    """The median of the values that are numbers (None and NaN left out); NaN when none is."""
+    values = [v for v in values if v is not None and not np.isnan(v)]
+    return statistics.median(values) if values else float("nan")
+
+
 def median_of(runs: list[dict]) -> dict:
     out = dict(runs[0])
     for key, value in runs[0].items():
         if isinstance(value, float):
-            values = [r[key] for r in runs if not np.isnan(r[key])]
-            out[key] = statistics.median(values) if values else float("nan")
+            out[key] = median_finite(r[key] for r in runs)
         elif key in ("failed", "requests", "tokens"):
             out[key] = sum(r[key] for r in runs)
     out["runs"] = len(runs)
@@ -335,7 +340,7 @@ def main(
                  "ceiling_tokens": ceiling_tokens, "ceiling_concurrency": ceiling_concurrency,
                  "command": " ".join(["python -m bench.client_bench", *sys.argv[1:]])}
 
-    floor = wakeup_floor(mock_cpu, client_cpu, itl_ms / 1000, 100 if quick else 1000)
+    floor = wakeup_floor(mock_cpu, itl_ms / 1000, 100 if quick else 1000)
     out["wakeup_floor"] = floor
     accuracy: list[dict] = []
     start = 1000

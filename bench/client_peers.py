@@ -16,13 +16,11 @@ from __future__ import annotations
 import json
 import os
 import resource
-import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 
 from backends.vllm import VLLMBackend
 from bench.envs import EnvInstallError, Recipe, ensure_env, env_python, kvbench_home, pip_install
@@ -151,16 +149,11 @@ def _run_once(name: str, env: Path, url: str, concurrency: int, requests: int, t
     return result
 
 
-def _median(values) -> float:
-    values = [v for v in values if v is not None and not np.isnan(v)]
-    return statistics.median(values) if values else float("nan")
-
-
 def run_peer(name: str, *, repeats: int, concurrency: int, ttft_ms: float, itl_ms: float, tokens: int,
              requests: int, ceiling_tokens: int, ceiling_concurrency: int, ceiling_requests: int,
              mock_cpu: int | None, log=print) -> tuple[dict, dict]:
     """(accuracy row, ceiling row) for one peer, shaped like kvbench's rows in bench.client_bench."""
-    from bench.client_bench import Mock, _pct
+    from bench.client_bench import Mock, _pct, median_finite as _median
 
     label = _label(name)
     acc: dict = {"client": label, "concurrency": concurrency}

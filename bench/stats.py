@@ -21,7 +21,7 @@ interval lies beyond the tolerance on the worse side.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
 import numpy as np
@@ -39,9 +39,6 @@ class Interval:
     n_baseline: int
     n_candidate: int
     confidence: float
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 # --- Student's t without scipy: the regularized incomplete beta function (Lentz's continued fraction) ---
