@@ -22,9 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 
-from backends.base import free_port
+from bench.client_bench import Mock
 
 
 def model_folder(root: Path, context: int) -> Path:
@@ -43,31 +42,16 @@ def model_folder(root: Path, context: int) -> Path:
     return folder
 
 
-def start_mock(port: int) -> subprocess.Popen:
-    mock = subprocess.Popen([sys.executable, "-m", "bench.mock_server", "--port", str(port), "--ttft-ms", "0",
-                             "--itl-ms", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return mock
-        except httpx.TransportError:
-            time.sleep(0.1)
-    mock.kill()
-    raise RuntimeError("mock server did not start")
-
-
-def one_launch(folder: Path, workload: Path, port: int, results: Path) -> dict:
-    httpx.get(f"http://127.0.0.1:{port}/mock/records")  # clear
-    argv = [sys.executable, "-m", "bench.cli", "run", "-b", f"openai:url=http://127.0.0.1:{port},served_model=mock",
+def one_launch(folder: Path, workload: Path, mock: Mock, results: Path) -> dict:
+    mock.records()  # clear
+    argv = [sys.executable, "-m", "bench.cli", "run", "-b", f"openai:url={mock.url},served_model=mock",
             "--model", str(folder), "--workload", str(workload), "--results-dir", str(results)]
     t_launch = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     t_exit = time.perf_counter()
     if done.returncode != 0:
         raise RuntimeError(f"kvbench run failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    records = httpx.get(f"http://127.0.0.1:{port}/mock/records").json()["records"]
-    reads = sorted(r["t_recv"] for r in records)
+    reads = sorted(r["t_recv"] for r in mock.records())
     return {"first_request_s": reads[0] - t_launch, "last_request_s": reads[-1] - t_launch,
             "requests": len(reads), "exit_s": t_exit - t_launch}
 
@@ -102,12 +86,8 @@ def main(argv=None) -> int:
         workload = root / "prompt_bench.toml"
         workload.write_text(f'name = "prompt_bench"\nseed = 1\nprompt_tokens = [{args.prompt_tokens}]\n'
                             f'output_tokens = 1\nconcurrency = [{args.requests}]\nwarmup_requests = 0\n')
-        port = free_port()
-        mock = start_mock(port)
-        try:
-            launches = [one_launch(folder, workload, port, root / "runs") for _ in range(args.repeats)]
-        finally:
-            mock.kill()
+        with Mock(ttft_ms=0, itl_ms=0, cpu=None) as mock:
+            launches = [one_launch(folder, workload, mock, root / "runs") for _ in range(args.repeats)]
         builds = [in_process(folder, args.requests, args.prompt_tokens) for _ in range(args.repeats)]
     print(f"{args.requests} prompts of {args.prompt_tokens:,} tokens, {os.cpu_count()} cores, "
           f"medians of {args.repeats} launches:")
