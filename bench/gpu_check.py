@@ -517,14 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = [e for e in args.engines.split(",") if e]
     if engines:
         try:
-            per_token, weights, context = profiles.model_sizing("smollm2")
-            from workloads import load
-
-            wl = load(profiles.GPU_WORKLOAD)
-            profile = profiles.choose_profile([profiles.GPUInfo(d["name"], d["memory_bytes"]) for d in nvml.devices()],
-                                              kv_bytes_per_token=per_token, weights_bytes=weights,
-                                              model_max_context=context, max_concurrency=max(wl.concurrency),
-                                              output_tokens=wl.output_tokens)
+            profile = profiles.gpu_profile("smollm2", profiles.detect_gpus(nvml))
             print(f"(c) engines via kvbench run: {', '.join(engines)} ({profile.note})", flush=True)
             result["engines"], result["engine_command"] = check_engines(engines, "smollm2", profile.run_args(), out, budget)
         except Exception as exc:  # the engines are the optional part: say why and keep the rest

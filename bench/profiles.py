@@ -164,6 +164,11 @@ def profile_for(model: str = "smollm2", gpus: list[GPUInfo] | None = None) -> Pr
     gpus = detect_gpus() if gpus is None else gpus
     if not gpus:
         raise ProfileError("KVBENCH_GPU=1 but no NVIDIA GPU was found (NVML and nvidia-smi)")
+    return gpu_profile(model, gpus)
+
+
+def gpu_profile(model: str, gpus: list[GPUInfo]) -> Profile:
+    """The GPU profile for ``model`` on these GPUs: the GPU workload's ladder sized for their memory."""
     from workloads import load
 
     wl = load(GPU_WORKLOAD)
