@@ -15,14 +15,16 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.planner import PlanInput
+
 GIB = 2**30
 CPU_WORKLOAD = "long_context_ladder"
 GPU_WORKLOAD = "gpu_long_context"
 ENGINES = ("hf", "vllm", "llamacpp")
 # GPU profile sizing: a share of the card kept free, and the runtime overhead besides weights and KV
-# (CUDA context, activations, the allocator's slack); the planner's defaults, not yet measured here.
-MARGIN = 0.10
-OVERHEAD_BYTES = int(1.5 * GIB)
+# (CUDA context, activations, the allocator's slack): the planner's defaults, not yet measured here.
+MARGIN = PlanInput.margin
+OVERHEAD_BYTES = int(PlanInput.overhead_gib * GIB)
 CONTEXT_STEP = 1024  # a context cap is a whole number of these (of 256 below 2,048)
 
 
