@@ -3,7 +3,7 @@ environment's). It talks with the parent over stdin/stdout: at each step it prin
 for a line on stdin, so the parent reads NVML while this process holds exactly what the step says.
 
     python gpu_probe.py info
-    python gpu_probe.py alloc --bytes N [--hold-s 1.0]
+    python gpu_probe.py alloc --bytes N
     python gpu_probe.py kv --model DIR --cells 1024x1,4096x4 --new 16 [--dtype bf16]
 
 Events (one JSON object a line, ``event`` first): info; ready (CUDA context up, nothing allocated);

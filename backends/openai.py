@@ -85,7 +85,7 @@ class OpenAIBackend(Backend):
         n = prompt.output_tokens
         body = {"model": self.model, "prompt": list(prompt.token_ids) if self.accepts_token_ids else prompt.text,
                 "max_tokens": n, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-        if self.options.get("ignore_eos", False):
+        if self.forces_output_length:
             body.update(ignore_eos=True, min_tokens=n)
         if self.options.get("return_token_ids", False):
             body["return_token_ids"] = True

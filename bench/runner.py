@@ -209,7 +209,7 @@ class Runner:
                 backend.attach(spec, cfg.url, timeout_s=min(o.start_timeout_s, 60))
             else:
                 # GPU memory before the engine exists: its figures are measured against this
-                self.gpu_baseline = self.nvml.idle_baseline() if self.nvml.available else None
+                self.gpu_baseline = self.nvml.idle_baseline()  # None without a GPU
                 self.gpu_baselines[cfg.label] = self.gpu_baseline.to_dict() if self.gpu_baseline else None
                 self.writer.update_run_info(gpu_baselines=self.gpu_baselines)
                 backend.start(spec, self.writer.log_path(cfg.label), o.start_timeout_s)
