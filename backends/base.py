@@ -195,9 +195,10 @@ class Backend(ABC):
     def log_tail(self, lines: int = 40) -> str:
         return self.server.log_tail(lines) if self.server else ""
 
-    def exit_description(self) -> str:
-        """How the server process ended, e.g. "killed by SIGKILL"; empty while it runs."""
-        return self.server.exit_description() if self.server else ""
+    def exit_description(self, wait_s: float = 0.0) -> str:
+        """How the server process ended, e.g. "killed by SIGKILL"; empty while it runs (after waiting
+        up to ``wait_s`` for it to end)."""
+        return self.server.exit_description(wait_s) if self.server else ""
 
     def reported_version(self) -> str:
         """The version the running engine says it is (falls back to the configured one)."""
@@ -348,7 +349,12 @@ class ServerProcess:
     def log_tail(self, lines: int = 40) -> str:
         return tail(self.log_path, lines)
 
-    def exit_description(self) -> str:
+    def exit_description(self, wait_s: float = 0.0) -> str:
+        if self.proc and wait_s > 0:
+            try:
+                self.proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                pass
         code = self.proc.poll() if self.proc else None
         if code is None:
             return ""
@@ -375,8 +381,10 @@ class ServerProcess:
         """SIGTERM the whole tree, SIGKILL what is left after ``grace_s``."""
         if not self.proc:
             return
+        root = None
         try:
-            tree = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+            root = psutil.Process(self.proc.pid)
+            tree = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             tree = []
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -389,6 +397,9 @@ class ServerProcess:
             if not alive:
                 break
             tree = alive
+        if self.proc.returncode is None and root is not None and root.returncode is not None:
+            # psutil reaped the root, so Popen can no longer read how it ended: keep what psutil read
+            self.proc.returncode = root.returncode
         self.proc.wait(timeout=5)
 
 

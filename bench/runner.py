@@ -238,9 +238,13 @@ class Runner:
                     # the closed loop found the saturation rate: the open-loop rates follow it
                     planned[position:position] = [replace(cell, load=point) for point in
                                                   sweep.saturation_points(w, row.requests_per_s or 0)]
-        except (EngineStartError, ValueError) as exc:
-            what = "engine failed" if started else "engine failed to start"
-            fail_remaining(f"{what}: {exc}", getattr(exc, "log_tail", "") or backend.log_tail())
+        except (EngineStartError, ValueError, httpx.HTTPError) as exc:
+            # an HTTP error here is one of the harness's own calls (e.g. a cell's counter reset)
+            detail = f"{type(exc).__name__}: {exc}" if isinstance(exc, httpx.HTTPError) else str(exc)
+            died = backend.exit_description(wait_s=ENGINE_EXIT_WAIT_S) if started and not backend.attached else ""
+            what = f"engine {died} during the run" if died else ("engine failed" if started else
+                                                                  "engine failed to start")
+            fail_remaining(f"{what}: {detail}", getattr(exc, "log_tail", "") or backend.log_tail())
         finally:
             progress.update(task, description=f"{cfg.label}: stopping")
             backend.stop()
@@ -345,11 +349,17 @@ class Runner:
         row.n_ok, row.n_failed, row.n_truncated, row.n_short = (len(good), counts["failed"], counts["truncated"],
                                                                  counts["short"])
         row.status = "failed" if not good else ("flagged" if flags else "ok")
+        # A killed engine closes its sockets a moment before its exit can be read: wait for it briefly,
+        # so that requests cut off by a dead engine are put down to the engine.
+        died = (backend.exit_description(wait_s=ENGINE_EXIT_WAIT_S)
+                if counts["failed"] and not backend.attached else "")
+        if died:
+            row.flags.insert(0, f"engine {died} during the cell")
         if not good:
             failed = [r for r in results if r.error]
             row.error = failed[0].error if failed else "no request met the token contract"
-            if not backend.attached and not backend.alive():
-                row.error = f"engine {backend.exit_description()} during the cell: {row.error}"
+            if died:
+                row.error = f"engine {died} during the cell: {row.error}"
             row.log_tail = backend.log_tail() or None
         metrics = cell_metrics([RequestTimes.of(r) for r in good], [r.prompt_tokens_sent for r in good],
                                w.slo_ttft_s, w.slo_tpot_s)
@@ -478,6 +488,7 @@ def _mb(x) -> str:
 
 
 CLIENT_LAG_WARN_S = 0.05  # docs/metrics.md, "Client lag"
+ENGINE_EXIT_WAIT_S = 2.0  # how long a cell with failed requests waits to learn whether the engine died
 
 
 def summary_line(row: CellRow) -> str:

@@ -144,3 +144,25 @@ def test_engine_crash_mid_run_fails_the_remaining_cells(tmp_path):
     assert failed.log_tail.notna().all() and (failed.log_tail.str.len() > 0).all()
     assert load_run_info(tmp_path / "run")["status"] == "finished"
     assert not processes_of(llama_env)
+
+
+def test_engine_dead_at_a_cell_counter_reset_fails_the_remaining_cells(tmp_path, monkeypatch):
+    # the harness's own call to the engine between cells (hf resets its peak counters) meets a dead engine
+    hf_env = engine_env("hf")
+    from backends.hf import HFBackend
+
+    reset, calls = HFBackend.reset_cell, []
+
+    def reset_after_a_crash(self, client):
+        calls.append(1)
+        if len(calls) == 2:
+            os.killpg(self.pid, signal.SIGKILL)
+        return reset(self, client)
+
+    monkeypatch.setattr(HFBackend, "reset_cell", reset_after_a_crash)
+    run_dir, cells = run(tmp_path, "hf")
+    assert len(cells) == 4 and cells.status.tolist() == ["ok", "failed", "failed", "failed"]
+    assert cells.error[1:].str.startswith("engine killed by SIGKILL during the run: ").all()
+    assert cells.error[1:].str.contains("Error").all()  # the failed call's own words, e.g. ReadError
+    assert load_run_info(run_dir)["status"] == "finished"
+    assert not processes_of(hf_env)

@@ -1,0 +1,34 @@
+"""The engine server process: how its end is read."""
+import time
+
+from backends.base import ServerProcess
+
+
+def test_exit_is_waited_for_when_asked(tmp_path):
+    # a killed engine closes its sockets a moment before its exit can be read: the runner waits for it
+    server = ServerProcess(["sh", "-c", "sleep 0.5; kill -9 $$"], {}, tmp_path / "engine.log")
+    server.start()
+    try:
+        assert server.exit_description() == ""  # still running
+        assert server.exit_description(wait_s=10) == "killed by SIGKILL"
+    finally:
+        server.stop()
+
+
+def test_waiting_on_a_live_server_gives_up_after_the_wait(tmp_path):
+    server = ServerProcess(["sleep", "30"], {}, tmp_path / "engine.log")
+    server.start()
+    try:
+        t0 = time.monotonic()
+        assert server.exit_description(wait_s=0.3) == ""
+        assert 0.3 <= time.monotonic() - t0 < 5
+        assert server.alive()
+    finally:
+        server.stop()
+    assert server.exit_description() == "killed by SIGTERM"
+
+
+def test_exit_code_is_named(tmp_path):
+    server = ServerProcess(["sh", "-c", "exit 3"], {}, tmp_path / "engine.log")
+    server.start()
+    assert server.exit_description(wait_s=10) == "exited with code 3"
