@@ -367,8 +367,8 @@ class ServerProcess:
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
                 if not self.alive():
-                    code = self.proc.returncode if self.proc else None
-                    raise EngineStartError(f"server exited with code {code} before it was ready", self.log_tail())
+                    raise EngineStartError(f"server {self.exit_description() or 'not started'} before it was ready",
+                                           self.log_tail())
                 try:
                     if client.get(url).status_code == 200:
                         return

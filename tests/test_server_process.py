@@ -1,7 +1,9 @@
 """The engine server process: how its end is read."""
 import time
 
-from backends.base import ServerProcess
+import pytest
+
+from backends.base import EngineStartError, ServerProcess
 
 
 def test_exit_is_waited_for_when_asked(tmp_path):
@@ -32,3 +34,11 @@ def test_exit_code_is_named(tmp_path):
     server = ServerProcess(["sh", "-c", "exit 3"], {}, tmp_path / "engine.log")
     server.start()
     assert server.exit_description(wait_s=10) == "exited with code 3"
+
+
+def test_a_server_that_dies_while_starting_says_how(tmp_path):
+    server = ServerProcess(["sh", "-c", "echo loading; kill -9 $$"], {}, tmp_path / "engine.log")
+    server.start()
+    with pytest.raises(EngineStartError, match="server killed by SIGKILL before it was ready") as info:
+        server.wait_http("http://127.0.0.1:9/health", timeout_s=30)
+    assert "loading" in info.value.log_tail
