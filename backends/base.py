@@ -197,7 +197,7 @@ class Backend(ABC):
 
     def exit_description(self, wait_s: float = 0.0) -> str:
         """How the server process ended, e.g. "killed by SIGKILL"; empty while it runs (after waiting
-        up to ``wait_s`` for it to end)."""
+        up to ``wait_s`` for it to end) and for an attached server, which is not ours to watch."""
         return self.server.exit_description(wait_s) if self.server else ""
 
     def reported_version(self) -> str:

@@ -226,8 +226,8 @@ class Runner:
                     self.writer.write_request(request_row(self.run_id, f"{cfg.label}_warmup", cfg.label, r, warmup=True))
             while position < len(planned):
                 cell = planned[position]
-                if not backend.attached and not backend.alive():
-                    return fail_remaining(f"engine {backend.exit_description()} during the run", backend.log_tail())
+                if died := backend.exit_description():
+                    return fail_remaining(f"engine {died} during the run", backend.log_tail())
                 progress.update(task, description=f"{cfg.label}: {cell.describe()}")
                 row = self._run_cell(backend, cfg, spec, cell, version, contract)
                 self.writer.write_cell(row)
@@ -241,7 +241,7 @@ class Runner:
         except (EngineStartError, ValueError, httpx.HTTPError) as exc:
             # an HTTP error here is one of the harness's own calls (e.g. a cell's counter reset)
             detail = f"{type(exc).__name__}: {exc}" if isinstance(exc, httpx.HTTPError) else str(exc)
-            died = backend.exit_description(wait_s=ENGINE_EXIT_WAIT_S) if started and not backend.attached else ""
+            died = backend.exit_description(wait_s=ENGINE_EXIT_WAIT_S) if started else ""
             what = f"engine {died} during the run" if died else ("engine failed" if started else
                                                                   "engine failed to start")
             fail_remaining(f"{what}: {detail}", getattr(exc, "log_tail", "") or backend.log_tail())
@@ -351,8 +351,7 @@ class Runner:
         row.status = "failed" if not good else ("flagged" if flags else "ok")
         # A killed engine closes its sockets a moment before its exit can be read: wait for it briefly,
         # so that requests cut off by a dead engine are put down to the engine.
-        died = (backend.exit_description(wait_s=ENGINE_EXIT_WAIT_S)
-                if counts["failed"] and not backend.attached else "")
+        died = backend.exit_description(wait_s=ENGINE_EXIT_WAIT_S) if counts["failed"] else ""
         if died:
             row.flags.insert(0, f"engine {died} during the cell")
         if not good:
