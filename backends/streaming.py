@@ -47,7 +47,8 @@ class _Connection(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection carrying one request at a time. The response body goes to
     ``body_handler(data, arrival_time)`` (given to :meth:`send`) as it arrives, from inside ``data_received``."""
 
-    def __init__(self):
+    def __init__(self, key: tuple[str, int]):
+        self.key = key  # (host, port): the pool it returns to
         self.transport = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
@@ -156,7 +157,8 @@ class Client:
 
     async def _connect(self, host: str, port: int) -> _Connection:
         loop = asyncio.get_running_loop()
-        _, conn = await asyncio.wait_for(loop.create_connection(_Connection, host, port), 10.0)
+        connecting = loop.create_connection(lambda: _Connection((host, port)), host, port)
+        _, conn = await asyncio.wait_for(connecting, 10.0)
         self.all.add(conn)
         return conn
 
@@ -169,13 +171,16 @@ class Client:
             self.all.discard(conn)
         return await self._connect(host, port)
 
-    def release(self, host: str, port: int, conn: _Connection) -> None:
+    def release(self, conn: _Connection) -> None:
         if conn.closed or not conn.keep_alive:
-            conn.close()
-            self.all.discard(conn)
+            self.drop(conn)
         else:
             conn.body_handler = None
-            self.idle.setdefault((host, port), []).append(conn)
+            self.idle.setdefault(conn.key, []).append(conn)
+
+    def drop(self, conn: _Connection) -> None:
+        conn.close()
+        self.all.discard(conn)
 
     def close(self) -> None:
         for conn in self.all:
@@ -214,7 +219,7 @@ async def _request(client: Client, url: str, body: dict, result: RequestResult, 
     except StreamCutOff:
         if not reused:
             raise
-        client.all.discard(conn)
+        client.drop(conn)
         result.engine_details["resent_on_fresh_connection"] = True
         conn = await client._connect(host, port)
         result.t_sent = perf_counter()
@@ -223,16 +228,14 @@ async def _request(client: Client, url: str, body: dict, result: RequestResult, 
     return conn
 
 
-async def _finish(client: Client, url: str, conn: _Connection, result: RequestResult) -> None:
+async def _finish(client: Client, conn: _Connection, result: RequestResult) -> None:
     try:
         await conn.done
     except BaseException:
-        conn.close()
-        client.all.discard(conn)
+        client.drop(conn)
         raise
     result.t_done = perf_counter()
-    parts = urlsplit(url)
-    client.release(parts.hostname, parts.port or 80, conn)
+    client.release(conn)
 
 
 async def _stream(client: Client, url: str, body: dict, prompt, split_events) -> tuple[RequestResult, bytes, bool]:
@@ -247,14 +250,14 @@ async def _stream(client: Client, url: str, body: dict, prompt, split_events) ->
     conn = await _request(client, url, body, result, on_body)
     if conn.status != 200:
         try:
-            await _finish(client, url, conn, result)
+            await _finish(client, conn, result)
         except StreamCutOff:
             pass
         result.error = f"HTTP {conn.status}: {b''.join(conn.error_chunks).decode(errors='replace')[:500]}"
         result.t_done = perf_counter()
         return result, b"", False
     try:
-        await _finish(client, url, conn, result)
+        await _finish(client, conn, result)
     finally:
         if conn.failure is not None and not isinstance(conn.failure, ConnectionError):
             raise conn.failure  # the adapter's own error (e.g. a malformed event), not the transport's
