@@ -21,7 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from backends.vllm import VLLMBackend
 from bench.envs import EnvInstallError, Recipe, ensure_env, env_python, kvbench_home, pip_install
 
@@ -153,7 +152,7 @@ def run_peer(name: str, *, repeats: int, concurrency: int, ttft_ms: float, itl_m
              requests: int, ceiling_tokens: int, ceiling_concurrency: int, ceiling_requests: int,
              mock_cpu: int | None, log=print) -> tuple[dict, dict]:
     """(accuracy row, ceiling row) for one peer, shaped like kvbench's rows in bench.client_bench."""
-    from bench.client_bench import Mock, _pct, median_finite as _median
+    from bench.client_bench import Mock, _pct, median_finite
 
     label = _label(name)
     acc: dict = {"client": label, "concurrency": concurrency}
@@ -175,12 +174,12 @@ def run_peer(name: str, *, repeats: int, concurrency: int, ttft_ms: float, itl_m
                 late.append([(r["sends"][0] - r["t_first_due"]) * 1000 for r in records])
         acc.update({
             "requests": sum(r["completed"] for r in runs), "failed": sum(r["failed"] for r in runs),
-            "ttft_p50_err_ms": _median([r["ttft_p50"] - ttft_ms for r in runs]),
-            "ttft_p99_err_ms": _median([r["ttft_p99"] - ttft_ms for r in runs]),
-            "itl_p50_err_ms": _median([r["itl_p50"] - itl_ms for r in runs]),
-            "itl_p99_err_ms": _median([r["itl_p99"] - itl_ms for r in runs]),
-            "mock_late_p50_ms": _median([_pct(x, 50) for x in late]),
-            "mock_late_p99_ms": _median([_pct(x, 99) for x in late]), "runs": len(runs)})
+            "ttft_p50_err_ms": median_finite([r["ttft_p50"] - ttft_ms for r in runs]),
+            "ttft_p99_err_ms": median_finite([r["ttft_p99"] - ttft_ms for r in runs]),
+            "itl_p50_err_ms": median_finite([r["itl_p50"] - itl_ms for r in runs]),
+            "itl_p99_err_ms": median_finite([r["itl_p99"] - itl_ms for r in runs]),
+            "mock_late_p50_ms": median_finite([_pct(x, 50) for x in late]),
+            "mock_late_p99_ms": median_finite([_pct(x, 99) for x in late]), "runs": len(runs)})
 
         with Mock(0, 0, mock_cpu, record_sends=False) as mock:
             base = _run_once(name, env, mock.url, ceiling_concurrency, ceiling_concurrency, ceiling_tokens, tokenizer)
@@ -191,16 +190,16 @@ def run_peer(name: str, *, repeats: int, concurrency: int, ttft_ms: float, itl_m
                                      tokenizer))
                 big[-1]["mock_cpu_s"] = mock.cpu_seconds() - mock_cpu0
                 mock.records()
-        d_cpu = _median([r["cpu_s"] for r in big]) - base["cpu_s"]
-        d_wall = _median([r["wall_s"] for r in big]) - base["wall_s"]
-        d_tokens = _median([r["tokens"] for r in big]) - base["tokens"]
-        tps = _median([r["tokens_per_s"] for r in big])
+        d_cpu = median_finite([r["cpu_s"] for r in big]) - base["cpu_s"]
+        d_wall = median_finite([r["wall_s"] for r in big]) - base["wall_s"]
+        d_tokens = median_finite([r["tokens"] for r in big]) - base["tokens"]
+        tps = median_finite([r["tokens_per_s"] for r in big])
         ceil.update({"requests": sum(r["completed"] for r in big), "failed": sum(r["failed"] for r in big),
                      "tokens": sum(r["tokens"] for r in big), "tokens_per_s": tps,
                      "cpu_us_per_token": d_cpu / d_tokens * 1e6 if d_tokens > 0 and d_wall > 0 else float("nan"),
                      "client_cores": d_cpu / d_wall if d_tokens > 0 and d_wall > 0 else float("nan"),
                      # the mock's CPU over the tool's own streaming time (tokens / its tokens/s)
-                     "mock_cores": _median([r["mock_cpu_s"] / (r["tokens"] / r["tokens_per_s"]) for r in big
+                     "mock_cores": median_finite([r["mock_cpu_s"] / (r["tokens"] / r["tokens_per_s"]) for r in big
                                             if r["tokens_per_s"]]),
                      "runs": len(big)})
     except PeerNotRun as exc:

@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from bench.client_bench import Mock
 
 
