@@ -10,19 +10,19 @@ STAMP := $(VENV)/.kvbench-setup
 BENCH_ARGS ?=
 ENGINES ?= -b hf -b vllm -b llamacpp
 MODEL ?= smollm2
-# A machine where nvidia-smi lists a GPU gets the GPU profile (CUDA builds of the engines, the
-# gpu_long_context ladder sized for the card by `kvbench profile`); PROFILE=cpu forces the CPU default.
-PROFILE ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo gpu || echo cpu)
-# The engines' recipes read this to choose their CUDA builds (bench/profiles.py).
-export KVBENCH_GPU := $(if $(filter gpu,$(PROFILE)),1,0)
-ifeq ($(PROFILE),gpu)
+# A machine where nvidia-smi lists a GPU gets the GPU default benchmark (CUDA builds of the engines, the
+# gpu_long_context ladder sized for the card by `kvbench default-bench`); DEVICE=cpu forces the CPU default.
+DEVICE ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo gpu || echo cpu)
+# The engines' recipes read this to choose their CUDA builds (bench/hardware.py).
+export KVBENCH_GPU := $(if $(filter gpu,$(DEVICE)),1,0)
+ifeq ($(DEVICE),gpu)
 # Expanded when the bench recipe runs, after setup: the workload and the context cap for this card and model.
-PROFILE_ARGS = --model $(MODEL) $(shell KVBENCH_GPU=1 $(KVBENCH) profile --model $(MODEL) --args)
+DEFAULT_ARGS = --model $(MODEL) $(shell KVBENCH_GPU=1 $(KVBENCH) default-bench --model $(MODEL) --args)
 else
-PROFILE_ARGS = $(if $(filter-out smollm2,$(MODEL)),--model $(MODEL))
+DEFAULT_ARGS = $(if $(filter-out smollm2,$(MODEL)),--model $(MODEL))
 endif
 ifndef RUN_ID
-RUN_ID := $(shell date +%Y%m%d-%H%M%S)-$(PROFILE)-default
+RUN_ID := $(shell date +%Y%m%d-%H%M%S)-$(DEVICE)-default
 endif
 RUN_DIR := results/runs/$(RUN_ID)
 # What `make report` reports on: make report RUN=results/runs/<run id> (default: the latest run).
@@ -44,8 +44,8 @@ engines: setup
 	$(KVBENCH) setup $(ENGINES)
 
 bench: engines
-	$(if $(filter gpu,$(PROFILE)),$(KVBENCH) profile --model $(MODEL))
-	$(KVBENCH) run $(ENGINES) --run-id $(RUN_ID) $(PROFILE_ARGS) $(BENCH_ARGS)
+	$(if $(filter gpu,$(DEVICE)),$(KVBENCH) default-bench --model $(MODEL))
+	$(KVBENCH) run $(ENGINES) --run-id $(RUN_ID) $(DEFAULT_ARGS) $(BENCH_ARGS)
 	$(KVBENCH) validate $(ENGINES) --into $(RUN_DIR) || echo "kvbench validate found a mismatch: see the table above"
 	$(KVBENCH) report $(RUN_DIR) --raw
 
@@ -62,9 +62,9 @@ report: setup
 	@test -n "$(RUN)" || { echo "no run under results/runs/: make report RUN=path/to/run"; exit 2; }
 	$(KVBENCH) report $(RUN) --raw
 
-# The GPU checks (bench/gpu_check.py): offline, under 10 minutes; exits 3 on a machine without a GPU.
+# The GPU checks (selfcheck/gpu_check.py): offline, under 10 minutes; exits 3 on a machine without a GPU.
 gpu-check: setup
-	$(BIN)/python -m bench.gpu_check $(GPU_CHECK_ARGS)
+	$(BIN)/python -m kvbench.selfcheck.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) results/runs

@@ -9,3 +9,9 @@ from .vllm import VLLMBackend
 
 REGISTRY: dict[str, type[Backend]] = {cls.engine: cls for cls in (HFBackend, VLLMBackend, LlamaCppBackend, TGIBackend,
                                                                    OllamaBackend, OpenAIBackend)}
+
+
+def gguf_converter(log=print):
+    """What makes the HF-format copy of a GGUF (for the engines that read safetensors): transformers, in the
+    hf engine's environment."""
+    return HFBackend.gguf_converter(log)

@@ -1,17 +1,24 @@
 """Plain Hugging Face transformers (the baseline): backends/hf_worker.py in an environment of its own."""
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import httpx
 
-from bench.envs import InstallStep, Recipe, env_python, pip_install
-from bench.profiles import has_nvidia_gpu
+from kvbench.envs import InstallStep, Recipe, ensure_env, env_python, pip_install
+from kvbench.hardware import has_nvidia_gpu
 
-from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec
+from .types import KVInUse, KVPool, RequestResult, ServerSpec
+
+from .base import Backend
 from .streaming import stream_sse
 
-WORKER = Path(__file__).with_name("hf_worker.py")
+SCRIPTS = Path(__file__).with_name("scripts")
+WORKER = SCRIPTS / "hf_worker.py"
+CONVERTER = SCRIPTS / "hf_convert_gguf.py"
+# What the scripts run with: offline, and nothing of the harness's environment.
+SCRIPT_ENV = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
 
 
 class HFBackend(Backend):
@@ -33,6 +40,19 @@ class HFBackend(Backend):
                           extra_key=("cuda",))
         return Recipe("hf", version, (pip_install(*packages),))
 
+    @classmethod
+    def gguf_converter(cls, log=print, python: Path | None = None):
+        """A :data:`kvbench.models.GGUFConverter` run by transformers in this engine's environment (installed
+        on first use), or by ``python``: it dequantises the GGUF into bf16 safetensors plus the tokenizer."""
+        def convert(gguf: Path, out_dir: Path, log_file: Path) -> None:
+            interpreter = python or env_python(ensure_env(cls.recipe(cls.default_version), log=log))
+            with log_file.open("w") as out:
+                code = subprocess.run([str(interpreter), str(CONVERTER), str(gguf), str(out_dir)], stdout=out,
+                                      stderr=subprocess.STDOUT, env=SCRIPT_ENV).returncode
+            if code != 0:
+                raise RuntimeError(f"{CONVERTER.name} exited with code {code}")
+        return convert
+
     def command(self, spec: ServerSpec):
         dtype = "bf16" if spec.kv_dtype == "auto" else spec.kv_dtype
         argv = [str(env_python(self.env_path)), str(WORKER), "--model", str(spec.model.hf_dir),
@@ -45,7 +65,7 @@ class HFBackend(Backend):
 
     def reported_version(self) -> str:
         try:
-            return httpx.get(self.base_url + "/info", timeout=5).json()["version"]
+            return self.http.get(self.base_url + "/info").json()["version"]
         except (httpx.HTTPError, KeyError, ValueError):
             return self.version
 
@@ -72,9 +92,9 @@ class HFBackend(Backend):
         state = client.get(self.base_url + "/kv").json()
         return KVInUse(bytes=state["kv_bytes_in_use"], tokens=None, source="cache tensors")
 
-    def kv_peak(self, client: httpx.Client) -> KVInUse | None:
+    def kv_peak(self) -> KVInUse | None:
         """Exact: the cache tensors' bytes at the end of each generate call, when the cache is largest."""
-        state = client.get(self.base_url + "/kv").json()
+        state = self.http.get(self.base_url + "/kv").json()
         return KVInUse(bytes=state["kv_bytes_peak"], tokens=state["kv_tokens_peak"],
                        source="cache tensors (numel x element_size) at the end of generate",
                        details={"allocator_bytes": state.get("allocator_kv_bytes_peak"),
@@ -82,5 +102,5 @@ class HFBackend(Backend):
                                 "allocator_reserved_delta_bytes": state.get("allocator_reserved_delta_bytes"),
                                 "device": state.get("device")})
 
-    def reset_cell(self, client: httpx.Client) -> None:
-        client.get(self.base_url + "/kv", params={"reset": 1})
+    def reset_cell(self) -> None:
+        self.http.get(self.base_url + "/kv", params={"reset": 1})

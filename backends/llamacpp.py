@@ -13,15 +13,19 @@ from pathlib import Path
 
 import httpx
 
-from bench.envs import InstallStep, Recipe
-from bench.profiles import has_nvcc, has_nvidia_gpu
+from kvbench.envs import InstallStep, Recipe
+from kvbench.hardware import cpu_model, has_nvcc, has_nvidia_gpu
 
-from .base import Backend, KVInUse, KVPool, RequestResult, ServerSpec, extra_args, gauge_sum, metric_samples
+from .types import KVInUse, KVPool, RequestResult, ServerSpec
+
+from .prometheus import gauge_sum, metric_samples
+
+from .base import Backend, extra_args
 from .streaming import stream_sse
+from kvbench.units import MIB
 
-BUILD_SCRIPT = Path(__file__).with_name("build_llama_server.sh")
+BUILD_SCRIPT = Path(__file__).with_name("scripts") / "build_llama_server.sh"
 _NATIVE_FLAG = '-DGGML_NATIVE="${KVBENCH_GGML_NATIVE:-ON}"'
-MIB = 1024 * 1024
 
 # llama_kv_cache: size =   90.00 MiB (  4096 cells,  30 layers,  1/1 seqs), K (f16):   45.00 MiB, V (f16):   45.00 MiB
 # (older builds prefix the line with llama_kv_cache_unified: and use the same fields)
@@ -32,16 +36,6 @@ KV_LINE = re.compile(
 # llama.cpp's cache type names for kvbench's dtype names.
 CACHE_TYPES = {"auto": "f16", "fp16": "f16", "f16": "f16", "bf16": "bf16", "fp32": "f32", "f32": "f32",
                "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0", "q5_1": "q5_1", "iq4_nl": "iq4_nl"}
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def parse_kv_log(text: str) -> list[dict]:
@@ -67,7 +61,7 @@ class LlamaCppBackend(Backend):
         return Recipe("llamacpp", version, (
             InstallStep(("bash", "-c", BUILD_SCRIPT.read_text(), "build_llama_server", version, "{env}"),
                         env=(("KVBENCH_GGML_NATIVE", native),)),),
-            venv=False, extra_key=(platform.machine(), _cpu_model()))  # -march=native: rebuild on another CPU
+            venv=False, extra_key=(platform.machine(), cpu_model()))  # -march=native: rebuild on another CPU
 
     @classmethod
     def _cuda_recipe(cls, version: str, native: str) -> Recipe:
@@ -77,14 +71,14 @@ class LlamaCppBackend(Backend):
         if script.count(_NATIVE_FLAG) != 1:
             raise RuntimeError(f"{BUILD_SCRIPT.name} no longer has one {_NATIVE_FLAG}: update the CUDA recipe")
         nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-        from bench.profiles import detect_gpus
+        from kvbench.hardware import detect_gpus
 
         return Recipe("llamacpp", version, (
             InstallStep(("bash", "-c", script.replace(_NATIVE_FLAG, "-DGGML_CUDA=ON " + _NATIVE_FLAG),
                          "build_llama_server", version, "{env}"),
                         env=(("KVBENCH_GGML_NATIVE", native), ("CUDACXX", nvcc))),
             InstallStep(("bash", "-c", 'echo "-DGGML_CUDA=ON" > "$1/CUDA_BUILD"', "mark", "{env}")),),
-            venv=False, extra_key=(platform.machine(), _cpu_model(), "cuda", *(g.name for g in detect_gpus())))
+            venv=False, extra_key=(platform.machine(), cpu_model(), "cuda", *(g.name for g in detect_gpus())))
 
     def cuda_build(self) -> bool:
         return self.env_path is not None and (Path(self.env_path) / "CUDA_BUILD").exists()
@@ -120,14 +114,14 @@ class LlamaCppBackend(Backend):
 
     def reported_version(self) -> str:
         try:
-            props = httpx.get(self.base_url + "/props", timeout=5).json()
+            props = self.http.get(self.base_url + "/props").json()
             build = props.get("build_info")
             return f"{self.version} ({build})" if build else self.version
         except (httpx.HTTPError, ValueError):
             return self.version
 
-    def tokenize(self, client: httpx.Client, text: str) -> list[int] | None:
-        response = client.post(self.base_url + "/tokenize", json={"content": text, "add_special": False})
+    def tokenize(self, text: str) -> list[int] | None:
+        response = self.http.post(self.base_url + "/tokenize", json={"content": text, "add_special": False})
         return response.json()["tokens"] if response.status_code == 200 else None
 
     async def stream(self, client, prompt) -> RequestResult:

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import httpx
 
-from bench.envs import Recipe, kvbench_home
-from bench.kvmodel import geometry_from_gguf_keys, kv_bytes_per_token
+from kvbench.envs import Recipe, kvbench_home
+from kvbench.kvmodel import geometry_from_gguf_keys, kv_bytes_per_token
 
-from .base import Backend, EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
+from .types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
+
+from .base import Backend
 from .llamacpp import MIB, parse_kv_log
 from .streaming import stream_ndjson
 
@@ -107,36 +109,36 @@ class OllamaBackend(Backend):
 
     def _prepare_model(self, timeout_s: float) -> None:
         """Use ``served_model`` if given, else import the benchmark's GGUF; then load it with our num_ctx."""
-        with httpx.Client(base_url=self.base_url, timeout=timeout_s) as client:
-            if self.options.get("served_model"):
-                self.model = str(self.options["served_model"])
-            else:
-                gguf = self.spec.model.gguf_path
-                if gguf is None:
-                    raise EngineStartError("Ollama needs a GGUF model file (or ollama:served_model=NAME)")
-                self.model = model_tag(self.spec)
-                digest = "sha256:" + self.spec.model.sha256  # the GGUF's own digest, computed once at load
-                if client.head(f"/api/blobs/{digest}").status_code != 200:
-                    with Path(gguf).open("rb") as f:
-                        r = client.post(f"/api/blobs/{digest}", content=f,
-                                        headers={"Content-Length": str(Path(gguf).stat().st_size)})
-                    if r.status_code not in (200, 201):
-                        raise EngineStartError(f"uploading {Path(gguf).name} to Ollama: HTTP {r.status_code} {r.text[:300]}",
-                                               self.log_tail())
-                r = client.post("/api/create", json={"model": self.model, "files": {Path(gguf).name: digest},
-                                                     "stream": False})
-                if r.status_code != 200:
-                    raise EngineStartError(f"ollama /api/create: HTTP {r.status_code} {r.text[:300]}", self.log_tail())
-            # An empty prompt loads the model (done_reason "load") with the options every request uses.
-            r = client.post("/api/generate", json={"model": self.model, "prompt": "", "keep_alive": -1,
-                                                   "options": self._options(0)})
+        http, base = self.http, self.base_url
+        if self.options.get("served_model"):
+            self.model = str(self.options["served_model"])
+        else:
+            gguf = self.spec.model.gguf_path
+            if gguf is None:
+                raise EngineStartError("Ollama needs a GGUF model file (or ollama:served_model=NAME)")
+            self.model = model_tag(self.spec)
+            digest = "sha256:" + self.spec.model.sha256  # the GGUF's own digest, computed once at load
+            if http.head(f"{base}/api/blobs/{digest}", timeout=timeout_s).status_code != 200:
+                with Path(gguf).open("rb") as f:
+                    r = http.post(f"{base}/api/blobs/{digest}", content=f, timeout=timeout_s,
+                                  headers={"Content-Length": str(Path(gguf).stat().st_size)})
+                if r.status_code not in (200, 201):
+                    raise EngineStartError(f"uploading {Path(gguf).name} to Ollama: HTTP {r.status_code} {r.text[:300]}",
+                                           self.log_tail())
+            r = http.post(f"{base}/api/create", json={"model": self.model, "files": {Path(gguf).name: digest},
+                                                      "stream": False}, timeout=timeout_s)
             if r.status_code != 200:
-                raise EngineStartError(f"ollama could not load {self.model}: HTTP {r.status_code} {r.text[:300]}",
-                                       self.log_tail())
+                raise EngineStartError(f"ollama /api/create: HTTP {r.status_code} {r.text[:300]}", self.log_tail())
+        # An empty prompt loads the model (done_reason "load") with the options every request uses.
+        r = http.post(f"{base}/api/generate", json={"model": self.model, "prompt": "", "keep_alive": -1,
+                                                    "options": self._options(0)}, timeout=timeout_s)
+        if r.status_code != 200:
+            raise EngineStartError(f"ollama could not load {self.model}: HTTP {r.status_code} {r.text[:300]}",
+                                   self.log_tail())
 
     def reported_version(self) -> str:
         try:
-            return httpx.get(self.base_url + "/api/version", timeout=5).json()["version"]
+            return self.http.get(self.base_url + "/api/version").json()["version"]
         except (httpx.HTTPError, KeyError, ValueError, TypeError):
             return self.version
 
@@ -168,7 +170,7 @@ class OllamaBackend(Backend):
     def running_model(self) -> dict | None:
         """This model's /api/ps entry (size, size_vram, context_length), None when it is not loaded."""
         try:
-            models = httpx.get(self.base_url + "/api/ps", timeout=5).json().get("models") or []
+            models = self.http.get(self.base_url + "/api/ps").json().get("models") or []
         except (httpx.HTTPError, ValueError):
             return None
         wanted = self.model if ":" in self.model else f"{self.model}:latest"
@@ -177,7 +179,7 @@ class OllamaBackend(Backend):
 
     def show_geometry(self):
         """The model's KV geometry from /api/show ``model_info`` (raw GGUF keys), as Ollama sees it."""
-        r = httpx.post(self.base_url + "/api/show", json={"model": self.model}, timeout=10)
+        r = self.http.post(self.base_url + "/api/show", json={"model": self.model})
         r.raise_for_status()
         return geometry_from_gguf_keys(r.json()["model_info"], "/api/show model_info")
 

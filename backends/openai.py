@@ -18,9 +18,11 @@ from pathlib import Path
 
 import httpx
 
-from bench.envs import Recipe
+from kvbench.envs import Recipe
 
-from .base import Backend, EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
+from .types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
+
+from .base import Backend
 from .streaming import stream_sse
 
 NEEDS_URL = "the openai backend benchmarks a running server: give it a url (-b openai:url=http://host:port)"
@@ -68,7 +70,7 @@ class OpenAIBackend(Backend):
         self.model = str(self.options.get("served_model") or "")
         if not self.model:
             try:
-                models = httpx.get(self.base_url + "/v1/models", timeout=10).json().get("data") or []
+                models = self.http.get(self.base_url + "/v1/models").json().get("data") or []
             except (httpx.HTTPError, ValueError) as exc:
                 raise EngineStartError(f"{self.base_url}/v1/models: {exc}") from None
             if not models:
@@ -77,7 +79,7 @@ class OpenAIBackend(Backend):
 
     def reported_version(self) -> str:
         try:  # vLLM and SGLang answer /version; others do not
-            return str(httpx.get(self.base_url + "/version", timeout=5).json()["version"])
+            return str(self.http.get(self.base_url + "/version").json()["version"])
         except (httpx.HTTPError, KeyError, ValueError, TypeError):
             return self.version
 

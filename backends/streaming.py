@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import httptools
 import orjson
 
-from .base import RequestResult
+from .types import RequestResult
 
 
 class StreamCutOff(ConnectionError):

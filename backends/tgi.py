@@ -19,9 +19,13 @@ import subprocess
 
 import httpx
 
-from bench.envs import Recipe
+from kvbench.envs import Recipe
 
-from .base import Backend, EngineStartError, KVInUse, KVPool, RequestResult, PrometheusPolled, ServerSpec, extra_args, gauge_sum
+from .types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
+
+from .prometheus import PrometheusPolled, gauge_sum
+
+from .base import Backend, extra_args
 from .streaming import stream_sse
 
 IMAGE = "ghcr.io/huggingface/text-generation-inference"
@@ -120,7 +124,7 @@ class TGIBackend(PrometheusPolled, Backend):
 
     def reported_version(self) -> str:
         try:
-            info = httpx.get(self.base_url + "/info", timeout=5).json()
+            info = self.http.get(self.base_url + "/info").json()
             version = info["version"]
             return f"{version} ({info['sha'][:7]})" if info.get("sha") else version
         except (httpx.HTTPError, KeyError, ValueError, TypeError):
@@ -158,8 +162,7 @@ class TGIBackend(PrometheusPolled, Backend):
     def kv_pool(self) -> KVPool | None:
         log = parse_tgi_log(self.server.log_path.read_text(errors="replace")) if self.server else {}
         try:
-            with httpx.Client(timeout=5) as client:
-                tokens = gauge_sum(self.metrics(client), "tgi_batch_max_total_tokens")
+            tokens = gauge_sum(self.metrics(self.http), "tgi_batch_max_total_tokens")
         except httpx.HTTPError:
             tokens = None
         if tokens:

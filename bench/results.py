@@ -19,7 +19,7 @@ from typing import Literal
 import pandas as pd
 from pydantic import BaseModel, Field
 
-from bench.metrics import RequestTimes, request_verdict
+from kvbench.metrics import RequestTimes, request_verdict
 
 OK_STATUSES = ("ok", "flagged")  # cell statuses whose figures count (flagged: some requests broke the contract)
 SCHEMA_VERSION = 2
@@ -47,9 +47,9 @@ class CellRow(BaseModel):
     variant: str = ""  # a workload's setting beyond length and load, e.g. "prefix_caching=on", "turn=3"
     prompt_tokens: int
     output_tokens: int
-    # load: "concurrent" = closed loop of `concurrency` workers; "poisson"/"constant" = open loop at
+    # load: a closed loop of `concurrency` workers ("concurrent"), or an open loop ("poisson", "constant") at
     # `request_rate` requests/s with at most `concurrency` in flight (None: no cap)
-    load_profile: Literal["concurrent", "poisson", "constant"] = "concurrent"
+    load_profile: str = "concurrent"  # a name in kvbench.load.registry
     concurrency: int | None
     request_rate: float | None = None
     repeat: int = 0  # 0-based index of the repeated run of this cell

@@ -18,13 +18,14 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from backends import REGISTRY
-from backends.base import EngineStartError, ModelFiles, ServerSpec
-from bench.envs import env_python
-from bench.kvmodel import engine_kv, geometry_from_hf_config, kv_bytes_per_token
+from kvbench.backends import REGISTRY
+from kvbench.models import ModelFiles
+from kvbench.backends.types import EngineStartError, ServerSpec
+from kvbench.envs import env_python
+from kvbench.kvmodel import engine_kv, geometry_from_hf_config, kv_bytes_per_token
 
 MIB = 2**20
-PROBE = Path(__file__).resolve().parent.parent / "backends" / "hf_kv_probe.py"
+PROBE = Path(__file__).resolve().parent.parent / "backends" / "scripts" / "hf_kv_probe.py"
 # A Gemma-3-shaped hybrid model small enough to build at random: 5 sliding layers (window 16) + 1 full.
 HYBRID_CONFIG = {"model_type": "gemma3_text", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
                  "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,

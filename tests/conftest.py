@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import models
-from bench.envs import ensure_env, is_installed
-from backends import REGISTRY
+from kvbench import models
+from kvbench.envs import ensure_env, is_installed
+from kvbench.backends import REGISTRY, gguf_converter
 
 
 def pytest_configure(config):
@@ -16,7 +16,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded model, prepared by `make test` (kvbench setup) before pytest runs."""
-    return models.resolve("smollm2", models.converter_python)
+    return models.resolve("smollm2", gguf_converter())
 
 
 def engine_env(engine: str) -> Path:

@@ -1,10 +1,10 @@
 """Cells of a run and the prompts of each cell (shared prefix, multi-turn), from the embedded tokenizer."""
 import pytest
 
-from bench.cells import CellPrompts, cells_for, server_variants
-from bench.load import LoadPoint
-from workloads import WorkloadError, load
-from workloads.prompts import PromptBuilder
+from kvbench.cells import CellPrompts, cells_for, server_variants
+from kvbench.load import LoadPoint
+from kvbench.workloads import WorkloadError, load
+from kvbench.workloads.prompts import PromptBuilder
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.results import load_cells
+from kvbench.results import load_cells
 
 from .conftest import engine_env
 
@@ -21,7 +21,7 @@ concurrency = [1]
 
 def kvbench(*args, timeout=600):
     # a wide terminal, so that rich does not wrap the error messages the tests look for
-    return subprocess.run([sys.executable, "-m", "bench.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvbench.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "COLUMNS": "300"})
 
 

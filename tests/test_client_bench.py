@@ -1,4 +1,4 @@
-"""The client benchmark (bench/client_bench.py) in its quick mode: it runs end to end against the mock and
+"""The client benchmark (selfcheck/client_bench.py) in its quick mode: it runs end to end against the mock and
 reports finite figures. No speed or accuracy thresholds here: those are measurements, in the README."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_client_bench_quick(tmp_path):
     out = tmp_path / "client_bench.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.client_bench", "--quick", "--concurrency", "1,4",
+    proc = subprocess.run([sys.executable, "-m", "kvbench.selfcheck.client_bench", "--quick", "--concurrency", "1,4",
                            "--ceiling-concurrency", "8", "--ceiling-tokens", "32", "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -35,7 +35,8 @@ def test_client_bench_quick(tmp_path):
 
 def test_mock_records_pair_with_client_timings():
     """The mock's send times and the client's arrival stamps share one clock: arrivals come after sends."""
-    from bench.client_bench import Mock, make_prompts, mock_backend, run_closed_loop
+    from kvbench.selfcheck.client_bench import make_prompts, mock_backend, run_closed_loop
+    from kvbench.selfcheck.common import Mock
 
     with Mock(10, 2, None) as mock:
         results = run_closed_loop(mock_backend(mock.url), make_prompts(4, 8, 100), 2)

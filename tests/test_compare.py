@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from bench.cli import app
-from bench.compare import DEFAULT_MATCH, load_config
+from kvbench.cli import app
+from kvbench.compare import DEFAULT_MATCH, load_config
 
 from .synth import make_run
 
@@ -178,8 +178,8 @@ def test_single_run_itl_samples_are_the_metrics_own():
     chunk, tokens that came with the first chunk are TTFT's, and only ok requests count."""
     import pandas as pd
 
-    from bench.compare import Side, _samples
-    from bench.metrics import RequestTimes
+    from kvbench.compare import Side, _samples
+    from kvbench.metrics import RequestTimes
 
     times, tokens = [1.0, 1.0, 1.2, 1.2, 1.5], [1, 1, 1, 1, 2]
     requests = pd.DataFrame([

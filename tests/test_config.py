@@ -1,6 +1,6 @@
 import pytest
 
-from bench.config import BackendConfig, ConfigError
+from kvbench.config import BackendConfig, ConfigError
 
 
 def test_parse_engine_version_and_options():
@@ -10,7 +10,7 @@ def test_parse_engine_version_and_options():
 
 
 def test_default_version_comes_from_the_adapter():
-    from backends.llamacpp import LlamaCppBackend
+    from kvbench.backends.llamacpp import LlamaCppBackend
     assert BackendConfig.parse("llamacpp").version == LlamaCppBackend.default_version
 
 

@@ -7,11 +7,11 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from bench.config import BackendConfig
-from bench.kvmodel import round_up
-from bench.results import SCHEMA_VERSION, load_cells, load_run_info
-from bench.runner import RunOptions, Runner
-from workloads import load
+from kvbench.config import BackendConfig
+from kvbench.kvmodel import round_up
+from kvbench.results import SCHEMA_VERSION, load_cells, load_run_info
+from kvbench.runner import RunOptions, Runner
+from kvbench.workloads import load
 
 from .conftest import engine_env
 
@@ -152,9 +152,9 @@ def run_workload(tmp_path_factory, workload, *backends):
 def test_attach_to_a_running_llamacpp_with_an_open_loop(tmp_path_factory, smollm2):
     """A llama-server kvbench did not start: it is benchmarked, left running, and its memory is "not
     measured" (None), never 0. The load is an open loop (Poisson arrivals, at most 2 in flight)."""
-    from backends.base import ServerSpec
-    from backends.llamacpp import LlamaCppBackend
-    from workloads import Workload
+    from kvbench.backends.types import ServerSpec
+    from kvbench.backends.llamacpp import LlamaCppBackend
+    from kvbench.workloads import Workload
 
     server = LlamaCppBackend(LlamaCppBackend.default_version, engine_env("llamacpp"))
     server.start(ServerSpec(model=smollm2, max_context=512, max_concurrency=2, kv_dtype="auto"),
@@ -186,7 +186,7 @@ def test_vllm_kv_boundary(tmp_path_factory):
     requests at once: vLLM runs 2 and queues the rest, as the KV model predicts. (Sequences stay inside
     their first block, so vLLM never has to preempt one to grow another; 64 decode steps keep each state
     for a second or more, many polls at 10 Hz.)"""
-    from workloads import Workload
+    from kvbench.workloads import Workload
 
     engine_env("vllm")
     wl = Workload(name="boundary", family="kv_boundary", seed=5, prompt_tokens=[48], output_tokens=64,
@@ -207,7 +207,7 @@ def test_all_six_backends_in_one_run(tmp_path_factory, monkeypatch):
     fakes (tests/fakes/); a fake OpenAI-compatible server attached by URL: one run, one row each."""
     from tests.fakes.openai_server import FakeOpenAI
     from tests.fakes.testkit import stand_in
-    from workloads import Workload
+    from kvbench.workloads import Workload
 
     for engine in ("hf", "vllm", "llamacpp"):
         engine_env(engine)

@@ -1,5 +1,5 @@
 """Engine environments: idempotent, keyed by engine, version and recipe."""
-from bench.envs import EnvInstallError, InstallStep, Recipe, ensure_env, env_dir, is_installed
+from kvbench.envs import EnvInstallError, InstallStep, Recipe, ensure_env, env_dir, is_installed
 
 import pytest
 

@@ -12,10 +12,10 @@ import psutil
 import pytest
 from rich.console import Console
 
-from bench.config import BackendConfig
-from bench.results import load_cells, load_run_info
-from bench.runner import RunOptions, Runner
-from workloads import load
+from kvbench.config import BackendConfig
+from kvbench.results import load_cells, load_run_info
+from kvbench.runner import RunOptions, Runner
+from kvbench.workloads import load
 
 from .conftest import engine_env
 
@@ -67,8 +67,8 @@ def test_start_timeout_kills_the_whole_tree(tmp_path):
 
 def test_install_failure_gives_failed_rows(tmp_path):
     engine_env("hf")  # prepares the model; the run below asks for a transformers release that does not exist
-    from backends import REGISTRY
-    from bench.envs import env_dir
+    from kvbench.backends import REGISTRY
+    from kvbench.envs import env_dir
 
     broken = env_dir(REGISTRY["hf"].recipe("0.0.0rc999"))
     try:
@@ -85,7 +85,7 @@ def _default_sigint():  # a runner started in the background inherits SIGINT ign
 
 
 def _kvbench(*args, **popen):
-    return subprocess.Popen([sys.executable, "-m", "bench.cli", "run", *args], cwd=REPO, preexec_fn=_default_sigint,
+    return subprocess.Popen([sys.executable, "-m", "kvbench.cli", "run", *args], cwd=REPO, preexec_fn=_default_sigint,
                             **popen)
 
 
@@ -149,7 +149,7 @@ def test_engine_crash_mid_run_fails_the_remaining_cells(tmp_path):
 def test_engine_dead_at_a_cell_counter_reset_fails_the_remaining_cells(tmp_path, monkeypatch):
     # the harness's own call to the engine between cells (hf resets its peak counters) meets a dead engine
     hf_env = engine_env("hf")
-    from backends.hf import HFBackend
+    from kvbench.backends.hf import HFBackend
 
     reset, calls = HFBackend.reset_cell, []
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_check as gc
-from bench.samplers import NVML
+from kvbench.selfcheck import gpu_check as gc
+from kvbench.hardware import NVML
 from tests.fakes.fake_nvml import FakeDevice, FakeNVML
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +20,7 @@ def test_without_a_gpu_it_says_so_runs_nothing_and_exits_3(tmp_path):
     if NVML().available:
         pytest.skip("this machine has an NVIDIA GPU")
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--out", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "kvbench.selfcheck.gpu_check", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3
     assert "no NVIDIA GPU found (NVML: " in proc.stderr
@@ -80,7 +80,7 @@ def test_engine_row_takes_the_largest_ok_cell():
 
 
 def test_markdown_has_the_command_and_every_table():
-    result = {"id": "x", "command": "python -m bench.gpu_check --out results/gpu/x", "started_at": "now", "seconds": 42.0,
+    result = {"id": "x", "command": "python -m kvbench.selfcheck.gpu_check --out results/gpu/x", "started_at": "now", "seconds": 42.0,
               "environment": {"gpus": [{"name": "NVIDIA H200", "memory_bytes": 141 * GiB}], "driver": "570",
                               "memory_api": "v2", "torch": "2.13.0", "cuda": "12.8", "transformers": "5.24.0",
                               "torch_python": "/x/python"},
@@ -88,10 +88,10 @@ def test_markdown_has_the_command_and_every_table():
                                      "error": "CUDA out of memory: fake"}],
               "engines": [gc.engine_row("vllm", "finished", [], 12.0)], "skipped": []}
     md = gc.render_markdown(result)
-    assert "`python -m bench.gpu_check --out results/gpu/x`" in md
+    assert "`python -m kvbench.selfcheck.gpu_check --out results/gpu/x`" in md
     assert "## (a)" in md and "not run" in md and "## (b)" in md and "## (c)" in md
     assert "| smollm2 | 1024 | 1 | 22.83 MiB |" in md and "CUDA out of memory: fake" in md
-    assert "NVIDIA H200 (141.000 GiB)" in md and "**Problems:**" in md
+    assert "NVIDIA H200 (141.00 GiB)" in md and "**Problems:**" in md
 
 
 # --- the measuring steps, end to end with a fake probe and a fake NVML ----------------------------------

@@ -1,7 +1,7 @@
 """Validation by measurement: the KV model's engine rules against what the real engines allocate."""
 import pytest
 
-from bench.validate import check_hf, check_llamacpp, check_vllm
+from kvbench.validate import check_hf, check_llamacpp, check_vllm
 
 from .conftest import engine_env
 

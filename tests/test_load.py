@@ -8,9 +8,11 @@ import time
 import numpy as np
 import pytest
 
-from backends.base import Backend, RequestResult
-from bench.load import LoadPoint, concurrent, rate, run_async, sweep
-from workloads import Workload
+from kvbench.backends.types import RequestResult
+
+from kvbench.backends.base import Backend
+from kvbench.load import LoadPoint, LoadSettings, concurrent, constant, open_loop, poisson, run, run_async, sweep
+from kvbench.workloads import Workload
 
 
 class SleepyBackend(Backend):
@@ -48,50 +50,62 @@ class SleepyBackend(Backend):
         return r
 
 
+def drive(backend, prompts, point: LoadPoint, timeout_s: float, duration_s: float | None = None):
+    """The profile ``point`` names, through the registry, as the runner drives it."""
+    return run_async(run(backend, prompts, point, LoadSettings(timeout_s, duration_s)))
+
+
 class P:
     def __init__(self, i):
         self.request_id, self.prompt_tokens, self.output_tokens = f"r{i}", 10, 3
 
 
 def test_constant_arrivals_are_evenly_spaced():
-    assert rate.arrival_offsets(4, 2.0, "constant", 0).tolist() == [0.0, 0.5, 1.0, 1.5]
+    assert constant.arrival_offsets(4, 2.0).tolist() == [0.0, 0.5, 1.0, 1.5]
 
 
 def test_poisson_arrivals_have_the_asked_mean_and_are_seeded():
-    a = rate.arrival_offsets(20000, 5.0, "poisson", 1)
+    a = poisson.arrival_offsets(20000, 5.0, 1)
     assert a[0] == 0.0 and np.all(np.diff(a) >= 0)
     assert np.mean(np.diff(a)) == pytest.approx(0.2, rel=0.03)
-    assert np.array_equal(a, rate.arrival_offsets(20000, 5.0, "poisson", 1))
-    assert not np.array_equal(a, rate.arrival_offsets(20000, 5.0, "poisson", 2))
-    with pytest.raises(ValueError, match="poisson, constant"):
-        rate.arrival_offsets(3, 1.0, "bursty", 0)
+    assert np.array_equal(a, poisson.arrival_offsets(20000, 5.0, 1))
+    assert not np.array_equal(a, poisson.arrival_offsets(20000, 5.0, 2))
+
+
+
+def test_an_unknown_profile_is_refused_with_the_allowed_ones():
+    with pytest.raises(ValueError, match="concurrent, poisson, constant"):
+        LoadPoint("bursty", 1, 1.0)
+    with pytest.raises(ValueError, match="(?s)load_profile.*allowed: concurrent, poisson, constant"):
+        _workload(load_profile="bursty", concurrency=[1])
 
 
 def test_poisson_schedule_seed_is_the_same_in_every_process():
-    code = "from bench.load import rate; print(rate.schedule_seed(20261129, 1024, 0, 'poisson-r1-cap8'))"
+    code = "from kvbench.load import open_loop; print(open_loop.schedule_seed(20261129, 1024, 0, 'poisson-r1-cap8'))"
     seeds = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             env={**os.environ, "PYTHONHASHSEED": str(h)}).stdout for h in (1, 2)}
-    assert seeds == {f"{rate.schedule_seed(20261129, 1024, 0, 'poisson-r1-cap8')}\n"}
-    assert rate.schedule_seed(20261129, 1024, 1, "poisson-r1-cap8") != rate.schedule_seed(20261129, 1024, 0, "poisson-r1-cap8")
+    assert seeds == {f"{open_loop.schedule_seed(20261129, 1024, 0, 'poisson-r1-cap8')}\n"}
+    assert (open_loop.schedule_seed(20261129, 1024, 1, "poisson-r1-cap8")
+            != open_loop.schedule_seed(20261129, 1024, 0, "poisson-r1-cap8"))
 
 
 def test_closed_loop_keeps_exactly_concurrency_in_flight():
     backend = SleepyBackend()
-    load = run_async(concurrent.run(backend, [P(i) for i in range(9)], 3, timeout_s=5))
+    load = drive(backend, [P(i) for i in range(9)], LoadPoint("concurrent", 3), 5)
     assert len(load.results) == 9 and all(r.error is None for r in load.results)
     assert backend.peak == 3 and load.max_in_flight == 3
     assert load.offered_request_rate is None and load.send_lags == []
 
 
 def test_closed_loop_duration_stops_new_requests():
-    load = run_async(concurrent.run(SleepyBackend(ttft=0.1, itl=0.0, tokens=1), [P(i) for i in range(50)], 2,
-                                    timeout_s=5, duration_s=0.25))
+    load = drive(SleepyBackend(ttft=0.1, itl=0.0, tokens=1), [P(i) for i in range(50)], LoadPoint("concurrent", 2),
+                 5, duration_s=0.25)
     assert 4 <= len(load.results) <= 8  # 2 workers x ~0.1 s per request for 0.25 s, in-flight ones finish
 
 
 def test_open_loop_sends_on_schedule_when_the_engine_keeps_up():
-    load = run_async(rate.run(SleepyBackend(ttft=0.01, itl=0.0, tokens=1), [P(i) for i in range(8)], 20.0,
-                              "constant", timeout_s=5))
+    load = drive(SleepyBackend(ttft=0.01, itl=0.0, tokens=1), [P(i) for i in range(8)],
+                 LoadPoint("constant", None, 20.0), 5)
     assert load.offered_request_rate == 20.0
     assert load.achieved_request_rate == pytest.approx(20.0, rel=0.1)
     assert max(load.send_lags) < 0.02
@@ -102,7 +116,7 @@ def test_open_loop_with_a_cap_records_the_lag_it_causes():
     # 10 requests/s offered, but each takes 0.2 s and only one may be in flight: the engine is offered
     # 5/s in fact, and the lag behind the schedule grows with every request (coordinated omission shows).
     backend = SleepyBackend(ttft=0.2, itl=0.0, tokens=1)
-    load = run_async(rate.run(backend, [P(i) for i in range(6)], 10.0, "constant", timeout_s=5, max_concurrency=1))
+    load = drive(backend, [P(i) for i in range(6)], LoadPoint("constant", 1, 10.0), 5)
     assert backend.peak == 1 and load.max_in_flight == 1
     assert load.achieved_request_rate == pytest.approx(5.0, rel=0.15)
     assert load.send_lags[-1] > 0.45 and load.send_lags == sorted(load.send_lags)
@@ -112,12 +126,12 @@ def test_failed_request_is_a_result_not_an_exception():
     class Broken(SleepyBackend):
         async def stream(self, client, prompt):
             raise ValueError("not JSON")
-    load = run_async(concurrent.run(Broken(), [P(0)], 1, timeout_s=5))
+    load = drive(Broken(), [P(0)], LoadPoint("concurrent", 1), 5)
     assert load.results[0].error == "bad response: not JSON"
 
 
 def test_timeout_becomes_a_failed_request():
-    load = run_async(concurrent.run(SleepyBackend(ttft=2.0), [P(0)], 1, timeout_s=0.1))
+    load = drive(SleepyBackend(ttft=2.0), [P(0)], LoadPoint("concurrent", 1), 0.1)
     assert "timed out" in load.results[0].error
 
 
@@ -155,9 +169,9 @@ def test_run_async_records_how_late_the_client_loop_ran():
             time.sleep(0.12)  # holds the loop: nothing else can be read meanwhile
             return await super().stream(client, prompt)
 
-    quiet = run_async(concurrent.run(SleepyBackend(ttft=0.05, itl=0.0, tokens=1), [P(0), P(1)], 1, timeout_s=5))
+    quiet = drive(SleepyBackend(ttft=0.05, itl=0.0, tokens=1), [P(0), P(1)], LoadPoint("concurrent", 1), 5)
     assert quiet.loop_lag_s_max is not None and quiet.loop_lag_s_max < 0.05
-    blocked = run_async(concurrent.run(Blocking(ttft=0.05, itl=0.0, tokens=1), [P(0), P(1)], 1, timeout_s=5))
+    blocked = drive(Blocking(ttft=0.05, itl=0.0, tokens=1), [P(0), P(1)], LoadPoint("concurrent", 1), 5)
     assert blocked.loop_lag_s_max >= 0.1
 
 
@@ -179,7 +193,7 @@ def test_run_async_keeps_a_full_garbage_collection_out_of_the_load():
             del junk
             return await super().stream(client, prompt)
 
-    load = run_async(concurrent.run(Allocating(ttft=0.01, itl=0.0, tokens=1), [P(i) for i in range(10)], 1, timeout_s=5))
+    load = drive(Allocating(ttft=0.01, itl=0.0, tokens=1), [P(i) for i in range(10)], LoadPoint("concurrent", 1), 5)
     assert load.loop_lag_s_max < full / 2, (load.loop_lag_s_max, full)
     assert gc.get_freeze_count() == 0  # unfrozen again afterwards
 
@@ -187,7 +201,7 @@ def test_run_async_keeps_a_full_garbage_collection_out_of_the_load():
 def test_frozen_heap_nests_and_thaws_once():
     import gc
 
-    from bench.load import frozen_heap
+    from kvbench.load import frozen_heap
 
     with frozen_heap():
         outer = gc.get_freeze_count()

@@ -6,7 +6,7 @@ import time
 import psutil
 import pytest
 
-from bench.samplers import NVML, ProcessTreeMemorySampler
+from kvbench.samplers import NVML, ProcessTreeMemorySampler
 from tests.fakes.fake_nvml import (NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIBRARY_NOT_FOUND, FakeDevice,
                                    FakeNVML, GiB)
 

@@ -5,12 +5,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backends import REGISTRY
-from backends.base import EngineStartError, metric_samples
-from backends.llamacpp import LlamaCppBackend
-from backends.openai import OpenAIBackend
-from backends.vllm import VLLMBackend
-from bench.config import BackendConfig
+from kvbench.backends import REGISTRY
+from kvbench.backends.types import EngineStartError
+from kvbench.backends.prometheus import metric_samples
+from kvbench.backends.llamacpp import LlamaCppBackend
+from kvbench.backends.openai import OpenAIBackend
+from kvbench.backends.vllm import VLLMBackend
+from kvbench.config import BackendConfig
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.testkit import prompt, run, spec
 

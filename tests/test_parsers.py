@@ -1,6 +1,6 @@
 """Readers of engine output, against lines in the engines' real formats."""
-from backends.llamacpp import MIB, parse_kv_log
-from backends.base import metric_samples
+from kvbench.backends.llamacpp import MIB, parse_kv_log
+from kvbench.backends.prometheus import metric_samples
 
 LLAMA_LOG = """\
 0.00.215.634 I llama_kv_cache:        CPU KV buffer size =    45.00 MiB

@@ -1,8 +1,8 @@
 """Token-exact prompts from the embedded model's tokenizer."""
 import pytest
 
-from workloads import WorkloadError, load
-from workloads.prompts import PromptBuilder
+from kvbench.workloads import WorkloadError, load
+from kvbench.workloads.prompts import PromptBuilder
 
 
 @pytest.fixture(scope="module")

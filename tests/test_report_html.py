@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from bench.cli import app
+from kvbench.cli import app
 
 from .synth import make_run
 

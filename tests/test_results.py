@@ -4,8 +4,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from bench.reports import write
-from bench.results import SCHEMA_VERSION, CellRow, RunWriter, load_cells
+from kvbench.reports import write
+from kvbench.results import SCHEMA_VERSION, CellRow, RunWriter, load_cells
 
 
 def cell(**overrides) -> CellRow:
@@ -67,7 +67,7 @@ def test_report_shows_numbers_failures_and_not_measured(tmp_path):
 def test_client_lag_column_takes_the_worst_repeat_and_is_absent_for_runs_without_it():
     import pandas as pd
 
-    from bench.reports.tables import aggregate, performance_table
+    from kvbench.reports.tables import aggregate, performance_table
 
     repeats = [cell(repeat=k, cell_id=f"vllm-0.32.0_p1024_c1_r{k}", client_loop_lag_s_max=lag, ttft_s_p50=t)
                for k, (lag, t) in enumerate([(0.002, 0.2), (0.090, 0.4)])]

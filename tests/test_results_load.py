@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from bench.results import SCHEMA_VERSION, CellRow, ensure_parquet, load, migrate_row, parquet_is_current, write_parquet
+from kvbench.results import SCHEMA_VERSION, CellRow, ensure_parquet, load, migrate_row, parquet_is_current, write_parquet
 
 from .synth import make_run
 
@@ -94,7 +94,7 @@ def test_ok_column_is_the_cells_token_contract():
     back to the tokens received (Ollama or TGI without a prompt count) instead of failing the request."""
     import pandas as pd
 
-    from bench.results import _requests_derived
+    from kvbench.results import _requests_derived
 
     def req(**kw):
         base = dict(warmup=False, error=None, prompt_tokens_sent=8, prompt_tokens_reported=8,

@@ -3,7 +3,9 @@ import time
 
 import pytest
 
-from backends.base import EngineStartError, ServerProcess
+from kvbench.backends.types import EngineStartError
+
+from kvbench.backends.process import ServerProcess
 
 
 def test_exit_is_waited_for_when_asked(tmp_path):

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from bench import stats
+from kvbench import stats
 
 
 @pytest.mark.parametrize("p, df, expected", [(0.975, 1, 12.7062), (0.975, 4, 2.7764), (0.975, 10, 2.2281),

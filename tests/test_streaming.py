@@ -9,11 +9,11 @@ from functools import partial
 
 import pytest
 
-from backends.base import RequestResult
-from backends.streaming import TRANSPORT_ERRORS, open_client, stream_ndjson, stream_sse
-from bench.load import run_async
-from backends.vllm import VLLMBackend
-from workloads.prompts import Prompt
+from kvbench.backends.types import RequestResult
+from kvbench.backends.streaming import TRANSPORT_ERRORS, open_client, stream_ndjson, stream_sse
+from kvbench.load import run_async
+from kvbench.backends.vllm import VLLMBackend
+from kvbench.workloads.prompts import Prompt
 
 PROMPT = Prompt("r0", (1, 2, 3), "", 4)
 

@@ -13,6 +13,8 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from kvbench.load.registry import PROFILES, profile_info
+
 WORKLOAD_DIR = Path(__file__).parent
 
 
@@ -28,11 +30,11 @@ class Workload(BaseModel):
     prompt_tokens: list[Union[int, Literal["max"]]] = Field(min_length=1)
     output_tokens: int = Field(gt=0)
     # --- load -----------------------------------------------------------------------------------
-    # concurrent: a closed loop per level of `concurrency`. poisson / constant: an open loop per rate
-    # of `request_rates` (requests/s, or "saturation": a closed loop at the highest concurrency first,
-    # then `saturation_steps` rates evenly up to the rate it achieved), with `concurrency` as the cap on
-    # requests in flight (one cap; leave it out for none).
-    load_profile: Literal["concurrent", "poisson", "constant"] = "concurrent"
+    # A name in kvbench.load.registry. A closed loop ("concurrent") runs per level of `concurrency`; an
+    # open loop ("poisson", "constant") per rate of `request_rates` (requests/s, or "saturation": a closed
+    # loop at the highest concurrency first, then `saturation_steps` rates evenly up to the rate it
+    # achieved), with `concurrency` as the cap on requests in flight (one cap; leave it out for none).
+    load_profile: str = "concurrent"
     concurrency: list[int] = Field(default_factory=list)
     request_rates: Union[list[float], Literal["saturation"]] = Field(default_factory=list)
     saturation_steps: int = Field(default=4, gt=0)
@@ -51,6 +53,16 @@ class Workload(BaseModel):
     prefix_caching: list[bool] = Field(default_factory=list)  # one engine start per setting; []: engine default
     turns: int = Field(default=1, gt=0)  # multi_turn: prompt_tokens of new user text per turn
     kv_pool_sequences: int | None = Field(default=None, gt=0)  # kv_boundary: pool sized for this many sequences
+
+    @field_validator("load_profile")
+    @classmethod
+    def _known_profile(cls, name):
+        profile_info(name)  # raises, naming the allowed profiles
+        return name
+
+    @property
+    def open_loop(self) -> bool:
+        return PROFILES[self.load_profile].open_loop
 
     @field_validator("prompt_tokens")
     @classmethod
@@ -76,11 +88,12 @@ class Workload(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.load_profile == "concurrent":
+        if not self.open_loop:
             if not self.concurrency:
-                raise ValueError("load_profile \"concurrent\" needs concurrency = [levels, ...]")
+                raise ValueError(f"load_profile {self.load_profile!r} needs concurrency = [levels, ...]")
             if self.request_rates:
-                raise ValueError("request_rates only apply to load_profile \"poisson\" or \"constant\"")
+                open_loops = [name for name, p in PROFILES.items() if p.open_loop]
+                raise ValueError(f"request_rates only apply to an open-loop load_profile ({', '.join(open_loops)})")
         else:
             if not self.request_rates:
                 raise ValueError(f"load_profile {self.load_profile!r} needs request_rates = [...] or \"saturation\"")
@@ -125,7 +138,7 @@ class Workload(BaseModel):
         run ahead of the mean, hence the margin; the schedule drops what falls after the duration)."""
         if self.requests is not None:
             return self.requests
-        if self.load_profile == "concurrent":
+        if not self.open_loop:
             return (concurrency or 1) * self.rounds
         return int(math.ceil(request_rate * self.duration_s * 1.5)) + 10
 

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import typer
 
-from bench.compare import CompareError, compare as run_compare, load_config, load_side, markdown
+from kvbench.compare import CompareError, compare as run_compare, load_config, load_side, markdown
 
 
 def compare(

@@ -1,11 +1,11 @@
 import json
 
 import typer
-from bench import ui
+from kvbench import ui
 from rich.table import Table
 
-from bench.kvmodel import ENGINES, KV_DTYPE_BYTES, MissingConfigKeys, UnknownEngine, UnknownKVDtype
-from bench.planner import GIB, PlanError, PlanInput, catalog_names, plan, resolve_model
+from kvbench.kvmodel import ENGINES, KV_DTYPE_BYTES, MissingConfigKeys, UnknownEngine, UnknownKVDtype
+from kvbench.planner import GIB, PlanError, PlanInput, catalog_names, plan, resolve_model
 
 
 def _gib(x) -> str:

@@ -3,9 +3,9 @@ from pathlib import Path
 import typer
 from rich.markdown import Markdown
 
-from bench import ui
-from bench import reports
-from bench.results import ensure_parquet, not_a_run_dir
+from kvbench import ui
+from kvbench import reports
+from kvbench.results import ensure_parquet, not_a_run_dir
 
 
 def report(

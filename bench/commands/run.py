@@ -1,16 +1,16 @@
 from pathlib import Path
 
 import typer
-from bench import ui
+from kvbench import ui
 
-from backends import REGISTRY
-from bench.config import BackendConfig, ConfigError
-from bench.models import ModelError
-from bench import reports
-from bench.results import load_cells
-from bench.runner import RunOptions, Runner
-from workloads import WorkloadError, available
-from workloads import load as load_workload
+from kvbench.backends import REGISTRY
+from kvbench.config import BackendConfig, ConfigError
+from kvbench.models import ModelError
+from kvbench import reports
+from kvbench.results import load_cells
+from kvbench.runner import RunOptions, Runner
+from kvbench.workloads import WorkloadError, available
+from kvbench.workloads import load as load_workload
 
 DEFAULT_BACKENDS = ["hf", "vllm", "llamacpp"]
 

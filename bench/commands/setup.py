@@ -1,10 +1,10 @@
 import typer
-from bench import ui
+from kvbench import ui
 
-from backends import REGISTRY
-from bench import models
-from bench.config import BackendConfig, ConfigError
-from bench.envs import EnvInstallError, ensure_env
+from kvbench.backends import REGISTRY, gguf_converter
+from kvbench import models
+from kvbench.config import BackendConfig, ConfigError
+from kvbench.envs import EnvInstallError, ensure_env
 
 
 def setup(
@@ -28,7 +28,7 @@ def setup(
             failed = True
             console.print(f"[red]{exc}[/]\n{exc.log_tail}")
     try:
-        files = models.resolve(model, lambda: models.converter_python(console.print), log=console.print)
+        files = models.resolve(model, gguf_converter(console.print), log=console.print)
         console.print(f"[green]ready[/] model {files.name}: {files.hf_dir}" + (f", {files.gguf_path}" if files.gguf_path else ""))
     except models.ModelError as exc:
         failed = True

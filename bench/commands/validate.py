@@ -2,14 +2,14 @@ import json
 from pathlib import Path
 
 import typer
-from bench import ui
+from kvbench import ui
 from rich.markdown import Markdown
 
-from backends import REGISTRY
-from bench import models
-from bench.config import BackendConfig, ConfigError
-from bench.envs import EnvInstallError, ensure_env
-from bench.validate import markdown, run_all
+from kvbench.backends import REGISTRY, gguf_converter
+from kvbench import models
+from kvbench.config import BackendConfig, ConfigError
+from kvbench.envs import EnvInstallError, ensure_env
+from kvbench.validate import markdown, run_all
 
 VALIDATION_FILE = "kv_validation.jsonl"
 
@@ -24,7 +24,7 @@ def validate(
         configs = [BackendConfig.parse(b) for b in backend]
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from None
-    model = models.resolve("smollm2", lambda: models.converter_python(console.print), log=console.print)
+    model = models.resolve("smollm2", gguf_converter(console.print), log=console.print)
     envs = {}
     for cfg in configs:
         try:

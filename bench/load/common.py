@@ -6,12 +6,12 @@ import gc
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
 
-from backends.base import Backend, RequestResult
-from backends.streaming import TRANSPORT_ERRORS
+from kvbench.backends.base import Backend
+from kvbench.backends.streaming import TRANSPORT_ERRORS
+from kvbench.backends.types import RequestResult
 
-Profile = Literal["concurrent", "poisson", "constant"]
+from .registry import profile_info
 
 
 @dataclass(frozen=True)
@@ -20,23 +20,36 @@ class LoadPoint:
     ``request_rate`` requests/s (Poisson or evenly spaced) with at most ``concurrency`` in flight
     (None: unbounded)."""
 
-    profile: Profile = "concurrent"
+    profile: str = "concurrent"  # a name in load.registry.PROFILES
     concurrency: int | None = 1
     request_rate: float | None = None
 
     def __post_init__(self):
-        if self.profile == "concurrent" and not (self.concurrency and self.concurrency > 0):
+        if not self.open_loop and not (self.concurrency and self.concurrency > 0):
             raise ValueError("a closed loop needs concurrency >= 1")
-        if self.profile != "concurrent" and not (self.request_rate and self.request_rate > 0):
+        if self.open_loop and not (self.request_rate and self.request_rate > 0):
             raise ValueError(f"a {self.profile} load needs request_rate > 0")
+
+    @property
+    def open_loop(self) -> bool:
+        return profile_info(self.profile).open_loop
 
     @property
     def slug(self) -> str:
         """Short, file-name safe: c4, poisson-r2.5, constant-r1-cap8."""
-        if self.profile == "concurrent":
+        if not self.open_loop:
             return f"c{self.concurrency}"
         rate = f"{self.request_rate:g}".replace(".", "_")
         return f"{self.profile}-r{rate}" + (f"-cap{self.concurrency}" if self.concurrency else "")
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """What every profile is told besides its load point."""
+
+    timeout_s: float  # one request's limit
+    duration_s: float | None = None  # no request starts after this many seconds (the ones in flight finish)
+    seed: int = 0  # the arrival schedule's seed (open loops)
 
 
 @dataclass

@@ -4,23 +4,23 @@ from __future__ import annotations
 import asyncio
 import time
 
-from backends.base import Backend
-from backends.streaming import open_client
+from kvbench.backends.base import Backend
+from kvbench.backends.streaming import open_client
 
-from .common import InFlight, LoadResult, send_one
+from .common import InFlight, LoadPoint, LoadResult, LoadSettings, send_one
 
 
-async def run(backend: Backend, prompts: list, concurrency: int, timeout_s: float,
-              duration_s: float | None = None) -> LoadResult:
-    """Send ``prompts`` in order; with ``duration_s``, no request starts after that many seconds (the
-    ones in flight finish)."""
+async def run(backend: Backend, prompts: list, point: LoadPoint, settings: LoadSettings) -> LoadResult:
+    """Send ``prompts`` in order; with ``settings.duration_s``, no request starts after that many seconds
+    (the ones in flight finish)."""
+    concurrency, timeout_s = point.concurrency, settings.timeout_s
     queue: asyncio.Queue = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
     results = []
     in_flight = InFlight()
     t_start = time.perf_counter()
-    deadline = t_start + duration_s if duration_s else None
+    deadline = t_start + settings.duration_s if settings.duration_s else None
     async with open_client(concurrency, timeout_s) as client:
         async def worker():
             while not (deadline and time.perf_counter() >= deadline):

@@ -3,15 +3,18 @@ points; a sweep "up to saturation" first runs a closed loop at the workload's co
 rates spread evenly up to the request rate that loop achieved (the engine's saturation rate)."""
 from __future__ import annotations
 
-from workloads import Workload
+from typing import TYPE_CHECKING
 
 from .common import LoadPoint
+
+if TYPE_CHECKING:  # workloads validate their load profile against this package's registry
+    from kvbench.workloads import Workload
 
 
 def static_points(workload: Workload) -> list[LoadPoint]:
     """The points known before anything runs (all of them, unless the rates sweep up to saturation)."""
-    if workload.load_profile == "concurrent":
-        return [LoadPoint("concurrent", c) for c in workload.concurrency]
+    if not workload.open_loop:
+        return [LoadPoint(workload.load_profile, c) for c in workload.concurrency]
     cap = workload.concurrency[0] if workload.concurrency else None
     if workload.request_rates == "saturation":
         return [LoadPoint("concurrent", cap)]  # finds the saturation rate; the rates follow

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.reports import plots, tables
-from bench.results import load, load_run_info
+from kvbench.reports import plots, tables
+from kvbench.results import load, load_run_info
 
 
 @dataclass
@@ -169,7 +169,7 @@ def write(run_dirs: list[Path], output: Path | None = None, html_file: Path | No
           plots: bool = True) -> tuple[Path, Path, str]:
     """Write the Markdown report, its plots and the HTML page; returns (markdown path, HTML path, text).
     Default place: RUN_DIR/report.md for one run, results/reports/<ids>/report.md for several."""
-    from bench.reports import html, markdown
+    from kvbench.reports import html, markdown
 
     run_dirs = [Path(d) for d in run_dirs]
     if output is None:

@@ -12,8 +12,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from .tables import sequences_fitting  # noqa: E402
+from kvbench.units import MIB  # noqa: E402
 
-MIB = 2**20
 MARKERS = "osd^v<>PX*"
 DPI = 110
 

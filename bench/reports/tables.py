@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pandas as pd
 
-from bench.results import CELL_CONFIG_FIELDS, OK_STATUSES
+from kvbench import units
+from kvbench.cells import load_label as _load_label
+from kvbench.results import CELL_CONFIG_FIELDS, OK_STATUSES
 
 NOT_MEASURED = "not measured"
-MIB = 2**20
 
 
 # --- formatting ----------------------------------------------------------------------------------------
@@ -21,7 +22,7 @@ def _missing(x) -> bool:
 
 
 def fmt_bytes(x) -> str:
-    return NOT_MEASURED if _missing(x) else f"{x / MIB:,.2f} MiB"
+    return units.fmt_bytes(None if _missing(x) else x, missing=NOT_MEASURED)
 
 
 def fmt_num(x, scale=1.0, digits=3) -> str:
@@ -56,11 +57,9 @@ def many_runs(cells: pd.DataFrame) -> bool:
 
 
 def load_label(r) -> str:
-    """How the load was applied: concurrency for a closed loop, rate (and cap) for an open one."""
-    if r.load_profile == "concurrent" or _missing(r.request_rate):
-        return f"x{r.concurrency}"
-    cap = "" if _missing(r.concurrency) else f", <={int(r.concurrency)}"
-    return f"{r.load_profile} {r.request_rate:g}/s{cap}"
+    """The load column of a cell's row (:func:`kvbench.cells.load_label`)."""
+    return _load_label(r.load_profile, None if _missing(r.concurrency) else int(r.concurrency),
+                       None if _missing(r.request_rate) else r.request_rate)
 
 
 def aggregate(cells: pd.DataFrame) -> pd.DataFrame:

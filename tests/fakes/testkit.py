@@ -12,11 +12,14 @@ from pathlib import Path
 import httpx
 import psutil
 
-from backends.base import ModelFiles, ServerSpec
-from bench.kvmodel import KVGeometry
-from bench.models import sha256_file
-from bench.load import concurrent, run_async
-from workloads.prompts import Prompt
+from kvbench.models import ModelFiles
+
+from kvbench.backends.types import ServerSpec
+from kvbench.kvmodel import KVGeometry
+from kvbench.models import sha256_file
+from kvbench import load
+from kvbench.load import LoadPoint, LoadSettings, run_async
+from kvbench.workloads.prompts import Prompt
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2 = KVGeometry(num_layers=30, num_kv_heads=3, head_dim_k=64, head_dim_v=64, num_attention_heads=9,
@@ -27,7 +30,7 @@ BYTES_PER_TOKEN = 23_040  # 2 x 30 x 3 x 64 x 2 bytes
 def spec(tmp_path: Path, max_context=4096, max_concurrency=2, kv_dtype="auto", gguf: Path | None = None) -> ServerSpec:
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir(exist_ok=True)
-    # as bench.models.load_model does: a GGUF model's digest is the file's
+    # as kvbench.models.resolve does: a GGUF model's digest is the file's
     model = ModelFiles("smollm2", hf_dir, gguf, sha256_file(gguf) if gguf and gguf.exists() else "ab" * 32, SMOLLM2)
     return ServerSpec(model, max_context, max_concurrency, kv_dtype)
 
@@ -38,7 +41,7 @@ def prompt(n_prompt: int, n_out: int, request_id: str = "r0") -> Prompt:
 
 def run(backend, prompts, concurrency=1, timeout_s=30.0):
     """The load generator's own path (bench.load), transport errors included."""
-    return run_async(concurrent.run(backend, prompts, concurrency, timeout_s)).results
+    return run_async(load.run(backend, prompts, LoadPoint("concurrent", concurrency), LoadSettings(timeout_s))).results
 
 
 def stand_in(bin_dir: Path, name: str, module: str) -> Path:

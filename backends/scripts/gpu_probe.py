@@ -1,4 +1,4 @@
-"""The CUDA side of ``python -m bench.gpu_check`` (run by an interpreter whose torch sees the GPU, e.g. the hf
+"""The CUDA side of ``python -m kvbench.selfcheck.gpu_check`` (run by an interpreter whose torch sees the GPU, e.g. the hf
 environment's). It talks with the parent over stdin/stdout: at each step it prints one JSON line and waits
 for a line on stdin, so the parent reads NVML while this process holds exactly what the step says.
 

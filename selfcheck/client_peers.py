@@ -1,4 +1,4 @@
-"""Other benchmark clients against kvbench's mock server, for ``python -m bench.client_bench --peers``.
+"""Other benchmark clients against kvbench's mock server, for ``python -m kvbench.selfcheck.client_bench --peers``.
 
 Each peer is installed from PyPI into an environment of its own (:mod:`bench.envs`; ``vllm bench serve``
 uses kvbench's vLLM environment) and run as its users run it, on its own command line, against the same
@@ -21,8 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from backends.vllm import VLLMBackend
-from bench.envs import EnvInstallError, Recipe, ensure_env, env_python, kvbench_home, pip_install
+from kvbench.backends.vllm import VLLMBackend
+from kvbench.selfcheck.common import Mock, median_finite, pct
+from kvbench.envs import EnvInstallError, Recipe, ensure_env, env_python, kvbench_home, pip_install
 
 PROMPT_TOKENS = 16
 GUIDELLM_VERSION = "0.8.1"
@@ -151,8 +152,7 @@ def _run_once(name: str, env: Path, url: str, concurrency: int, requests: int, t
 def run_peer(name: str, *, repeats: int, concurrency: int, ttft_ms: float, itl_ms: float, tokens: int,
              requests: int, ceiling_tokens: int, ceiling_concurrency: int, ceiling_requests: int,
              mock_cpu: int | None, log=print) -> tuple[dict, dict]:
-    """(accuracy row, ceiling row) for one peer, shaped like kvbench's rows in bench.client_bench."""
-    from bench.client_bench import Mock, _pct, median_finite
+    """(accuracy row, ceiling row) for one peer, shaped like kvbench's rows in kvbench.selfcheck.client_bench."""
 
     label = _label(name)
     acc: dict = {"client": label, "concurrency": concurrency}
@@ -178,8 +178,8 @@ def run_peer(name: str, *, repeats: int, concurrency: int, ttft_ms: float, itl_m
             "ttft_p99_err_ms": median_finite([r["ttft_p99"] - ttft_ms for r in runs]),
             "itl_p50_err_ms": median_finite([r["itl_p50"] - itl_ms for r in runs]),
             "itl_p99_err_ms": median_finite([r["itl_p99"] - itl_ms for r in runs]),
-            "mock_late_p50_ms": median_finite([_pct(x, 50) for x in late]),
-            "mock_late_p99_ms": median_finite([_pct(x, 99) for x in late]), "runs": len(runs)})
+            "mock_late_p50_ms": median_finite([pct(x, 50) for x in late]),
+            "mock_late_p99_ms": median_finite([pct(x, 99) for x in late]), "runs": len(runs)})
 
         with Mock(0, 0, mock_cpu, record_sends=False) as mock:
             base = _run_once(name, env, mock.url, ceiling_concurrency, ceiling_concurrency, ceiling_tokens, tokenizer)

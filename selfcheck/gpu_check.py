@@ -1,4 +1,4 @@
-"""The GPU checks: ``python -m bench.gpu_check [--out results/gpu/<id>] [--model DIR ...]``.
+"""The GPU checks: ``python -m kvbench.selfcheck.gpu_check [--out results/gpu/<id>] [--model DIR ...]``.
 
 Runs offline, in under 10 minutes (``--budget-s``, default 540), on a machine with an NVIDIA GPU:
 
@@ -8,7 +8,7 @@ a. the NVML sampler against a real allocation of known size (a CUDA torch proces
 b. transformers on CUDA (the embedded SmolLM2 model and each ``--model`` HF folder): the KV cache of one
    ``generate`` call measured three ways (the cache tensors' bytes, the CUDA allocator's delta, NVML's
    device delta) at several prompt lengths and batches, against bench.kvmodel's prediction;
-c. every engine whose environment is installed here, through ``kvbench run`` with the GPU profile's
+c. every engine whose environment is installed here, through ``kvbench run`` with the GPU default benchmark's
    workload, each time-boxed.
 
 Writes ``gpu_check.md`` (the tables and the exact command) and ``gpu_check.json`` under ``--out``. Without
@@ -30,10 +30,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from kvbench.units import GIB, MIB, fmt_bytes, fmt_gib
+
 EXIT_NO_GPU = 3
-GIB = 2**30
-MIB = 2**20
-PROBE = Path(__file__).resolve().parent.parent / "backends" / "gpu_probe.py"
+PROBE = Path(__file__).resolve().parent.parent / "backends" / "scripts" / "gpu_probe.py"
 ROOT = Path(__file__).resolve().parent.parent
 # (prompt tokens, batch) for transformers on CUDA; cells longer than the model's context are dropped.
 KV_CELLS = [(1024, 1), (4096, 1), (4096, 4), (16384, 1), (32768, 1), ("max", 1), ("max", 8)]
@@ -58,14 +58,6 @@ def within(measured: float | None, expected: float | None, rel: float, abs_: flo
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
-
-
-def fmt_bytes(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if abs(x) >= GIB:
-        return f"{x / GIB:,.3f} GiB"
-    return f"{x / MIB:,.2f} MiB"
 
 
 def fmt_ratio(x: float | None) -> str:
@@ -153,7 +145,7 @@ def verdict(result: dict) -> tuple[bool, list[str]]:
 
 def render_markdown(result: dict) -> str:
     env = result.get("environment", {})
-    gpus = ", ".join(f"{g['name']} ({fmt_bytes(g['memory_bytes'])})" for g in env.get("gpus", [])) or "-"
+    gpus = ", ".join(f"{g['name']} ({fmt_gib(g['memory_bytes'])})" for g in env.get("gpus", [])) or "-"
     lines = [f"# kvbench GPU check {result.get('id', '')}", "",
              f"Command: `{result.get('command', '')}`", "",
              f"Started {result.get('started_at', '-')}, {result.get('seconds', 0):.0f} s. GPUs: {gpus}; "
@@ -198,7 +190,7 @@ def render_markdown(result: dict) -> str:
                      f"| {fmt_ratio(r['allocator_over_cache'])} | {fmt_ratio(r['nvml_over_cache'])} "
                      f"| {fmt_bytes(r['allocator_peak_delta_bytes'])} | cache {fmt_ok(r['cache_ok'])}, allocator "
                      f"{fmt_ok(r['allocator_ok'])}, NVML {fmt_ok(r['nvml_ok'])} |")
-    lines += ["", "## (c) engines through `kvbench run` (GPU profile)", ""]
+    lines += ["", "## (c) engines through `kvbench run` (GPU default benchmark)", ""]
     if result.get("engine_command"):
         lines += [f"Each: `{result['engine_command']}`", ""]
     lines += ["| engine | status | cells ok | largest cell | KV predicted | KV in use (engine) | KV pool | "
@@ -300,7 +292,7 @@ def nvml_snapshot(nvml, pids: set[int], settle_s: float = 0.2, readings: int = 3
 
 def find_torch_python(explicit: str | None) -> tuple[str | None, dict, list[str]]:
     """The first interpreter whose torch sees CUDA: --torch-python, the hf environments, this one, python3."""
-    from bench.envs import kvbench_home
+    from kvbench.envs import kvbench_home
 
     candidates = [explicit] if explicit else []
     candidates += sorted(str(p) for p in (kvbench_home() / "envs").glob("hf-*/bin/python"))
@@ -319,7 +311,7 @@ def find_torch_python(explicit: str | None) -> tuple[str | None, dict, list[str]
 
 
 def check_sampler(nvml, python: str, alloc_bytes: int, budget: Budget, logs: Path, script: Path = PROBE) -> dict:
-    from bench.samplers import ProcessTreeMemorySampler
+    from kvbench.samplers import ProcessTreeMemorySampler
 
     baseline = nvml.idle_baseline()
     probe = Probe(python, ["alloc", "--bytes", str(alloc_bytes)], logs / "probe_alloc.log", script)
@@ -361,7 +353,7 @@ def check_sampler(nvml, python: str, alloc_bytes: int, budget: Budget, logs: Pat
 
 def check_kv(nvml, python: str, model_dir: Path, name: str, budget: Budget, logs: Path,
              script: Path = PROBE) -> list[dict]:
-    from bench.kvmodel import engine_kv, geometry_from_hf_config, load_hf_config
+    from kvbench.kvmodel import engine_kv, geometry_from_hf_config, load_hf_config
 
     geom = geometry_from_hf_config(load_hf_config(model_dir), str(model_dir / "config.json"))
     cells = kv_cells(geom.max_context)
@@ -401,11 +393,11 @@ def check_kv(nvml, python: str, model_dir: Path, name: str, budget: Budget, logs
 
 
 def check_engines(engines: list[str], model: str, run_args: list[str], out: Path, budget: Budget) -> tuple[list[dict], str]:
-    from backends import REGISTRY
-    from bench.envs import is_installed
+    from kvbench.backends import REGISTRY
+    from kvbench.envs import is_installed
 
     runs = out / "runs"
-    base = [sys.executable, "-m", "bench.cli", "run", "--model", model, *run_args, "--results-dir", str(runs)]
+    base = [sys.executable, "-m", "kvbench.cli", "run", "--model", model, *run_args, "--results-dir", str(runs)]
     rows, todo = [], []
     for e in engines:
         cls = REGISTRY[e]
@@ -443,7 +435,7 @@ def check_engines(engines: list[str], model: str, run_args: list[str], out: Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvbench.selfcheck.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="folder for gpu_check.md/json (default results/gpu/<time>-<gpu>)")
     parser.add_argument("--model", action="append", default=[], help="an extra local HF model folder (repeatable)")
     parser.add_argument("--budget-s", type=float, default=540, help="the whole check's time budget (default 540)")
@@ -453,16 +445,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     t_start = time.monotonic()
     budget = Budget(args.budget_s)
-    command = shlex.join(["python", "-m", "bench.gpu_check", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(["python", "-m", "kvbench.selfcheck.gpu_check", *(sys.argv[1:] if argv is None else argv)])
 
-    from bench.samplers import NVML
+    from kvbench.hardware import NVML
 
     nvml = NVML()
     if not nvml.available:
         print(no_gpu_message(nvml.error), file=sys.stderr)
         return EXIT_NO_GPU
 
-    from bench import profiles
+    from kvbench import default_bench, hardware
 
     names = nvml.device_names()
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -496,12 +488,14 @@ def main(argv: list[str] | None = None) -> int:
             result["skipped"].append(f"(a) failed: {exc}")
         save()
         if info.get("transformers"):
-            from bench import models
+            from kvbench import models
+            from kvbench.backends.hf import HFBackend
 
             targets = []
             try:
-                # The hf environment converts the GGUF once if needed (offline: a local conversion).
-                targets.append(("smollm2", models.resolve("smollm2", Path(python), log=print).hf_dir))
+                # This torch interpreter converts the GGUF once if needed (offline: a local conversion).
+                convert = HFBackend.gguf_converter(python=Path(python))
+                targets.append(("smollm2", models.resolve("smollm2", convert, log=print).hf_dir))
             except models.ModelError as exc:
                 result["skipped"].append(f"(b) smollm2: {exc}")
             targets += [(Path(m).name, Path(m)) for m in args.model]
@@ -517,9 +511,9 @@ def main(argv: list[str] | None = None) -> int:
     engines = [e for e in args.engines.split(",") if e]
     if engines:
         try:
-            profile = profiles.gpu_profile("smollm2", profiles.detect_gpus(nvml))
-            print(f"(c) engines via kvbench run: {', '.join(engines)} ({profile.note})", flush=True)
-            result["engines"], result["engine_command"] = check_engines(engines, "smollm2", profile.run_args(), out, budget)
+            gpu_bench = default_bench.gpu_default_bench("smollm2", hardware.detect_gpus(nvml))
+            print(f"(c) engines via kvbench run: {', '.join(engines)} ({gpu_bench.note})", flush=True)
+            result["engines"], result["engine_command"] = check_engines(engines, "smollm2", gpu_bench.run_args(), out, budget)
         except Exception as exc:  # the engines are the optional part: say why and keep the rest
             result["skipped"].append(f"(c) failed: {type(exc).__name__}: {exc}")
     save()

@@ -1,8 +1,8 @@
 """How accurate and how fast is kvbench's streaming client? Measured against a mock server.
 
-``python -m bench.client_bench --repeats 5`` starts :mod:`bench.mock_server` in a process of its own,
+``python -m kvbench.selfcheck.client_bench --repeats 5`` starts :mod:`kvbench.selfcheck.mock_server` in a process of its own,
 pinned to one core, pins itself (the client) to another, and drives the mock with kvbench's own load
-generator (:func:`bench.load.concurrent.run` on :func:`bench.load.common.run_async`, as ``kvbench run``
+generator (:mod:`kvbench.load.concurrent` on :func:`kvbench.load.run_async`, as ``kvbench run``
 drives it), its vLLM adapter and its metrics (:mod:`bench.metrics`):
 
 (a) accuracy: the mock sends the first token ``--ttft-ms`` after it read the request and the next ones
@@ -15,7 +15,7 @@ drives it), its vLLM adapter and its metrics (:mod:`bench.metrics`):
     (``time.process_time``) per token. The mock's own CPU use is shown, to show it was not the limit.
 
 Figures are medians over ``--repeats`` runs. ``--peers`` runs other benchmark clients against the same
-mocks (see :mod:`bench.client_peers`); one that cannot be installed or run is shown as "not run" with why.
+mocks (see :mod:`kvbench.selfcheck.client_peers`); one that cannot be installed or run is shown as "not run" with why.
 """
 from __future__ import annotations
 
@@ -35,70 +35,21 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from backends.base import LOCALHOST, ModelFiles, ServerSpec, free_port
-from backends.vllm import VLLMBackend
-from bench.kvmodel import KVGeometry
-from bench.load import concurrent
-from bench.load.common import run_async
-from bench.metrics import RequestTimes, cell_metrics, request_verdict
-from workloads.prompts import Prompt
+from kvbench.models import ModelFiles
+
+from kvbench.backends.types import LOCALHOST, ServerSpec
+
+from kvbench.backends.process import free_port
+from kvbench.backends.vllm import VLLMBackend
+from kvbench.kvmodel import KVGeometry
+from kvbench.load import LoadPoint, LoadSettings, run, run_async
+from kvbench.metrics import RequestTimes, cell_metrics, request_verdict
+from kvbench.workloads.prompts import Prompt
+
+from .common import Mock, median_finite, pct
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 console = Console(width=220)
-
-
-# --- the mock in its own process -------------------------------------------------------------------
-
-class Mock:
-    """bench.mock_server in a subprocess (pinned to ``cpu``), stopped on exit."""
-
-    def __init__(self, ttft_ms: float, itl_ms: float, cpu: int | None, record_sends: bool = True):
-        self.port = free_port()
-        self.url = f"http://{LOCALHOST}:{self.port}"
-        argv = [sys.executable, "-m", "bench.mock_server", "--port", str(self.port),
-                "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms)]
-        if cpu is not None:
-            argv += ["--cpu", str(cpu)]
-        if not record_sends:
-            argv.append("--no-record-sends")
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     cwd=Path(__file__).resolve().parent.parent)
-        self.ps = psutil.Process(self.proc.pid)
-
-    def __enter__(self) -> "Mock":
-        deadline = time.monotonic() + 20
-        with httpx.Client(timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"mock server exited: {self.proc.stderr.read().decode(errors='replace')[-500:]}")
-                try:
-                    if client.get(self.url + "/health").status_code == 200:
-                        return self
-                except httpx.TransportError:
-                    time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("mock server did not answer within 20 s")
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-    def records(self) -> list[dict]:
-        """The mock's records since the last call (and clears them)."""
-        with httpx.Client(timeout=30.0) as client:
-            return client.get(self.url + "/mock/records").json()["records"]
-
-    def cpu_seconds(self) -> float:
-        t = self.ps.cpu_times()
-        return t.user + t.system
 
 
 # --- kvbench's client against the mock -------------------------------------------------------------
@@ -120,11 +71,7 @@ def make_prompts(n: int, output_tokens: int, start: int = 0) -> list[Prompt]:
 
 def run_closed_loop(backend, prompts, concurrency: int) -> list:
     """kvbench's closed-loop load on the event loop the runner uses."""
-    return run_async(concurrent.run(backend, prompts, concurrency, 60.0)).results
-
-
-def _pct(values, q) -> float:
-    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else float("nan")
+    return run_async(run(backend, prompts, LoadPoint("concurrent", concurrency), LoadSettings(60.0))).results
 
 
 def check_results(results, output_tokens: int) -> int:
@@ -160,10 +107,10 @@ def accuracy_run(mock: Mock, concurrency: int, n_requests: int, output_tokens: i
         "ttft_p99_err_ms": (m["ttft_s_p99"] - ttft_s) * ms if good else float("nan"),
         "itl_p50_err_ms": (m["itl_s_p50"] - itl_s) * ms if m.get("itl_s_p50") is not None else float("nan"),
         "itl_p99_err_ms": (m["itl_s_p99"] - itl_s) * ms if m.get("itl_s_p99") is not None else float("nan"),
-        "mock_late_p50_ms": _pct(mock_late, 50) * ms, "mock_late_p99_ms": _pct(mock_late, 99) * ms,
-        "mock_itl_err_p99_ms": _pct(mock_itl_err, 99) * ms,
-        "request_path_p50_ms": _pct(request_path, 50) * ms, "request_path_p99_ms": _pct(request_path, 99) * ms,
-        "delivery_p50_ms": _pct(delivery, 50) * ms, "delivery_p99_ms": _pct(delivery, 99) * ms,
+        "mock_late_p50_ms": pct(mock_late, 50) * ms, "mock_late_p99_ms": pct(mock_late, 99) * ms,
+        "mock_itl_err_p99_ms": pct(mock_itl_err, 99) * ms,
+        "request_path_p50_ms": pct(request_path, 50) * ms, "request_path_p99_ms": pct(request_path, 99) * ms,
+        "delivery_p50_ms": pct(delivery, 50) * ms, "delivery_p99_ms": pct(delivery, 99) * ms,
     }
 
 
@@ -226,14 +173,8 @@ def wakeup_floor(mock_cpu: int | None, gap_s: float, n: int) -> dict:
     b.close()
     os.waitpid(pid, 0)
     d = np.asarray(delays) * 1000
-    return {"samples": len(delays), "p50_ms": _pct(d, 50), "p99_ms": _pct(d, 99), "max_ms": float(d.max()),
+    return {"samples": len(delays), "p50_ms": pct(d, 50), "p99_ms": pct(d, 99), "max_ms": float(d.max()),
             "over_1ms": float((d > 1).mean())}
-
-
-def median_finite(values) -> float:
-    """The median of the values that are numbers (None and NaN left out); NaN when none is."""
-    values = [v for v in values if v is not None and not np.isnan(v)]
-    return statistics.median(values) if values else float("nan")
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -338,7 +279,7 @@ def main(
     console.print(f"machine: {machine()}; mock on CPU {mock_cpu}, client on CPU {client_cpu}")
     out: dict = {"machine": machine(), "repeats": repeats, "mock_cpu": mock_cpu, "client_cpu": client_cpu, "ttft_ms": ttft_ms, "itl_ms": itl_ms, "tokens": tokens,
                  "ceiling_tokens": ceiling_tokens, "ceiling_concurrency": ceiling_concurrency,
-                 "command": " ".join(["python -m bench.client_bench", *sys.argv[1:]])}
+                 "command": " ".join(["python -m kvbench.selfcheck.client_bench", *sys.argv[1:]])}
 
     floor = wakeup_floor(mock_cpu, itl_ms / 1000, 100 if quick else 1000)
     out["wakeup_floor"] = floor
@@ -360,7 +301,7 @@ def main(
         ceiling.append({"client": "kvbench", **median_of(runs)})
 
     if peers or peer:
-        from bench import client_peers
+        from kvbench.selfcheck import client_peers
 
         names = peer or list(client_peers.PEERS)
         acc_c = 16 if 16 in concurrencies else concurrencies[-1]

@@ -1,6 +1,6 @@
-"""How fast long prompts are ready: ``python -m bench.prompt_bench``.
+"""How fast long prompts are ready: ``python -m kvbench.selfcheck.prompt_bench``.
 
-Launches ``kvbench run`` against the local mock server (``bench.mock_server``, instant answers) with a
+Launches ``kvbench run`` against the local mock server (``kvbench.selfcheck.mock_server``, instant answers) with a
 workload of ``--requests`` prompts of ``--prompt-tokens`` tokens each (default 100 x 32K) all sent at
 once, and prints the time from launching the command to the mock reading the first request, plus the
 in-process figure for building the same prompts. The mock's read time and the launch time are both
@@ -22,14 +22,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.client_bench import Mock
+from kvbench.selfcheck.common import Mock
 
 
 def model_folder(root: Path, context: int) -> Path:
     """The embedded model's tokenizer and config, the context raised to ``context`` tokens."""
-    from bench import models
+    from kvbench import models
+    from kvbench.backends import gguf_converter
 
-    source = models.resolve("smollm2", models.converter_python).hf_dir
+    source = models.resolve("smollm2", gguf_converter()).hf_dir
     folder = root / "smollm2-long"
     folder.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -43,7 +44,7 @@ def model_folder(root: Path, context: int) -> Path:
 
 def one_launch(folder: Path, workload: Path, mock: Mock, results: Path) -> dict:
     mock.records()  # clear
-    argv = [sys.executable, "-m", "bench.cli", "run", "-b", f"openai:url={mock.url},served_model=mock",
+    argv = [sys.executable, "-m", "kvbench.cli", "run", "-b", f"openai:url={mock.url},served_model=mock",
             "--model", str(folder), "--workload", str(workload), "--results-dir", str(results)]
     t_launch = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
@@ -56,10 +57,10 @@ def one_launch(folder: Path, workload: Path, mock: Mock, results: Path) -> dict:
 
 
 def in_process(folder: Path, n_requests: int, n_tokens: int) -> dict:
-    from bench.cells import CellPrompts, cells_for
-    from bench.load import LoadPoint
-    from workloads import Workload
-    from workloads.prompts import PromptBuilder
+    from kvbench.cells import CellPrompts, cells_for
+    from kvbench.load import LoadPoint
+    from kvbench.workloads import Workload
+    from kvbench.workloads.prompts import PromptBuilder
 
     t0 = time.perf_counter()
     builder = PromptBuilder(folder / "tokenizer.json")

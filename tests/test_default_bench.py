@@ -1,19 +1,20 @@
-"""The GPU profile: choosing it from the GPUs found and the model, and the engines' CUDA recipes."""
+"""The GPU default benchmark: choosing it from the GPUs found and the model, and the engines' CUDA recipes."""
 from pathlib import Path
 
 import pytest
 
-from backends.hf import HFBackend
-from backends.llamacpp import LlamaCppBackend
-from backends.vllm import VLLMBackend
-from backends.base import ModelFiles, ServerSpec
-from bench import profiles
-from bench.envs import Recipe, pip_install
-from bench.kvmodel import KVGeometry
-from bench.profiles import GPUInfo, Profile, ProfileError, choose_profile, detect_gpus
-from bench.samplers import NVML
+from kvbench.backends.hf import HFBackend
+from kvbench.backends.llamacpp import LlamaCppBackend
+from kvbench.backends.vllm import VLLMBackend
+from kvbench.models import ModelFiles
+from kvbench.backends.types import ServerSpec
+from kvbench import default_bench, hardware
+from kvbench.envs import Recipe, pip_install
+from kvbench.kvmodel import KVGeometry
+from kvbench.default_bench import DefaultBench, DefaultBenchError, choose_default_bench
+from kvbench.hardware import NVML, GPUInfo, detect_gpus
 from tests.fakes.fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, FakeDevice, FakeNVML
-from workloads import load
+from kvbench.workloads import load
 
 GIB = 2**30
 H200 = GPUInfo("NVIDIA H200", 143771 * 2**20)
@@ -21,24 +22,24 @@ L4 = GPUInfo("NVIDIA L4", 23034 * 2**20)
 
 
 def test_no_gpu_is_the_cpu_default():
-    p = choose_profile([], kv_bytes_per_token=23040, weights_bytes=1e8, model_max_context=8192)
+    p = choose_default_bench([], kv_bytes_per_token=23040, weights_bytes=1e8, model_max_context=8192)
     assert (p.name, p.workload, p.max_context) == ("cpu", "long_context_ladder", None)
     assert p.engine_args() == ["-b", "hf", "-b", "vllm", "-b", "llamacpp"]
 
 
 def test_small_model_on_h200_keeps_the_models_whole_context():
-    p = choose_profile([H200], kv_bytes_per_token=23040, weights_bytes=2.7e8, model_max_context=8192)
+    p = choose_default_bench([H200], kv_bytes_per_token=23040, weights_bytes=2.7e8, model_max_context=8192)
     assert (p.name, p.workload, p.max_context) == ("gpu", "gpu_long_context", None)
     assert p.run_args() == ["--workload", "gpu_long_context"]
     assert "8,192-token context fits" in p.note and "NVIDIA H200" in p.note
-    assert p.make_vars().splitlines() == ["PROFILE=gpu", "ENGINES=-b hf -b vllm -b llamacpp",
-                                          "PROFILE_ARGS=--workload gpu_long_context"]
+    assert p.make_vars().splitlines() == ["DEVICE=gpu", "ENGINES=-b hf -b vllm -b llamacpp",
+                                          "DEFAULT_ARGS=--workload gpu_long_context"]
 
 
 def test_8b_model_at_128k_is_capped_by_the_card():
     # Llama-3.1-8B: 131,072 B/token, ~16 GB of bf16 weights, 128K context, 16 sequences.
     weights = 16.06e9
-    p = choose_profile([H200], kv_bytes_per_token=131072, weights_bytes=weights, model_max_context=131072)
+    p = choose_default_bench([H200], kv_bytes_per_token=131072, weights_bytes=weights, model_max_context=131072)
     usable = H200.memory_bytes * 0.9 - weights - 1.5 * GIB
     expected = int(usable // (131072 * 16)) // 1024 * 1024
     assert p.max_context == expected and 32768 <= expected < 131072
@@ -50,14 +51,14 @@ def test_8b_model_at_128k_is_capped_by_the_card():
 
 
 def test_small_card_gets_finer_steps_and_too_small_a_card_says_why():
-    p = choose_profile([L4], kv_bytes_per_token=131072, weights_bytes=16e9, model_max_context=131072)
+    p = choose_default_bench([L4], kv_bytes_per_token=131072, weights_bytes=16e9, model_max_context=131072)
     assert p.max_context % 256 == 0 and 1152 <= p.max_context < 2048
-    with pytest.raises(ProfileError, match="does not fit"):
-        choose_profile([L4], kv_bytes_per_token=131072, weights_bytes=19e9, model_max_context=131072)
+    with pytest.raises(DefaultBenchError, match="does not fit"):
+        choose_default_bench([L4], kv_bytes_per_token=131072, weights_bytes=19e9, model_max_context=131072)
 
 
-def test_first_gpu_sizes_the_profile():
-    p = choose_profile([L4, H200], kv_bytes_per_token=131072, weights_bytes=1e9, model_max_context=131072)
+def test_first_gpu_sizes_the_default_bench():
+    p = choose_default_bench([L4, H200], kv_bytes_per_token=131072, weights_bytes=1e9, model_max_context=131072)
     assert "2 GPUs" in p.note and "NVIDIA L4" in p.note and p.max_context < 32768
 
 
@@ -75,12 +76,12 @@ def test_detect_gpus_through_nvml_and_without_a_gpu():
 
 def test_kvbench_gpu_overrides_detection(monkeypatch):
     monkeypatch.setenv("KVBENCH_GPU", "0")
-    assert not profiles.has_nvidia_gpu()
-    assert profiles.profile_for("smollm2").name == "cpu"
+    assert not hardware.has_nvidia_gpu()
+    assert default_bench.default_bench_for("smollm2").name == "cpu"
     monkeypatch.setenv("KVBENCH_GPU", "1")
-    assert profiles.has_nvidia_gpu()
-    p = profiles.profile_for("smollm2", gpus=[H200])
-    assert isinstance(p, Profile) and p.name == "gpu" and p.max_context is None
+    assert hardware.has_nvidia_gpu()
+    p = default_bench.default_bench_for("smollm2", gpus=[H200])
+    assert isinstance(p, DefaultBench) and p.name == "gpu" and p.max_context is None
 
 
 # --- recipes: the CPU ones must not change (their digest keys the installed environments) -------------
@@ -98,15 +99,15 @@ def test_cpu_recipes_are_unchanged(monkeypatch):
 
 def test_gpu_recipes(monkeypatch, tmp_path):
     monkeypatch.setenv("KVBENCH_GPU", "1")
-    monkeypatch.setattr("bench.profiles._gpu_detected", lambda: True)
-    monkeypatch.setattr("bench.profiles.detect_gpus", lambda nvml=None: [H200])
+    monkeypatch.setattr("kvbench.hardware._gpu_detected", lambda: True)
+    monkeypatch.setattr("kvbench.hardware.detect_gpus", lambda nvml=None: [H200])
     hf = HFBackend.recipe("5.24.0")
     assert "torch==2.13.0" in hf.steps[0].argv and "torch.cuda.is_available()" in hf.steps[1].argv[2]
     vllm = VLLMBackend.recipe("0.32.0")
     assert vllm.steps[0].argv[-1] == "vllm==0.32.0" and "--no-deps" not in vllm.steps[0].argv
-    monkeypatch.setattr("backends.llamacpp.has_nvcc", lambda: False)
+    monkeypatch.setattr("kvbench.backends.llamacpp.has_nvcc", lambda: False)
     assert "-DGGML_CUDA" not in LlamaCppBackend.recipe("0.3.36").steps[0].argv[2]  # no nvcc: the CPU build
-    monkeypatch.setattr("backends.llamacpp.has_nvcc", lambda: True)
+    monkeypatch.setattr("kvbench.backends.llamacpp.has_nvcc", lambda: True)
     llama = LlamaCppBackend.recipe("0.3.36")
     script = llama.steps[0].argv[2]
     assert '-DGGML_CUDA=ON -DGGML_NATIVE="${KVBENCH_GGML_NATIVE:-ON}"' in script

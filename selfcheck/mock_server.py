@@ -1,6 +1,6 @@
 """A minimal OpenAI-compatible streaming server with programmed timing, for measuring clients.
 
-``python -m bench.mock_server --port 8123 --ttft-ms 20 --itl-ms 2`` answers ``POST /v1/completions``
+``python -m kvbench.selfcheck.mock_server --port 8123 --ttft-ms 20 --itl-ms 2`` answers ``POST /v1/completions``
 (and ``/v1/chat/completions``) with ``max_tokens`` streamed chunks of one token each, shaped like vLLM's
 with ``return_token_ids`` (``token_ids`` per chunk) and ``stream_options.include_usage`` (a final event
 with ``usage``), then ``data: [DONE]``. Every chunk goes out as its own HTTP/1.1 chunk, as vLLM sends it.

@@ -1,0 +1,85 @@
+"""The data an adapter and the harness exchange: what a server is asked for, one streamed request, the
+KV pool and KV in use an engine reports, one poll of its state, and the error a failed start raises."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvbench.models import ModelFiles
+
+LOCALHOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What the runner needs from an engine for one run: room for ``max_concurrency`` sequences of
+    ``max_context`` tokens each."""
+
+    model: ModelFiles
+    max_context: int
+    max_concurrency: int
+    kv_dtype: str  # "auto" = the engine's default for the model's dtype
+    host: str = LOCALHOST
+    port: int = 0
+    # size the KV pool for this many sequences of max_context (None: max_concurrency); fewer than the
+    # concurrency makes the engine queue or preempt: the KV boundary workload does that on purpose
+    kv_pool_sequences: int | None = None
+    prefix_caching: bool | None = None  # None: the engine's default
+
+    @property
+    def pool_sequences(self) -> int:
+        return self.kv_pool_sequences or self.max_concurrency
+
+
+@dataclass
+class RequestResult:
+    """One streamed request, timestamped on the client (time.perf_counter seconds)."""
+
+    request_id: str
+    prompt_tokens_sent: int
+    output_tokens_requested: int
+    t_sent: float
+    chunk_times: list[float] = field(default_factory=list)  # arrival of every chunk that carried tokens
+    chunk_tokens: list[int] = field(default_factory=list)  # output tokens in that chunk
+    t_done: float | None = None
+    t_scheduled: float | None = None  # open-loop load: when the schedule wanted it sent
+    prompt_tokens_reported: int | None = None  # what the engine says it read
+    output_tokens_reported: int | None = None  # what the engine says it generated
+    engine_details: dict = field(default_factory=dict)
+    error: str | None = None
+
+    def add_chunk(self, t: float, n_tokens: int) -> None:
+        if n_tokens:
+            self.chunk_times.append(t)
+            self.chunk_tokens.append(n_tokens)
+
+
+@dataclass
+class KVPool:
+    """The KV pool the engine allocated. ``bytes`` is None where the engine reports no byte figure."""
+
+    bytes: int | None
+    tokens: int | None
+    source: str  # where the figure was read, for the report
+    details: dict = field(default_factory=dict)
+
+
+@dataclass
+class KVInUse:
+    bytes: float | None
+    tokens: float | None
+    source: str
+    details: dict = field(default_factory=dict)
+
+
+@dataclass
+class EngineState:
+    """What one poll of a running engine read: KV in use and its queue (None where not readable)."""
+
+    kv: KVInUse | None
+    queue: dict | None
+
+
+class EngineStartError(RuntimeError):
+    def __init__(self, message: str, log_tail: str = ""):
+        super().__init__(message)
+        self.log_tail = log_tail

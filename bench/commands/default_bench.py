@@ -1,0 +1,32 @@
+import json
+
+import typer
+
+from kvbench import ui
+from kvbench.default_bench import DefaultBenchError, default_bench_for
+from kvbench.models import ModelError
+from kvbench.planner import PlanError
+
+
+def default_bench(
+    model: str = typer.Option("smollm2", help="The model the run will use (sizes the GPU ladder)."),
+    args: bool = typer.Option(False, "--args", help="Print only the `kvbench run` arguments (workload, context cap)."),
+    make: bool = typer.Option(False, "--make", help="Print DEVICE=, ENGINES= and DEFAULT_ARGS= lines."),
+    as_json: bool = typer.Option(False, "--json", help="Print the default benchmark as one JSON object."),
+):
+    """Which benchmark `make bench` runs here: the CPU default, or the GPU one sized for the card."""
+    try:
+        p = default_bench_for(model)
+    except (DefaultBenchError, ModelError, PlanError) as exc:
+        typer.echo(f"error: {exc}", err=True)  # stderr: --args output must stay clean for the Makefile
+        raise typer.Exit(2)
+    if args:
+        print(" ".join(p.run_args()))
+    elif make:
+        print(p.make_vars())
+    elif as_json:
+        print(json.dumps({"device": p.name, "workload": p.workload, "engines": list(p.engines),
+                          "max_context": p.max_context, "run_args": p.run_args(), "note": p.note,
+                          "gpus": [{"name": g.name, "memory_bytes": g.memory_bytes} for g in p.gpus]}))
+    else:
+        ui.console().print(f"[bold]{p.name} default[/]: {' '.join(p.engine_args())} {' '.join(p.run_args())}\n{p.note}")

@@ -1,0 +1,304 @@
+"""The machine: its CPU (model, the instruction sets that change engine speed), its NVIDIA GPUs through NVML
+(nvidia-ml-py; ``nvidia-smi`` as a fallback for detection), and the environment record every run keeps.
+
+The engines' recipes ask :func:`has_nvidia_gpu` / :func:`has_nvcc` to choose their CUDA builds;
+``KVBENCH_GPU=0`` / ``=1`` overrides the detection (the Makefile sets it from DEVICE).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+import kvbench
+
+# Instruction sets whose presence changes CPU inference speed by several times (bf16 prefill was 10x slower
+# on an AVX2-only machine than with AVX-512): recorded with every run, since figures compare only within one.
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cpu_flags() -> list[str]:
+    """The :data:`SPEED_FLAGS` this CPU has (empty where /proc/cpuinfo cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in SPEED_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
+@dataclass(frozen=True)
+class GPUInfo:
+    name: str
+    memory_bytes: int
+
+
+# NVML error codes (the values pynvml uses) for the cases handled here.
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
+
+
+@dataclass
+class DeviceMemory:
+    """One device as NVML sees it. ``used`` is total - free (NVML v1's "used": allocations plus the memory
+    the driver and firmware reserve), the same figure whichever API answered; ``reserved`` is that
+    driver/firmware share alone, known only through nvmlDeviceGetMemoryInfo_v2 (None through v1)."""
+
+    index: int
+    total: int
+    used: int
+    free: int
+    reserved: int | None = None
+
+
+@dataclass
+class ProcessGpuMemory:
+    """GPU memory NVML attributes to a set of pids, over every device.
+
+    ``bytes`` is None when no process of the set is listed with a known figure (NVML lists the process
+    but reports its usedGpuMemory as not available, or lists none of them). ``pids_found`` are the pids of
+    the set NVML listed; ``pids_listed`` every pid NVML listed on the devices (a container whose pid
+    namespace differs from the host's sees host pids here and none of its own)."""
+
+    bytes: int | None
+    pids_found: set[int] = field(default_factory=set)
+    pids_listed: set[int] = field(default_factory=set)
+    pids_unknown_bytes: set[int] = field(default_factory=set)
+
+
+@dataclass
+class GPUBaseline:
+    """Device memory before an engine starts: what the engine's figures are measured against."""
+
+    t: float  # time.perf_counter()
+    device_used_bytes: list[int]  # per device, the lowest of ``readings`` readings
+    device_total_bytes: list[int]
+    device_reserved_bytes: list[int | None]
+    names: list[str]
+    readings: int
+    process_bytes: dict[int, int | None] = field(default_factory=dict)  # pid -> bytes of processes already there
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self.device_used_bytes)
+
+    def to_dict(self) -> dict:
+        return {"device_used_bytes": self.device_used_bytes, "device_total_bytes": self.device_total_bytes,
+                "device_reserved_bytes": self.device_reserved_bytes, "names": self.names,
+                "readings": self.readings, "used_bytes": self.used_bytes,
+                "process_bytes": {str(k): v for k, v in self.process_bytes.items()}}
+
+
+class NVML:
+    """Thin wrapper over nvidia-ml-py (imports as ``pynvml``); ``available`` is False without a GPU.
+
+    ``module`` replaces the ``pynvml`` import (tests pass a fake with the same functions). ``error`` says
+    why NVML is not available (no library, no driver, no device).
+    """
+
+    def __init__(self, module=None):
+        self.available = False
+        self.handles = []
+        self.nv = None
+        self.error: str | None = None
+        self.memory_api: str | None = None  # "v2" or "v1", once a device was read
+        self._v2 = True
+        try:
+            if module is None:
+                import pynvml as module  # nvidia-ml-py (never the deprecated `pynvml` PyPI package)
+
+            module.nvmlInit()
+            self.nv = module
+            self.handles = [module.nvmlDeviceGetHandleByIndex(i) for i in range(module.nvmlDeviceGetCount())]
+            self.available = bool(self.handles)
+            if not self.handles:
+                self.error = "NVML found no device"
+        except Exception as exc:  # no driver, no library, no device: CPU-only machine
+            self.available = False
+            self.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+    # --- devices ---------------------------------------------------------------------------------
+    def _memory(self, handle):
+        if self._v2:
+            try:
+                info = self.nv.nvmlDeviceGetMemoryInfo(handle, version=self.nv.nvmlMemory_v2)
+                self.memory_api = "v2"
+                return info, True
+            except Exception as exc:  # old driver (no _v2 symbol), old binding (no version=), not supported
+                if not _is_unsupported(exc):
+                    raise
+                self._v2 = False
+        self.memory_api = "v1"
+        return self.nv.nvmlDeviceGetMemoryInfo(handle), False
+
+    def device_memory(self) -> list[DeviceMemory]:
+        """Every device's memory, v2 (with the reserved share) where the driver has it, else v1."""
+        out = []
+        for i, h in enumerate(self.handles):
+            info, v2 = self._memory(h)
+            out.append(DeviceMemory(index=i, total=int(info.total), used=int(info.total) - int(info.free),
+                                    free=int(info.free), reserved=int(info.reserved) if v2 else None))
+        return out
+
+    def device_used_bytes(self) -> int:
+        return sum(d.used for d in self.device_memory())
+
+    def device_names(self) -> list[str]:
+        names = []
+        for h in self.handles:
+            name = self.nv.nvmlDeviceGetName(h)
+            names.append(name.decode() if isinstance(name, bytes) else str(name))
+        return names
+
+    def devices(self) -> list[dict]:
+        """Name and memory of every device (for run.json's environment)."""
+        return [{"index": d.index, "name": n, "memory_bytes": d.total, "reserved_bytes": d.reserved}
+                for d, n in zip(self.device_memory(), self.device_names())]
+
+    # --- processes -------------------------------------------------------------------------------
+    def _processes(self, handle) -> dict[int, int | None]:
+        """pid -> usedGpuMemory on one device, compute and graphics processes together, each pid once."""
+        listed: dict[int, int | None] = {}
+        for fn in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+            get = getattr(self.nv, fn, None)
+            if get is None:
+                continue
+            try:
+                procs = get(handle)
+            except Exception as exc:
+                if _is_unsupported(exc):  # e.g. graphics processes on a compute-only device
+                    continue
+                raise
+            for p in procs:
+                used = getattr(p, "usedGpuMemory", None)
+                # A process with compute and graphics contexts is listed twice with the same figure.
+                if p.pid in listed and listed[p.pid] is not None:
+                    used = max(listed[p.pid], used) if used is not None else listed[p.pid]
+                listed[p.pid] = used
+        return listed
+
+    def process_memory(self, pids: set[int]) -> ProcessGpuMemory:
+        total, known = 0, False
+        result = ProcessGpuMemory(bytes=None)
+        for h in self.handles:
+            for pid, used in self._processes(h).items():
+                result.pids_listed.add(pid)
+                if pid not in pids:
+                    continue
+                result.pids_found.add(pid)
+                if used is None:
+                    result.pids_unknown_bytes.add(pid)
+                else:
+                    total += used
+                    known = True
+        result.bytes = total if known else (0 if not result.pids_found else None)
+        return result
+
+    def process_bytes(self, pids: set[int]) -> int | None:
+        """GPU bytes of the processes in ``pids`` over every device (0 when NVML lists none of them;
+        None when it lists them without a figure)."""
+        return self.process_memory(pids).bytes
+
+    # --- baseline --------------------------------------------------------------------------------
+    def idle_baseline(self, readings: int = 5, interval_s: float = 0.05) -> GPUBaseline | None:
+        """Device memory before an engine starts: per device the lowest of ``readings`` readings.
+        None without a GPU."""
+        if not self.available:
+            return None
+        lowest: list[DeviceMemory] = []
+        for k in range(readings):
+            mem = self.device_memory()
+            lowest = mem if not lowest else [a if a.used <= b.used else b for a, b in zip(lowest, mem)]
+            if k + 1 < readings:
+                time.sleep(interval_s)
+        procs: dict[int, int | None] = {}
+        for h in self.handles:
+            for pid, used in self._processes(h).items():
+                procs[pid] = (procs.get(pid) or 0) + used if used is not None else procs.get(pid)
+        return GPUBaseline(t=time.perf_counter(), device_used_bytes=[d.used for d in lowest],
+                           device_total_bytes=[d.total for d in lowest],
+                           device_reserved_bytes=[d.reserved for d in lowest], names=self.device_names(),
+                           readings=readings, process_bytes=procs)
+
+
+def _is_unsupported(exc: Exception) -> bool:
+    """NVML says the call does not exist or is not supported here (or the binding is too old for it)."""
+    if isinstance(exc, (TypeError, AttributeError)):
+        return True
+    return getattr(exc, "value", None) in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_FUNCTION_NOT_FOUND)
+
+
+def detect_gpus(nvml=None) -> list[GPUInfo]:
+    """The NVIDIA GPUs of this machine: NVML first, else `nvidia-smi`; [] without one."""
+    nvml = nvml if nvml is not None else NVML()
+    if nvml.available:
+        return [GPUInfo(d["name"], d["memory_bytes"]) for d in nvml.devices()]
+    if nvml.nv is not None or shutil.which("nvidia-smi") is None:  # NVML answered (no device), or no tool
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    gpus = []
+    if out.returncode == 0:
+        for line in out.stdout.splitlines():
+            name, _, mib = line.rpartition(",")
+            if name.strip() and mib.strip().isdigit():
+                gpus.append(GPUInfo(name.strip(), int(mib) * 2**20))
+    return gpus
+
+
+@functools.lru_cache(maxsize=1)
+def _gpu_detected() -> bool:
+    return bool(detect_gpus())
+
+
+def has_nvidia_gpu() -> bool:
+    """True on a machine with an NVIDIA GPU: the engines' recipes then install their CUDA builds.
+    KVBENCH_GPU=1/0 overrides the detection (read on every call; the detection runs once)."""
+    forced = os.environ.get("KVBENCH_GPU", "").strip().lower()
+    if forced in ("1", "yes", "true", "gpu"):
+        return True
+    if forced in ("0", "no", "false", "cpu"):
+        return False
+    return _gpu_detected()
+
+
+def has_nvcc() -> bool:
+    return shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
+
+
+def environment_info() -> dict:
+    """What a run records about the machine and the harness (run.json's ``environment``)."""
+    nvml = NVML()
+    gpus = nvml.devices() if nvml.available else []
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        commit = None
+    return {"kvbench_version": kvbench.__version__, "kvbench_commit": commit, "python": platform.python_version(),
+            "os": platform.platform(), "cpu": cpu_model(), "cpu_flags": cpu_flags(), "cpu_count": os.cpu_count(),
+            "memory_bytes": psutil.virtual_memory().total, "gpus": gpus, "nvml": nvml.error or "ok"}
+
+
