@@ -1,4 +1,4 @@
-"""Plain Hugging Face transformers (the baseline): backends/hf_worker.py in an environment of its own."""
+"""Plain Hugging Face transformers (the baseline): backends/scripts/hf_worker.py in an environment of its own."""
 from __future__ import annotations
 
 import subprocess
@@ -9,10 +9,9 @@ import httpx
 from kvbench.envs import InstallStep, Recipe, ensure_env, env_python, pip_install
 from kvbench.hardware import has_nvidia_gpu
 
-from .types import KVInUse, KVPool, RequestResult, ServerSpec
-
 from .base import Backend
 from .streaming import stream_sse
+from .types import KVInUse, KVPool, RequestResult, ServerSpec
 
 SCRIPTS = Path(__file__).with_name("scripts")
 WORKER = SCRIPTS / "hf_worker.py"

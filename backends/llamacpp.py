@@ -15,14 +15,12 @@ import httpx
 
 from kvbench.envs import InstallStep, Recipe
 from kvbench.hardware import cpu_model, has_nvcc, has_nvidia_gpu
-
-from .types import KVInUse, KVPool, RequestResult, ServerSpec
-
-from .prometheus import gauge_sum, metric_samples
+from kvbench.units import MIB
 
 from .base import Backend, extra_args
+from .prometheus import gauge_sum, metric_samples
 from .streaming import stream_sse
-from kvbench.units import MIB
+from .types import KVInUse, KVPool, RequestResult, ServerSpec
 
 BUILD_SCRIPT = Path(__file__).with_name("scripts") / "build_llama_server.sh"
 _NATIVE_FLAG = '-DGGML_NATIVE="${KVBENCH_GGML_NATIVE:-ON}"'

@@ -23,11 +23,10 @@ import httpx
 from kvbench.envs import Recipe, kvbench_home
 from kvbench.kvmodel import geometry_from_gguf_keys, kv_bytes_per_token
 
-from .types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
-
 from .base import Backend
 from .llamacpp import MIB, parse_kv_log
 from .streaming import stream_ndjson
+from .types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 
 # kvbench KV dtype -> OLLAMA_KV_CACHE_TYPE (the only three Ollama accepts)
 CACHE_TYPES = {"auto": "f16", "f16": "f16", "fp16": "f16", "q8_0": "q8_0", "q4_0": "q4_0"}

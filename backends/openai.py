@@ -20,10 +20,9 @@ import httpx
 
 from kvbench.envs import Recipe
 
-from .types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
-
 from .base import Backend
 from .streaming import stream_sse
+from .types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 
 NEEDS_URL = "the openai backend benchmarks a running server: give it a url (-b openai:url=http://host:port)"
 

@@ -6,10 +6,10 @@ pass it through and never use it directly, so the transport can change without t
 
 The transport is an asyncio protocol per connection with httptools (llhttp, the HTTP parser uvicorn
 uses) doing the HTTP framing in C; JSON is orjson; the load generator runs on uvloop where it is
-installed (:func:`bench.load.common.run_async`). Each read from the socket is stamped once with
+installed (:func:`kvbench.load.run_async`). Each read from the socket is stamped once with
 ``time.perf_counter()`` and its events are split out and handed to the adapter right there, in the
 protocol's callback: no task switch or buffer copy per token. (aiohttp, the first transport, spent
-1.6-2 us of Python per streamed chunk in its stream reader; ``bench/client_bench.py`` measures this one,
+1.6-2 us of Python per streamed chunk in its stream reader; ``selfcheck/client_bench.py`` measures this one,
 README: "How accurate and fast is the client".)
 
 A stream that ends early never looks complete: a connection closed before the response's end (by its

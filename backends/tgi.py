@@ -21,12 +21,10 @@ import httpx
 
 from kvbench.envs import Recipe
 
-from .types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
-
-from .prometheus import PrometheusPolled, gauge_sum
-
 from .base import Backend, extra_args
+from .prometheus import PrometheusPolled, gauge_sum
 from .streaming import stream_sse
+from .types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 
 IMAGE = "ghcr.io/huggingface/text-generation-inference"
 LAUNCHER = "text-generation-launcher"

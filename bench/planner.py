@@ -1,6 +1,6 @@
 """Capacity planning: weights + KV + runtime overhead + safety margin against a GPU's memory.
 
-Pure functions over a :class:`bench.kvmodel.KVGeometry`; ``resolve_model`` turns the user's MODEL
+Pure functions over a :class:`kvbench.kvmodel.KVGeometry`; ``resolve_model`` turns the user's MODEL
 argument (a config.json, a model folder, a GGUF file, or a catalog name) into geometry and weight bytes.
 """
 from __future__ import annotations
@@ -12,8 +12,15 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbench.kvmodel import (KVGeometry, engine_kv, geometry_from_gguf_keys, geometry_from_hf_config, gguf_keys,
-                           kv_bytes_per_token, load_hf_config)
+from kvbench.kvmodel import (
+    KVGeometry,
+    engine_kv,
+    geometry_from_gguf_keys,
+    geometry_from_hf_config,
+    gguf_keys,
+    kv_bytes_per_token,
+    load_hf_config,
+)
 
 CATALOG_DIR = Path(__file__).with_name("catalog")
 GPUS_FILE = Path(__file__).with_name("gpus.toml")

@@ -103,7 +103,7 @@ class CellRow(BaseModel):
     preemptions: float | None = None  # during the cell (counter difference)
     queue_source: str | None = None
     # sequences of prompt_tokens + output_tokens that the engine's KV pool holds at once, by the KV model
-    # (bench.kvmodel's engine rule applied to the pool the engine reported); the KV boundary compares
+    # (kvbench.kvmodel's engine rule applied to the pool the engine reported); the KV boundary compares
     # this with requests_running_peak
     kv_pool_sequences_predicted: int | None = None
     # KV: predicted from the config, allocated by the engine, and in use at the peak

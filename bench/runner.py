@@ -35,8 +35,16 @@ from kvbench.load import LoadPoint, LoadSettings, frozen_heap, run, run_async
 from kvbench.load.open_loop import schedule_seed
 from kvbench.results import RunWriter, ensure_parquet
 from kvbench.samplers import EnginePoller, ProcessTreeMemorySampler, tree_rss
-from kvbench.summary import (CellMeasurement, EngineRun, failed_row, has_failed_requests, request_row, summarize,
-                             summary_line, timeline_frame)
+from kvbench.summary import (
+    CellMeasurement,
+    EngineRun,
+    failed_row,
+    has_failed_requests,
+    request_row,
+    summarize,
+    summary_line,
+    timeline_frame,
+)
 from kvbench.workloads import Workload
 from kvbench.workloads.prompts import PromptBuilder
 

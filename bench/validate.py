@@ -19,10 +19,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvbench.backends import REGISTRY
-from kvbench.models import ModelFiles
 from kvbench.backends.types import EngineStartError, ServerSpec
 from kvbench.envs import env_python
 from kvbench.kvmodel import engine_kv, geometry_from_hf_config, kv_bytes_per_token
+from kvbench.models import ModelFiles
 
 MIB = 2**20
 PROBE = Path(__file__).resolve().parent.parent / "backends" / "scripts" / "hf_kv_probe.py"

@@ -7,7 +7,7 @@ a. the NVML sampler against a real allocation of known size (a CUDA torch proces
    sampler, against the bytes allocated);
 b. transformers on CUDA (the embedded SmolLM2 model and each ``--model`` HF folder): the KV cache of one
    ``generate`` call measured three ways (the cache tensors' bytes, the CUDA allocator's delta, NVML's
-   device delta) at several prompt lengths and batches, against bench.kvmodel's prediction;
+   device delta) at several prompt lengths and batches, against kvbench.kvmodel's prediction;
 c. every engine whose environment is installed here, through ``kvbench run`` with the GPU default benchmark's
    workload, each time-boxed.
 
@@ -172,7 +172,7 @@ def render_markdown(result: dict) -> str:
     else:
         lines += ["not run", ""]
     lines += ["## (b) transformers on CUDA: the KV cache three ways", "",
-              f"One `generate` call per row ({NEW_TOKENS} new tokens): predicted = bench.kvmodel (hf rules) for "
+              f"One `generate` call per row ({NEW_TOKENS} new tokens): predicted = kvbench.kvmodel (hf rules) for "
               "prompt + new - 1 tokens; cache = the cache tensors' numel x element_size; allocator = "
               "`torch.cuda.memory_allocated()` after - before (the cache is all that is left); NVML = device "
               "used after - before, with the allocator's cached blocks released on both sides.", "",
@@ -228,7 +228,7 @@ class Budget:
 
 
 class Probe:
-    """backends/gpu_probe.py in a CUDA torch interpreter, stepped through its events."""
+    """backends/scripts/gpu_probe.py in a CUDA torch interpreter, stepped through its events."""
 
     def __init__(self, python: str, args: list[str], log: Path, script: Path = PROBE):
         self.log = log.open("w")

@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 
 from kvbench import models
-from kvbench.envs import ensure_env, is_installed
 from kvbench.backends import REGISTRY, gguf_converter
+from kvbench.envs import ensure_env, is_installed
 
 
 def pytest_configure(config):

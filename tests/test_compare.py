@@ -174,7 +174,7 @@ def test_the_published_v1_run_against_itself_is_unchanged():
 
 
 def test_single_run_itl_samples_are_the_metrics_own():
-    """The bootstrap's ITL samples are bench.metrics' per-gap samples: tokens read together count as one
+    """The bootstrap's ITL samples are kvbench.metrics' per-gap samples: tokens read together count as one
     chunk, tokens that came with the first chunk are TTFT's, and only ok requests count."""
     import pandas as pd
 

@@ -3,18 +3,18 @@ from pathlib import Path
 
 import pytest
 
+from kvbench import default_bench, hardware
 from kvbench.backends.hf import HFBackend
 from kvbench.backends.llamacpp import LlamaCppBackend
-from kvbench.backends.vllm import VLLMBackend
-from kvbench.models import ModelFiles
 from kvbench.backends.types import ServerSpec
-from kvbench import default_bench, hardware
-from kvbench.envs import Recipe, pip_install
-from kvbench.kvmodel import KVGeometry
+from kvbench.backends.vllm import VLLMBackend
 from kvbench.default_bench import DefaultBench, DefaultBenchError, choose_default_bench
+from kvbench.envs import Recipe, pip_install
 from kvbench.hardware import NVML, GPUInfo, detect_gpus
-from tests.fakes.fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, FakeDevice, FakeNVML
+from kvbench.kvmodel import KVGeometry
+from kvbench.models import ModelFiles
 from kvbench.workloads import load
+from tests.fakes.fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, FakeDevice, FakeNVML
 
 GIB = 2**30
 H200 = GPUInfo("NVIDIA H200", 143771 * 2**20)

@@ -10,7 +10,7 @@ from rich.console import Console
 from kvbench.config import BackendConfig
 from kvbench.kvmodel import round_up
 from kvbench.results import SCHEMA_VERSION, load_cells, load_run_info
-from kvbench.runner import RunOptions, Runner
+from kvbench.runner import Runner, RunOptions
 from kvbench.workloads import load
 
 from .conftest import engine_env
@@ -152,8 +152,8 @@ def run_workload(tmp_path_factory, workload, *backends):
 def test_attach_to_a_running_llamacpp_with_an_open_loop(tmp_path_factory, smollm2):
     """A llama-server kvbench did not start: it is benchmarked, left running, and its memory is "not
     measured" (None), never 0. The load is an open loop (Poisson arrivals, at most 2 in flight)."""
-    from kvbench.backends.types import ServerSpec
     from kvbench.backends.llamacpp import LlamaCppBackend
+    from kvbench.backends.types import ServerSpec
     from kvbench.workloads import Workload
 
     server = LlamaCppBackend(LlamaCppBackend.default_version, engine_env("llamacpp"))
@@ -205,9 +205,9 @@ def test_vllm_kv_boundary(tmp_path_factory):
 def test_all_six_backends_in_one_run(tmp_path_factory, monkeypatch):
     """hf, vllm and llama.cpp for real; TGI and Ollama started from stand-in executables of their faithful
     fakes (tests/fakes/); a fake OpenAI-compatible server attached by URL: one run, one row each."""
+    from kvbench.workloads import Workload
     from tests.fakes.openai_server import FakeOpenAI
     from tests.fakes.testkit import stand_in
-    from kvbench.workloads import Workload
 
     for engine in ("hf", "vllm", "llamacpp"):
         engine_env(engine)

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from kvbench.config import BackendConfig
 from kvbench.results import load_cells, load_run_info
-from kvbench.runner import RunOptions, Runner
+from kvbench.runner import Runner, RunOptions
 from kvbench.workloads import load
 
 from .conftest import engine_env
@@ -153,11 +153,11 @@ def test_engine_dead_at_a_cell_counter_reset_fails_the_remaining_cells(tmp_path,
 
     reset, calls = HFBackend.reset_cell, []
 
-    def reset_after_a_crash(self, client):
+    def reset_after_a_crash(self):
         calls.append(1)
         if len(calls) == 2:
             os.killpg(self.pid, signal.SIGKILL)
-        return reset(self, client)
+        return reset(self)
 
     monkeypatch.setattr(HFBackend, "reset_cell", reset_after_a_crash)
     run_dir, cells = run(tmp_path, "hf")

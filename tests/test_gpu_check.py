@@ -1,4 +1,4 @@
-"""bench/gpu_check.py without a GPU: the "no GPU" exit, the pure table functions on fake measurements, and
+"""selfcheck/gpu_check.py without a GPU: the "no GPU" exit, the pure table functions on fake measurements, and
 the measuring steps driven end to end by a fake probe (tests/fakes/fake_gpu_probe.py) and a fake NVML."""
 import json
 import subprocess
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.selfcheck import gpu_check as gc
 from kvbench.hardware import NVML
+from kvbench.selfcheck import gpu_check as gc
 from tests.fakes.fake_nvml import FakeDevice, FakeNVML
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,8 +1,16 @@
 """The KV formula against values computed by hand."""
 import pytest
 
-from kvbench.kvmodel import (KVGeometry, MissingConfigKeys, UnknownKVDtype, dtype_bytes, geometry_from_gguf,
-                           geometry_from_hf_config, kv_bytes_for_sequence, kv_bytes_per_token)
+from kvbench.kvmodel import (
+    KVGeometry,
+    MissingConfigKeys,
+    UnknownKVDtype,
+    dtype_bytes,
+    geometry_from_gguf,
+    geometry_from_hf_config,
+    kv_bytes_for_sequence,
+    kv_bytes_per_token,
+)
 
 LLAMA_31_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
                "max_position_embeddings": 131072}

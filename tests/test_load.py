@@ -8,10 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from kvbench.backends.types import RequestResult
-
 from kvbench.backends.base import Backend
-from kvbench.load import LoadPoint, LoadSettings, concurrent, constant, open_loop, poisson, run, run_async, sweep
+from kvbench.backends.types import RequestResult
+from kvbench.load import LoadPoint, LoadSettings, constant, open_loop, poisson, run, run_async, sweep
 from kvbench.workloads import Workload
 
 

@@ -6,10 +6,10 @@ import httpx
 import pytest
 
 from kvbench.backends import REGISTRY
-from kvbench.backends.types import EngineStartError
-from kvbench.backends.prometheus import metric_samples
 from kvbench.backends.llamacpp import LlamaCppBackend
 from kvbench.backends.openai import OpenAIBackend
+from kvbench.backends.prometheus import metric_samples
+from kvbench.backends.types import EngineStartError
 from kvbench.backends.vllm import VLLMBackend
 from kvbench.config import BackendConfig
 from tests.fakes.openai_server import FakeOpenAI

@@ -6,8 +6,15 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli import app
-from kvbench.kvmodel import (MissingConfigKeys, UnknownEngine, engine_kv, geometry_from_gguf_keys,
-                           geometry_from_hf_config, kv_bytes_per_token, load_hf_config)
+from kvbench.kvmodel import (
+    MissingConfigKeys,
+    UnknownEngine,
+    engine_kv,
+    geometry_from_gguf_keys,
+    geometry_from_hf_config,
+    kv_bytes_per_token,
+    load_hf_config,
+)
 from kvbench.planner import CATALOG_DIR, GIB, PlanError, PlanInput, gpu_memory, plan, resolve_model
 
 runner = CliRunner()

@@ -1,4 +1,4 @@
-"""bench.results.load: tidy DataFrames from JSONL or Parquet, v1 runs migrated to the current schema."""
+"""kvbench.results.load: tidy DataFrames from JSONL or Parquet, v1 runs migrated to the current schema."""
 import json
 import os
 import shutil
@@ -7,7 +7,15 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from kvbench.results import SCHEMA_VERSION, CellRow, ensure_parquet, load, migrate_row, parquet_is_current, write_parquet
+from kvbench.results import (
+    SCHEMA_VERSION,
+    CellRow,
+    ensure_parquet,
+    load,
+    migrate_row,
+    parquet_is_current,
+    write_parquet,
+)
 
 from .synth import make_run
 
@@ -90,7 +98,7 @@ def test_bad_input(tmp_path):
 
 
 def test_ok_column_is_the_cells_token_contract():
-    """`ok` is bench.metrics.request_verdict, as the cell's n_ok: a count the engine did not report falls
+    """`ok` is kvbench.metrics.request_verdict, as the cell's n_ok: a count the engine did not report falls
     back to the tokens received (Ollama or TGI without a prompt count) instead of failing the request."""
     import pandas as pd
 

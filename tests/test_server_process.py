@@ -3,9 +3,8 @@ import time
 
 import pytest
 
-from kvbench.backends.types import EngineStartError
-
 from kvbench.backends.process import ServerProcess
+from kvbench.backends.types import EngineStartError
 
 
 def test_exit_is_waited_for_when_asked(tmp_path):

@@ -1,5 +1,5 @@
 """The streaming client (backends/streaming.py) against a scripted server: what bytes arrive, in what
-pieces, and how the stream ends. Correctness only; speed and timing accuracy are bench/client_bench.py's."""
+pieces, and how the stream ends. Correctness only; speed and timing accuracy are selfcheck/client_bench.py's."""
 from __future__ import annotations
 
 import asyncio
@@ -9,10 +9,10 @@ from functools import partial
 
 import pytest
 
-from kvbench.backends.types import RequestResult
 from kvbench.backends.streaming import TRANSPORT_ERRORS, open_client, stream_ndjson, stream_sse
-from kvbench.load import run_async
+from kvbench.backends.types import RequestResult
 from kvbench.backends.vllm import VLLMBackend
+from kvbench.load import run_async
 from kvbench.workloads.prompts import Prompt
 
 PROMPT = Prompt("r0", (1, 2, 3), "", 4)

@@ -60,9 +60,8 @@ def cmd_alloc(args):
 
 
 def cmd_kv(args):
-    from transformers import AutoModelForCausalLM, DynamicCache
-
     from hf_worker import CACHE_KWARG, cache_bytes
+    from transformers import AutoModelForCausalLM, DynamicCache
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     torch.zeros(1, device="cuda")

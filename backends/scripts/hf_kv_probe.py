@@ -9,9 +9,8 @@ import json
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
-
 from hf_worker import CACHE_KWARG, cache_bytes
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 parser = argparse.ArgumentParser()
 source = parser.add_mutually_exclusive_group(required=True)

@@ -3,7 +3,8 @@ from pathlib import Path
 
 import typer
 
-from kvbench.compare import CompareError, compare as run_compare, load_config, load_side, markdown
+from kvbench.compare import CompareError, load_config, load_side, markdown
+from kvbench.compare import compare as run_compare
 
 
 def compare(

@@ -1,9 +1,9 @@
 import json
 
 import typer
-from kvbench import ui
 from rich.table import Table
 
+from kvbench import ui
 from kvbench.kvmodel import ENGINES, KV_DTYPE_BYTES, MissingConfigKeys, UnknownEngine, UnknownKVDtype
 from kvbench.planner import GIB, PlanError, PlanInput, catalog_names, plan, resolve_model
 

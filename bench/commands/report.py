@@ -3,8 +3,7 @@ from pathlib import Path
 import typer
 from rich.markdown import Markdown
 
-from kvbench import ui
-from kvbench import reports
+from kvbench import reports, ui
 from kvbench.results import ensure_parquet, not_a_run_dir
 
 

@@ -1,14 +1,13 @@
 from pathlib import Path
 
 import typer
-from kvbench import ui
 
+from kvbench import reports, ui
 from kvbench.backends import REGISTRY
 from kvbench.config import BackendConfig, ConfigError
 from kvbench.models import ModelError
-from kvbench import reports
 from kvbench.results import load_cells
-from kvbench.runner import RunOptions, Runner
+from kvbench.runner import Runner, RunOptions
 from kvbench.workloads import WorkloadError, available
 from kvbench.workloads import load as load_workload
 

@@ -1,8 +1,7 @@
 import typer
-from kvbench import ui
 
+from kvbench import models, ui
 from kvbench.backends import REGISTRY, gguf_converter
-from kvbench import models
 from kvbench.config import BackendConfig, ConfigError
 from kvbench.envs import EnvInstallError, ensure_env
 

@@ -2,11 +2,10 @@ import json
 from pathlib import Path
 
 import typer
-from kvbench import ui
 from rich.markdown import Markdown
 
+from kvbench import models, ui
 from kvbench.backends import REGISTRY, gguf_converter
-from kvbench import models
 from kvbench.config import BackendConfig, ConfigError
 from kvbench.envs import EnvInstallError, ensure_env
 from kvbench.validate import markdown, run_all

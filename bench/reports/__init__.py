@@ -1,6 +1,6 @@
 """``kvbench report``: one or more runs as Markdown tables, PNG plots and one self-contained HTML page.
 
-``build`` loads the runs (``bench.results.load``), makes the tables (``tables.py``: one pandas frame per
+``build`` loads the runs (``kvbench.results.load``), makes the tables (``tables.py``: one pandas frame per
 question) and the plots (``plots.py``), and returns a :class:`Report`; ``markdown.py`` and ``html.py``
 lay it out. Each table carries a caption with the run id, hardware, model and engine versions, so it can
 be quoted alone.

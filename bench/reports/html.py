@@ -1,4 +1,4 @@
-"""A :class:`bench.reports.Report` as one self-contained HTML page: inline CSS, every plot embedded as a
+"""A :class:`kvbench.reports.Report` as one self-contained HTML page: inline CSS, every plot embedded as a
 base64 PNG data URI, no script and no external reference, so it opens anywhere without a network.
 
 Two ``<meta>`` tags (``kvbench-tables``, ``kvbench-images``) say how many tables and images the page

@@ -1,4 +1,4 @@
-"""A :class:`bench.reports.Report` as Markdown (GitHub-flavoured: pipe tables, images by relative path)."""
+"""A :class:`kvbench.reports.Report` as Markdown (GitHub-flavoured: pipe tables, images by relative path)."""
 from __future__ import annotations
 
 import os

@@ -11,8 +11,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from .tables import sequences_fitting  # noqa: E402
 from kvbench.units import MIB  # noqa: E402
+
+from .tables import sequences_fitting  # noqa: E402
 
 MARKERS = "osd^v<>PX*"
 DPI = 110

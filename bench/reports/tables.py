@@ -1,6 +1,6 @@
 """The report's tables as pandas DataFrames of display strings, one function per question.
 
-Every function takes the tidy cells of :func:`bench.results.load` (one or more runs, repeats
+Every function takes the tidy cells of :func:`kvbench.results.load` (one or more runs, repeats
 included) and returns a frame whose columns are the table's headings; ``markdown.py`` and ``html.py``
 only lay them out. Repeats of one cell are averaged (the ``rep`` column says how many).
 """

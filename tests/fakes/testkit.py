@@ -12,13 +12,11 @@ from pathlib import Path
 import httpx
 import psutil
 
-from kvbench.models import ModelFiles
-
+from kvbench import load
 from kvbench.backends.types import ServerSpec
 from kvbench.kvmodel import KVGeometry
-from kvbench.models import sha256_file
-from kvbench import load
 from kvbench.load import LoadPoint, LoadSettings, run_async
+from kvbench.models import ModelFiles, sha256_file
 from kvbench.workloads.prompts import Prompt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +38,7 @@ def prompt(n_prompt: int, n_out: int, request_id: str = "r0") -> Prompt:
 
 
 def run(backend, prompts, concurrency=1, timeout_s=30.0):
-    """The load generator's own path (bench.load), transport errors included."""
+    """The load generator's own path (kvbench.load), transport errors included."""
     return run_async(load.run(backend, prompts, LoadPoint("concurrent", concurrency), LoadSettings(timeout_s))).results
 
 
