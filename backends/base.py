@@ -14,7 +14,9 @@ import httpx
 
 from kvbench.envs import Recipe
 from kvbench.kvmodel import kv_bytes_per_token
+from kvbench.models import ModelFiles
 
+from .kvrules import KVCheck, KVQuestion, KVRules
 from .process import NotReady, ServerProcess, free_port, wait_http
 from .types import EngineStartError, EngineState, KVInUse, KVPool, RequestResult, ServerSpec
 
@@ -31,6 +33,8 @@ class Backend(ABC):
     forces_output_length: ClassVar[bool] = True
     #: Whether the adapter can switch prefix caching on and off (ServerSpec.prefix_caching).
     supports_prefix_caching: ClassVar[bool] = False
+    #: How the engine stores and rounds KV (None: unknown, e.g. any OpenAI-compatible server).
+    kv_rules: ClassVar[KVRules | None] = None
 
     #: Seconds an untimed call to the engine (version, tokenizer, pool, counters) may take.
     untimed_timeout_s: ClassVar[float] = 10.0
@@ -58,6 +62,11 @@ class Backend(ABC):
     @abstractmethod
     def recipe(cls, version: str) -> Recipe:
         """How to install this engine at this version into an isolated environment."""
+
+    @classmethod
+    def recipes(cls, version: str) -> list[Recipe]:
+        """Everything `kvbench setup` installs for this engine: its environment, and any tool beside it."""
+        return [cls.recipe(version)]
 
     # --- lifecycle -----------------------------------------------------------------------------
     @abstractmethod
@@ -136,9 +145,11 @@ class Backend(ABC):
         return None
 
     def kv_bytes_per_token(self) -> float:
-        """Bytes per cached token under this engine's KV dtype, from the model's geometry."""
+        """Bytes per cached token as this engine stores the model (its KV rules), windows not applied."""
         assert self.spec
-        return kv_bytes_per_token(self.spec.model.geometry, self.kv_dtype_name())
+        if self.kv_rules is None:
+            return kv_bytes_per_token(self.spec.model.geometry, self.kv_dtype_name())
+        return self.kv_rules.bytes_per_token(KVQuestion(self.spec.model.geometry, self.kv_dtype_name()))
 
     def kv_dtype_name(self) -> str:
         assert self.spec
@@ -156,6 +167,20 @@ class Backend(ABC):
         """Requests the engine holds back (``{"waiting": n, "source": ...}``, plus engine-specific keys such as
         ``preemptions``), polled during a cell; None where the engine exposes no queue."""
         return None
+
+    # --- validation of the KV rules: what the engine allocates, measured here --------------------------
+    @classmethod
+    def kv_checks(cls, env: Path, model: ModelFiles, log_dir: Path) -> list[KVCheck]:
+        """This engine's own cases on the embedded model (dtypes, sizes, slots): the rules against the engine."""
+        return []
+
+    @classmethod
+    def measure_kv(cls, env: Path, models: list[ModelFiles], log_dir: Path, python: Path | None = None) -> list[KVCheck]:
+        """One check per model (the validation families): the rules' prediction against what the engine
+        allocates for it. ``python``: an interpreter with torch and transformers, for engines that need one.
+        An engine that cannot load a model says why in its check's note (no observed figure)."""
+        return [KVCheck(cls.engine, m.name, "-", None, None, None, 0, "not measured: the adapter has no "
+                        "measurement of its KV allocation", family=m.name) for m in models]
 
     def poll(self, client: httpx.Client) -> EngineState:
         """One poll during a cell: :meth:`kv_in_use` and :meth:`queue_state`. Adapters that read both from

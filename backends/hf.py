@@ -1,28 +1,81 @@
 """Plain Hugging Face transformers (the baseline): backends/scripts/hf_worker.py in an environment of its own."""
 from __future__ import annotations
 
+import json
 import subprocess
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 
 from kvbench.envs import InstallStep, Recipe, ensure_env, env_python, pip_install
 from kvbench.hardware import has_nvidia_gpu
+from kvbench.kvmodel import KVGeometry, LayerKV, decompressed
+from kvbench.models import ModelFiles
 
 from .base import Backend
+from .kvrules import KVCheck, KVQuestion, KVRules, parse_version
 from .streaming import stream_sse
 from .types import KVInUse, KVPool, RequestResult, ServerSpec
 
 SCRIPTS = Path(__file__).with_name("scripts")
 WORKER = SCRIPTS / "hf_worker.py"
 CONVERTER = SCRIPTS / "hf_convert_gguf.py"
+PROBE = SCRIPTS / "hf_kv_probe.py"
+BUILDER = SCRIPTS / "hf_build_tiny.py"
+# The embedded model's cases: (dtype, prompt, new tokens, batch)
+EMBEDDED_CASES = (("bf16", 300, 8, 2), ("fp32", 100, 4, 1))
+FAMILY_CASE = (100, 4, 2)  # prompt, new tokens, batch: past the validation families' windows and chunks (64)
 # What the scripts run with: offline, and nothing of the harness's environment.
 SCRIPT_ENV = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+
+
+class TransformersKV(KVRules):
+    """transformers' DynamicCache, as ``generate`` fills it (transformers 5.24 read; cache_utils.py and the
+    model files): exactly the tokens cached, no pool.
+
+    - sliding and chunked layers keep their last window - 1 (chunk - 1) tokens (DynamicSlidingWindowLayer);
+    - MLA (DeepSeek-V2/V3, MiniCPM3, ...): the latent, keys of kv_lora_rank and values of qk_rope_head_dim,
+      since 5.20; decompressed heads before;
+    - Falcon with new_decoder_architecture broadcasts its KV heads to every query head before caching
+      (modeling_falcon.py, _split_heads); multi_query caches one head.
+    """
+
+    engine = "hf"
+    version = "5.24.0"
+    dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "f16": "fp16",
+              "fp32": "fp32", "float32": "fp32", "f32": "fp32"}
+
+    def stored(self, q: KVQuestion) -> KVGeometry:
+        g = q.geometry
+        if g.mla and parse_version(q.version or self.version) < (5, 20):
+            return decompressed(g)
+        if "new_decoder_architecture" in g.flags and g.num_attention_heads:
+            return replace(g, layers=tuple(replace(layer, kv_heads=g.num_attention_heads) if layer.stores else layer
+                                           for layer in g.layers))
+        return g
+
+    def tokens_kept(self, layer: LayerKV, tokens: int, q: KVQuestion) -> int:
+        if layer.kind in ("sliding", "chunked") and layer.span:
+            return min(tokens, layer.span - 1)
+        return tokens if layer.stores else 0
+
+    def note(self, q: KVQuestion, stored: KVGeometry) -> str:
+        parts = ["DynamicCache: exact tokens, sliding/chunked layers keep window - 1"]
+        if stored.mla:
+            parts.append("MLA latent")
+        elif q.geometry.mla:
+            parts.append("MLA decompressed (before transformers 5.20)")
+        if stored is not q.geometry and not q.geometry.mla:
+            parts.append("KV heads broadcast to every query head (Falcon new_decoder_architecture)")
+        return "; ".join(parts)
 
 
 class HFBackend(Backend):
     engine = "hf"
     default_version = "5.24.0"
+    kv_rules = TransformersKV()
 
     @classmethod
     def recipe(cls, version: str) -> Recipe:
@@ -51,6 +104,50 @@ class HFBackend(Backend):
             if code != 0:
                 raise RuntimeError(f"{CONVERTER.name} exited with code {code}")
         return convert
+
+    @classmethod
+    def run_script(cls, script: Path, args: list[str], jobs: list[dict], python: Path, timeout_s: float = 1800) -> list[dict]:
+        """Run one of this engine's scripts on a list of jobs; its JSON list of results (one per job)."""
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+            json.dump(jobs, f)
+            f.flush()
+            out = subprocess.run([str(python), str(script), *args, f.name], capture_output=True, text=True,
+                                 timeout=timeout_s, env=SCRIPT_ENV, cwd=SCRIPTS)
+        try:
+            return json.loads(out.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            return [{"error": f"{script.name} failed: {out.stderr.strip()[-500:]}"}] * len(jobs)
+
+    @classmethod
+    def build_models(cls, python: Path, tokenizer_dir: Path, jobs: list[dict]) -> list[dict]:
+        """Random-weight models from configs ({"config", "out"} jobs), with the tokenizer of ``tokenizer_dir``."""
+        return cls.run_script(BUILDER, [str(tokenizer_dir)], jobs, python)
+
+    @classmethod
+    def kv_checks(cls, env: Path, model: ModelFiles, log_dir: Path) -> list[KVCheck]:
+        jobs = [{"model": str(model.hf_dir), "prompt": p, "new": n, "batch": b, "dtype": d}
+                for d, p, n, b in EMBEDDED_CASES]
+        checks = []
+        for (dtype, prompt, new, batch), got in zip(EMBEDDED_CASES, cls.run_script(PROBE, [], jobs, env_python(env))):
+            predicted = cls.kv_rules.answer(KVQuestion(model.geometry, dtype, prompt + new - 1, batch)).bytes_per_gpu
+            checks.append(KVCheck("hf", f"{model.name} {dtype}, {batch} x ({prompt} + {new})", "cache tensor bytes",
+                                  predicted, None, got.get("cache_bytes"), tolerance=0,
+                                  note=got.get("error") or f"transformers {got['transformers']}"))
+        return checks
+
+    @classmethod
+    def measure_kv(cls, env: Path, models: list[ModelFiles], log_dir: Path, python: Path | None = None) -> list[KVCheck]:
+        prompt, new, batch = FAMILY_CASE
+        jobs = [{"model": str(m.hf_dir), "prompt": prompt, "new": new, "batch": batch, "dtype": "bf16"} for m in models]
+        checks = []
+        for m, got in zip(models, cls.run_script(PROBE, [], jobs, env_python(env))):
+            q = KVQuestion(m.geometry, "bf16", prompt + new - 1, batch)
+            lengths = got.get("layer_lengths")
+            checks.append(KVCheck("hf", f"{batch} x ({prompt} + {new}) tokens, bf16", "cache tensor bytes",
+                                  cls.kv_rules.answer(q).bytes_per_gpu, None, got.get("cache_bytes"), tolerance=0,
+                                  family=m.name, note=got.get("error") or f"tokens per layer {lengths}",
+                                  formula=KVRules().answer(q).bytes_per_gpu))
+        return checks
 
     def command(self, spec: ServerSpec):
         dtype = "bf16" if spec.kv_dtype == "auto" else spec.kv_dtype

@@ -5,24 +5,33 @@ models print one per cache). KV in use: /slots, per slot the prompt tokens plus 
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
 import shutil
+import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 
-from kvbench.envs import InstallStep, Recipe
+from kvbench.envs import InstallStep, Recipe, ensure_env
 from kvbench.hardware import cpu_model, has_nvcc, has_nvidia_gpu
+from kvbench.kvmodel import KVGeometry, LayerKV, decompressed, round_up
+from kvbench.models import ModelFiles
 from kvbench.units import MIB
 
 from .base import Backend, extra_args
+from .kvrules import KVAnswer, KVCheck, KVQuestion, KVRules
 from .prometheus import gauge_sum, metric_samples
 from .streaming import stream_sse
-from .types import KVInUse, KVPool, RequestResult, ServerSpec
+from .types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 
-BUILD_SCRIPT = Path(__file__).with_name("scripts") / "build_llama_server.sh"
+SCRIPTS = Path(__file__).with_name("scripts")
+BUILD_SCRIPT = SCRIPTS / "build_llama_server.sh"
+CONVERTER_SCRIPT = SCRIPTS / "fetch_llama_converter.sh"
+CONVERT = SCRIPTS / "llamacpp_convert.py"
 _NATIVE_FLAG = '-DGGML_NATIVE="${KVBENCH_GGML_NATIVE:-ON}"'
 
 # llama_kv_cache: size =   90.00 MiB (  4096 cells,  30 layers,  1/1 seqs), K (f16):   45.00 MiB, V (f16):   45.00 MiB
@@ -31,9 +40,12 @@ KV_LINE = re.compile(
     r"llama_kv_cache(?:_unified)?: size =\s*(?P<mib>[\d.]+) MiB \(\s*(?P<cells>\d+) cells,\s*(?P<layers>\d+) layers,"
     r"\s*(?P<streams>\d+)/(?P<seqs_max>\d+) seqs\), K \((?P<type_k>\w+)\):\s*(?P<k_mib>[\d.]+) MiB, "
     r"V \((?P<type_v>\w+)\):\s*(?P<v_mib>[\d.]+) MiB")
-# llama.cpp's cache type names for kvbench's dtype names.
-CACHE_TYPES = {"auto": "f16", "fp16": "f16", "f16": "f16", "bf16": "bf16", "fp32": "f32", "f32": "f32",
-               "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0", "q5_1": "q5_1", "iq4_nl": "iq4_nl"}
+
+
+def _last_error(log_tail: str) -> str:
+    """The engine's own last error line, to say why a model did not load."""
+    lines = [line for line in log_tail.splitlines() if " E " in line or "error" in line.lower()]
+    return lines[-1].strip()[-300:] if lines else ""
 
 
 def parse_kv_log(text: str) -> list[dict]:
@@ -46,10 +58,116 @@ def parse_kv_log(text: str) -> list[dict]:
     return caches
 
 
+# HF model types whose llama.cpp architecture keeps a window (src/models/*.cpp set swa_type): the others'
+# windows are sized full (Mistral, Qwen2: the converter writes no window, the architecture reads none).
+SWA_MODEL_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text", "gpt_oss", "cohere2",
+                             "exaone4", "llama4", "llama4_text"})
+LLAMA4_CHUNK = 8192  # llama.cpp sets Llama 4's n_swa to 8192 whatever the file says (src/models/llama4.cpp)
+# HF model types converted to an MLA architecture (conversion/deepseek.py, glm.py, kimi_linear.py write
+# key_length_mla): the cache holds the latent, K only. MiniCPM3 is converted decompressed.
+MLA_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe_lite", "glm_moe_dsa",
+                             "kimi_linear"})
+PAD = 256  # llama.cpp pads n_ctx and every cache's cells to 256
+# The embedded model's cases: (cache type, context, slots)
+EMBEDDED_CASES = (("f16", 512, 1), ("f16", 4096, 2), ("q8_0", 1000, 1), ("q8_0", 4096, 1), ("q4_0", 2048, 1),
+                  ("q4_0", 8192, 1))
+FAMILY_CASE = (2048, 2)  # context per slot, slots: windows of 64 leave a window cache smaller than the slot
+UBATCH = 512  # llama-server's default n_ubatch
+
+
+class LlamaCppKV(KVRules):
+    """llama.cpp's KV cache (the llama.cpp vendored in llama-cpp-python 0.3.36 read: src/llama-context.cpp,
+    src/llama-kv-cache*.cpp, src/models/*.cpp, conversion/*.py), as llama-server allocates it at start:
+
+    - n_ctx = batch x context padded to 256; with one stream per slot (-np batch, no unified cache) each
+      slot has n_ctx / slots cells, padded to 256; the whole pool is allocated up front;
+    - a layer with a window (only in :data:`SWA_MODEL_TYPES`) is in a second cache of
+      min(cells, window x (slots if unified else 1) + n_ubatch) cells, padded to 256 (Llama 4's chunks: 8192);
+    - MLA (:data:`MLA_MODEL_TYPES`): the latent, K only; MiniCPM3 decompressed (V of hidden / heads, which
+      is its v_head_dim);
+    - quantised types with their block scales (q8_0: 34 bytes per 32 values);
+    - several GPUs split the layers (--split-mode layer), not the heads: a GPU holds whole layers.
+    A GGUF's own metadata already says what llama.cpp caches, so its geometry is taken as it is.
+    """
+
+    engine = "llamacpp"
+    version = "0.3.36"
+    dtypes = {"f16": "f16", "fp16": "f16", "float16": "f16", "bf16": "bf16", "bfloat16": "bf16", "f32": "f32",
+              "fp32": "f32", "float32": "f32", "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0",
+              "q5_1": "q5_1", "iq4_nl": "iq4_nl"}
+
+    def auto_dtype(self, q: KVQuestion) -> str:
+        return "f16"  # llama.cpp's --cache-type-k/-v default
+
+    def stored(self, q: KVQuestion) -> KVGeometry:
+        g = q.geometry
+        if g.source == "gguf":
+            return g
+        if g.mla and g.model_type not in MLA_MODEL_TYPES:
+            g = decompressed(g)
+        layers = []
+        for layer in g.layers:
+            if layer.kind in ("sliding", "chunked") and g.model_type not in SWA_MODEL_TYPES:
+                layer = LayerKV("full", layer.kv_heads, layer.head_dim_k, layer.head_dim_v)
+            elif layer.kind == "chunked":
+                layer = LayerKV("chunked", layer.kv_heads, layer.head_dim_k, layer.head_dim_v, LLAMA4_CHUNK)
+            layers.append(layer)
+        return replace(g, layers=tuple(layers))
+
+    def replicated(self, stored: KVGeometry) -> bool:
+        return True  # a GPU holds whole layers
+
+    def check_split(self, q: KVQuestion) -> None:
+        pass  # layers are split over GPUs, not heads: any number of GPUs works
+
+    def gpu_layers(self, stored: KVGeometry, tp: int) -> tuple[LayerKV, ...]:
+        """The layers of the GPU with the most KV: llama.cpp gives each GPU an even run of layers."""
+        if tp <= 1:
+            return stored.layers
+        n = len(stored.layers)
+        bounds = [round(i * n / tp) for i in range(tp + 1)]
+        runs = [stored.layers[a:b] for a, b in zip(bounds, bounds[1:])]
+        return max(runs, key=lambda run: sum(layer.elements_per_token for layer in run))
+
+    def cells(self, q: KVQuestion) -> tuple[int, int, int]:
+        """(streams, cells per stream, window cells per stream) llama-server allocates for the question."""
+        unified = bool(q.options.get("unified"))
+        n_ctx = round_up(q.context * q.batch, PAD)
+        streams = 1 if unified else q.batch
+        cells = round_up(n_ctx // streams, PAD)
+        ubatch = min(q.context * q.batch, UBATCH)
+        windows = [layer.span for layer in self.stored(q).kv_layers if layer.kind != "full" and layer.span]
+        swa = round_up(min(cells, max(windows) * (q.batch if unified else 1) + ubatch), PAD) if windows else 0
+        return streams, cells, swa
+
+    def answer(self, q: KVQuestion) -> KVAnswer:
+        self.check(q)
+        stored, dtype = self.stored(q), self.resolve_dtype(q)
+        streams, cells, swa = self.cells(q)
+        total = sum(self.layer_bytes_per_token(stored, layer, dtype, q.tp) * streams * (cells if layer.kind == "full" else swa)
+                    for layer in self.gpu_layers(stored, q.tp) if layer.stores)
+        note = f"{streams} stream(s) of {cells} cells (n_ctx padded to 256)"
+        if swa:
+            note += f", window cache of {swa} cells"
+        stored = self.stored(q)
+        if stored.mla:
+            note += "; MLA latent, K only"
+        elif q.geometry.mla:
+            note += "; MLA decompressed"
+        if q.tp > 1:
+            note += f"; layers split over {q.tp} GPUs (the GPU with the most KV)"
+        return KVAnswer(self.engine, dtype, total, streams * cells, streams * swa, self.bytes_per_token(q), note)
+
+    def sequences_in_pool(self, geometry: KVGeometry, pool_tokens: int, context: int, details: dict) -> int | None:
+        """One slot of n_ctx / slots cells (padded to 256) per sequence."""
+        return pool_tokens // round_up(context, PAD)
+
+
 class LlamaCppBackend(Backend):
     engine = "llamacpp"
     supports_prefix_caching = True
     default_version = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp is built
+    kv_rules = LlamaCppKV()
 
     @classmethod
     def recipe(cls, version: str) -> Recipe:
@@ -78,15 +196,78 @@ class LlamaCppBackend(Backend):
             InstallStep(("bash", "-c", 'echo "-DGGML_CUDA=ON" > "$1/CUDA_BUILD"', "mark", "{env}")),),
             venv=False, extra_key=(platform.machine(), cpu_model(), "cuda", *(g.name for g in detect_gpus())))
 
+    @classmethod
+    def recipes(cls, version: str) -> list[Recipe]:
+        return [cls.recipe(version), cls.converter_recipe(version)]
+
+    @classmethod
+    def converter_recipe(cls, version: str) -> Recipe:
+        """llama.cpp's own HF -> GGUF converter, from the sources the server is built from (Python only; it
+        runs with an interpreter that has torch and transformers, the hf environment's)."""
+        return Recipe("llamacpp-convert", version, (
+            InstallStep(("bash", "-c", CONVERTER_SCRIPT.read_text(), "fetch_llama_converter", version, "{env}")),),
+            venv=False)
+
+    @classmethod
+    def gguf_from_hf(cls, python: Path, models: list[tuple[Path, Path]], log=print,
+                     version: str | None = None, outtype: str = "f16") -> list[str]:
+        """Convert HF folders to GGUF files with llama.cpp's converter: per (folder, gguf) "ok" or the error."""
+        env = ensure_env(cls.converter_recipe(version or cls.default_version), log=log)
+        argv = [str(python), str(CONVERT), str(env / "convert"), outtype]
+        for folder, gguf in models:
+            argv += [str(folder), str(gguf)]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=1800,
+                             env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "HF_HUB_OFFLINE": "1"})
+        try:
+            return json.loads(out.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            return [f"the converter failed: {out.stderr.strip()[-500:]}"] * len(models)
+
+    @classmethod
+    def _pool_check(cls, env: Path, model: ModelFiles, cache_type: str, context: int, slots: int, log_dir: Path,
+                    case: str, family: str = "") -> KVCheck:
+        """Start llama-server for ``slots`` x ``context`` and compare its logged KV buffer with the rules."""
+        q = KVQuestion(model.geometry, cache_type, context, slots)
+        predicted, formula = cls.kv_rules.answer(q).bytes_per_gpu, KVRules().answer(q).bytes_per_gpu
+        if model.gguf_path is None:
+            return KVCheck("llamacpp", case, "KV buffer bytes", predicted, None, None, 0, family=family,
+                           note="cannot load here: no GGUF file", formula=formula)
+        spec = ServerSpec(model=model, max_context=context, max_concurrency=slots, kv_dtype=cache_type)
+        backend = cls(cls.default_version, env)
+        try:
+            backend.start(spec, log_dir / f"llamacpp-{family or model.name}-{cache_type}-{context}x{slots}.log", 120)
+            pool = backend.kv_pool()
+        except EngineStartError as exc:
+            return KVCheck("llamacpp", case, "KV buffer bytes", predicted, None, None, 0, family=family,
+                           note=f"cannot load here: {exc} {_last_error(exc.log_tail)}", formula=formula)
+        finally:
+            backend.stop()
+        caches = pool.details["caches"] if pool else []
+        return KVCheck("llamacpp", case, "KV buffer bytes", predicted, pool.bytes if pool else None, None,
+                       tolerance=(0.005 * MIB + 1) * max(1, len(caches)), family=family, formula=formula,
+                       note=("log gives MiB to 2 decimals; caches: " + ", ".join(
+                           f"{c['layers']} layers x {c['cells']} cells" for c in caches)) if pool else
+                       "no llama_kv_cache line in the log")
+
+    @classmethod
+    def kv_checks(cls, env: Path, model: ModelFiles, log_dir: Path) -> list[KVCheck]:
+        return [cls._pool_check(env, model, cache_type, context, slots, log_dir,
+                                f"{cache_type}, {slots} slot(s) x {context} tokens")
+                for cache_type, context, slots in EMBEDDED_CASES]
+
+    @classmethod
+    def measure_kv(cls, env: Path, models: list[ModelFiles], log_dir: Path, python: Path | None = None) -> list[KVCheck]:
+        context, slots = FAMILY_CASE
+        return [cls._pool_check(env, m, "f16", context, slots, log_dir, f"{slots} slots x {context} tokens, f16",
+                                family=m.name) for m in models]
+
     def cuda_build(self) -> bool:
         return self.env_path is not None and (Path(self.env_path) / "CUDA_BUILD").exists()
 
     def command(self, spec: ServerSpec):
         if spec.model.gguf_path is None:
             raise ValueError("llama.cpp needs a GGUF model file")
-        cache_type = CACHE_TYPES.get(spec.kv_dtype)
-        if cache_type is None:
-            raise ValueError(f"llama.cpp has no KV type {spec.kv_dtype!r}; known: {', '.join(sorted(CACHE_TYPES))}")
+        cache_type = self.kv_rules.resolve_dtype(KVQuestion(spec.model.geometry, spec.kv_dtype))
         cores = os.cpu_count() or 1
         # Generation: on 2 cores -t 2 was 4-12x slower per token than -t 1 (the harness needs a core).
         # Prompt processing (-tb) uses every core: on 2 cores that nearly doubled prefill speed.
@@ -108,7 +289,7 @@ class LlamaCppBackend(Backend):
         return argv, {}
 
     def kv_dtype_name(self) -> str:
-        return CACHE_TYPES.get(self.spec.kv_dtype, self.spec.kv_dtype)
+        return self.kv_rules.resolve_dtype(KVQuestion(self.spec.model.geometry, self.spec.kv_dtype))
 
     def reported_version(self) -> str:
         try:

@@ -20,21 +20,30 @@ from pathlib import Path
 
 import httpx
 
+from kvbench.configs import geometry_from_gguf_keys
 from kvbench.envs import Recipe, kvbench_home
-from kvbench.kvmodel import geometry_from_gguf_keys, kv_bytes_per_token
+from kvbench.units import MIB
 
 from .base import Backend
-from .llamacpp import MIB, parse_kv_log
+from .kvrules import KVQuestion
+from .llamacpp import LlamaCppKV, parse_kv_log
 from .streaming import stream_ndjson
 from .types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 
-# kvbench KV dtype -> OLLAMA_KV_CACHE_TYPE (the only three Ollama accepts)
-CACHE_TYPES = {"auto": "f16", "f16": "f16", "fp16": "f16", "q8_0": "q8_0", "q4_0": "q4_0"}
 # 0.12.11-0.24: time=... level=INFO source=backend.go:... msg="kv cache" device=CUDA0 size="1.0 GiB"
 SLOG_KV = re.compile(r'msg="kv cache" device=(?P<device>\S+) size="(?P<value>[\d.]+) (?P<unit>B|KiB|MiB|GiB|TiB)"')
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 # A model load starts here in the log; the KV lines of the last load are the ones that hold.
 LOAD_MARKERS = ('msg="starting runner"', 'msg="starting llama server"', "llama_model_loader: loaded meta data")
+
+
+class OllamaKV(LlamaCppKV):
+    """Ollama runs llama.cpp's llama-server (since v0.30) with -np OLLAMA_NUM_PARALLEL and the cache type
+    OLLAMA_KV_CACHE_TYPE, which takes f16, q8_0 or q4_0: llama.cpp's rules with those three types."""
+
+    engine = "ollama"
+    version = "0.30.0"
+    dtypes = {"f16": "f16", "fp16": "f16", "float16": "f16", "q8_0": "q8_0", "q4_0": "q4_0"}
 
 
 def last_load(text: str) -> str:
@@ -55,6 +64,7 @@ def model_tag(spec: ServerSpec) -> str:
 
 class OllamaBackend(Backend):
     engine = "ollama"
+    kv_rules = OllamaKV()
     default_version = "0.30.0"  # nominal: the ollama on PATH is what runs; /api/version says which
     accepts_token_ids = False
     forces_output_length = False  # no ignore_eos in Ollama's API
@@ -91,12 +101,8 @@ class OllamaBackend(Backend):
             env["OLLAMA_DEBUG"] = "1"  # the runner's KV lines are logged at this level by some versions
         return [str(binary), "serve"], env
 
-    @staticmethod
-    def _cache_type(spec: ServerSpec) -> str:
-        cache_type = CACHE_TYPES.get(spec.kv_dtype.lower())
-        if cache_type is None:
-            raise ValueError(f"Ollama has no KV type {spec.kv_dtype!r}; known: {', '.join(sorted(CACHE_TYPES))}")
-        return cache_type
+    def _cache_type(self, spec: ServerSpec) -> str:
+        return self.kv_rules.resolve_dtype(KVQuestion(spec.model.geometry, spec.kv_dtype))
 
     def start(self, spec: ServerSpec, log_path: Path, timeout_s: float) -> None:
         super().start(spec, log_path, timeout_s)
@@ -188,8 +194,9 @@ class OllamaBackend(Backend):
         if ps:
             details["api_ps"] = {k: ps.get(k) for k in ("size", "size_vram", "context_length", "expires_at")}
         try:
-            details["bytes_per_token_api_show"] = kv_bytes_per_token(self.show_geometry(), self.kv_dtype_name())
-        except (httpx.HTTPError, KeyError, ValueError):
+            details["bytes_per_token_api_show"] = self.kv_rules.bytes_per_token(
+                KVQuestion(self.show_geometry(), self.kv_dtype_name()))
+        except (httpx.HTTPError, KeyError, ValueError):  # ConfigError is a ValueError
             pass
         text = last_load(self.server.log_path.read_text(errors="replace")) if self.server else ""
         caches = parse_kv_log(text)

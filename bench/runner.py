@@ -155,7 +155,7 @@ class _EngineSession:
         self.cells = plan.cells(spec.prefix_caching)  # grows as a saturation sweep finds its rates
         self.done = 0  # cells[:done] have their rows written
         self.info = EngineRun(runner.run_id, cfg.label, cfg.engine, cfg.version, spec.model, plan.workload,
-                              spec.kv_dtype, attached=bool(cfg.url))
+                              spec.kv_dtype, attached=bool(cfg.url), rules=REGISTRY[cfg.engine].kv_rules)
         self.gpu_baseline: GPUBaseline | None = None
 
     def run(self) -> None:

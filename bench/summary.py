@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from kvbench.backends.kvrules import KVRules
 from kvbench.backends.types import KVInUse, KVPool, RequestResult
 from kvbench.cells import Cell, load_label
-from kvbench.kvmodel import kv_bytes_per_token, sequences_in_pool
+from kvbench.kvmodel import kv_bytes_for_sequence, kv_bytes_per_token
 from kvbench.load import LoadResult
 from kvbench.metrics import RequestTimes, cell_metrics, percentiles, request_verdict
 from kvbench.models import ModelFiles
@@ -40,6 +41,7 @@ class EngineRun:
     attached: bool
     engine_version_reported: str | None = None
     token_contract: str = ""
+    rules: KVRules | None = None  # how the engine sizes its KV (None: unknown)
 
 
 @dataclass
@@ -155,20 +157,22 @@ def _kv(row: CellRow, run: EngineRun, m: CellMeasurement, windows) -> None:
     """KV predicted from the config, the engine's pool, and the peak in use."""
     w = run.workload
     row.kv_dtype = m.kv_dtype
-    per_token = kv_bytes_per_token(run.model.geometry, m.kv_dtype)
-    row.kv_bytes_per_token_predicted = per_token
+    geometry, rules = run.model.geometry, run.rules
+    row.kv_bytes_per_token_predicted = kv_bytes_per_token(geometry, m.kv_dtype)
     pool = m.kv_pool
     if pool:
         row.kv_pool_bytes_engine, row.kv_pool_tokens_engine, row.kv_pool_source = pool.bytes, pool.tokens, pool.source
-        if pool.tokens:
-            row.kv_pool_bytes_predicted = pool.tokens * per_token
-            row.kv_pool_sequences_predicted = sequences_in_pool(
-                run.engine, pool.tokens, row.prompt_tokens + w.output_tokens, pool.details.get("block_size"))
+        if pool.tokens and rules:  # the engine's rules: how a pool of that many tokens is laid out
+            row.kv_pool_bytes_predicted = pool.tokens * rules.pool_bytes_per_token(geometry, m.kv_dtype, pool.details)
+            row.kv_pool_sequences_predicted = rules.sequences_in_pool(
+                geometry, pool.tokens, row.prompt_tokens + w.output_tokens, pool.details)
     # The last sampled token is never fed back, so its K/V never exist: prompt + output - 1 per sequence.
     # Sequences held at once: as many as were in flight, unless the pool holds fewer (the KV boundary).
     held = max(1, min(row.max_in_flight or 1, row.kv_pool_sequences_predicted or 10**9))
-    row.kv_tokens_peak_predicted = held * (row.prompt_tokens + w.output_tokens - 1)
-    row.kv_bytes_peak_predicted = per_token * row.kv_tokens_peak_predicted
+    cached = row.prompt_tokens + w.output_tokens - 1
+    row.kv_tokens_peak_predicted = held * cached
+    # the model's own need by the plain formula (windows applied); an engine's rounding shows in the ratio
+    row.kv_bytes_peak_predicted = held * kv_bytes_for_sequence(geometry, m.kv_dtype, cached)
     peak = m.kv_peak
     if peak is None and m.kv_samples:
         best, row.kv_in_use_source = polled_kv_peak(m.kv_samples, windows, m.kv_source)

@@ -1,170 +1,175 @@
-"""The KV model checked against what real engines allocate, to the byte where they report bytes.
+"""The engines' KV rules checked against what the real engines allocate, to the byte where they report bytes.
 
-- llama.cpp: the KV buffer its log reports (MiB, two decimals) for several cache types, context sizes
-  and slot counts, against ``engine_kv(..., "llamacpp")``.
-- vLLM: bytes per block. vLLM sizes its pool as ``budget // bytes_per_block``, so two starts, with a
-  budget of exactly K predicted blocks and with one byte less, give K and K - 1 blocks only if vLLM's
-  bytes per block equal the prediction exactly. Done for two dtypes.
-- transformers: the cache tensors' bytes after a generate call, for the embedded model and for a small
-  randomly initialised hybrid sliding-window model (Gemma 3 layout), against ``engine_kv(..., "hf")``.
+Two sets of checks, both asked of the engines' adapters (the rules and their measurement are the engine's):
 
-Each check is a row: predicted, engine-reported, measured, error %.
+- the embedded model, each engine's own cases (``kv_checks``): llama.cpp's KV buffer for several cache types,
+  context sizes and slot counts; vLLM's bytes per block for two dtypes; transformers' cache tensors;
+- the validation families (``kv_families.toml``): one small random-weight model per attention family (GQA,
+  MQA, MHA, windows on every layer or on a pattern, sinks, chunks, MLA, MoE), built here with transformers,
+  converted with llama.cpp's own converter, and measured in every engine that can load it (``measure_kv``):
+  one row per family and engine, equal to the engine's allocation within its own rounding, or why not.
+
+Each check is a row: predicted, engine-reported, measured, error %, within the engine's rounding.
 """
 from __future__ import annotations
 
+import hashlib
 import json
-import subprocess
-import tempfile
-from dataclasses import asdict, dataclass
+import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvbench.backends import REGISTRY
-from kvbench.backends.types import EngineStartError, ServerSpec
-from kvbench.envs import env_python
-from kvbench.kvmodel import engine_kv, geometry_from_hf_config, kv_bytes_per_token
+from kvbench.backends.hf import BUILDER, HFBackend
+from kvbench.backends.kvrules import KVCheck
+from kvbench.backends.llamacpp import LlamaCppBackend
+from kvbench.backends.types import EngineStartError
+from kvbench.configs import ConfigError, geometry_from_hf
+from kvbench.envs import EnvInstallError, env_python, kvbench_home
 from kvbench.models import ModelFiles
 
-MIB = 2**20
-PROBE = Path(__file__).resolve().parent.parent / "backends" / "scripts" / "hf_kv_probe.py"
-# A Gemma-3-shaped hybrid model small enough to build at random: 5 sliding layers (window 16) + 1 full.
-HYBRID_CONFIG = {"model_type": "gemma3_text", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-                 "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-                 "sliding_window": 16, "sliding_window_pattern": 6, "max_position_embeddings": 1024}
+FAMILIES_FILE = Path(__file__).with_name("kv_families.toml")
 
 
-@dataclass
-class Check:
-    engine: str
-    case: str
-    quantity: str
-    predicted: float
-    engine_reported: float | None
-    measured: float | None
-    tolerance: float  # bytes: what the engine's rounding allows
-    note: str = ""
-
-    @property
-    def observed(self) -> float | None:
-        return self.measured if self.measured is not None else self.engine_reported
-
-    @property
-    def error_pct(self) -> float | None:
-        if self.observed is None or not self.predicted:
-            return None
-        return (self.observed - self.predicted) / self.predicted * 100
-
-    @property
-    def ok(self) -> bool:
-        return self.observed is not None and abs(self.observed - self.predicted) <= self.tolerance
-
-    def row(self) -> dict:
-        return {**asdict(self), "error_pct": self.error_pct, "ok": self.ok}
+@dataclass(frozen=True)
+class Family:
+    name: str
+    family: str  # the attention family, for people
+    shrunk_from: str  # the public model whose config gave the layout
+    config: dict
 
 
-def _start(engine: str, env: Path, spec: ServerSpec, log_dir: Path, name: str, options: dict | None = None):
-    backend = REGISTRY[engine](REGISTRY[engine].default_version, env, options)
-    backend.start(spec, log_dir / f"{name}.log", timeout_s=300)
-    return backend
+def families(names: list[str] | None = None) -> list[Family]:
+    table = tomllib.loads(FAMILIES_FILE.read_text())
+    unknown = sorted(set(names or ()) - set(table))
+    if unknown:
+        raise ValueError(f"unknown validation families {', '.join(unknown)}; known: {', '.join(table)}")
+    return [Family(name, t["family"], t["shrunk_from"], t["config"]) for name, t in table.items()
+            if not names or name in names]
 
 
-def check_llamacpp(env: Path, model: ModelFiles, log_dir: Path,
-                   cases=(("f16", 512, 1), ("f16", 4096, 2), ("q8_0", 1000, 1), ("q8_0", 4096, 1),
-                          ("q4_0", 2048, 1), ("q4_0", 8192, 1))) -> list[Check]:
-    checks = []
-    for cache_type, context, slots in cases:
-        spec = ServerSpec(model=model, max_context=context, max_concurrency=slots, kv_dtype=cache_type)
-        name = f"llamacpp-{cache_type}-{context}x{slots}"
-        backend = _start("llamacpp", env, spec, log_dir, name)
+def _digest(family: Family, tokenizer_dir: Path) -> str:
+    h = hashlib.sha256(json.dumps(family.config, sort_keys=True).encode())
+    h.update((tokenizer_dir / "tokenizer.json").read_bytes())
+    h.update(BUILDER.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def prepare(chosen: list[Family], tokenizer_dir: Path, log=print) -> tuple[list[ModelFiles], dict[str, str]]:
+    """Build the families' models (once: cached under $KVBENCH_HOME/families/) and their GGUF copies.
+    Returns the models (gguf_path None where conversion failed) and, per family, why it could not be built."""
+    hf_python = env_python(_env("hf", log))
+    root = kvbench_home() / "families"
+    folders = {f.name: root / f"{f.name}-{_digest(f, tokenizer_dir)}" / "hf" for f in chosen}
+    errors: dict[str, str] = {}
+    missing = [f for f in chosen if not (folders[f.name] / "config.json").exists()]
+    if missing:
+        log(f"building {len(missing)} validation models ({', '.join(f.name for f in missing)})")
+        for folder in folders.values():
+            folder.parent.mkdir(parents=True, exist_ok=True)
+        results = HFBackend.build_models(hf_python, tokenizer_dir,
+                                         [{"config": f.config, "out": str(folders[f.name])} for f in missing])
+        errors |= {f.name: f"not built: {r['error']}" for f, r in zip(missing, results) if "error" in r}
+    ggufs = {name: folder.parent / f"{name}.f16.gguf" for name, folder in folders.items()}
+    to_convert = [f for f in chosen if f.name not in errors and not ggufs[f.name].exists()]
+    convert_errors: dict[str, str] = {}
+    if to_convert:
+        log(f"converting {len(to_convert)} validation models to GGUF with llama.cpp's converter")
+        outcome = LlamaCppBackend.gguf_from_hf(hf_python, [(folders[f.name], ggufs[f.name]) for f in to_convert], log)
+        convert_errors = {f.name: r for f, r in zip(to_convert, outcome) if r != "ok"}
+    models = []
+    for f in chosen:
+        if f.name in errors:
+            continue
         try:
-            pool = backend.kv_pool()
-        finally:
-            backend.stop()
-        predicted = engine_kv(model.geometry, cache_type, context, slots, "llamacpp").bytes_per_rank
-        n_caches = len(pool.details["caches"]) if pool else 1
-        checks.append(Check("llamacpp", f"{cache_type}, {slots} slot(s) x {context} tokens", "KV buffer bytes",
-                            predicted, pool.bytes if pool else None, None, tolerance=(0.005 * MIB + 1) * n_caches,
-                            note="log gives MiB to 2 decimals" if pool else "no llama_kv_cache line in the log"))
-    return checks
+            geometry = geometry_from_hf(folders[f.name])
+        except ConfigError as exc:
+            errors[f.name] = f"config not read: {exc}"
+            continue
+        gguf = ggufs[f.name] if ggufs[f.name].exists() and f.name not in convert_errors else None
+        models.append(ModelFiles(f.name, folders[f.name], gguf, "", geometry))
+        if f.name in convert_errors:
+            errors[f.name] = f"no GGUF: llama.cpp's converter said {convert_errors[f.name]}"
+    return models, errors
 
 
-def check_vllm(env: Path, model: ModelFiles, log_dir: Path, dtypes=("bf16", "fp32"), blocks: int = 8) -> list[Check]:
-    checks = []
-    block = 128  # vLLM's CPU default; on a GPU it would be 16
-    for dtype in dtypes:
-        per_block = int(block * kv_bytes_per_token(model.geometry, dtype))
-        counts = []
-        for budget in (blocks * per_block, blocks * per_block - 1):
-            spec = ServerSpec(model=model, max_context=256, max_concurrency=1, kv_dtype=dtype)
-            backend = _start("vllm", env, spec, log_dir, f"vllm-{dtype}-{budget}", {"kv_cache_memory_bytes": budget})
-            try:
-                pool = backend.kv_pool()
-            finally:
-                backend.stop()
-            counts.append(pool.details["num_gpu_blocks"] if pool else None)
-        exact = counts == [blocks, blocks - 1]
-        reported = per_block if exact else (blocks * per_block / counts[0] if counts[0] else None)
-        checks.append(Check("vllm", f"{dtype}, budget {blocks} blocks and 1 byte less", "bytes per block",
-                            per_block, reported, None, tolerance=0,
-                            note=f"num_gpu_blocks {counts[0]} then {counts[1]}"
-                                 + ("" if exact else ": bytes per block differ from the formula")))
-    return checks
+def _env(engine: str, log) -> Path:
+    from kvbench.envs import ensure_env
+
+    cls = REGISTRY[engine]
+    return ensure_env(cls.recipe(cls.default_version), log=log)
 
 
-def _probe(hf_python: Path, args: list[str]) -> dict:
-    out = subprocess.run([str(hf_python), str(PROBE), *args], capture_output=True, text=True, timeout=600,
-                         env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
-    if out.returncode != 0:
-        raise RuntimeError(f"hf probe failed: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def measure_families(envs: dict[str, Path], chosen: list[Family], tokenizer_dir: Path, log_dir: Path,
+                     log=print) -> list[dict]:
+    """One row per family and engine: the engine's rules against what the engine allocates."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    models, errors = prepare(chosen, tokenizer_dir, log)
+    by_name = {f.name: f for f in chosen}
+    rows = []
+    for engine, env in envs.items():
+        log(f"measuring {len(models)} validation models in {engine}")
+        try:
+            checks = REGISTRY[engine].measure_kv(env, models, log_dir)
+        except (EngineStartError, RuntimeError, OSError) as exc:
+            checks = [KVCheck(engine, "-", "-", None, None, None, 0, f"failed: {exc}", family=m.name) for m in models]
+        measured = {c.family for c in checks}
+        checks += [KVCheck(engine, "-", "-", None, None, None, 0, errors.get(f.name, "not measured"), family=f.name)
+                   for f in chosen if f.name not in measured]
+        for c in checks:
+            if c.observed is None and c.family in errors and errors[c.family] not in c.note:
+                c.note = f"{c.note}; {errors[c.family]}"  # why the engine had nothing to load
+            f = by_name[c.family]
+            rows.append({**c.row(), "attention": f.family, "shrunk_from": f.shrunk_from})
+    order = {f.name: i for i, f in enumerate(chosen)}
+    return sorted(rows, key=lambda r: (order[r["family"]], r["engine"]))
 
 
-def check_hf(env: Path, model: ModelFiles) -> list[Check]:
-    hf_python = env_python(env)
-    checks = []
-    for dtype, prompt, new, batch in (("bf16", 300, 8, 2), ("fp32", 100, 4, 1)):
-        got = _probe(hf_python, ["--model", str(model.hf_dir), "--prompt", str(prompt), "--new", str(new),
-                                 "--batch", str(batch), "--dtype", dtype])
-        predicted = engine_kv(model.geometry, dtype, prompt + new - 1, batch, "hf").bytes_per_rank
-        checks.append(Check("hf", f"{model.name} {dtype}, {batch} x ({prompt} + {new})", "cache tensor bytes",
-                            predicted, None, got["cache_bytes"], tolerance=0, note=f"transformers {got['transformers']}"))
-    with tempfile.TemporaryDirectory() as tmp:
-        config_file = Path(tmp) / "config.json"
-        config_file.write_text(json.dumps(HYBRID_CONFIG))
-        geom = geometry_from_hf_config(HYBRID_CONFIG)
-        for prompt, new in ((10, 3), (200, 6)):
-            got = _probe(hf_python, ["--config", str(config_file), "--prompt", str(prompt), "--new", str(new),
-                                     "--batch", "2", "--dtype", "bf16"])
-            predicted = engine_kv(geom, "bf16", prompt + new - 1, 2, "hf").bytes_per_rank
-            checks.append(Check("hf", f"hybrid sliding (window 16, 5 of 6 layers), 2 x ({prompt} + {new})",
-                                "cache tensor bytes", predicted, None, got["cache_bytes"], tolerance=0,
-                                note=f"layer lengths {got['layer_lengths']}"))
-    return checks
+def run_all(envs: dict[str, Path], model: ModelFiles, log_dir: Path, log=print) -> list[dict]:
+    """Every engine's own cases on the embedded model; an engine that fails becomes one failed row."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for engine, env in envs.items():
+        log(f"validating the KV rules against {engine}")
+        try:
+            rows += [c.row() for c in REGISTRY[engine].kv_checks(env, model, log_dir)]
+        except (EngineStartError, RuntimeError, OSError, EnvInstallError) as exc:
+            rows.append(KVCheck(engine, "all", "-", None, None, None, 0, f"failed: {exc}").row())
+    return rows
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def verdict(row: dict) -> str:
+    if row["ok"]:
+        return "equal" + (" (within the log's 0.01 MiB)" if row["tolerance"] else "")
+    if row["predicted"] is not None and (row["measured"] is not None or row["engine_reported"] is not None):
+        return "DIFFERS"
+    return "not measured"
 
 
 def markdown(checks: list[dict]) -> str:
-    def fmt(x):
-        return "-" if x is None else f"{x:,.0f}"
     lines = ["| engine | case | quantity | predicted | engine-reported | measured | error % | within engine rounding |",
              "|---|---|---|---:|---:|---:|---:|---|"]
     for c in checks:
         err = "-" if c["error_pct"] is None else f"{c['error_pct']:+.4f}"
-        lines.append(f"| {c['engine']} | {c['case']} | {c['quantity']} | {fmt(c['predicted'])} "
-                     f"| {fmt(c['engine_reported'])} | {fmt(c['measured'])} | {err} "
+        lines.append(f"| {c['engine']} | {c['case']} | {c['quantity']} | {_fmt(c['predicted'])} "
+                     f"| {_fmt(c['engine_reported'])} | {_fmt(c['measured'])} | {err} "
                      f"| {'yes' if c['ok'] else 'NO'} {('(' + c['note'] + ')') if c['note'] else ''} |")
     return "\n".join(lines)
 
 
-def run_all(envs: dict[str, Path], model: ModelFiles, log_dir: Path, log=print) -> list[dict]:
-    """Every check for the engines in ``envs``; an engine that fails becomes one failed row."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    steps = {"llamacpp": lambda e: check_llamacpp(e, model, log_dir), "vllm": lambda e: check_vllm(e, model, log_dir),
-             "hf": lambda e: check_hf(e, model)}
-    rows = []
-    for engine, env in envs.items():
-        log(f"validating the KV model against {engine}")
-        try:
-            rows += [c.row() for c in steps[engine](env)]
-        except (EngineStartError, RuntimeError, subprocess.TimeoutExpired) as exc:
-            rows.append({"engine": engine, "case": "all", "quantity": "-", "predicted": None, "engine_reported": None,
-                         "measured": None, "tolerance": 0, "note": f"failed: {exc}", "error_pct": None, "ok": False})
-    return rows
+def family_markdown(rows: list[dict]) -> str:
+    """The family x engine table: one row per family and engine."""
+    lines = ["| family | attention | engine | what is compared | plain formula (B) | engine's rules (B) "
+             "| engine's own (B) | verdict | note |",
+             "|---|---|---|---|---:|---:|---:|---|---|"]
+    for r in rows:
+        observed = r["measured"] if r["measured"] is not None else r["engine_reported"]
+        what = f"{r['quantity']}: {r['case']}" if r["quantity"] != "-" else "-"
+        note = str(r["note"]).replace("|", "/").replace("\n", " ")
+        lines.append(f"| {r['family']} | {r['attention']} | {r['engine']} | {what} | {_fmt(r.get('formula'))} "
+                     f"| {_fmt(r['predicted'])} | {_fmt(observed)} | {verdict(r)} | {note} |")
+    return "\n".join(lines)

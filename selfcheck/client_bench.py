@@ -50,7 +50,7 @@ console = Console(width=220)
 def mock_backend(url: str) -> VLLMBackend:
     """kvbench's real vLLM adapter, pointed at the mock (it streams nothing but /v1/completions)."""
     backend = VLLMBackend("mock", Path("/nonexistent"))
-    geometry = KVGeometry(num_layers=1, num_kv_heads=1, head_dim_k=1, head_dim_v=1)
+    geometry = KVGeometry.uniform(1, 1, 1)
     model = ModelFiles(name="mock", hf_dir=Path("/nonexistent"), gguf_path=None, sha256="", geometry=geometry)
     backend.spec = ServerSpec(model=model, max_context=4096, max_concurrency=64, kv_dtype="auto")
     backend.base_url = url

@@ -353,9 +353,11 @@ def check_sampler(nvml, python: str, alloc_bytes: int, budget: Budget, logs: Pat
 
 def check_kv(nvml, python: str, model_dir: Path, name: str, budget: Budget, logs: Path,
              script: Path = PROBE) -> list[dict]:
-    from kvbench.kvmodel import engine_kv, geometry_from_hf_config, load_hf_config
+    from kvbench.backends.hf import HFBackend
+    from kvbench.backends.kvrules import KVQuestion
+    from kvbench.configs import geometry_from_hf
 
-    geom = geometry_from_hf_config(load_hf_config(model_dir), str(model_dir / "config.json"))
+    geom = geometry_from_hf(model_dir)
     cells = kv_cells(geom.max_context)
     probe = Probe(python, ["kv", "--model", str(model_dir), "--cells", ",".join(f"{p}x{b}" for p, b in cells),
                            "--new", str(NEW_TOKENS)], logs / f"probe_kv_{name}.log", script)
@@ -370,7 +372,7 @@ def check_kv(nvml, python: str, model_dir: Path, name: str, budget: Budget, logs
             if budget.left() < 30:
                 rows.append({"model": name, "prompt_tokens": prompt, "batch": batch, "error": "skipped: time budget"})
                 continue
-            predicted = engine_kv(geom, "bf16", prompt + NEW_TOKENS - 1, batch, engine="hf").bytes_per_rank
+            predicted = HFBackend.kv_rules.answer(KVQuestion(geom, "bf16", prompt + NEW_TOKENS - 1, batch)).bytes_per_gpu
             before = probe.next(60)
             snap_before = nvml_snapshot(nvml, pids)
             probe.go()

@@ -119,7 +119,7 @@ def test_gpu_recipes(monkeypatch, tmp_path):
 
 
 def test_llamacpp_offloads_every_layer_only_in_a_cuda_build(tmp_path):
-    geom = KVGeometry(num_layers=2, num_kv_heads=1, head_dim_k=64, head_dim_v=64, max_context=4096)
+    geom = KVGeometry.uniform(2, 1, 64, max_context=4096)
     model = ModelFiles("m", tmp_path, tmp_path / "m.gguf", "0" * 64, geom)
     spec = ServerSpec(model=model, max_context=1024, max_concurrency=2, kv_dtype="auto", port=8000)
 

@@ -133,7 +133,7 @@ def test_kv_type_and_flash_attention_reach_the_server(tmp_path, monkeypatch):
     argv, env = backend.command(type(s)(**{**s.__dict__, "port": 11500}))
     assert argv[1:] == ["serve"] and env["OLLAMA_HOST"] == "127.0.0.1:11500"
     assert env["OLLAMA_KV_CACHE_TYPE"] == "q8_0" and env["OLLAMA_FLASH_ATTENTION"] == "1"
-    with pytest.raises(ValueError, match="Ollama has no KV type 'fp8'"):
+    with pytest.raises(ValueError, match="ollama has no KV dtype 'fp8'; it takes: auto, f16"):
         backend.command(spec(tmp_path, kv_dtype="fp8", gguf=tmp_path / "m.gguf"))
 
 

@@ -1,39 +1,39 @@
-"""KV model per attention kind and engine, and the planner, against values computed by hand."""
+"""Each engine's KV rules and the planner, against values computed by hand, and the plan's refusals."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from kvbench.backends import REGISTRY
+from kvbench.backends.kvrules import KVQuestion, KVRuleError
 from kvbench.cli import app
-from kvbench.kvmodel import (
-    MissingConfigKeys,
-    UnknownEngine,
-    engine_kv,
-    geometry_from_gguf_keys,
-    geometry_from_hf_config,
-    kv_bytes_per_token,
-    load_hf_config,
-)
-from kvbench.planner import CATALOG_DIR, GIB, PlanError, PlanInput, gpu_memory, plan, resolve_model
+from kvbench.configs import geometry_from_hf_dict
+from kvbench.kvmodel import kv_bytes_per_token
+from kvbench.planner import PlanError, PlanInput, engines, gpu_memory, plan, resolve_model
+from kvbench.units import GIB
 
 runner = CliRunner()
+CORPUS = Path(__file__).parent / "data" / "configs"
 
 
 def geom(name):
     return resolve_model(name).geometry
 
 
-# --- bytes per token by attention kind (bf16 unless said) -----------------------------------------
+def answer(engine, g, context, batch=1, dtype="bf16", **kw):
+    return REGISTRY[engine].kv_rules.answer(KVQuestion(g, dtype, context, batch, **kw))
+
+
+# --- bytes per token by attention kind (the plain formula, bf16) ------------------------------------
 
 @pytest.mark.parametrize("name, expected", [
     ("llama-2-7b", 2 * 32 * 32 * 128 * 2),      # MHA: 524,288
     ("llama-3-8b", 2 * 32 * 8 * 128 * 2),       # GQA: 131,072
-    ("llama-3.1-8b", 131_072),
     ("llama-3.1-70b", 2 * 80 * 8 * 128 * 2),    # 327,680
     ("qwen2.5-0.5b", 2 * 24 * 2 * 64 * 2),      # 12,288
     ("qwen2.5-7b", 2 * 28 * 4 * 128 * 2),       # 57,344
-    ("qwen2-7b", 57_344),
     ("mistral-7b-v0.1", 131_072),
     ("gemma-2-9b", 2 * 42 * 8 * 256 * 2),       # head_dim 256 from the config, not 3584 / 16 = 224
     ("gemma-3-1b", 2 * 26 * 1 * 256 * 2),       # MQA
@@ -41,138 +41,134 @@ def geom(name):
     ("deepseek-v2", 60 * (512 + 64) * 2),       # MLA latent: 69,120
     ("deepseek-v3", 61 * (512 + 64) * 2),       # 70,272
 ])
-def test_bytes_per_token(name, expected):
+def test_catalog_bytes_per_token(name, expected):
     assert kv_bytes_per_token(geom(name), "bf16") == expected
 
 
-def test_attention_kinds():
+def test_attention_kinds_and_the_mla_ratio():
     assert [geom(n).attention for n in ("llama-2-7b", "llama-3-8b", "gemma-3-1b", "deepseek-v3")] == \
         ["MHA", "GQA", "MQA", "MLA"]
-
-
-def test_mla_is_57x_smaller_than_the_naive_formula():
     naive = 2 * 61 * 128 * 128 * 2  # num_key_value_heads 128 x head_dim 128 taken at face value
     assert naive / kv_bytes_per_token(geom("deepseek-v3"), "bf16") == pytest.approx(56.9, abs=0.05)
 
 
-def test_sliding_patterns():
-    assert geom("gemma-2-9b").num_sliding_layers == 21  # even layers of 42
-    g3 = geom("gemma-3-1b")
-    assert g3.num_sliding_layers == 22 and g3.sliding_layers[5] is False and g3.sliding_layers[4] is True
-    assert geom("mistral-7b-v0.1").num_sliding_layers == 32
-    assert geom("qwen2.5-7b").num_sliding_layers == 0  # sliding_window set, use_sliding_window false
-    layer_types = {"num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
-                   "sliding_window": 8, "sliding_window_pattern": 6,
-                   "layer_types": ["full_attention", "sliding_attention", "full_attention"]}
-    assert geometry_from_hf_config(layer_types).sliding_layers == (False, True, False)  # layer_types wins
+# --- vLLM ------------------------------------------------------------------------------------------
 
-
-def test_exact_sliding_window_bytes():
-    g = geom("gemma-3-1b")
-    per_layer_token = 2 * 1 * 256 * 2
-    assert engine_kv(g, "bf16", 2000, 3).bytes_per_rank == 3 * per_layer_token * (4 * 2000 + 22 * 512)
-    m = geom("mistral-7b-v0.1")
-    assert engine_kv(m, "bf16", 10_000, 1).bytes_per_rank == 131_072 * 4096
-
-
-@pytest.mark.parametrize("dtype, per_element", [("fp32", 4), ("fp16", 2), ("fp8_e4m3", 1), ("fp8_e5m2", 1),
-                                                ("int8", 1), ("q8_0", 34 / 32), ("q4_0", 18 / 32),
-                                                ("q4_1", 20 / 32), ("q5_0", 22 / 32), ("q5_1", 24 / 32),
-                                                ("iq4_nl", 18 / 32)])
-def test_dtypes(dtype, per_element):
-    assert kv_bytes_per_token(geom("llama-3.1-8b"), dtype) == 2 * 32 * 8 * 128 * per_element
-
-
-def test_tensor_parallel_heads_never_below_one_and_mla_replicated():
-    g = geom("llama-3.1-70b")
-    assert kv_bytes_per_token(g, "bf16", tp=2) == 2 * 80 * 4 * 128 * 2
-    assert kv_bytes_per_token(g, "bf16", tp=8) == 2 * 80 * 1 * 128 * 2
-    assert kv_bytes_per_token(g, "bf16", tp=16) == 2 * 80 * 1 * 128 * 2  # replicated, not 0
-    d = geom("deepseek-v3")
-    assert kv_bytes_per_token(d, "bf16", tp=8) == 70_272
-
-
-# --- engine rules -----------------------------------------------------------------------------------
-
-def test_vllm_block_rounding():
+def test_vllm_block_rounding_and_null_block():
     g = geom("llama-3.1-8b")
-    r = engine_kv(g, "bf16", 1000, 4, "vllm")
-    assert r.tokens_full == 4 * 1008 and r.bytes_per_rank == 4 * 1008 * 131_072
-    assert engine_kv(g, "bf16", 1000, 4, "vllm", block_size=128).tokens_full == 4 * 1024
+    a = answer("vllm", g, 1000, 4)
+    assert a.tokens_full == 4 * 1008 and a.bytes_per_gpu == 4 * 1008 * 131_072
+    assert a.pool_extra_bytes == 16 * 131_072  # one null block of 16 tokens
+    assert answer("vllm", g, 1000, 4, block_size=128).tokens_full == 4 * 1024
+    assert answer("vllm", g, 1000, 4, device="cpu").tokens_full == 4 * 1024  # 128 on a CPU
 
 
-def test_vllm_mla_latent_and_sliding_blocks():
-    assert engine_kv(geom("deepseek-v3"), "bf16", 100, 1, "vllm").bytes_per_rank == 112 * 70_272
-    g = geom("gemma-3-1b")  # window 512, block 16: (ceil(511 / 16) + 1) x 16 = 528 tokens on sliding layers
-    r = engine_kv(g, "bf16", 4000, 1, "vllm")
-    assert r.tokens_sliding == 528 and r.bytes_per_rank == 2 * 256 * 2 * (4 * 4000 + 22 * 528)
+def test_vllm_mla_latent_for_its_mla_model_types_only():
+    assert answer("vllm", geom("deepseek-v3"), 100).bytes_per_gpu == 112 * 70_272
+    # MiniCPM3 has kv_lora_rank, but vLLM runs it as plain attention: 40 heads decompressed, K of nope + rope
+    # and V zero-padded to K's size (96 each)
+    minicpm3 = geometry_from_hf_dict({"model_type": "minicpm3", "num_hidden_layers": 62, "num_attention_heads": 40,
+                                      "hidden_size": 2560, "kv_lora_rank": 256, "q_lora_rank": 768,
+                                      "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64})
+    assert kv_bytes_per_token(minicpm3, "bf16") == 62 * 288 * 2  # the latent, as the plain formula counts
+    assert answer("vllm", minicpm3, 16).bytes_per_gpu == 16 * 62 * 40 * (96 + 96) * 2
+    assert answer("hf", minicpm3, 16).bytes_per_gpu == 16 * 62 * 288 * 2  # transformers keeps the latent
+    # llama.cpp decompresses too, V of hidden / heads = 64
+    assert answer("llamacpp", minicpm3, 256, dtype="f16").bytes_per_gpu == 256 * 62 * 40 * (96 + 64) * 2
 
+
+def test_vllm_hybrid_manager_groups_and_frees_window_blocks():
+    g = geom("gemma-3-1b")  # 26 layers: 22 windowed (512) + 4 full, 1 KV head of 256
+    # groups of G = 4 layers (the smaller kind): 6 window groups (the last ones padded) + 1 full group;
+    # a block spans a group: 4 pages of 16 x 1 x (256 + 256) x 2 bytes
+    page = 16 * 1 * 512 * 2
+    full = math.ceil(4000 / 16)  # 250 blocks
+    window = full - (4000 - 512 + 1) // 16  # blocks wholly before the window are freed: 32 left
+    a = answer("vllm", g, 4000)
+    assert a.bytes_per_gpu == (full + 6 * window) * 4 * page and a.pool_extra_bytes == 4 * page
+    off = answer("vllm", g, 4000, options={"hybrid_kv_cache": "off"})
+    assert off.bytes_per_gpu == 26 * 4000 * 1024  # every layer keeps every token
+    assert answer("vllm", g, 4000, version="0.9.2").bytes_per_gpu == off.bytes_per_gpu  # no hybrid manager yet
+
+
+def test_vllm_chunked_layers_free_what_is_before_the_chunk():
+    g = geometry_from_hf_dict(json.loads((CORPUS / "llama-4-scout-17b-16e-instruct-aic-trimmed.json").read_text()))
+    assert (g.count("chunked"), g.count("full"), g.chunk_size) == (36, 12, 8192)
+    page = 16 * 8 * 256 * 2  # 8 KV heads of 128 for K and V
+    n = 20000
+    full = math.ceil(n / 16)
+    chunked = full - (n // 8192) * 8192 // 16  # 1250 - 1024 = 226 blocks
+    # G = 12 (the full layers): 3 chunked groups + 1 full group, a block spans 12 layers
+    assert answer("vllm", g, n).bytes_per_gpu == (full + 3 * chunked) * 12 * page
+
+
+def test_vllm_refuses_what_vllm_refuses():
+    g = geom("llama-3.1-8b")
+    with pytest.raises(KVRuleError, match=r"Total number of attention heads \(32\) must be divisible by tensor "
+                                          r"parallel size \(3\)"):
+        answer("vllm", g, 100, tp=3)
+    with pytest.raises(KVRuleError, match="vllm has no KV dtype 'q4_0'; it takes: auto, bf16"):
+        answer("vllm", g, 100, dtype="q4_0")
+    with pytest.raises(KVRuleError, match="block size must be >= 1"):
+        answer("vllm", g, 100, block_size=0)
+
+
+# --- TGI -------------------------------------------------------------------------------------------
 
 def test_tgi_reservation_blocks_and_decompressed_deepseek():
     g = geom("llama-3.1-8b")
-    assert engine_kv(g, "bf16", 1000, 2, "tgi").bytes_per_rank == 2 * 1000 * 131_072  # block 1
-    assert engine_kv(g, "bf16", 1000, 2, "tgi", block_size=256).tokens_full == 2 * 1024
+    assert answer("tgi", g, 1000, 2).bytes_per_gpu == 2 * 1000 * 131_072  # block 1
+    assert answer("tgi", g, 1000, 2, block_size=256).tokens_full == 2 * 1024
     # DeepSeek-V3 decompressed: 128 heads x (K 128 + 64, V 128) per layer
-    assert engine_kv(geom("deepseek-v3"), "bf16", 10, 1, "tgi").bytes_per_rank == 10 * 61 * 128 * (192 + 128) * 2
+    assert answer("tgi", geom("deepseek-v3"), 10).bytes_per_gpu == 10 * 61 * 128 * (192 + 128) * 2
     # and no sliding-window saving
-    assert engine_kv(geom("mistral-7b-v0.1"), "bf16", 8000, 1, "tgi").bytes_per_rank == 8000 * 131_072
-    with pytest.raises(ValueError, match="TGI"):
-        engine_kv(g, "q8_0", 10, 1, "tgi")
+    assert answer("tgi", geom("mistral-7b-v0.1"), 8000).bytes_per_gpu == 8000 * 131_072
+    with pytest.raises(KVRuleError, match="tgi has no KV dtype 'q8_0'"):
+        answer("tgi", g, 10, dtype="q8_0")
 
+
+# --- llama.cpp and Ollama ----------------------------------------------------------------------------
 
 def test_llamacpp_padding_streams_and_swa_cache():
     g = geom("llama-3.1-8b")
-    r = engine_kv(g, "f16", 1000, 4, "llamacpp")  # n_ctx 4000 -> 4096, 4 streams of 1024 cells
-    assert r.tokens_full == 4 * 1024 and r.bytes_per_rank == 4 * 1024 * 131_072
-    assert engine_kv(g, "f16", 1000, 4, "llamacpp", unified=True).tokens_full == 4096
-    assert engine_kv(g, "q8_0", 4096, 1, "ollama").bytes_per_rank == 4096 * 2 * 32 * 8 * 128 * 34 / 32
+    a = answer("llamacpp", g, 1000, 4, dtype="f16")  # n_ctx 4000 -> 4096, 4 streams of 1024 cells
+    assert a.tokens_full == 4 * 1024 and a.bytes_per_gpu == 4 * 1024 * 131_072
+    assert answer("llamacpp", g, 1000, 4, dtype="f16", options={"unified": True}).tokens_full == 4096
+    assert answer("ollama", g, 4096, dtype="q8_0").bytes_per_gpu == 4096 * 2 * 32 * 8 * 128 * 34 / 32
     g3 = geom("gemma-3-1b")  # window 512: SWA cache min(8192, 512 + 512) = 1024 cells
-    r = engine_kv(g3, "f16", 8192, 1, "llamacpp")
-    assert (r.tokens_full, r.tokens_sliding) == (8192, 1024)
-    assert r.bytes_per_rank == 2 * 256 * 2 * (4 * 8192 + 22 * 1024)
+    a = answer("llamacpp", g3, 8192, dtype="f16")
+    assert (a.tokens_full, a.tokens_windowed) == (8192, 1024)
+    assert a.bytes_per_gpu == 2 * 256 * 2 * (4 * 8192 + 22 * 1024)
+    # Mistral's window is not llama.cpp's: its converter writes none, so every layer holds the whole slot
+    assert answer("llamacpp", geom("mistral-7b-v0.1"), 8192, dtype="f16").bytes_per_gpu == 8192 * 131_072
 
 
-def test_hf_window_minus_one_and_deepseek_by_version():
+def test_llamacpp_splits_layers_not_heads_and_has_no_block_size():
+    g = geom("llama-3.1-8b")
+    assert answer("llamacpp", g, 4096, dtype="f16", tp=3).bytes_per_gpu == 4096 * 11 * 2 * 8 * 128 * 2  # 11+10+11 layers
+    with pytest.raises(KVRuleError, match="llamacpp has no KV block size"):
+        answer("llamacpp", g, 4096, dtype="f16", block_size=16)
+    with pytest.raises(KVRuleError, match="ollama has no KV dtype 'q5_0'"):
+        answer("ollama", g, 10, dtype="q5_0")
+    assert answer("llamacpp", g, 10, dtype="auto").dtype == "f16"
+
+
+# --- transformers ------------------------------------------------------------------------------------
+
+def test_hf_window_minus_one_mla_by_version_and_falcon_broadcast():
     g3 = geom("gemma-3-1b")
-    assert engine_kv(g3, "bf16", 2000, 1, "hf").bytes_per_rank == 2 * 256 * 2 * (4 * 2000 + 22 * 511)
+    assert answer("hf", g3, 2000).bytes_per_gpu == 2 * 256 * 2 * (4 * 2000 + 22 * 511)
     d = geom("deepseek-v3")
-    assert engine_kv(d, "bf16", 10, 1, "hf").bytes_per_rank == 10 * 70_272
-    assert engine_kv(d, "bf16", 10, 1, "hf", hf_version=(5, 0)).bytes_per_rank == 10 * 61 * 128 * 320 * 2
+    assert answer("hf", d, 10).bytes_per_gpu == 10 * 70_272
+    assert answer("hf", d, 10, version="5.0.0").bytes_per_gpu == 10 * 61 * 128 * 320 * 2
+    falcon40 = geometry_from_hf_dict(json.loads((CORPUS / "falcon-40b.json").read_text()))
+    assert kv_bytes_per_token(falcon40, "bf16") == 2 * 60 * 8 * 64 * 2
+    # transformers broadcasts the 8 KV heads to all 128 query heads before caching
+    assert answer("hf", falcon40, 1).bytes_per_gpu == 2 * 60 * 128 * 64 * 2
+    assert answer("vllm", falcon40, 16).bytes_per_gpu == 16 * 2 * 60 * 8 * 64 * 2
 
 
-def test_unknown_engine():
-    with pytest.raises(UnknownEngine, match="vllm, tgi, llamacpp, ollama, hf"):
-        engine_kv(geom("llama-3-8b"), "bf16", 10, 1, "sglang")
-
-
-# --- inputs --------------------------------------------------------------------------------------
-
-def test_ollama_model_info_and_gguf_keys():
-    info = {"general.architecture": "gemma3", "gemma3.block_count": 26, "gemma3.attention.head_count": 4,
-            "gemma3.attention.head_count_kv": 1, "gemma3.attention.key_length": 256,
-            "gemma3.attention.value_length": 256, "gemma3.attention.sliding_window": 512,
-            "gemma3.context_length": 32768, "gemma3.embedding_length": 1152}
-    g = geometry_from_gguf_keys(info, "model_info")
-    assert g.num_sliding_layers == 22 and kv_bytes_per_token(g, "f16") == 2 * 26 * 256 * 2
-    mla = {"general.architecture": "deepseek2", "deepseek2.block_count": 61, "deepseek2.attention.head_count": 128,
-           "deepseek2.attention.kv_lora_rank": 512, "deepseek2.rope.dimension_count": 64}
-    assert kv_bytes_per_token(geometry_from_gguf_keys(mla), "f16") == 70_272
-    with pytest.raises(MissingConfigKeys, match="llama.block_count"):
-        geometry_from_gguf_keys({"general.architecture": "llama", "llama.attention.head_count": 8})
-
-
-def test_nested_text_config_and_folder(tmp_path):
-    (tmp_path / "config.json").write_text((CATALOG_DIR / "gemma-3-27b.json").read_text())
-    assert load_hf_config(tmp_path)["num_hidden_layers"] == 62
-    assert resolve_model(str(tmp_path)).geometry == geom("gemma-3-27b")
-
-
-def test_missing_keys_named():
-    with pytest.raises(MissingConfigKeys, match="qk_rope_head_dim"):
-        geometry_from_hf_config({"num_hidden_layers": 2, "num_attention_heads": 2, "kv_lora_rank": 512})
-
-
-# --- planner ----------------------------------------------------------------------------------------
+# --- the plan ----------------------------------------------------------------------------------------
 
 def test_plan_fits_and_limits_are_consistent():
     m = resolve_model("llama-3.1-8b")
@@ -198,17 +194,79 @@ def test_gpu_by_size_and_unknown_gpu():
         gpu_memory("X100")
 
 
+def test_engines_are_the_adapters_with_kv_rules():
+    assert engines() == ["hf", "vllm", "llamacpp", "tgi", "ollama"]
+    with pytest.raises(PlanError, match="no KV rules for engine 'openai'"):
+        plan(PlanInput(model=resolve_model("llama-3-8b"), context=10, engine="openai"))
+
+
+def plan_cli(*args):
+    result = runner.invoke(app, ["plan", *args])
+    return result.exit_code, result.output
+
+
 def test_plan_cli_json_and_errors():
-    result = runner.invoke(app, ["plan", "deepseek-v3", "--context", "4096", "--batch", "2", "--gpu", "H200",
-                                 "--tp", "8", "--engine", "vllm", "--json"])
-    assert result.exit_code == 0, result.output
-    out = json.loads(result.output)
+    code, output = plan_cli("deepseek-v3", "--context", "4096", "--batch", "2", "--gpu", "H200", "--tp", "8",
+                            "--engine", "vllm", "--json")
+    assert code == 0, output
+    out = json.loads(output)
     assert {"kv_bytes", "kv_bytes_per_token", "weights_bytes", "fits", "max_batch"} <= out.keys()
     assert out["kv_bytes_per_gpu"] == 2 * 4096 * 70_272  # latent replicated on each of the 8 GPUs
-    bad = runner.invoke(app, ["plan", "no-such-model", "--context", "10"])
-    assert bad.exit_code == 2 and "llama-3.1-8b" in bad.output
-    table = runner.invoke(app, ["plan", "qwen2.5-7b", "--context", "8192", "--batch", "4", "--gpu", "L4"])
-    assert table.exit_code == 0 and "fits" in table.output
+    code, output = plan_cli("no-such-model", "--context", "10")
+    assert code == 2 and "llama-3.1-8b" in output and "hub id" in output
+    code, output = plan_cli("qwen2.5-7b", "--context", "8192", "--batch", "4", "--gpu", "L4")
+    assert code == 0 and "fits" in output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["llama-3.1-8b", "--context", "1000", "--tp", "3", "--engine", "vllm"], "must be divisible by tensor parallel"),
+    (["llama-3.1-8b", "--context", "1000", "--tp", "3"], "cannot be split evenly over 3 GPUs"),
+    (["llama-3.1-8b", "--context", "1000", "--engine", "vllm", "--kv-dtype", "q4_0"], "vllm has no KV dtype 'q4_0'"),
+    (["llama-3.1-8b", "--context", "200000"], "exceeds the model's limit of 131,072"),
+    (["llama-3.1-8b", "--context", "1000", "--engine", "vllm", "--block-size", "0"], "block size must be >= 1"),
+    (["llama-3.1-8b", "--context", "1000", "--gpu", "L4", "--margin", "1.5"], "--margin is the fraction"),
+    (["llama-3.1-8b", "--context", "1000", "--engine", "llamacpp", "--block-size", "16"], "has no KV block size"),
+    (["llama-3.1-8b", "--context", "1000", "--engine-option", "oops"], "must be KEY=VALUE"),
+])
+def test_refusals_are_one_line(args, message):
+    code, output = plan_cli(*args)
+    assert code == 2 and message in output and "Traceback" not in output
+    assert len(output.strip().splitlines()) == 1
+
+
+def test_auto_is_each_engines_default():
+    for engine, dtype in (("vllm", "bf16"), ("hf", "bf16"), ("llamacpp", "f16"), ("tgi", "bf16")):
+        code, output = plan_cli("llama-3.1-8b", "--context", "1000", "--engine", engine, "--json")
+        assert code == 0 and json.loads(output)["kv_dtype"] == dtype
+    code, output = plan_cli("llama-3.1-8b", "--context", "200000", "--allow-long-context", "--json")
+    assert code == 0 and json.loads(output)["kv_bytes"] == 200000 * 131_072
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"model_type": "llama", "num_hidden_layers": "32", "num_attention_heads": 32, "hidden_size": 4096}',
+     "num_hidden_layers"),
+    ("[1, 2, 3]", "holds one JSON object, not a list"),
+    ("{not json", "not valid JSON"),
+    ('{"model_type": "t5"}', "encoder-decoder"),
+    ('{"model_type": "mamba", "num_hidden_layers": 4, "hidden_size": 64}', "no attention layer that caches KV"),
+])
+def test_bad_configs_get_one_line_naming_the_file(tmp_path, content, message):
+    (tmp_path / "config.json").write_text(content)
+    code, output = plan_cli(str(tmp_path), "--context", "100")
+    assert code == 2 and message in output and "config.json" in output and "Traceback" not in output
+
+
+def test_kv_answer_when_the_weights_are_unknown(tmp_path):
+    # a real model type, but a file without a vocabulary size or an MLP size, of a type without class defaults
+    config = {"model_type": "my_decoder", "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 4,
+              "hidden_size": 2048}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, output = plan_cli(str(tmp_path), "--context", "1000", "--gpu", "L4", "--json")
+    out = json.loads(output)
+    assert code == 0 and out["kv_bytes"] == 1000 * 2 * 24 * 4 * 128 * 2
+    assert out["weights_bytes"] is None and out["fits"] is None and "unknown" in out["weights_source"]
+    code, output = plan_cli(str(tmp_path), "--context", "1000", "--gpu", "L4")
+    assert code == 0 and "unknown: the weights are unknown" in output
 
 
 def test_plan_on_real_gguf_and_hf_copy(smollm2):

@@ -7,7 +7,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # What the adapters may use of the harness: the data and helpers below them, never the runner, the load
 # generator, the planner or the reports.
-BELOW_THE_ADAPTERS = {"kvbench", "kvbench.envs", "kvbench.hardware", "kvbench.kvmodel", "kvbench.models",
+BELOW_THE_ADAPTERS = {"kvbench", "kvbench.configs", "kvbench.envs", "kvbench.hardware", "kvbench.kvmodel", "kvbench.models",
                       "kvbench.units"}
 
 

@@ -1,4 +1,5 @@
 """kvbench.summary.summarize: a cell's row from a hand-made measurement, no engine and no I/O."""
+from kvbench.backends import REGISTRY
 from kvbench.backends.types import KVInUse, KVPool, RequestResult
 from kvbench.cells import Cell
 from kvbench.load import LoadPoint, LoadResult
@@ -14,7 +15,8 @@ CELL = Cell(100, LoadPoint("concurrent", 2))
 
 def engine_run(tmp_path, engine="vllm") -> EngineRun:
     return EngineRun("run1", f"{engine}-1", engine, "1", spec(tmp_path).model, WORKLOAD, "auto", attached=False,
-                     engine_version_reported="1.0 (abc)", token_contract="token ids, output forced")
+                     engine_version_reported="1.0 (abc)", token_contract="token ids, output forced",
+                     rules=REGISTRY[engine].kv_rules)
 
 
 def request(i, t0, error=None, out=4, prompt_read=100) -> RequestResult:

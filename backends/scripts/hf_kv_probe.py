@@ -1,42 +1,51 @@
-"""Measure transformers' KV cache exactly for one generate call (run inside the hf environment).
+"""Measure transformers' KV cache exactly, one generate call per job (run inside the hf environment).
 
-Usage: python hf_kv_probe.py (--model DIR | --config JSON_FILE) --prompt N --new M [--batch B] [--dtype bf16]
-A --config builds a randomly initialised model of that config (for architectures no package ships).
-Prints one JSON object: the cache tensors' bytes, per-layer cached lengths, and the versions used.
+Usage: python hf_kv_probe.py JOBS_JSON
+JOBS_JSON is a list of {"model": DIR | "config": {...}, "prompt": N, "new": M, "batch": B, "dtype": "bf16"};
+a "config" builds a randomly initialised model of that config. Prints one JSON list: per job the cache
+tensors' bytes, the per-layer cached lengths (None for a layer with no K/V), or the error that stopped it.
 """
-import argparse
 import json
+import sys
 
 import torch
 import transformers
 from hf_worker import CACHE_KWARG, cache_bytes
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-parser = argparse.ArgumentParser()
-source = parser.add_mutually_exclusive_group(required=True)
-source.add_argument("--model")
-source.add_argument("--config")
-parser.add_argument("--prompt", type=int, required=True)
-parser.add_argument("--new", type=int, required=True)
-parser.add_argument("--batch", type=int, default=1)
-parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-args = parser.parse_args()
-dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-torch.manual_seed(0)
-if args.model:
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
-else:
-    values = json.load(open(args.config))
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-model.eval()
-vocab = model.config.get_text_config().vocab_size
-ids = torch.randint(3, vocab, (args.batch, args.prompt))
-cache = DynamicCache(config=model.config)
-with torch.inference_mode():
-    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
-                   min_new_tokens=args.new, do_sample=False, pad_token_id=0, **{CACHE_KWARG: cache})
-total, _ = cache_bytes(cache)
-lengths = [layer.keys.shape[-2] for layer in cache.layers]
-print(json.dumps({"cache_bytes": total, "layer_lengths": lengths, "transformers": transformers.__version__,
-                  "layer_types": getattr(model.config.get_text_config(), "layer_types", None)}))
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def measure(job: dict) -> dict:
+    dtype = DTYPES[job.get("dtype", "bf16")]
+    torch.manual_seed(0)
+    if "model" in job:
+        model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=dtype)
+    else:
+        values = dict(job["config"])
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    batch, prompt, new = job.get("batch", 1), job["prompt"], job["new"]
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(3, vocab, (batch, prompt))
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=0, **{CACHE_KWARG: cache})
+    total, _ = cache_bytes(cache)
+    lengths = []
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        lengths.append(None if keys is None or not keys.numel() else keys.shape[-2])
+    return {"cache_bytes": total, "layer_lengths": lengths, "transformers": transformers.__version__,
+            "layer_types": getattr(model.config.get_text_config(), "layer_types", None)}
+
+
+results = []
+for job in json.load(open(sys.argv[1])):
+    try:
+        results.append(measure(job))
+    except Exception as exc:  # one job's failure (an architecture this transformers lacks) is its row, not the run's
+        results.append({"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]})
+print(json.dumps(results))

@@ -1,56 +1,75 @@
 import json
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from kvbench import ui
-from kvbench.kvmodel import ENGINES, KV_DTYPE_BYTES, MissingConfigKeys, UnknownEngine, UnknownKVDtype
-from kvbench.planner import GIB, PlanError, PlanInput, catalog_names, plan, resolve_model
-
-
-def _gib(x) -> str:
-    return f"{x / GIB:,.2f} GiB"
+from kvbench.config import ConfigError, parse_options
+from kvbench.kvmodel import KV_DTYPE_BYTES
+from kvbench.planner import PlanError, PlanInput, catalog_names, engines, plan, resolve_model
+from kvbench.units import fmt_gib
 
 
 def plan_command(
-    model: str = typer.Argument(..., help=f"config.json, model folder, GGUF file, or a catalog name: {', '.join(catalog_names())}."),
+    model: str = typer.Argument(..., help="A config.json, a model folder, a GGUF file, a hub id (org/name) or a "
+                                          f"catalog name: {', '.join(catalog_names())}."),
     context: int = typer.Option(..., "--context", "-n", help="Tokens per sequence (prompt + output)."),
     batch: int = typer.Option(1, "--batch", "-b", help="Concurrent sequences."),
-    kv_dtype: str = typer.Option("bf16", help=f"KV cache dtype: {', '.join(sorted(KV_DTYPE_BYTES))}."),
-    tp: int = typer.Option(1, help="Tensor-parallel GPUs."),
-    engine: str = typer.Option(None, help=f"Apply this engine's allocation rules: {', '.join(ENGINES)} (default: the exact formula)."),
+    kv_dtype: str = typer.Option("auto", help="KV cache dtype: auto (the engine's default for the model) or "
+                                              f"{', '.join(sorted(KV_DTYPE_BYTES))}; each engine takes some."),
+    tp: int = typer.Option(1, help="GPUs the model is split over (tensor parallel; llama.cpp splits layers)."),
+    engine: str = typer.Option(None, help=f"Apply this engine's KV rules: {', '.join(engines())} "
+                                          "(default: the plain formula)."),
     gpu: str = typer.Option(None, help="A GPU name (A100-80GB, H100-80GB, H200, L4, RTX-4090, ...) or a size such as 48GiB."),
-    block_size: int = typer.Option(None, help="vLLM/TGI block size (default: vLLM 16, TGI 1)."),
+    block_size: int = typer.Option(None, help="The engine's KV block size (default: its own; vLLM 16 on a GPU, "
+                                              "128 on a CPU; TGI 1)."),
+    device: str = typer.Option("gpu", help="gpu or cpu: the device the engine runs on (vLLM sizes blocks per device)."),
+    engine_version: str = typer.Option(None, help="The engine's version, where its rules changed (default: the "
+                                                  "version kvbench runs)."),
+    engine_option: list[str] = typer.Option([], "--engine-option", help="KEY=VALUE for the engine's rules, e.g. "
+                                                                       "hybrid_kv_cache=off (vLLM), unified=true "
+                                                                       "(llama.cpp); repeat for several."),
     weights_dtype: str = typer.Option("bf16", help="Weights dtype when only a config gives the parameter count."),
     overhead_gib: float = typer.Option(1.5, help="Runtime overhead per GPU (CUDA context, activations): an assumption."),
-    margin: float = typer.Option(0.10, help="Fraction of GPU memory kept free."),
+    margin: float = typer.Option(0.10, help="Fraction of GPU memory kept free, from 0 to below 1."),
+    allow_long_context: bool = typer.Option(False, help="Plan a context beyond the model's max_position_embeddings."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """How much KV a deployment needs, and whether it fits on a GPU."""
     try:
+        options = parse_options(",".join(engine_option), "--engine-option")
         m = resolve_model(model, weights_dtype)
         result = plan(PlanInput(model=m, context=context, batch=batch, kv_dtype=kv_dtype, tp=tp, engine=engine,
-                                gpu=gpu, overhead_gib=overhead_gib, margin=margin, block_size=block_size))
-    except (PlanError, MissingConfigKeys, UnknownKVDtype, UnknownEngine, ValueError) as exc:
+                                gpu=gpu, overhead_gib=overhead_gib, margin=margin, block_size=block_size,
+                                device=device, engine_version=engine_version, engine_options=options,
+                                allow_long_context=allow_long_context))
+    except (PlanError, ConfigError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     if as_json:
         print(json.dumps(result, indent=2))
         return
-    t = Table(title=f"kvbench plan: {result['model']}", show_header=False)
-    t.add_row("attention", f"{result['attention']}, {result['layers']} layers, {result['kv_heads']} KV heads "
-              f"({result['kv_heads_per_gpu']} per GPU), head_dim K {result['head_dim_k']} / V {result['head_dim_v']}"
-              + (f", window {result['sliding_window']} on {result['sliding_layers']} layers" if result['sliding_layers'] else ""))
-    t.add_row("KV per token (formula)", f"{result['kv_bytes_per_token_formula']:,.0f} B ({kv_dtype}, all GPUs)")
-    t.add_row(f"KV for {batch} x {context:,} tokens", f"{_gib(result['kv_bytes'])} ({result['engine']}: {result['engine_rule']})")
-    t.add_row("weights", f"{_gib(result['weights_bytes'])} ({result['weights_source']})")
+    t = Table(title=f"kvbench plan: {escape(result['model'])}", show_header=False)
+    t.add_row("attention", escape(result["geometry"]))
+    for note in result["notes"]:
+        t.add_row("read", escape(note))
+    t.add_row("KV per token (formula)", f"{result['kv_bytes_per_token_formula']:,.0f} B ({result['kv_dtype']}, all GPUs)")
+    t.add_row(f"KV for {batch} x {context:,} tokens",
+              f"{fmt_gib(result['kv_bytes'])} ({result['engine']}: {escape(result['engine_rule'])})")
+    t.add_row("weights", (f"{fmt_gib(result['weights_bytes'])} " if result["weights_bytes"] else "")
+              + f"({escape(result['weights_source'])})")
     if gpu:
-        t.add_row("per GPU", f"weights {_gib(result['weights_bytes_per_gpu'])} + KV {_gib(result['kv_bytes_per_gpu'])} "
-                  f"+ overhead {_gib(result['overhead_bytes'])} = {_gib(result['needed_bytes_per_gpu'])}")
-        t.add_row("usable", f"{_gib(result['usable_bytes'])} of {result['gpu']} {_gib(result['gpu_memory_bytes'])} "
-                  f"({result['margin']:.0%} kept free)")
-        t.add_row("fits", "[green]yes[/]" if result["fits"] else "[red]no[/]")
-        t.add_row(f"max concurrency at {context:,} tokens", str(result["max_batch"]))
-        t.add_row(f"longest context at concurrency {batch}", f"{result['max_context_at_batch']:,} tokens"
-                  + (" (the model's limit)" if result["max_context_at_batch"] == result["max_context"] else ""))
+        if result["fits"] is None:
+            t.add_row("fits", "unknown: the weights are unknown (the KV figure above stands)")
+        else:
+            t.add_row("per GPU", f"weights {fmt_gib(result['weights_bytes_per_gpu'])} + KV "
+                      f"{fmt_gib(result['kv_bytes_per_gpu'] + result['kv_pool_extra_bytes'])} + overhead "
+                      f"{fmt_gib(result['overhead_bytes'])} = {fmt_gib(result['needed_bytes_per_gpu'])}")
+            t.add_row("usable", f"{fmt_gib(result['usable_bytes'])} of {result['gpu']} "
+                      f"{fmt_gib(result['gpu_memory_bytes'])} ({result['margin']:.0%} kept free)")
+            t.add_row("fits", "[green]yes[/]" if result["fits"] else "[red]no[/]")
+            t.add_row(f"max concurrency at {context:,} tokens", str(result["max_batch"]))
+            t.add_row(f"longest context at concurrency {batch}", f"{result['max_context_at_batch']:,} tokens"
+                      + (" (the model's limit)" if result["max_context_at_batch"] == result["max_context"] else ""))
     ui.console().print(t)

@@ -19,13 +19,13 @@ def setup(
         raise typer.BadParameter(str(exc)) from None
     failed = False
     for cfg in configs:
-        recipe = REGISTRY[cfg.engine].recipe(cfg.version)
-        try:
-            path = ensure_env(recipe, log=console.print)
-            console.print(f"[green]ready[/] {cfg.label}: {path}")
-        except EnvInstallError as exc:
-            failed = True
-            console.print(f"[red]{exc}[/]\n{exc.log_tail}")
+        for recipe in REGISTRY[cfg.engine].recipes(cfg.version):
+            try:
+                path = ensure_env(recipe, log=console.print)
+                console.print(f"[green]ready[/] {recipe.name}: {path}")
+            except EnvInstallError as exc:
+                failed = True
+                console.print(f"[red]{exc}[/]\n{exc.log_tail}")
     try:
         files = models.resolve(model, gguf_converter(console.print), log=console.print)
         console.print(f"[green]ready[/] model {files.name}: {files.hf_dir}" + (f", {files.gguf_path}" if files.gguf_path else ""))

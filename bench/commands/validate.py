@@ -1,4 +1,7 @@
 import json
+import shlex
+import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import typer
@@ -8,20 +11,28 @@ from kvbench import models, ui
 from kvbench.backends import REGISTRY, gguf_converter
 from kvbench.config import BackendConfig, ConfigError
 from kvbench.envs import EnvInstallError, ensure_env
-from kvbench.validate import markdown, run_all
+from kvbench.hardware import environment_info
+from kvbench.validate import families, family_markdown, markdown, measure_families, run_all
 
 VALIDATION_FILE = "kv_validation.jsonl"
+FAMILIES_FILE = "kv_families.jsonl"
+FAMILIES_TABLE = "kv_families.md"
 
 
 def validate(
     backend: list[str] = typer.Option(["hf", "vllm", "llamacpp"], "--backend", "-b", help="Engines to check."),
-    into: Path = typer.Option(None, help="A run folder to add the table to (default: results/validation/)."),
+    into: Path = typer.Option(None, help="A run folder to add the tables to (default: results/validation/)."),
+    with_families: bool = typer.Option(False, "--families", help="Also measure the validation families (GQA, MQA, "
+                                       "MHA, windows, sinks, chunks, MLA, MoE) in every engine (minutes per engine)."),
+    only: list[str] = typer.Option([], "--family", help="Only these families (repeat); implies --families."),
+    embedded: bool = typer.Option(True, "--embedded/--no-embedded", help="The engines' own cases on the embedded model."),
 ):
-    """Check the KV model against what the real engines allocate (predicted, engine-reported, measured)."""
+    """Check the engines' KV rules against what the real engines allocate (predicted, engine-reported, measured)."""
     console = ui.console()
     try:
         configs = [BackendConfig.parse(b) for b in backend]
-    except ConfigError as exc:
+        chosen = families(only or None) if (with_families or only) else []
+    except (ConfigError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
     model = models.resolve("smollm2", gguf_converter(console.print), log=console.print)
     envs = {}
@@ -31,11 +42,39 @@ def validate(
         except EnvInstallError as exc:
             console.print(f"[red]{exc}[/]\n{exc.log_tail}")
     out_dir = into or Path("results/validation")
-    rows = run_all(envs, model, out_dir / "logs" / "validation", log=console.print)
-    with (out_dir / VALIDATION_FILE).open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    console.print(Markdown(markdown(rows)))
-    console.print(f"written to {out_dir / VALIDATION_FILE}")
-    if not all(r["ok"] for r in rows):
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ok = True
+    if embedded:
+        rows = run_all(envs, model, out_dir / "logs" / "validation", log=console.print)
+        _write_jsonl(out_dir / VALIDATION_FILE, rows)
+        console.print(Markdown(markdown(rows)))
+        console.print(f"written to {out_dir / VALIDATION_FILE}")
+        ok = all(r["ok"] for r in rows)
+    if chosen:
+        rows = measure_families(envs, chosen, model.hf_dir, out_dir / "logs" / "families", log=console.print)
+        _write_jsonl(out_dir / FAMILIES_FILE, rows)
+        table = family_markdown(rows)
+        env = environment_info()
+        header = [f"# KV rules against the engines, by attention family", "",
+                  f"Command: `{shlex.join(['kvbench', *sys.argv[1:]])}` ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC)",
+                  f"Machine: {env['cpu']}, {env['cpu_count']} cores ({', '.join(env['cpu_flags']) or 'no AVX flags read'}), "
+                  f"GPU: {', '.join(g['name'] for g in env['gpus']) or 'none'}; engines: "
+                  + ", ".join(f"{c.engine} {c.version}" for c in configs), "",
+                  "Plain formula: the config's KV at face value (every caching layer, windows applied). Engine's "
+                  "rules: kvbench's prediction under that engine's rules (its adapter's kv_rules). Engine's own: "
+                  "what the engine allocated, measured here (equal: to the byte, or to the 0.01 MiB its log prints).",
+                  ""]
+        (out_dir / FAMILIES_TABLE).write_text("\n".join(header) + table + "\n")
+        console.print(Markdown(table))
+        console.print(f"written to {out_dir / FAMILIES_TABLE} and {out_dir / FAMILIES_FILE}")
+        # a family an engine cannot load here is reported, not failed; a measured difference fails
+        ok = ok and not any(r["predicted"] is not None and not r["ok"] and
+                            (r["measured"] is not None or r["engine_reported"] is not None) for r in rows)
+    if not ok:
         raise typer.Exit(1)
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tmp.replace(path)  # written whole or not at all

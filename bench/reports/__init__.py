@@ -78,8 +78,9 @@ def caption(infos: list[dict]) -> str:
     return "; ".join(parts)
 
 
-KV_INTRO = ("Predicted = 2 x layers x KV heads x head_dim x dtype bytes per token, times concurrency x "
-            "(prompt + output - 1) tokens (the last sampled token is never fed back). \"In use\" is each "
+KV_INTRO = ("Predicted = the plain formula from the model's config: per layer 2 x KV heads x head_dim x dtype "
+            "bytes (MLA: the latent) for each of prompt + output - 1 tokens (the last sampled token is never fed "
+            "back; a sliding-window layer holds at most its window), times the sequences held at once. \"In use\" is each "
             "engine's own figure at the cell's peak: transformers' cache tensors (exact), vLLM's "
             "kv_cache_usage_perc x blocks (block-rounded), llama.cpp's /slots cached tokens x bytes/token. "
             "The pool is what the engine allocated up front (vLLM: its KV budget; llama.cpp: its log line).")
@@ -103,7 +104,7 @@ def _validation(run_dirs: list[Path], infos: list[dict]) -> list[Section]:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         title = "The KV model against the engines' own allocations"
         out.append(Section(title + (f" ({info['run_id']})" if len(run_dirs) > 1 else ""),
-                           "Predicted by `bench/kvmodel.py` under each engine's rules (`kvbench plan --engine ...`); "
+                           "Predicted by each engine's KV rules (its adapter in `backends/`, `kvbench plan --engine ...`); "
                            "engine-reported from the engine's log or metrics; measured from transformers' cache "
                            "tensors. `kvbench validate` made this table.",
                            tables.validation_table(rows), tables.VALIDATION_RIGHT, caption([info])))

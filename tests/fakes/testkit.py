@@ -20,8 +20,7 @@ from kvbench.models import ModelFiles, sha256_file
 from kvbench.workloads.prompts import Prompt
 
 ROOT = Path(__file__).resolve().parents[2]
-SMOLLM2 = KVGeometry(num_layers=30, num_kv_heads=3, head_dim_k=64, head_dim_v=64, num_attention_heads=9,
-                     max_context=8192, architecture="llama")
+SMOLLM2 = KVGeometry.uniform(30, 3, 64, num_attention_heads=9, max_context=8192, model_type="llama")
 BYTES_PER_TOKEN = 23_040  # 2 x 30 x 3 x 64 x 2 bytes
 
 
