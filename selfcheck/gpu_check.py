@@ -37,6 +37,9 @@ PROBE = Path(__file__).resolve().parent.parent / "backends" / "scripts" / "gpu_p
 ROOT = Path(__file__).resolve().parent.parent
 # (prompt tokens, batch) for transformers on CUDA; cells longer than the model's context are dropped.
 KV_CELLS = [(1024, 1), (4096, 1), (4096, 4), (16384, 1), (32768, 1), ("max", 1), ("max", 8)]
+# random-weight models of real configs: past Gemma 3's window (1024) and Mistral's (4096), within minutes
+CONFIG_CELLS = [(1024, 1), (8192, 1), (4096, 4)]
+FAMILY_CELLS = [(100, 2), (1000, 1)]  # the validation families: windows and chunks of 64
 NEW_TOKENS = 16
 # Agreement: the allocator holds the cache tensors rounded up to 512-byte blocks; NVML sees whole
 # segments the caching allocator reserved (2 MiB granularity, 20 MiB for large blocks, fragmentation).
@@ -352,14 +355,17 @@ def check_sampler(nvml, python: str, alloc_bytes: int, budget: Budget, logs: Pat
 
 
 def check_kv(nvml, python: str, model_dir: Path, name: str, budget: Budget, logs: Path,
-             script: Path = PROBE) -> list[dict]:
+             script: Path = PROBE, cells: list[tuple[int, int]] | None = None) -> list[dict]:
+    """(b) for one model: a folder with weights, or a config.json file (a random-weight model built on the GPU)."""
     from kvbench.backends.hf import HFBackend
     from kvbench.backends.kvrules import KVQuestion
     from kvbench.configs import geometry_from_hf
 
     geom = geometry_from_hf(model_dir)
-    cells = kv_cells(geom.max_context)
-    probe = Probe(python, ["kv", "--model", str(model_dir), "--cells", ",".join(f"{p}x{b}" for p, b in cells),
+    limit = (geom.max_context or 2048) - NEW_TOKENS
+    cells = [(p, b) for p, b in cells if p <= limit] if cells else kv_cells(geom.max_context)
+    source = ["--config", str(model_dir)] if model_dir.is_file() else ["--model", str(model_dir)]
+    probe = Probe(python, ["kv", *source, "--cells", ",".join(f"{p}x{b}" for p, b in cells),
                            "--new", str(NEW_TOKENS)], logs / f"probe_kv_{name}.log", script)
     rows = []
     try:
@@ -440,6 +446,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbench.selfcheck.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="folder for gpu_check.md/json (default results/gpu/<time>-<gpu>)")
     parser.add_argument("--model", action="append", default=[], help="an extra local HF model folder (repeatable)")
+    parser.add_argument("--config", action="append", default=[], type=Path,
+                        help="a config.json: (b) builds a random-weight model of it on the GPU (repeatable)")
+    parser.add_argument("--families", action="store_true",
+                        help="(b) also on kvbench validate's families (random-weight models of bench/kv_families.toml)")
+    parser.add_argument("--no-embedded", action="store_true", help="(b) without the embedded model")
     parser.add_argument("--budget-s", type=float, default=540, help="the whole check's time budget (default 540)")
     parser.add_argument("--alloc-gib", type=float, default=4.0, help="size of check (a)'s allocation")
     parser.add_argument("--engines", default="hf,vllm,llamacpp", help="engines for check (c); '' for none")
@@ -494,19 +505,34 @@ def main(argv: list[str] | None = None) -> int:
             from kvbench.backends.hf import HFBackend
 
             targets = []
-            try:
-                # This torch interpreter converts the GGUF once if needed (offline: a local conversion).
-                convert = HFBackend.gguf_converter(python=Path(python))
-                targets.append(("smollm2", models.resolve("smollm2", convert, log=print).hf_dir))
-            except models.ModelError as exc:
-                result["skipped"].append(f"(b) smollm2: {exc}")
-            targets += [(Path(m).name, Path(m)) for m in args.model]
-            for name, folder in targets:
+            if not args.no_embedded:
+                try:
+                    # This torch interpreter converts the GGUF once if needed (offline: a local conversion).
+                    convert = HFBackend.gguf_converter(python=Path(python))
+                    targets.append(("smollm2", models.resolve("smollm2", convert, log=print).hf_dir, None))
+                except models.ModelError as exc:
+                    result["skipped"].append(f"(b) smollm2: {exc}")
+            targets += [(Path(m).name, Path(m), None) for m in args.model]
+            targets += [(c.stem, c, CONFIG_CELLS) for c in args.config]
+            if args.families:
+                from kvbench.validate import families
+
+                configs = out / "configs"
+                configs.mkdir(exist_ok=True)
+                for f in families():
+                    (configs / f"{f.name}.json").write_text(json.dumps(f.config))
+                    targets.append((f.name, configs / f"{f.name}.json", FAMILY_CELLS))
+            for name, source, cells in targets:
                 if budget.left() < 60:
                     result["skipped"].append(f"(b) {name}: time budget")
                     continue
                 print(f"(b) transformers on CUDA: {name}", flush=True)
-                result.setdefault("kv", []).extend(check_kv(nvml, python, folder, name, budget, out / "logs"))
+                try:
+                    result.setdefault("kv", []).extend(check_kv(nvml, python, source, name, budget, out / "logs",
+                                                                cells=cells))
+                except (TimeoutError, RuntimeError) as exc:  # one model that will not load is its own row
+                    result.setdefault("kv", []).append({"model": name, "prompt_tokens": "-", "batch": "-",
+                                                        "error": str(exc)})
                 save()
         else:
             result["skipped"].append(f"(b): {python} has torch but not transformers")

@@ -4,7 +4,8 @@ for a line on stdin, so the parent reads NVML while this process holds exactly w
 
     python gpu_probe.py info
     python gpu_probe.py alloc --bytes N
-    python gpu_probe.py kv --model DIR --cells 1024x1,4096x4 --new 16 [--dtype bf16]
+    python gpu_probe.py kv (--model DIR | --config JSON_FILE) --cells 1024x1,4096x4 --new 16 [--dtype bf16]
+      (--config: a random-weight model of that config, built on the GPU)
 
 Events (one JSON object a line, ``event`` first): info; ready (CUDA context up, nothing allocated);
 allocated / freed (alloc); loaded, cell_before, cell_after, cell_freed, cell_error (kv); done.
@@ -61,12 +62,20 @@ def cmd_alloc(args):
 
 def cmd_kv(args):
     from hf_worker import CACHE_KWARG, cache_bytes
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     torch.zeros(1, device="cuda")
     emit("ready", **allocator())
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to("cuda").eval()
+    if args.config:
+        values = json.load(open(args.config))
+        values.pop("quantization_config", None)  # random weights in the asked dtype: nothing to dequantize
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+        torch.manual_seed(0)
+        with torch.device("cuda"):  # built on the GPU: random weights, no copy through the CPU
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to("cuda").eval()
     vocab = model.config.get_text_config().vocab_size
     emit("loaded", **allocator())
     generator = torch.Generator().manual_seed(0)
@@ -110,7 +119,9 @@ def main():
     a = sub.add_parser("alloc")
     a.add_argument("--bytes", type=int, required=True)
     k = sub.add_parser("kv")
-    k.add_argument("--model", required=True)
+    source = k.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model")
+    source.add_argument("--config")
     k.add_argument("--cells", required=True, help="PROMPTxBATCH,...")
     k.add_argument("--new", type=int, default=16)
     k.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
