@@ -364,7 +364,8 @@ def check_kv(nvml, python: str, model_dir: Path, name: str, budget: Budget, logs
     geom = geometry_from_hf(model_dir)
     limit = (geom.max_context or 2048) - NEW_TOKENS
     cells = [(p, b) for p, b in cells if p <= limit] if cells else kv_cells(geom.max_context)
-    source = ["--config", str(model_dir)] if model_dir.is_file() else ["--model", str(model_dir)]
+    # the probe runs in its own folder: the path must not be relative
+    source = ["--config" if model_dir.is_file() else "--model", str(model_dir.resolve())]
     probe = Probe(python, ["kv", *source, "--cells", ",".join(f"{p}x{b}" for p, b in cells),
                            "--new", str(NEW_TOKENS)], logs / f"probe_kv_{name}.log", script)
     rows = []

@@ -77,6 +77,13 @@ def cmd_kv(args):
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to("cuda").eval()
     vocab = model.config.get_text_config().vocab_size
+    # one short generate first: the first call allocates cuBLAS's workspace and loads kernels (tens of MiB the
+    # allocator keeps), which would otherwise be counted in the first cell's delta
+    warm = torch.randint(3, vocab, (1, 16), device="cuda")
+    with torch.inference_mode():
+        model.generate(input_ids=warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)
+    torch.cuda.empty_cache()
     emit("loaded", **allocator())
     generator = torch.Generator().manual_seed(0)
     for cell in args.cells.split(","):
