@@ -21,7 +21,6 @@ from kvbench.kvmodel import (
     check_split,
     dtype_bytes,
     heads_per_rank,
-    kv_bytes_per_token,
     tokens_kept,
 )
 
@@ -164,7 +163,7 @@ class KVRules:
 
     def pool_bytes_per_token(self, geometry: KVGeometry, dtype: str, details: dict) -> float:
         """Bytes per token of the pool the engine reports in tokens (to compare with a byte figure)."""
-        return kv_bytes_per_token(self.stored(KVQuestion(geometry, dtype)), self.resolve_dtype(KVQuestion(geometry, dtype)))
+        return self.bytes_per_token(KVQuestion(geometry, dtype))
 
 
 def with_kinds(geom: KVGeometry, kinds: dict[str, str]) -> KVGeometry:

@@ -40,7 +40,7 @@ BLOCKS_LINE = re.compile(r"KV-cache blocks: (\d+), size: (\d+)")
 
 
 class TGIKV(KVRules):
-    """TGI's paged KV cache (its docs and source, kv-accounting notes; not run here): the pool is
+    """TGI's paged KV cache (from its source and docs; no TGI server ran here): the pool is
     max_batch_total_tokens = blocks x BLOCK_SIZE, and a request reserves prompt + max_new_tokens (the
     ``context``) in whole blocks of 1 (flashinfer, the default), 16 (paged) or 256 (flashdecoding) on every
     layer: TGI keeps no sliding-window saving, and stores DeepSeek's MLA decompressed (every head, K of

@@ -212,8 +212,8 @@ class VLLMBackend(PrometheusPolled, Backend):
         prediction exactly (tolerance 0)."""
         q = KVQuestion(model.geometry, dtype, device="gpu" if has_nvidia_gpu() else "cpu", version=cls.default_version)
         per_block = int(cls.kv_rules.bytes_per_block(q))
-        # every caching layer's page in every block: what vLLM's block would be without its MLA and hybrid rules
-        formula = cls.kv_rules.block_size(q, q.geometry) * kv_bytes_per_token(q.geometry, dtype)
+        # the plain formula's bytes for a block of the same tokens: every caching layer's page at face value
+        formula = cls.kv_rules.block_size(q, cls.kv_rules.stored(q)) * kv_bytes_per_token(q.geometry, dtype)
         counts = []
         for budget in (blocks * per_block, blocks * per_block - 1):
             spec = ServerSpec(model=model, max_context=256, max_concurrency=1, kv_dtype=dtype)

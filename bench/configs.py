@@ -197,11 +197,10 @@ def _geometry(text, raw: dict, config, source: str, notes: list[str]) -> KVGeome
     # --- MLA: the latent is what the layers hold; the decompressed shape goes beside it ---------------
     rank = getattr(text, "kv_lora_rank", None)
     if rank:
-        rope = _positive_int(getattr(text, "qk_rope_head_dim", None), "qk_rope_head_dim", source) \
-            if getattr(text, "qk_rope_head_dim", None) is not None else None
+        rope = getattr(text, "qk_rope_head_dim", None)
         if rope is None:
             raise ConfigError(f"{source}: kv_lora_rank without qk_rope_head_dim: the MLA latent's size is unknown")
-        rank = _positive_int(rank, "kv_lora_rank", source)
+        rank, rope = _positive_int(rank, "kv_lora_rank", source), _positive_int(rope, "qk_rope_head_dim", source)
         nope, v = getattr(text, "qk_nope_head_dim", None), getattr(text, "v_head_dim", None)
         mla = MLAShape(rank, rope, nope, v, max(heads_per_layer))
         layers = tuple(LayerKV(k, 1, rank + rope, 0, span) if k != "none" else LayerKV("none", why_none=w)
@@ -239,7 +238,7 @@ def _geometry(text, raw: dict, config, source: str, notes: list[str]) -> KVGeome
 
     # --- head dims ------------------------------------------------------------------------------------
     head_dim = getattr(text, "head_dim", None)
-    if head_dim is not None and not isinstance(head_dim, property):
+    if head_dim is not None:
         head_dim = _positive_int(head_dim, "head_dim", source)
     if not head_dim:
         head_dim = getattr(text, "kv_channels", None) or getattr(text, "hidden_size_per_head", None)
@@ -248,18 +247,25 @@ def _geometry(text, raw: dict, config, source: str, notes: list[str]) -> KVGeome
         if not isinstance(heads, int) or not heads:
             raise ConfigError(f"{source}: head_dim is missing and hidden_size / num_attention_heads has no single value")
         head_dim = hidden // heads
-        if "head_dim" not in raw:
-            notes.append(f"head_dim = hidden_size / num_attention_heads = {head_dim}")
-    elif "head_dim" not in raw and known and getattr(type(text), "head_dim", None) is not None:
-        notes.append(f"head_dim {head_dim} from the {type(text).__name__} class default (not in the file)")
     head_dim_v = getattr(text, "v_head_dim", None) or head_dim
-    if "num_key_value_heads" not in raw and known and model_type not in ("falcon",) and kv != heads:
-        notes.append(f"num_key_value_heads {kv} from the {type(text).__name__} class default (not in the file)")
+    if known:
+        for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv), ("head_dim", head_dim),
+                            ("sliding_window", getattr(text, "sliding_window", None))):
+            default = getattr(type(text), name, None)
+            if value is not None and not _in_file(text, raw, name) and isinstance(default, int):
+                notes.append(f"{name} {value} from the {type(text).__name__} class default (not in the file)")
+    if "head_dim" not in raw and not isinstance(getattr(type(text), "head_dim", None), int):
+        notes.append(f"head_dim = hidden_size / num_attention_heads = {head_dim}")
 
     layers = tuple(LayerKV(k, kvh, head_dim, head_dim_v, span) if k != "none" else LayerKV("none", why_none=w)
                    for (k, span), w, kvh in zip(kinds, why, kv_per_layer))
     return KVGeometry(layers, max(heads_per_layer), _max_context(text, known, source), None, model_type,
                       _dtype(text, config), "hf", tuple(flags), tuple(notes))
+
+
+def _in_file(config, raw: dict, name: str) -> bool:
+    """Whether the file gives ``name``, itself or as the field its class reads for it (GPT-2's n_head)."""
+    return name in raw or getattr(type(config), "attribute_map", {}).get(name) in raw
 
 
 def _layer_kinds(text, raw: dict, n: int, model_type: str, source: str) -> tuple[list[tuple[str, int | None]], list[str]]:

@@ -7,7 +7,6 @@ environment by huggingface_hub and never written by kvbench. Failures are one li
 """
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -79,7 +78,3 @@ def model_folder(repo_id: str, revision: str | None = None) -> Path:
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
         raise _explain(repo_id, exc) from None
 
-
-def token_present() -> bool:
-    """Whether a hub token is set (for messages only: its value is never read here)."""
-    return bool(os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN"))

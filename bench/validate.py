@@ -25,7 +25,7 @@ from kvbench.backends.kvrules import KVCheck
 from kvbench.backends.llamacpp import LlamaCppBackend
 from kvbench.backends.types import EngineStartError
 from kvbench.configs import ConfigError, geometry_from_hf
-from kvbench.envs import EnvInstallError, env_python, kvbench_home
+from kvbench.envs import EnvInstallError, ensure_env, env_python, kvbench_home
 from kvbench.models import ModelFiles
 
 FAMILIES_FILE = Path(__file__).with_name("kv_families.toml")
@@ -94,8 +94,6 @@ def prepare(chosen: list[Family], tokenizer_dir: Path, log=print) -> tuple[list[
 
 
 def _env(engine: str, log) -> Path:
-    from kvbench.envs import ensure_env
-
     cls = REGISTRY[engine]
     return ensure_env(cls.recipe(cls.default_version), log=log)
 

@@ -55,7 +55,7 @@ def validate(
         _write_jsonl(out_dir / FAMILIES_FILE, rows)
         table = family_markdown(rows)
         env = environment_info()
-        header = [f"# KV rules against the engines, by attention family", "",
+        header = ["# KV rules against the engines, by attention family", "",
                   f"Command: `{shlex.join(['kvbench', *sys.argv[1:]])}` ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC)",
                   f"Machine: {env['cpu']}, {env['cpu_count']} cores ({', '.join(env['cpu_flags']) or 'no AVX flags read'}), "
                   f"GPU: {', '.join(g['name'] for g in env['gpus']) or 'none'}; engines: "
@@ -64,7 +64,7 @@ def validate(
                   "rules: kvbench's prediction under that engine's rules (its adapter's kv_rules). Engine's own: "
                   "what the engine allocated, measured here (equal: to the byte, or to the 0.01 MiB its log prints).",
                   ""]
-        (out_dir / FAMILIES_TABLE).write_text("\n".join(header) + table + "\n")
+        (out_dir / FAMILIES_TABLE).write_text("\n".join(header) + "\n" + table + "\n")
         console.print(Markdown(table))
         console.print(f"written to {out_dir / FAMILIES_TABLE} and {out_dir / FAMILIES_FILE}")
         # a family an engine cannot load here is reported, not failed; a measured difference fails
