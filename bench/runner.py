@@ -39,8 +39,8 @@ from kvbench.summary import (
     CellMeasurement,
     EngineRun,
     failed_row,
-    has_failed_requests,
     request_row,
+    request_verdicts,
     summarize,
     summary_line,
     timeline_frame,
@@ -287,13 +287,14 @@ class _EngineSession:
             r.writer.write_request(request_row(r.run_id, cell.cell_id(label), label, result, repeat=cell.repeat))
         # A killed engine closes its sockets a moment before its exit can be read: wait for it briefly,
         # so that requests cut off by a dead engine are put down to the engine.
-        died = backend.exit_description(wait_s=ENGINE_EXIT_WAIT_S) if has_failed_requests(load.results) else ""
+        verdicts = request_verdicts(load.results)
+        died = backend.exit_description(wait_s=ENGINE_EXIT_WAIT_S) if "failed" in verdicts else ""
         try:
             kv_peak = backend.kv_peak()
         except httpx.HTTPError:
             kv_peak = None
         m = CellMeasurement(cell, load, t0, backend.kv_dtype_name(), engine_exit=died,
-                            log_tail=backend.log_tail(),
+                            log_tail=backend.log_tail() if "ok" not in verdicts else "",
                             kv_pool=backend.kv_pool(), kv_peak=kv_peak,
                             kv_samples=engine.kv_samples, kv_source=engine.kv_source,
                             queue_samples=engine.queue_samples, queue_source=engine.queue_source,

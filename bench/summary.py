@@ -54,7 +54,7 @@ class CellMeasurement:
     t_cell_start: float
     kv_dtype: str  # the engine's KV dtype name (its default resolved)
     engine_exit: str = ""  # how the engine ended during the cell ("" while it runs)
-    log_tail: str = ""
+    log_tail: str = ""  # the engine's log tail, read when no request met the token contract
     kv_pool: KVPool | None = None
     kv_peak: KVInUse | None = None  # the engine's own exact peak, where it tracks one
     kv_samples: list[KVSample] = field(default_factory=list)
@@ -109,9 +109,10 @@ def _load_achieved(row: CellRow, load: LoadResult) -> None:
     row.client_loop_lag_s_max = load.loop_lag_s_max
 
 
-def has_failed_requests(results: list[RequestResult]) -> bool:
-    """Whether any request failed outright (an error, or no token): then the engine may have died."""
-    return any(_verdict(r) == "failed" for r in results)
+def request_verdicts(results: list[RequestResult]) -> set[str]:
+    """The token-contract verdicts among ``results`` ("failed": an error or no token, then the engine may
+    have died; no "ok": the cell's row carries the engine's log tail)."""
+    return {_verdict(r) for r in results}
 
 
 def _verdict(r: RequestResult) -> str:

@@ -210,3 +210,16 @@ def test_frozen_heap_nests_and_thaws_once():
         assert gc.get_freeze_count() == outer  # the inner block neither thawed nor refroze
     assert gc.get_freeze_count() == 0
 
+
+
+def test_a_profile_is_one_registry_line(monkeypatch):
+    """What a newcomer adds: a module with run() and a line in load.registry; workloads, load points and the
+    dispatch then know the name (here the line points at the closed loop's module)."""
+    from kvbench.load.registry import PROFILES, ProfileInfo
+
+    monkeypatch.setitem(PROFILES, "one_at_a_time", ProfileInfo("concurrent", False, "a closed loop of one"))
+    w = _workload(load_profile="one_at_a_time", concurrency=[1])
+    (point,) = sweep.static_points(w)
+    assert (point.profile, point.slug) == ("one_at_a_time", "c1")
+    load = drive(SleepyBackend(ttft=0.01, itl=0.0, tokens=1), [P(0), P(1)], point, 5)
+    assert len(load.results) == 2 and load.max_in_flight == 1

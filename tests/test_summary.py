@@ -4,7 +4,7 @@ from kvbench.backends.types import KVInUse, KVPool, RequestResult
 from kvbench.cells import Cell
 from kvbench.load import LoadPoint, LoadResult
 from kvbench.samplers import KVSample, MemorySample, QueueSample
-from kvbench.summary import CellMeasurement, EngineRun, failed_row, has_failed_requests, summarize
+from kvbench.summary import CellMeasurement, EngineRun, failed_row, request_verdicts, summarize
 from kvbench.workloads import Workload
 
 from .fakes.testkit import BYTES_PER_TOKEN, spec
@@ -68,7 +68,7 @@ def test_an_exact_engine_peak_wins_over_the_polls(tmp_path):
 
 def test_requests_cut_off_by_a_dead_engine(tmp_path):
     results = [request(0, 10.0, error="StreamCutOff: connection closed"), request(1, 10.0, error="ReadError")]
-    assert has_failed_requests(results)
+    assert request_verdicts(results) == {"failed"}
     row = summarize(engine_run(tmp_path), measurement(results, engine_exit="killed by SIGKILL", log_tail="boom"))
     assert row.status == "failed" and row.n_failed == 2
     assert row.error == "engine killed by SIGKILL during the cell: StreamCutOff: connection closed"
@@ -77,7 +77,7 @@ def test_requests_cut_off_by_a_dead_engine(tmp_path):
 
 def test_truncated_and_short_requests_flag_the_cell(tmp_path):
     results = [request(0, 10.0), request(1, 10.0, prompt_read=90), request(2, 10.0, out=3)]
-    assert not has_failed_requests(results)
+    assert request_verdicts(results) == {"ok", "truncated", "short"}
     row = summarize(engine_run(tmp_path), measurement(results, engine_exit="exited with code 1", log_tail="x"))
     assert (row.status, row.n_ok, row.n_truncated, row.n_short) == ("flagged", 1, 1, 1)
     assert row.flags[0].startswith("r1: truncated: prompt 100 sent / 90 read")
