@@ -170,6 +170,18 @@ class Backend(ABC):
 
     # --- validation of the KV rules: what the engine allocates, measured here --------------------------
     @classmethod
+    def pool_at_start(cls, env: Path, spec: ServerSpec, log_path: Path, timeout_s: float,
+                      options: dict | None = None) -> KVPool | None:
+        """Start the engine for ``spec``, read the KV pool it allocated, stop it: a validation step.
+        An EngineStartError says why it did not start (with its log tail)."""
+        backend = cls(cls.default_version, env, options)
+        try:
+            backend.start(spec, log_path, timeout_s)
+            return backend.kv_pool()
+        finally:
+            backend.stop()
+
+    @classmethod
     def kv_checks(cls, env: Path, model: ModelFiles, log_dir: Path) -> list[KVCheck]:
         """This engine's own cases on the embedded model (dtypes, sizes, slots): the rules against the engine."""
         return []

@@ -24,6 +24,7 @@ from kvbench.units import MIB
 
 from .base import Backend, extra_args
 from .kvrules import KVAnswer, KVCheck, KVQuestion, KVRules
+from .process import last_error_line
 from .prometheus import gauge_sum, metric_samples
 from .streaming import stream_sse
 from .types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
@@ -40,12 +41,6 @@ KV_LINE = re.compile(
     r"llama_kv_cache(?:_unified)?: size =\s*(?P<mib>[\d.]+) MiB \(\s*(?P<cells>\d+) cells,\s*(?P<layers>\d+) layers,"
     r"\s*(?P<streams>\d+)/(?P<seqs_max>\d+) seqs\), K \((?P<type_k>\w+)\):\s*(?P<k_mib>[\d.]+) MiB, "
     r"V \((?P<type_v>\w+)\):\s*(?P<v_mib>[\d.]+) MiB")
-
-
-def _last_error(log_tail: str) -> str:
-    """The engine's own last error line, to say why a model did not load."""
-    lines = [line for line in log_tail.splitlines() if " E " in line or "error" in line.lower()]
-    return lines[-1].strip()[-300:] if lines else ""
 
 
 def parse_kv_log(text: str) -> list[dict]:
@@ -233,15 +228,12 @@ class LlamaCppBackend(Backend):
             return KVCheck("llamacpp", case, "KV buffer bytes", predicted, None, None, 0, family=family,
                            note="cannot load here: no GGUF file", formula=formula)
         spec = ServerSpec(model=model, max_context=context, max_concurrency=slots, kv_dtype=cache_type)
-        backend = cls(cls.default_version, env)
+        log = log_dir / f"llamacpp-{family or model.name}-{cache_type}-{context}x{slots}.log"
         try:
-            backend.start(spec, log_dir / f"llamacpp-{family or model.name}-{cache_type}-{context}x{slots}.log", 120)
-            pool = backend.kv_pool()
+            pool = cls.pool_at_start(env, spec, log, 120)
         except EngineStartError as exc:
             return KVCheck("llamacpp", case, "KV buffer bytes", predicted, None, None, 0, family=family,
-                           note=f"cannot load here: {exc} {_last_error(exc.log_tail)}", formula=formula)
-        finally:
-            backend.stop()
+                           note=f"cannot load here: {exc}: {last_error_line(exc.log_tail)}", formula=formula)
         caches = pool.details["caches"] if pool else []
         return KVCheck("llamacpp", case, "KV buffer bytes", predicted, pool.bytes if pool else None, None,
                        tolerance=(0.005 * MIB + 1) * max(1, len(caches)), family=family, formula=formula,

@@ -34,6 +34,13 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         pass
 
 
+def last_error_line(log_tail: str) -> str:
+    """An engine's own last error line in a log tail (llama.cpp marks them " E ", Python engines print
+    the exception), to say in one line why it did not start."""
+    lines = [line for line in log_tail.splitlines() if " E " in line or "error" in line.lower()]
+    return lines[-1].strip()[-300:] if lines else ""
+
+
 class NotReady(Exception):
     def __init__(self, last: str, why: str = ""):
         super().__init__(why or last)

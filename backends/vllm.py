@@ -20,6 +20,7 @@ from kvbench.models import ModelFiles
 from .base import Backend, extra_args
 from .kvrules import KVAnswer, KVCheck, KVQuestion, KVRuleError, KVRules, parse_version, with_kinds
 from .openai import read_completion_chunk
+from .process import last_error_line
 from .prometheus import PrometheusPolled, gauge_sum
 from .streaming import stream_sse
 from .types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
@@ -36,12 +37,6 @@ MLA_MODEL_TYPES = frozenset({
     "k3_dspark", "glm5_next", "glm5_next_text", "glm_moe_dsa", "glm4_moe_lite", "glm4_moe_lite_mtp", "kimi_k2",
     "kimi_linear", "longcat_flash", "pangu_ultra_moe", "pangu_ultra_moe_mtp", "bailing_hybrid", "bailing_hybrid_mtp",
     "bailing_hybrid_v3_mtp", "hy_v4", "hy_v4_mtp"})
-
-
-def _last_error(log_tail: str) -> str:
-    """vLLM's own last error line (an exception's message), to say why a model did not load."""
-    lines = [line for line in log_tail.splitlines() if "Error" in line or "error" in line]
-    return lines[-1].strip()[-300:] if lines else ""
 
 
 class VLLMKV(KVRules):
@@ -217,15 +212,12 @@ class VLLMBackend(PrometheusPolled, Backend):
         counts = []
         for budget in (blocks * per_block, blocks * per_block - 1):
             spec = ServerSpec(model=model, max_context=256, max_concurrency=1, kv_dtype=dtype)
-            backend = cls(cls.default_version, env, {"kv_cache_memory_bytes": budget})
+            log = log_dir / f"vllm-{family or model.name}-{dtype}-{budget}.log"
             try:
-                backend.start(spec, log_dir / f"vllm-{family or model.name}-{dtype}-{budget}.log", 300)
-                pool = backend.kv_pool()
+                pool = cls.pool_at_start(env, spec, log, 300, {"kv_cache_memory_bytes": budget})
             except EngineStartError as exc:
                 return KVCheck("vllm", case, "bytes per block", per_block, None, None, 0, family=family,
-                               note=f"cannot load here: {exc}: {_last_error(exc.log_tail)}", formula=formula)
-            finally:
-                backend.stop()
+                               note=f"cannot load here: {exc}: {last_error_line(exc.log_tail)}", formula=formula)
             counts.append(pool.details["num_gpu_blocks"] if pool else None)
         exact = counts == [blocks, blocks - 1]
         reported = per_block if exact else (blocks * per_block / counts[0] if counts[0] else None)

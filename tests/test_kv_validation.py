@@ -7,7 +7,8 @@ import pytest
 from kvbench.backends.hf import HFBackend
 from kvbench.backends.llamacpp import LlamaCppBackend
 from kvbench.backends.vllm import VLLMBackend
-from kvbench.validate import families, family_markdown, measure_families
+from kvbench.models import ModelFiles
+from kvbench.validate import families, family_markdown, measure_families, verdict
 
 from .conftest import engine_env
 
@@ -74,3 +75,13 @@ def test_a_hybrid_window_family_in_vllm(smollm2, tmp_path):
     (row,) = rows
     assert row["ok"], row
     assert row["predicted"] == 128 * 2 * (64 + 64) * 2  # one page: 128 tokens x 2 KV heads x (K 64 + V 64) x 2 B
+
+
+def test_a_model_an_engine_cannot_load_is_a_row_saying_why(smollm2, tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF but not really")
+    model = ModelFiles("broken", smollm2.hf_dir, bad, "", smollm2.geometry)
+    (check,) = LlamaCppBackend.measure_kv(engine_env("llamacpp"), [model], tmp_path)
+    assert check.observed is None and not check.ok and check.predicted > 0
+    assert check.note.startswith("cannot load here: server exited") and "load" in check.note
+    assert verdict(check.row()) == "not measured"
