@@ -128,6 +128,11 @@ def text_config(config, source: str):
         text = config.get_text_config(decoder=True)
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+    _transformers()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as masked_lm
+    if text.model_type in masked_lm and not getattr(text, "is_decoder", False):
+        raise ConfigError(f"{source}: {text.model_type} is an encoder (a masked language model): it caches no KV "
+                          "for generation (unless its config sets is_decoder)")
     return text
 
 

@@ -143,7 +143,13 @@ def estimate_parameters(text, wrapper=None) -> tuple[float, str]:
         mlp_total = layers * mats * h * dense_inter
         how = "dense"
     tied = bool(getattr(text, "tie_word_embeddings", False) or getattr(wrapper, "tie_word_embeddings", False))
-    total = vocab * h * (1 if tied else 2) + layers * (attn + 2 * h) + mlp_total + h
+    mamba = _mamba_layers(text, layers)
+    if mamba:  # Jamba, Bamba ...: those layers hold a Mamba mixer instead of attention
+        attn_total = (layers - mamba) * attn + mamba * _mamba_mixer(text, h)
+        how += f"; {mamba} Mamba layers"
+    else:
+        attn_total = layers * attn
+    total = vocab * h * (1 if tied else 2) + attn_total + layers * 2 * h + mlp_total + h
     return float(total), how
 
 
@@ -160,9 +166,29 @@ def _moe_layers(text, layers: int, model_type: str) -> int:
     step = getattr(text, "interleave_moe_layer_step", None)
     if step:
         return sum(1 for i in range(layers) if (i + 1) % step == 0)
+    period = getattr(text, "expert_layer_period", None)  # Jamba: experts every period-th layer from the offset
+    if period:
+        offset = getattr(text, "expert_layer_offset", None) or 0
+        return sum(1 for i in range(layers) if i % period == offset)
     mlp_only = set(getattr(text, "mlp_only_layers", None) or ())
     sparse_step = getattr(text, "decoder_sparse_step", None) or 1
     return sum(1 for i in range(layers) if i not in mlp_only and (i + 1) % sparse_step == 0)
+
+
+def _mamba_layers(text, layers: int) -> int:
+    types = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None) or ()
+    return sum(1 for t in types if t in ("linear_attention", "mamba")) if len(types) == layers else 0
+
+
+def _mamba_mixer(text, h: int) -> int:
+    """A Mamba mixer's parameters (in/out projections, conv, x/dt projections, A, D)."""
+    d_state = _first(text, "mamba_d_state", "state_size", "ssm_state_size") or 16
+    d_conv = _first(text, "mamba_d_conv", "conv_kernel") or 4
+    d_inner = (_first(text, "mamba_expand", "expand") or 2) * h
+    dt_rank = _first(text, "mamba_dt_rank", "time_step_rank")
+    dt_rank = dt_rank if isinstance(dt_rank, int) else -(-h // 16)
+    return (h * 2 * d_inner + d_inner * d_conv + d_inner * (dt_rank + 2 * d_state) + dt_rank * d_inner
+            + d_inner * d_state + d_inner + d_inner * h)
 
 
 def estimate(text, wrapper, weights_dtype: str) -> Weights:

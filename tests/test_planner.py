@@ -275,3 +275,41 @@ def test_plan_on_real_gguf_and_hf_copy(smollm2):
     hf = resolve_model(str(smollm2.hf_dir))
     assert hf.weights_source == "safetensors tensor bytes" and hf.weights_bytes == pytest.approx(269e6, rel=0.01)
     assert kv_bytes_per_token(gguf.geometry, "f16") == kv_bytes_per_token(hf.geometry, "bf16") == 23_040
+
+
+# --- configs it was not built around (fields typed from the hub's config.json files) -----------------
+
+JAMBA = {"model_type": "jamba", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "attn_layer_period": 8, "attn_layer_offset": 4,
+         "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 16, "num_experts_per_tok": 2,
+         "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "vocab_size": 65536,
+         "max_position_embeddings": 262144}  # ai21labs/Jamba-v0.1, 51.6 B parameters
+CHATGLM3 = {"model_type": "chatglm", "num_layers": 28, "hidden_size": 4096, "ffn_hidden_size": 13696,
+            "kv_channels": 128, "num_attention_heads": 32, "multi_query_attention": True, "multi_query_group_num": 2,
+            "padded_vocab_size": 65024, "seq_length": 8192}  # THUDM/chatglm3-6b (remote code), 6.24 B parameters
+
+
+def write(tmp_path, config) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_a_hybrid_mamba_model_counts_its_attention_layers_only(tmp_path):
+    m = resolve_model(write(tmp_path, JAMBA))
+    assert (m.geometry.num_layers, m.geometry.count("none")) == (4, 28)  # one attention layer in 8
+    assert kv_bytes_per_token(m.geometry, "bf16") == 2 * 4 * 8 * 128 * 2
+    assert m.weights.parameters == pytest.approx(51.6e9, rel=0.05)  # experts on every other layer, Mamba mixers
+
+
+def test_a_remote_code_config_is_read_with_its_own_field_names(tmp_path):
+    m = resolve_model(write(tmp_path, CHATGLM3))
+    g = m.geometry
+    assert (g.num_layers, g.num_kv_heads, g.head_dim_k, g.max_context) == (28, 2, 128, 8192)
+    assert m.weights.parameters == pytest.approx(6.24e9, rel=0.02)
+
+
+def test_an_encoder_is_refused(tmp_path):
+    bert = {"model_type": "bert", "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+            "max_position_embeddings": 512}
+    code, output = plan_cli(write(tmp_path, bert), "--context", "256")
+    assert code == 2 and "bert is an encoder (a masked language model)" in output
