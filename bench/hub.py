@@ -19,6 +19,13 @@ class HubError(ValueError):
     pass
 
 
+def _quiet() -> None:
+    """huggingface_hub logs a warning for each failed request before raising: kvbench says it once, itself."""
+    from huggingface_hub.utils import logging
+
+    logging.set_verbosity_error()
+
+
 def looks_like_hub_id(text: str) -> bool:
     return bool(HUB_ID.match(text)) and not Path(text).expanduser().exists()
 
@@ -53,6 +60,7 @@ def config_folder(repo_id: str, revision: str | None = None) -> Path:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
 
+    _quiet()
     try:
         config = Path(hf_hub_download(repo_id, "config.json", revision=revision))
     except LocalEntryNotFoundError as exc:
@@ -73,6 +81,7 @@ def model_folder(repo_id: str, revision: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    _quiet()
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=RUN_PATTERNS))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:

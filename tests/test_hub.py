@@ -77,6 +77,7 @@ def test_offline_and_not_cached(tmp_path):
 def test_unreachable_hub(tmp_path):
     out = kvbench(["plan", "Qwen/Qwen3-30B-A3B", "--context", "100"], tmp_path / "cache", "http://127.0.0.1:9")
     assert out.returncode == 2 and "could not be reached" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 def test_a_cache_laid_out_by_hand(tmp_path):
