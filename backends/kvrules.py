@@ -20,7 +20,7 @@ from kvbench.kvmodel import (
     UnknownKVDtype,
     check_split,
     dtype_bytes,
-    heads_per_rank,
+    layer_bytes_per_token,
     tokens_kept,
 )
 
@@ -121,10 +121,7 @@ class KVRules:
         return stored.mla is not None
 
     def layer_bytes_per_token(self, stored: KVGeometry, layer: LayerKV, dtype: str, tp: int) -> float:
-        if not layer.stores:
-            return 0.0
-        heads = layer.kv_heads if self.replicated(stored) else heads_per_rank(layer.kv_heads, tp)
-        return heads * (layer.head_dim_k + layer.head_dim_v) * dtype_bytes(dtype)
+        return layer_bytes_per_token(layer, dtype, tp, self.replicated(stored))
 
     def bytes_per_token(self, q: KVQuestion) -> float:
         """Per GPU, every caching layer, as stored, windows not applied."""

@@ -14,7 +14,7 @@ import httpx
 
 from kvbench.envs import InstallStep, Recipe, env_python
 from kvbench.hardware import has_nvidia_gpu
-from kvbench.kvmodel import KVGeometry, cdiv, decompressed, dtype_bytes, heads_per_rank, kv_bytes_per_token
+from kvbench.kvmodel import KVGeometry, cdiv, decompressed, kv_bytes_per_token
 from kvbench.models import ModelFiles
 
 from .base import Backend, extra_args
@@ -108,9 +108,7 @@ class VLLMKV(KVRules):
 
     def page_bytes(self, stored: KVGeometry, dtype: str, block: int, tp: int) -> float:
         """One layer's block (the largest page, where layers differ: vLLM pads smaller pages up to it)."""
-        rep = stored.mla is not None
-        return max(block * (layer.kv_heads if rep else heads_per_rank(layer.kv_heads, tp))
-                   * (layer.head_dim_k + layer.head_dim_v) * dtype_bytes(dtype) for layer in stored.kv_layers)
+        return block * max(self.layer_bytes_per_token(stored, layer, dtype, tp) for layer in stored.kv_layers)
 
     def bytes_per_block(self, q: KVQuestion) -> float:
         stored = self.stored(q)
