@@ -25,7 +25,7 @@ from kvbench.configs import (
     read_json,
     text_config,
 )
-from kvbench.kvmodel import KVGeometry, kv_bytes_per_token
+from kvbench.kvmodel import KVGeometry, heads_per_rank, kv_bytes_per_token
 from kvbench.units import GIB
 from kvbench.weights import WEIGHT_DTYPE_BYTES, Weights
 
@@ -208,7 +208,8 @@ def plan(p: PlanInput) -> dict:
     kv_total = result.bytes_per_gpu * p.tp
     out = {
         "model": p.model.name, "attention": geom.attention, "geometry": geom.describe(), "layers": geom.num_layers,
-        "kv_heads": geom.num_kv_heads, "kv_heads_per_gpu": 1 if stored.mla else max(1, stored.num_kv_heads // p.tp),
+        "kv_heads": geom.num_kv_heads, "kv_heads_per_gpu": (stored.num_kv_heads if rules.replicated(stored)
+                                                         else heads_per_rank(stored.num_kv_heads, p.tp)),
         "head_dim_k": geom.head_dim_k, "head_dim_v": geom.head_dim_v,
         "sliding_window": geom.sliding_window, "sliding_layers": geom.num_sliding_layers,
         "chunk_size": geom.chunk_size, "chunked_layers": geom.count("chunked"),

@@ -151,6 +151,11 @@ def test_llamacpp_splits_layers_not_heads_and_has_no_block_size():
     with pytest.raises(KVRuleError, match="ollama has no KV dtype 'q5_0'"):
         answer("ollama", g, 10, dtype="q5_0")
     assert answer("llamacpp", g, 10, dtype="auto").dtype == "f16"
+    # each GPU holds all 8 KV heads of its layers under llama.cpp, a quarter of every layer's under vLLM
+    per_gpu = {e: plan(PlanInput(model=resolve_model("llama-3.1-70b"), context=8192, tp=4, engine=e))["kv_heads_per_gpu"]
+               for e in ("llamacpp", "vllm")}
+    assert per_gpu == {"llamacpp": 8, "vllm": 2}
+    assert plan(PlanInput(model=resolve_model("deepseek-v2"), context=8192, tp=8, engine="vllm"))["kv_heads_per_gpu"] == 1
 
 
 # --- transformers ------------------------------------------------------------------------------------
