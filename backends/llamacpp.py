@@ -144,7 +144,6 @@ class LlamaCppKV(KVRules):
         note = f"{streams} stream(s) of {cells} cells (n_ctx padded to 256)"
         if swa:
             note += f", window cache of {swa} cells"
-        stored = self.stored(q)
         if stored.mla:
             note += "; MLA latent, K only"
         elif q.geometry.mla:

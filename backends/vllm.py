@@ -136,7 +136,7 @@ class VLLMKV(KVRules):
         stored, dtype = self.stored(q), self.resolve_dtype(q)
         block = self.block_size(q, stored)
         groups, g = self.groups(stored)
-        per_block = self.bytes_per_block(q)
+        per_block = g * self.page_bytes(stored, dtype, block, q.tp)  # bytes_per_block(q), from what is at hand
         held = [self.held_blocks(kind, span, q.context, block) for kind, span in groups]
         windowed = [h for (kind, _), h in zip(groups, held) if kind != "full"]
         note = f"whole blocks of {block} tokens per sequence, plus one null block per pool"
