@@ -143,10 +143,15 @@ def geometry_from_hf(path: str | Path) -> KVGeometry:
 
 
 def geometry_from_hf_dict(raw: dict, source: str = "config.json") -> KVGeometry:
+    return parse_hf_dict(raw, source)[2]
+
+
+def parse_hf_dict(raw: dict, source: str = "config.json") -> tuple[object, object, KVGeometry]:
+    """(the config object, its language model's config, the KV geometry) of a config.json's contents."""
     config, notes = hf_config(raw, source)
     text = text_config(config, source)
     raw_text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
-    return _geometry(text, raw_text, config, source, notes)
+    return config, text, _geometry(text, raw_text, config, source, notes)
 
 
 def _get(config, name: str, known: bool):

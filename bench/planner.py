@@ -19,11 +19,9 @@ from kvbench.configs import (
     ConfigError,
     config_file,
     geometry_from_gguf_keys,
-    geometry_from_hf_dict,
     gguf_keys,
-    hf_config,
+    parse_hf_dict,
     read_json,
-    text_config,
 )
 from kvbench.kvmodel import KVGeometry, heads_per_rank, kv_bytes_per_token
 from kvbench.units import GIB
@@ -118,9 +116,7 @@ def resolve_model(model: str, weights_dtype: str = "bf16") -> ModelForPlan:
         if not file.exists():
             raise PlanError(f"{path} has no config.json")
         raw = read_json(file)
-        geometry = geometry_from_hf_dict(raw, str(file))
-        config, _ = hf_config(raw, str(file))
-        text = text_config(config, str(file))
+        config, text, geometry = parse_hf_dict(raw, str(file))
     except ConfigError as exc:
         raise PlanError(str(exc)) from None
     name = model if source.startswith("hub") else (path.name if path.is_dir() else path.stem)
@@ -200,11 +196,12 @@ def plan(p: PlanInput) -> dict:
     _check(p)
     rules = engine_rules(p.engine)
     geom = p.model.geometry
+    question = _question(p, p.context, p.batch)
     try:
-        result = rules.answer(_question(p, p.context, p.batch))
+        result = rules.answer(question)
     except KVRuleError as exc:
         raise PlanError(str(exc)) from None
-    stored = rules.stored(_question(p, p.context, p.batch))
+    stored = rules.stored(question)
     kv_total = result.bytes_per_gpu * p.tp
     out = {
         "model": p.model.name, "attention": geom.attention, "geometry": geom.describe(), "layers": geom.num_layers,
