@@ -1,39 +1,48 @@
 """The statistics of ``kvbench compare``: pure functions of numbers, no files, no pandas.
 
-Two ways to put an interval on the relative change ``candidate / baseline - 1`` of one metric:
+Every interval is on the **log of the ratio** ``candidate / baseline`` and reported as a relative change
+``exp(.) - 1``: the times, rates and bytes compared here are positive and their noise is multiplicative
+(a machine that is 10 % busier makes every figure about 10 % slower), so an interval can never reach
+-100 % and a halving and a doubling are equally far from "no change". The distributions are scipy's.
 
 - **Repeated runs** (>= 2 repeats on each side): each repeat gives one value of the metric (a cell's
-  TTFT p50, its tokens/s, ...). The interval is a **Welch t-interval on the ratio of the means**, by the
-  delta method: R = mean(c) / mean(b), SE(R) = sqrt(s_c^2 / n_c + R^2 s_b^2 / n_b) / mean(b),
-  degrees of freedom by Welch-Satterthwaite on those two relative-variance terms, R +/- t * SE. It
-  carries the uncertainty of both means (the baseline's too), needs no equal variances, and is exact
-  where it matters here (equal spreads, change of a few per cent); it is the one used whenever a side has
-  two or more repeats.
+  TTFT p50, its tokens/s, ...). The change is the ratio of the geometric means and its interval a
+  **Welch t-interval on the difference of the mean logs** (``scipy.stats.ttest_ind(..., equal_var=False)``):
+  it carries the uncertainty of both sides and needs no equal variances.
+- **Paired repeats** (the same repeat indices on both sides, run alternately so that a drift of the
+  machine hits both alike): the interval is a **t-interval on the mean of the paired log ratios**
+  (``scipy.stats.ttest_rel``): what the two sides share cancels in each pair.
 - **A single run per side**: the latency percentiles are percentiles over requests, so the requests give
-  the samples: a **percentile bootstrap of the ratio of the two statistics**, each side's samples
-  resampled with replacement on its own (``bootstrap_relative_change``). Its interval says how much the
-  requests of this one run vary, not how much a repeat of the run would: it is narrower than the truth
-  when runs differ systematically (a warm cache, another job on the machine), and the report says so.
+  the samples: a **percentile bootstrap of the log ratio of the two statistics**, each side's requests
+  resampled on their own (``scipy.stats.bootstrap``). Its interval says how much the requests of this
+  one run vary, not how much a repeat of the run would: it is narrower than the truth when runs differ
+  systematically (a warm cache, another job on the machine), and its method says so
+  ("single run: interval from requests").
 
-``decide`` turns an interval into a verdict against a tolerance: a regression only when the whole
-interval lies beyond the tolerance on the worse side.
+``decide`` turns an interval into a verdict against a tolerance: a regression only when the whole interval
+lies beyond the tolerance on the worse side. ``repeats_needed`` says how many repeats a tolerance needs at
+the noise observed. ``bench/compare_calibration.py`` measures the coverage, false-regression rate and
+power of these intervals on simulated comparisons of known truth.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
 import numpy as np
+from scipy import stats as st
 
 Verdict = Literal["regression", "improvement", "unchanged", "inconclusive", "not compared"]
 MIN_BOOTSTRAP_SAMPLES = 5  # fewer samples on a side give no bootstrap interval
+SINGLE_RUN = "single run: interval from requests"
 
 
 @dataclass(frozen=True)
 class Interval:
     change: float  # candidate / baseline - 1 (point estimate)
-    low: float  # confidence interval of the change
+    low: float  # confidence interval of the change (> -1 always)
     high: float
     method: str
     n_baseline: int
@@ -41,138 +50,139 @@ class Interval:
     confidence: float
 
 
-# --- Student's t without scipy: the regularized incomplete beta function (Lentz's continued fraction) ---
-
-def _betacf(a: float, b: float, x: float) -> float:
-    tiny, eps = 1e-300, 3e-16
-    qab, qap, qam = a + b, a + 1.0, a - 1.0
-    c, d = 1.0, 1.0 - qab * x / qap
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 400):
-        m2 = 2 * m
-        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
-        d = 1.0 + aa * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + aa / c
-        c = c if abs(c) > tiny else tiny
-        h *= d * c
-        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
-        d = 1.0 + aa * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + aa / c
-        c = c if abs(c) > tiny else tiny
-        delta = d * c
-        h *= delta
-        if abs(delta - 1.0) < eps:
-            break
-    return h
-
-
-def _betainc(a: float, b: float, x: float) -> float:
-    """The regularized incomplete beta function I_x(a, b)."""
-    if x <= 0:
-        return 0.0
-    if x >= 1:
-        return 1.0
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
-    if x < (a + 1) / (a + b + 2):
-        return front * _betacf(a, b, x) / a
-    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
-
-
-def t_cdf(t: float, df: float) -> float:
-    """P(T <= t) for Student's t with ``df`` (real, > 0) degrees of freedom."""
-    if math.isinf(df):
-        return 0.5 * math.erfc(-t / math.sqrt(2))
-    tail = 0.5 * _betainc(df / 2, 0.5, df / (df + t * t))
-    return 1.0 - tail if t > 0 else tail
-
-
 def t_quantile(p: float, df: float) -> float:
-    """The p-quantile of Student's t (bisection on :func:`t_cdf`; exact to ~1e-10)."""
+    """The p-quantile of Student's t (scipy.stats.t)."""
     if not 0 < p < 1:
         raise ValueError("p must be in (0, 1)")
-    if p < 0.5:
-        return -t_quantile(1 - p, df)
-    lo, hi = 0.0, 1.0
-    while t_cdf(hi, df) < p:
-        hi *= 2
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if t_cdf(mid, df) < p:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo < 1e-12:
-            break
-    return (lo + hi) / 2
+    return float(st.t.ppf(p, df))
 
-
-# --- the intervals ------------------------------------------------------------------------------------
 
 def _clean(values: Sequence[float]) -> np.ndarray:
     arr = np.asarray([v for v in values if v is not None], dtype=float)
     return arr[np.isfinite(arr)]
 
 
+def _positive_logs(arr: np.ndarray, what: str) -> np.ndarray:
+    if (arr <= 0).any():
+        raise ValueError(f"a {what} value is <= 0: no relative change on the log scale")
+    return np.log(arr)
+
+
+# --- repeated runs: vectorised over leading axes (the calibration simulates thousands at once) -----------
+
+def welch_log_interval(baseline: np.ndarray, candidate: np.ndarray, confidence: float = 0.95):
+    """(change, low, high) of candidate / baseline - 1 from two arrays of positive values, repeats along
+    the last axis (any leading axes are independent comparisons): Welch t-interval on mean(log c) -
+    mean(log b), exponentiated. Identical repeats on both sides give the point as the interval."""
+    lb, lc = np.log(np.asarray(baseline, float)), np.log(np.asarray(candidate, float))
+    d = lc.mean(axis=-1) - lb.mean(axis=-1)
+    with warnings.catch_warnings():  # identical repeats: scipy warns of its zero variance, the point is the answer
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ci = st.ttest_ind(lc, lb, axis=-1, equal_var=False).confidence_interval(confidence)
+    low, high = np.where(np.isnan(ci.low), d, ci.low), np.where(np.isnan(ci.high), d, ci.high)
+    return np.expm1(d), np.expm1(low), np.expm1(high)
+
+
+def paired_log_interval(baseline: np.ndarray, candidate: np.ndarray, confidence: float = 0.95):
+    """(change, low, high) from paired repeats (same index = run side by side): t-interval on the mean of
+    log(c_i / b_i) along the last axis, exponentiated."""
+    lb, lc = np.log(np.asarray(baseline, float)), np.log(np.asarray(candidate, float))
+    d = (lc - lb).mean(axis=-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ci = st.ttest_rel(lc, lb, axis=-1).confidence_interval(confidence)
+    low, high = np.where(np.isnan(ci.low), d, ci.low), np.where(np.isnan(ci.high), d, ci.high)
+    return np.expm1(d), np.expm1(low), np.expm1(high)
+
+
 def welch_relative_change(baseline: Sequence[float], candidate: Sequence[float],
                           confidence: float = 0.95) -> Interval:
-    """Welch t-interval (delta method) on mean(candidate) / mean(baseline) - 1; >= 2 values per side."""
+    """Welch t-interval on the log ratio of the geometric means; >= 2 positive values per side."""
     b, c = _clean(baseline), _clean(candidate)
     if b.size < 2 or c.size < 2:
         raise ValueError("a t-interval needs at least 2 values on each side")
-    mb, mc = b.mean(), c.mean()
-    if mb == 0:
-        raise ValueError("the baseline mean is 0: a relative change is undefined")
-    ratio = mc / mb
-    # delta method: Var(R) = Var(mean c) / mb^2 + R^2 Var(mean b) / mb^2; Welch-Satterthwaite on the two terms
-    vc = c.var(ddof=1) / (c.size * mb**2)
-    vb = ratio**2 * b.var(ddof=1) / (b.size * mb**2)
-    var = vb + vc
-    if var == 0:  # identical repeats on both sides: the interval is the point
-        half = 0.0
-    else:
-        df = var**2 / (vb**2 / (b.size - 1) + vc**2 / (c.size - 1))
-        half = t_quantile(0.5 + confidence / 2, df) * math.sqrt(var)
-    return Interval(change=float(ratio - 1), low=float(ratio - 1 - half), high=float(ratio - 1 + half),
-                    method=f"Welch t-interval on the ratio of means, {b.size} vs {c.size} repeats",
+    _positive_logs(b, "baseline"), _positive_logs(c, "candidate")
+    change, low, high = welch_log_interval(b, c, confidence)
+    return Interval(change=float(change), low=float(low), high=float(high),
+                    method=f"Welch t-interval on the log ratio, {b.size} vs {c.size} repeats",
                     n_baseline=int(b.size), n_candidate=int(c.size), confidence=confidence)
 
+
+def paired_relative_change(baseline: Sequence[float], candidate: Sequence[float],
+                           confidence: float = 0.95) -> Interval:
+    """t-interval on the mean paired log ratio; ``baseline[i]`` and ``candidate[i]`` are one pair."""
+    b, c = np.asarray(baseline, float), np.asarray(candidate, float)
+    if b.shape != c.shape or b.ndim != 1:
+        raise ValueError("paired samples need one value per pair on each side")
+    keep = np.isfinite(b) & np.isfinite(c)
+    b, c = b[keep], c[keep]
+    if b.size < 2:
+        raise ValueError("a paired t-interval needs at least 2 pairs")
+    _positive_logs(b, "baseline"), _positive_logs(c, "candidate")
+    change, low, high = paired_log_interval(b, c, confidence)
+    return Interval(change=float(change), low=float(low), high=float(high),
+                    method=f"paired t-interval on the log ratio, {b.size} pairs",
+                    n_baseline=int(b.size), n_candidate=int(c.size), confidence=confidence)
+
+
+def repeats_needed(log_sd: float, tolerance: float, confidence: float = 0.95, paired: bool = False,
+                   max_repeats: int = 1000) -> int | None:
+    """Repeats per side for the interval of an unchanged metric to be as narrow as the tolerance (half-width
+    <= log(1 + tolerance)) at a noise of ``log_sd`` (the standard deviation of one repeat's log value, or
+    of one pair's log ratio when ``paired``). None when more than ``max_repeats`` or no tolerance."""
+    if tolerance <= 0 or not math.isfinite(log_sd):
+        return None
+    if log_sd == 0:
+        return 2
+    target = math.log1p(tolerance)
+    for n in range(2, max_repeats + 1):
+        se = log_sd / math.sqrt(n) if paired else log_sd * math.sqrt(2 / n)
+        df = n - 1 if paired else 2 * n - 2
+        if st.t.ppf(0.5 + confidence / 2, df) * se <= target:
+            return n
+    return None
+
+
+# --- a single run: the requests ------------------------------------------------------------------------
 
 def percentile_stat(q: float) -> Callable[[np.ndarray], np.ndarray]:
     """A statistic for :func:`bootstrap_relative_change`: the q-th percentile (linear, as bench/metrics.py)
     along the last axis."""
-    return lambda a: np.percentile(a, q, axis=-1)
+    return lambda a, axis=-1: np.percentile(a, q, axis=axis)
 
 
-def mean_stat(a: np.ndarray) -> np.ndarray:
-    return np.mean(a, axis=-1)
+def mean_stat(a: np.ndarray, axis: int = -1) -> np.ndarray:
+    return np.mean(a, axis=axis)
 
 
 def bootstrap_relative_change(baseline: Sequence[float], candidate: Sequence[float],
-                              stat: Callable[[np.ndarray], np.ndarray] = mean_stat, confidence: float = 0.95,
+                              stat: Callable[..., np.ndarray] = mean_stat, confidence: float = 0.95,
                               n_boot: int = 4000, seed: int = 0) -> Interval:
-    """Percentile bootstrap of stat(candidate) / stat(baseline) - 1, each side resampled on its own.
+    """Percentile bootstrap (scipy.stats.bootstrap) of log(stat(candidate) / stat(baseline)), each side
+    resampled on its own, reported as a relative change.
 
-    ``stat`` maps an array (..., n) to (...), e.g. :func:`percentile_stat` (50) for a p50. Seeded: the same
-    samples give the same interval.
+    ``stat`` maps an array (..., n) to (...) along ``axis``, e.g. :func:`percentile_stat` (50) for a p50.
+    Seeded: the same samples give the same interval.
     """
     b, c = _clean(baseline), _clean(candidate)
     if b.size < MIN_BOOTSTRAP_SAMPLES or c.size < MIN_BOOTSTRAP_SAMPLES:
         raise ValueError(f"a bootstrap needs at least {MIN_BOOTSTRAP_SAMPLES} samples on each side")
     point_b, point_c = float(stat(b)), float(stat(c))
-    if point_b == 0:
-        raise ValueError("the baseline statistic is 0: a relative change is undefined")
-    rng = np.random.default_rng(seed)
-    boot_b = stat(b[rng.integers(0, b.size, size=(n_boot, b.size))])
-    boot_c = stat(c[rng.integers(0, c.size, size=(n_boot, c.size))])
-    valid = boot_b != 0
-    ratios = boot_c[valid] / boot_b[valid] - 1
-    alpha = 1 - confidence
-    low, high = np.quantile(ratios, [alpha / 2, 1 - alpha / 2])
-    return Interval(change=point_c / point_b - 1, low=float(low), high=float(high),
-                    method=f"single run: interval from requests (bootstrap, {b.size} vs {c.size} samples)",
+    if point_b <= 0 or point_c <= 0:
+        raise ValueError("a statistic is <= 0: a relative change on the log scale is undefined")
+
+    def log_ratio(sb, sc, axis=-1):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.log(stat(sc, axis=axis)) - np.log(stat(sb, axis=axis))
+
+    res = st.bootstrap((b, c), log_ratio, n_resamples=n_boot, confidence_level=confidence, method="percentile",
+                       vectorized=True, rng=np.random.default_rng(seed))
+    low, high = res.confidence_interval
+    if not (math.isfinite(low) and math.isfinite(high)):  # a resample with a zero statistic
+        raise ValueError("the bootstrap met a zero statistic: no interval on the log scale")
+    return Interval(change=point_c / point_b - 1, low=float(np.expm1(low)), high=float(np.expm1(high)),
+                    method=f"{SINGLE_RUN} (bootstrap of the log ratio, {b.size} vs {c.size} samples; "
+                           "not run-to-run noise)",
                     n_baseline=int(b.size), n_candidate=int(c.size), confidence=confidence)
 
 
