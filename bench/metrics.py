@@ -10,15 +10,18 @@ of every streamed chunk that carried at least one output token.
   (in one read from the socket, so with one timestamp) count as one chunk of all their tokens. Tokens that share the
   first chunk give no ITL sample (their latency is in TTFT). Percentiles pool the samples of all
   requests of a cell: they are per gap, not per-request averages.
-- **TPOT** (time per output token): per request, (E2E - TTFT) / (output tokens - 1), excluding the first
-  token; undefined for requests with one output token.
+- **TPOT** (time per output token): per request, (arrival of the last token-carrying chunk - TTFT) /
+  (output tokens - 1), excluding the first token; undefined (None) where ITL is: for a request with one
+  output token, or whose tokens all arrived with the first chunk (one read from the socket: no gap was
+  measured, so its TPOT is unknown, not 0).
 - **E2E**: arrival of the last chunk (or the end of the stream) minus the send time.
 - **Output tokens**: the tokens the client received in chunks (cross-checked against the engine's own count).
 - **Output tokens/s** of a cell: all output tokens of its successful requests divided by the cell's wall
   time, from its first send to its last completion; **total tokens/s** adds the prompt tokens;
   **requests/s** counts the successful requests.
 - **Goodput**: successful requests whose TTFT <= the SLO's TTFT and whose TPOT <= the SLO's TPOT (each
-  bound only when given), per second of the same wall time.
+  bound only when given), per second of the same wall time. A request whose TPOT is undefined is not
+  known to meet a TPOT bound and does not count as within it.
 - **Successful** = met the token contract (:func:`request_verdict`): no error, the engine read exactly
   the prompt tokens sent, and generated exactly the output tokens asked. Failed, truncated and short
   requests are counted separately and kept out of every figure above.
@@ -63,8 +66,8 @@ class RequestTimes:
     @property
     def tpot(self) -> float | None:
         n = self.output_tokens
-        if n < 2 or not self.chunk_times:
-            return None
+        if n < 2 or not self.chunk_times or self.chunk_times[-1] == self.chunk_times[0]:
+            return None  # one token, or all of them in the first read: no gap measured (no ITL sample either)
         return (self.chunk_times[-1] - self.chunk_times[0]) / (n - 1)
 
     def itl_samples(self) -> list[float]:
@@ -124,8 +127,8 @@ def request_verdict(error: str | None, prompt_sent: int, prompt_reported: int | 
 def within_slo(r: RequestTimes, slo_ttft_s: float | None, slo_tpot_s: float | None) -> bool:
     if slo_ttft_s is not None and (r.ttft is None or r.ttft > slo_ttft_s):
         return False
-    if slo_tpot_s is not None and r.tpot is not None and r.tpot > slo_tpot_s:
-        return False
+    if slo_tpot_s is not None and (r.tpot is None or r.tpot > slo_tpot_s):
+        return False  # an undefined TPOT is unknown, not within the bound
     return True
 
 

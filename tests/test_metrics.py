@@ -126,3 +126,21 @@ def test_queue_peaks_not_measured_when_no_poll_saw_a_request_in_flight():
     assert queue_peaks(blind, windows, "q")[3].startswith("not measured: none of 2 polls of q")
     seen = [QueueSample(9.9, 0, 0, 3), QueueSample(10.5, 1, 2, 3), QueueSample(11.5, 0, 0, 3)]
     assert queue_peaks(seen, windows, "q") == (1, 2, 0, "max of 3 polls of q")
+
+
+def test_a_stream_in_one_read_has_no_tpot_and_no_itl():
+    """Every token arrived with the first chunk (one socket read): no gap was measured, so TPOT is
+    undefined like ITL, not 0.0."""
+    r = RequestTimes(0.0, (0.3, 0.3, 0.3), (1, 5, 10))
+    assert r.itl_samples() == [] and r.tpot is None
+    m = cell_metrics([r], [10])
+    assert m["tpot_s_p50"] is None and m["itl_s_p50"] is None
+
+
+def test_goodput_counts_an_undefined_tpot_as_unknown():
+    timed = RequestTimes(0.0, (0.1, 0.2), (1, 1))  # TPOT 0.1
+    one_read = RequestTimes(0.0, (0.1, 0.1), (1, 1))  # TPOT undefined
+    m = cell_metrics([timed, one_read], [10, 10], slo_tpot_s=0.5)
+    assert m["goodput_requests_per_s"] == pytest.approx(1 / 0.2)
+    # with a TTFT bound only, TPOT does not matter
+    assert cell_metrics([timed, one_read], [10, 10], slo_ttft_s=1.0)["goodput_requests_per_s"] == pytest.approx(2 / 0.2)
