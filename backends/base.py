@@ -100,12 +100,12 @@ class Backend(ABC):
     def attached(self) -> bool:
         return self.server is None and bool(self.base_url)
 
-    def stop(self) -> None:
+    def stop(self) -> list[dict]:
+        """Stop the server and its whole process tree; the processes that survived (normally none)."""
         if self._http is not None:
             self._http.close()
             self._http = None
-        if self.server:
-            self.server.stop()
+        return self.server.stop() if self.server else []
 
     @property
     def pid(self) -> int | None:

@@ -3,20 +3,22 @@ stopped with its whole tree. Shared by every adapter that starts a server."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-import psutil
 
-from kvbench.envs import tail
-
+from . import guard
 from .types import LOCALHOST, EngineStartError
+
+GUARD_SCRIPT = Path(guard.__file__)
 
 
 def free_port(host: str = LOCALHOST) -> int:
@@ -26,19 +28,43 @@ def free_port(host: str = LOCALHOST) -> int:
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    os.setsid()  # own process group: Ctrl-C in the terminal reaches the harness only, which cleans up
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: a killed harness does not orphan the server
+        # PR_SET_PDEATHSIG: a harness killed before the guard is up does not orphan the server. SIGKILL, as
+        # vLLM ignores SIGTERM while it starts up; the guard stops the rest of the tree.
+        libc.prctl(1, signal.SIGKILL)
     except OSError:
         pass
 
 
+def _is_error_line(line: str) -> bool:
+    # llama.cpp marks its errors " E "; Python engines print "...Error: ..." and tracebacks
+    return " E " in line or "error" in line.lower() or line.startswith("Traceback")
+
+
 def last_error_line(log_tail: str) -> str:
-    """An engine's own last error line in a log tail (llama.cpp marks them " E ", Python engines print
-    the exception), to say in one line why it did not start."""
-    lines = [line for line in log_tail.splitlines() if " E " in line or "error" in line.lower()]
+    """An engine's own last error line in a log tail, to say in one line why it did not start."""
+    lines = [line for line in log_tail.splitlines() if _is_error_line(line)]
     return lines[-1].strip()[-300:] if lines else ""
+
+
+def log_excerpt(path: Path, offset: int = 0, lines: int = 40, context: int = 3) -> str:
+    """What a log says since byte ``offset``: its first error line with a few lines around it (vLLM names
+    the cause of a failed start ~90 lines above the end of its log, under the traceback of every process
+    that then gave up) and its last ``lines`` lines."""
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    all_lines = text.splitlines()
+    last = all_lines[-lines:]
+    first = next((i for i, line in enumerate(all_lines) if _is_error_line(line)), None)
+    if first is None or first >= len(all_lines) - lines:
+        return "\n".join(last)
+    around = all_lines[max(0, first - context):first + context + 1]
+    return "\n".join(["[first error in the log]", *around, "[...]", "[last lines]", *last])
 
 
 class NotReady(Exception):
@@ -68,24 +94,35 @@ def wait_http(url: str, timeout_s: float, gone: Callable[[], str] | None = None,
 
 
 class ServerProcess:
-    """A server started in its own process group, logging to a file, stopped with its whole tree."""
+    """A server started in a session of its own, logging to a file, with a guard (:mod:`.guard`) that
+    records its whole process tree and stops it when told to or when the harness dies."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log_path: Path):
         self.argv, self.env, self.log_path = argv, env, log_path
         self.proc: subprocess.Popen | None = None
+        self.guard: subprocess.Popen | None = None
+        self.log_offset = 0  # where this start's part of the log begins
+        self.survivors: list[dict] = []  # processes of the tree that outlived stop() (normally none)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
+        self.log_offset = log.tell()
         log.write(("$ " + " ".join(self.argv) + "\n").encode())
         log.flush()
         try:
+            # its own session: Ctrl-C in the terminal reaches the harness only, which then stops it
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, **self.env}, preexec_fn=_die_with_parent)
+                                         env={**os.environ, **self.env}, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
         except OSError as exc:
             raise EngineStartError(f"could not start {self.argv[0]}: {exc}") from None
         finally:
             log.close()
+        # the guard is in a session of its own too, so that stopping the engine's session spares it
+        self.guard = subprocess.Popen([sys.executable, str(GUARD_SCRIPT), str(self.proc.pid)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+                                      text=True)
 
     @property
     def pid(self) -> int | None:
@@ -95,7 +132,8 @@ class ServerProcess:
         return bool(self.proc and self.proc.poll() is None)
 
     def log_tail(self, lines: int = 40) -> str:
-        return tail(self.log_path, lines)
+        """This start's first error line (with context) and its last ``lines`` lines."""
+        return log_excerpt(self.log_path, self.log_offset, lines)
 
     def exit_description(self, wait_s: float = 0.0) -> str:
         if self.proc and wait_s > 0:
@@ -111,7 +149,7 @@ class ServerProcess:
         return f"exited with code {code}"
 
     def wait_http(self, url: str, timeout_s: float) -> None:
-        """Until ``url`` answers 200; an EngineStartError with the log tail when the server dies first or
+        """Until ``url`` answers 200; an EngineStartError with the log excerpt when the server dies first or
         is not ready in ``timeout_s``."""
         def gone() -> str:
             return "" if self.alive() else f"server {self.exit_description() or 'not started'} before it was ready"
@@ -121,27 +159,23 @@ class ServerProcess:
             raise EngineStartError(exc.why or f"server not ready after {timeout_s:.0f} s ({url}: {exc.last})",
                                    self.log_tail()) from None
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the whole tree, SIGKILL what is left after ``grace_s``."""
+    def stop(self, grace_s: float = 15.0) -> list[dict]:
+        """SIGTERM the whole tree, SIGKILL what is left after ``grace_s``; then check that nothing of it
+        runs. Returns the processes that survived (normally none; also kept in ``survivors``)."""
         if not self.proc:
-            return
-        root = None
+            return []
+        survivors = None
+        if self.guard and self.guard.poll() is None:
+            try:
+                out, _ = self.guard.communicate(f"stop {grace_s}\n", timeout=grace_s + 30)
+                survivors = json.loads(out.strip().splitlines()[-1]) if out.strip() else None
+            except (subprocess.TimeoutExpired, ValueError, OSError):
+                self.guard.kill()
+        if survivors is None:  # no guard to ask (it died): stop the session from here
+            survivors = guard.terminate(self.proc.pid, {}, grace_s)
         try:
-            root = psutil.Process(self.proc.pid)
-            tree = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            tree = []
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for p in tree:
-                try:
-                    p.send_signal(sig)
-                except psutil.NoSuchProcess:
-                    pass
-            _, alive = psutil.wait_procs(tree, timeout=grace_s if sig == signal.SIGTERM else 5)
-            if not alive:
-                break
-            tree = alive
-        if self.proc.returncode is None and root is not None and root.returncode is not None:
-            # psutil reaped the root, so Popen can no longer read how it ended: keep what psutil read
-            self.proc.returncode = root.returncode
-        self.proc.wait(timeout=5)
+            self.proc.wait(timeout=5)  # reap the root (a zombie until its parent, the harness, waits)
+        except subprocess.TimeoutExpired:
+            pass
+        self.survivors = survivors
+        return survivors

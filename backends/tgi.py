@@ -146,12 +146,12 @@ class TGIBackend(PrometheusPolled, Backend):
                                "(https://huggingface.co/docs/text-generation-inference) or Docker, or attach to a "
                                "running server with -b tgi:url=http://host:port")
 
-    def stop(self) -> None:
+    def stop(self) -> list[dict]:
         if self.mode == "docker" and self.container and self.server and self.server.alive():
             # The docker CLI forwards SIGTERM, but a SIGKILLed CLI would leave the container running.
             subprocess.run([shutil.which("docker") or "docker", "stop", "-t", "10", self.container],
                            capture_output=True, timeout=30, check=False)
-        super().stop()
+        return super().stop()
 
     def reported_version(self) -> str:
         try:
