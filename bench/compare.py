@@ -128,9 +128,12 @@ class Side:
     _ok_by_cell: dict | None = field(default=None, repr=False)  # (run_id, cell_id, repeat) -> ok requests
 
     def ok_requests(self, keys) -> pd.DataFrame:
-        """The requests of these (run_id, cell_id, repeat) cells that met the token contract."""
+        """The measured requests (not warm-ups) of these (run_id, cell_id, repeat) cells that met the token
+        contract."""
         if self._ok_by_cell is None:
-            ok = self.requests[self.requests.ok.to_numpy(dtype=bool)] if not self.requests.empty else self.requests
+            r = self.requests
+            counted = r.counted.to_numpy(dtype=bool)
+            ok = r[r.ok.to_numpy(dtype=bool) & counted] if not r.empty else r
             self._ok_by_cell = {k: g for k, g in ok.groupby(["run_id", "cell_id", "repeat"], sort=False)}
         parts = [self._ok_by_cell[k] for k in keys if k in self._ok_by_cell]
         return pd.concat(parts) if parts else self.requests.iloc[0:0]

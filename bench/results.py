@@ -22,9 +22,13 @@ from pydantic import BaseModel, Field
 from kvbench.metrics import RequestTimes, request_verdict
 
 OK_STATUSES = ("ok", "flagged")  # cell statuses whose figures count (flagged: some requests broke the contract)
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # v2 (load generator): repeat, load_profile, request_rate, variant, token_contract, attached, queueing
 # and goodput fields. v1 rows read as v2 with those fields at their defaults (one closed-loop repeat).
+# v3 (one meaning per figure): TPOT is undefined (None, not 0.0) where ITL is, and goodput does not count
+# an undefined TPOT as within the SLO; cells' client_loop_lag_s_max (written by some v2 runs without a
+# version bump) is a v3 column; loaded requests get ``counted`` (not a warm-up) beside ``ok`` (met the
+# token contract), and load() gives every column one dtype in every run (:func:`normalize_dtypes`).
 
 #: The fields that say what a cell *is*; two cells with equal values measure the same thing
 #: (``kvbench compare`` matches on these, repeats aside).
@@ -199,6 +203,9 @@ def migrate_row(row: dict, model: type[BaseModel]) -> dict:
     v1 -> v2: the fields v2 added take their defaults (``repeat`` 0, ``load_profile`` "concurrent",
     ``request_rate`` None, ``variant`` "", ``token_contract`` "" = not recorded, ``attached`` False, the
     queueing and goodput fields None): a v1 run was one closed-loop repeat of each cell.
+    v2 -> v3: ``client_loop_lag_s_max`` None where the row lacks it (not measured). A stored cell's TPOT and
+    goodput keep the figures its run wrote (a v2 TPOT may be 0.0 where v3 says undefined): ``kvbench report
+    --recompute RUN`` rebuilds them from requests.jsonl under the current definitions.
     """
     version = int(row.get("schema_version", 1))
     if version > SCHEMA_VERSION:
@@ -231,7 +238,9 @@ PARQUET_META_KEY = b"kvbench_schema_version"
 
 
 def _requests_derived(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per-request figures the cell's percentiles are made of (bench/metrics.py), as columns."""
+    """Per-request figures the cell's percentiles are made of (bench/metrics.py), as columns: ``tpot_s``;
+    ``ok``, the request met the token contract (warm-ups too); ``counted``, it was measured, not a warm-up.
+    A cell's headline figures are made of the requests that are both ``ok`` and ``counted``."""
     frame = frame.copy()
     frame["tpot_s"] = [RequestTimes(0.0, tuple(t), tuple(k)).tpot
                        for t, k in zip(frame.chunk_times, frame.chunk_tokens)]
@@ -239,13 +248,64 @@ def _requests_derived(frame: pd.DataFrame) -> pd.DataFrame:
     def count(x):  # a count the engine did not report reads back as NaN
         return None if pd.isna(x) else int(x)
 
-    # met the token contract (the only requests in a cell's headline figures)
-    frame["ok"] = [not warmup and request_verdict(None if pd.isna(error) else error, sent, count(p_reported),
-                                                 asked, count(o_reported), int(received)) == "ok"
-                   for warmup, error, sent, p_reported, asked, o_reported, received in zip(
-                       frame.warmup, frame.error, frame.prompt_tokens_sent, frame.prompt_tokens_reported,
+    frame["ok"] = [request_verdict(None if pd.isna(error) else error, sent, count(p_reported),
+                                   asked, count(o_reported), int(received)) == "ok"
+                   for error, sent, p_reported, asked, o_reported, received in zip(
+                       frame.error, frame.prompt_tokens_sent, frame.prompt_tokens_reported,
                        frame.output_tokens_requested, frame.output_tokens_reported, frame.output_tokens_received)]
+    frame["counted"] = [not bool(w) for w in frame.warmup]
     return frame
+
+
+#: dtypes of the columns load() adds to a model's fields
+DERIVED_DTYPES = {"tpot_s": "float64", "ok": "bool", "counted": "bool", "run_dir": "object"}
+
+
+def column_dtypes(model: type[BaseModel]) -> dict[str, str]:
+    """One pandas dtype per field of ``model``, whatever a run holds: floats (None as NaN) float64; byte
+    figures (ints named ``*bytes*``, read as sizes) float64; other ints (counts, lengths) Int64, with
+    <NA> where not measured; bools bool (boolean where optional); strings, lists and dicts object."""
+    import types
+    import typing
+
+    out = {}
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        args = [a for a in typing.get_args(ann) if a is not type(None)] \
+            if typing.get_origin(ann) in (typing.Union, types.UnionType) else [ann]
+        optional = len(args) < len(typing.get_args(ann)) if typing.get_origin(ann) in (typing.Union,
+                                                                                       types.UnionType) else False
+        base = args[0] if len(args) == 1 else None
+        if base is float or (base is int and "bytes" in name):
+            out[name] = "float64"
+        elif base is int:
+            out[name] = "Int64"
+        elif base is bool:
+            out[name] = "boolean" if optional else "bool"
+        else:
+            out[name] = "object"
+    return out
+
+
+def normalize_dtypes(frame: pd.DataFrame, model: type[BaseModel]) -> pd.DataFrame:
+    """``frame`` with the same columns in the same dtypes for every run, old or new (:func:`column_dtypes`
+    for the model's fields, :data:`DERIVED_DTYPES` for the derived ones); a missing field is added empty."""
+    dtypes = {**column_dtypes(model), **{k: v for k, v in DERIVED_DTYPES.items()
+                                         if k in frame.columns or (k == "run_dir")}}
+    frame = frame.copy()
+    for col, dtype in dtypes.items():
+        if col not in frame.columns:
+            frame[col] = pd.Series([None] * len(frame), index=frame.index, dtype="object")
+        series = frame[col]
+        if dtype == "object":
+            frame[col] = series.astype(object).where(series.notna(), None) if len(series) else series.astype(object)
+        elif dtype in ("float64", "Int64", "boolean"):
+            frame[col] = pd.to_numeric(series.astype(object).where(series.notna(), None), errors="coerce") \
+                .astype(dtype) if dtype != "boolean" else series.astype("boolean")
+        else:
+            frame[col] = series.astype(dtype)
+    first = [c for c in dtypes if c in model.model_fields]
+    return frame[first + [c for c in frame.columns if c not in model.model_fields]]
 
 
 def not_a_run_dir(run_dir: str | Path) -> str | None:
@@ -339,4 +399,4 @@ def load(*run_dirs: str | Path, what: Literal["cells", "requests"] = "cells") ->
         frames.append(frame)
     if not frames:
         return pd.DataFrame(columns=[*model.model_fields, "run_dir"])
-    return pd.concat(frames, ignore_index=True)
+    return normalize_dtypes(pd.concat(frames, ignore_index=True), model)

@@ -183,9 +183,9 @@ def test_single_run_itl_samples_are_the_metrics_own():
 
     times, tokens = [1.0, 1.0, 1.2, 1.2, 1.5], [1, 1, 1, 1, 2]
     requests = pd.DataFrame([
-        dict(run_id="r", cell_id="c", repeat=0, ok=True, chunk_times=times, chunk_tokens=tokens, ttft_s=0.5),
-        dict(run_id="r", cell_id="c", repeat=0, ok=False, chunk_times=[1.0, 9.0], chunk_tokens=[1, 1], ttft_s=9.0),
-        dict(run_id="r", cell_id="other", repeat=0, ok=True, chunk_times=[1.0, 3.0], chunk_tokens=[1, 1], ttft_s=7.0)])
+        dict(run_id="r", cell_id="c", repeat=0, ok=True, counted=True, chunk_times=times, chunk_tokens=tokens, ttft_s=0.5),
+        dict(run_id="r", cell_id="c", repeat=0, ok=False, counted=True, chunk_times=[1.0, 9.0], chunk_tokens=[1, 1], ttft_s=9.0),
+        dict(run_id="r", cell_id="other", repeat=0, ok=True, counted=True, chunk_times=[1.0, 3.0], chunk_tokens=[1, 1], ttft_s=7.0)])
     side = Side("baseline", pd.DataFrame(), requests)
     rows = pd.DataFrame([dict(run_id="r", cell_id="c", repeat=0)])
     expected = RequestTimes(0.0, tuple(times), tuple(tokens)).itl_samples()

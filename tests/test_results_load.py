@@ -46,8 +46,8 @@ def test_the_published_v1_run_migrates_to_the_current_schema(published):
 def test_requests_are_tidy_with_derived_columns(published):
     requests = load(published, what="requests")
     assert len(requests) == 63 and set(requests["repeat"]) == {0}
-    assert not requests[requests.warmup].ok.any()  # warm-up requests never count
-    measured = requests[~requests.warmup]
+    assert not requests[requests.warmup].counted.any()  # warm-up requests never count
+    measured = requests[requests.counted]
     assert measured.ok.all() and (measured.tpot_s > 0).all()
     one = measured.set_index("cell_id").loc["hf-5.24.0_p1024_c1"]
     assert one.tpot_s == pytest.approx(0.057632356, rel=1e-6)  # the cell's TPOT, one request
@@ -60,7 +60,7 @@ def test_parquet_copy_carries_the_schema_version_and_reads_back_the_same(publish
     assert ensure_parquet(published) and not ensure_parquet(published)  # written once, then current
     meta = pq.read_schema(published / "cells.parquet").metadata
     assert meta[b"kvbench_schema_version"] == str(SCHEMA_VERSION).encode()
-    assert pq.read_schema(published / "requests.parquet").metadata[b"kvbench_schema_version"] == b"2"
+    assert pq.read_schema(published / "requests.parquet").metadata[b"kvbench_schema_version"] == str(SCHEMA_VERSION).encode()
     from_parquet = load(published)
     assert from_parquet.drop(columns="flags").equals(jsonl_cells.drop(columns="flags"))
     assert list(from_parquet["flags"]) == list(jsonl_cells["flags"])
@@ -114,5 +114,6 @@ def test_ok_column_is_the_cells_token_contract():
                           req(output_tokens_reported=None, output_tokens_received=2, chunk_times=[1.0, 1.1],
                               chunk_tokens=[1, 1]), req(error="HTTP 500"), req(warmup=True)])
     derived = _requests_derived(frame)
-    assert derived.ok.tolist() == [True, True, False, False, False, False]
+    assert derived.ok.tolist() == [True, True, False, False, False, True]  # ok: the token contract only
+    assert derived.counted.tolist() == [True] * 5 + [False]  # a warm-up is not counted
     assert derived.tpot_s.iloc[0] == pytest.approx(0.15)  # (1.3 - 1.0) / (3 - 1)

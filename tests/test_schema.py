@@ -1,0 +1,56 @@
+"""Schema v3: every run under results/ loads with the same columns and dtypes, old or new, JSONL or Parquet."""
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from kvbench.results import SCHEMA_VERSION, CellRow, RequestRow, column_dtypes, load, migrate_row
+
+from .synth import make_run
+
+ROOT = Path(__file__).resolve().parent.parent / "results"
+RUNS = sorted(p.parent for p in ROOT.glob("*/*/cells.jsonl"))
+
+
+def signature(frame: pd.DataFrame) -> list[tuple[str, str]]:
+    return [(c, str(t)) for c, t in frame.dtypes.items()]
+
+
+def test_there_are_published_runs():
+    assert len(RUNS) >= 3, RUNS
+
+
+@pytest.mark.parametrize("what", ["cells", "requests"])
+def test_every_run_loads_with_identical_columns_and_dtypes(what, tmp_path):
+    new = make_run(tmp_path, "new", repeats=1, prompts=(128,), concurrency=(1,))  # a run written today
+    signatures = {str(run): signature(load(run, what=what)) for run in [*RUNS, new]}
+    first = signatures[str(RUNS[0])]
+    for run, sig in signatures.items():
+        assert sig == first, run
+    dtypes = dict(first)
+    if what == "cells":
+        assert dtypes["client_loop_lag_s_max"] == "float64"  # absent from v1 and some v2 rows
+        assert dtypes["preemptions"] == dtypes["requests_running_peak"] == "float64"
+        assert dtypes["gpu_process_peak_bytes"] == dtypes["rss_peak_bytes"] == "float64"
+        assert dtypes["n_ok"] == dtypes["concurrency"] == "Int64"
+        assert dtypes["status"] == dtypes["flags"] == "object"
+    else:
+        assert dtypes["ok"] == dtypes["counted"] == "bool" and dtypes["tpot_s"] == "float64"
+
+
+def test_a_v2_row_without_client_loop_lag_migrates():
+    row = CellRow(run_id="r", cell_id="c", backend="b", engine="e", engine_version="1", model="m", workload="w",
+                  prompt_tokens=8, output_tokens=4, concurrency=1, kv_dtype="f16", status="ok").model_dump()
+    row["schema_version"] = 2
+    del row["client_loop_lag_s_max"]
+    out = migrate_row(row, CellRow)
+    assert out["schema_version"] == SCHEMA_VERSION == 3 and out["client_loop_lag_s_max"] is None
+
+
+def test_every_field_has_a_dtype():
+    for model in (CellRow, RequestRow):
+        dtypes = column_dtypes(model)
+        assert list(dtypes) == list(model.model_fields)
+        assert set(dtypes.values()) <= {"float64", "Int64", "bool", "boolean", "object"}
+    assert column_dtypes(RequestRow)["chunk_times"] == "object"
+    assert column_dtypes(CellRow)["kv_pool_bytes_engine"] == "float64"
