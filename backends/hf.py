@@ -16,6 +16,7 @@ from kvbench.models import ModelFiles
 
 from .base import Backend
 from .kvrules import KVCheck, KVQuestion, KVRules, parse_version
+from .options import Option
 from .streaming import stream_sse
 from .types import KVInUse, KVPool, RequestResult, ServerSpec
 
@@ -75,6 +76,11 @@ class TransformersKV(KVRules):
 class HFBackend(Backend):
     engine = "hf"
     default_version = "5.24.0"
+    #: The options this adapter reads (-b hf:KEY=VALUE); checked by BackendConfig.parse, listed by `kvbench backends`.
+    option_specs = (
+        Option("batch_wait_ms", int, 200, "how long the worker waits to fill a batch (--batch-wait-ms)"),
+        Option("threads", int, None, "torch threads of the worker (--threads)", default_text="torch's own"),
+    )
     kv_rules = TransformersKV()
 
     @classmethod

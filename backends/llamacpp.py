@@ -24,6 +24,7 @@ from kvbench.units import MIB
 
 from .base import Backend, extra_args
 from .kvrules import KVAnswer, KVCheck, KVQuestion, KVRules
+from .options import EXTRA_ARGS, Option
 from .process import last_error_line
 from .prometheus import gauge_sum, metric_samples
 from .streaming import stream_sse
@@ -161,6 +162,12 @@ class LlamaCppBackend(Backend):
     engine = "llamacpp"
     supports_prefix_caching = True
     default_version = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp is built
+    #: The options this adapter reads (-b llamacpp:KEY=VALUE); checked by BackendConfig.parse, listed by `kvbench backends`.
+    option_specs = (
+        Option("threads", int, None, "generation threads (-t)", default_text="1 on <= 2 cores, else cores/2"),
+        Option("batch_threads", int, None, "prompt-processing threads (-tb)", default_text="all cores"),
+        EXTRA_ARGS,
+    )
     kv_rules = LlamaCppKV()
 
     @classmethod

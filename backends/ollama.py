@@ -27,6 +27,7 @@ from kvbench.units import MIB
 from .base import Backend
 from .kvrules import KVQuestion
 from .llamacpp import LlamaCppKV, parse_kv_log
+from .options import Option
 from .streaming import stream_ndjson
 from .types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 
@@ -66,6 +67,14 @@ class OllamaBackend(Backend):
     engine = "ollama"
     kv_rules = OllamaKV()
     default_version = "0.30.0"  # nominal: the ollama on PATH is what runs; /api/version says which
+    #: The options this adapter reads (-b ollama:KEY=VALUE); checked by BackendConfig.parse, listed by `kvbench backends`.
+    option_specs = (
+        Option("binary", str, None, "path of the ollama executable", default_text="the one on PATH"),
+        Option("models_dir", str, None, "OLLAMA_MODELS", default_text="$KVBENCH_HOME/ollama/models"),
+        Option("flash_attention", bool, None, "OLLAMA_FLASH_ATTENTION", default_text="on for a quantised KV cache"),
+        Option("debug", bool, True, "OLLAMA_DEBUG (some versions log the KV cache only at this level)"),
+        Option("served_model", str, None, "use this model as it is on the server instead of importing the GGUF"),
+    )
     accepts_token_ids = False
     forces_output_length = False  # no ignore_eos in Ollama's API
     health_path = "/api/version"

@@ -21,6 +21,7 @@ import httpx
 from kvbench.envs import Recipe
 
 from .base import Backend
+from .options import Option
 from .streaming import stream_sse
 from .types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 
@@ -45,6 +46,13 @@ def read_completion_chunk(event: dict, now: float, result: RequestResult) -> Non
 class OpenAIBackend(Backend):
     engine = "openai"
     default_version = "v1"  # the API; the server's own version is whatever /version says, if it has one
+    #: The options this adapter reads (-b openai:KEY=VALUE); checked by BackendConfig.parse, listed by `kvbench backends`.
+    option_specs = (
+        Option("served_model", str, None, "the model name requests use", default_text="the first of /v1/models"),
+        Option("token_ids", bool, False, "the server takes prompts as token ids"),
+        Option("ignore_eos", bool, False, "the server honours ignore_eos (exact output lengths)"),
+        Option("return_token_ids", bool, False, "ask for the token ids (vLLM's return_token_ids)"),
+    )
     accepts_token_ids = False
     health_path = "/v1/models"
 

@@ -24,6 +24,7 @@ from kvbench.kvmodel import KVGeometry, LayerKV, decompressed, round_up
 
 from .base import Backend, extra_args
 from .kvrules import KVQuestion, KVRules, with_kinds
+from .options import EXTRA_ARGS, Option
 from .prometheus import PrometheusPolled, gauge_sum
 from .streaming import stream_sse
 from .types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
@@ -85,6 +86,17 @@ class TGIBackend(PrometheusPolled, Backend):
     engine = "tgi"
     kv_rules = TGIKV()
     default_version = "3.3.5"  # the Docker image tag when TGI runs in Docker
+    #: The options this adapter reads (-b tgi:KEY=VALUE); checked by BackendConfig.parse, listed by `kvbench backends`.
+    option_specs = (
+        Option("mode", str, "auto", "how TGI starts", choices=("auto", "launcher", "docker")),
+        Option("launcher", str, None, "path of text-generation-launcher", default_text="the one on PATH"),
+        Option("image", str, None, "Docker image", default_text=f"{IMAGE}:VERSION"),
+        Option("gpus", str, "all", "docker run --gpus (empty: none)"),
+        Option("max_batch_prefill_tokens", int, None, "--max-batch-prefill-tokens", default_text="the context cap"),
+        Option("max_concurrent_requests", int, None, "--max-concurrent-requests",
+               default_text="the workload's top concurrency"),
+        EXTRA_ARGS,
+    )
     accepts_token_ids = False
     forces_output_length = False  # no ignore_eos in TGI's API
     health_path = "/health"

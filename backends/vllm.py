@@ -20,6 +20,7 @@ from kvbench.models import ModelFiles
 from .base import Backend, extra_args
 from .kvrules import KVAnswer, KVCheck, KVQuestion, KVRuleError, KVRules, parse_version, with_kinds
 from .openai import read_completion_chunk
+from .options import EXTRA_ARGS, Option
 from .process import last_error_line
 from .prometheus import PrometheusPolled, gauge_sum
 from .streaming import stream_sse
@@ -169,6 +170,14 @@ class VLLMKV(KVRules):
 class VLLMBackend(PrometheusPolled, Backend):
     engine = "vllm"
     default_version = "0.32.0"
+    #: The options this adapter reads (-b vllm:KEY=VALUE); checked by BackendConfig.parse, listed by `kvbench backends`.
+    option_specs = (
+        Option("block_size", int, None, "KV block size in tokens (--block-size)", default_text="vLLM's own: 16 GPU, 128 CPU"),
+        Option("kv_cache_memory_bytes", int, None, "KV pool in bytes (--kv-cache-memory-bytes)",
+               default_text="every sequence of the workload at full length"),
+        Option("enforce_eager", bool, True, "no CUDA graphs / compile (--enforce-eager): a 20-25 s start"),
+        EXTRA_ARGS,
+    )
     supports_prefix_caching = True
     kv_rules = VLLMKV()
     # The samples polled during a cell (gpu_cache_usage_perc: the KV gauge's name before vLLM 0.10).

@@ -6,6 +6,8 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, Field
 
 from kvbench.backends import REGISTRY
+from kvbench.backends.options import OptionError, validate
+from kvbench.suggest import hint as did_you_mean
 
 
 class ConfigError(ValueError):
@@ -34,14 +36,22 @@ class BackendConfig(BaseModel):
         engine, _, version = head.partition("@")
         engine = engine.strip().lower()
         if engine not in REGISTRY:
-            raise ConfigError(f"backend {engine!r} is not known; allowed: {', '.join(sorted(REGISTRY))}")
-        options = parse_options(opts, repr(text))
+            raise ConfigError(f"backend {engine!r} is not known; {did_you_mean(engine, REGISTRY)}allowed: {', '.join(sorted(REGISTRY))}")
+        options = check_options(engine, parse_options(opts, repr(text)))
         url = options.pop("url", None)
         if url is not None:
             url = str(url)
             if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc:
                 raise ConfigError(f"url {url!r} in {text!r} must look like http://host:port")
         return cls(engine=engine, version=version or REGISTRY[engine].default_version, options=options, url=url)
+
+
+def check_options(engine: str, options: dict) -> dict:
+    """The options checked against the engine's declaration (its adapter's ``option_specs``), typed."""
+    try:
+        return validate(engine, REGISTRY[engine], options)
+    except OptionError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def parse_options(text: str, where: str) -> dict:

@@ -62,3 +62,99 @@ def test_bad_arguments_name_the_allowed_values(tmp_path):
     assert bad_workload.returncode == 2 and "long_context_ladder" in bad_workload.stderr
     not_a_run = kvbench("report", str(tmp_path))
     assert not_a_run.returncode == 2 and "not a kvbench run folder" in not_a_run.stderr
+
+
+# --- a CLI that explains itself -----------------------------------------------------------------------
+
+def test_help_shows_the_backend_syntax_as_written():
+    for verb in ("run", "setup"):
+        done = kvbench(verb, "--help")
+        assert done.returncode == 0 and "ENGINE[@VERSION][:KEY=VALUE,...]" in done.stdout, done.stdout
+
+
+def test_top_level_help_lists_every_verb_with_its_summary():
+    from kvbench.cli import COMMANDS, docstring
+    done = kvbench("--help")
+    assert done.returncode == 0
+    for verb in COMMANDS:
+        assert verb in done.stdout
+    assert docstring("backends").split()[0] in done.stdout  # summaries read from the sources
+
+
+def test_importing_the_cli_imports_no_heavy_package():
+    code = ("import sys, kvbench.cli; heavy = [m for m in ('pandas', 'matplotlib', 'transformers', 'torch') "
+            "if m in sys.modules]; print(heavy)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_backends_lists_every_engine_version_and_option():
+    import json
+
+    from kvbench.backends import REGISTRY
+    done = kvbench("backends")
+    assert done.returncode == 0
+    for name, cls in REGISTRY.items():
+        assert f"{name} (default version {cls.default_version})" in done.stdout
+        for option in cls.option_specs:
+            assert option.name in done.stdout
+    listed = json.loads(kvbench("backends", "--json").stdout)
+    assert listed["engines"]["llamacpp"]["options"]["threads"]["type"] == "int"
+    assert listed["engines"]["tgi"]["options"]["mode"] == {"type": "auto|launcher|docker", "default": "auto",
+                                                          "shown_default": "auto", "help": "how TGI starts"}
+    assert set(listed["common_options"]) == {"url", "api_key_env", "ca_bundle"}
+
+
+def test_each_adapter_declares_exactly_the_options_it_reads():
+    import inspect
+    import re
+
+    from kvbench.backends import REGISTRY
+    for name, cls in REGISTRY.items():
+        source = inspect.getsource(inspect.getmodule(cls))
+        read = set(re.findall(r"self\.options(?:\.get\(|\[)\"(\w+)\"", source))
+        if "extra_args(self.options)" in source:
+            read.add("extra_args")
+        assert read == {o.name for o in cls.option_specs}, name
+
+
+def test_backend_options_are_checked_with_a_suggestion():
+    from kvbench.config import BackendConfig, ConfigError
+    with pytest.raises(ConfigError) as exc:
+        BackendConfig.parse("llamacpp:thread=2")
+    assert str(exc.value) == ("unknown option 'thread' for llamacpp; did you mean 'threads'? allowed: api_key_env, "
+                              "batch_threads, ca_bundle, extra_args, threads, url")
+    with pytest.raises(ConfigError, match="option 'threads' for llamacpp takes an integer, not 'two'"):
+        BackendConfig.parse("llamacpp:threads=two")
+    with pytest.raises(ConfigError, match="option 'enforce_eager' for vllm takes true or false, not 1"):
+        BackendConfig.parse("vllm:enforce_eager=1")
+    with pytest.raises(ConfigError, match="takes one of auto, launcher, docker, not 'dock'; did you mean 'docker'"):
+        BackendConfig.parse("tgi:mode=dock")
+    typed = BackendConfig.parse("openai:url=http://127.0.0.1:9,served_model=7,ignore_eos=true")
+    assert typed.options == {"served_model": "7", "ignore_eos": True} and typed.url == "http://127.0.0.1:9"
+    assert BackendConfig.parse("vllm:block_size=16,extra_args=--seed 1").options == {"block_size": 16,
+                                                                                      "extra_args": "--seed 1"}
+    done = kvbench("run", "-b", "llamacpp:thread=2")
+    assert done.returncode == 2 and "did you mean 'threads'?" in done.stderr
+
+
+def test_typos_get_a_suggestion():
+    engine = kvbench("run", "-b", "vlm")
+    assert engine.returncode == 2 and "did you mean 'vllm'?" in engine.stderr
+    workload = kvbench("run", "--workload", "smok")
+    assert workload.returncode == 2 and "did you mean 'smoke'?" in workload.stderr
+    model = kvbench("plan", "llama3-8b", "--context", "1024")
+    assert model.returncode == 2 and "did you mean 'llama-3-8b'?" in model.stderr
+    verb = kvbench("rnu")
+    assert verb.returncode == 2 and "did you mean 'run'?" in verb.stderr
+    nothing_close = kvbench("run", "-b", "zzzz")
+    assert nothing_close.returncode == 2 and "did you mean" not in nothing_close.stderr
+
+
+def test_b_means_backend_everywhere():
+    plan_b = kvbench("plan", "llama-3-8b", "--context", "1024", "-b", "2")
+    assert plan_b.returncode == 2 and "No such option: -b" in plan_b.stderr
+    plan = kvbench("plan", "llama-3-8b", "--context", "1024", "--batch", "2", "--json")
+    assert plan.returncode == 0 and '"batch": 2' in plan.stdout
+    for verb in ("run", "setup", "validate"):
+        assert "-b, --backend" in kvbench(verb, "--help").stdout

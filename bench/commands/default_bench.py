@@ -6,6 +6,7 @@ from kvbench import ui
 from kvbench.default_bench import DefaultBenchError, default_bench_for
 from kvbench.models import ModelError
 from kvbench.planner import PlanError
+from kvbench.suggest import model_names, with_hint
 
 
 def default_bench(
@@ -18,7 +19,7 @@ def default_bench(
     try:
         p = default_bench_for(model)
     except (DefaultBenchError, ModelError, PlanError) as exc:
-        typer.echo(f"error: {exc}", err=True)  # stderr: --args output must stay clean for the Makefile
+        typer.echo(f"error: {with_hint(str(exc), model, model_names())}", err=True)  # stderr: --args output must stay clean for the Makefile
         raise typer.Exit(2)
     if args:
         print(" ".join(p.run_args()))

@@ -8,6 +8,7 @@ from kvbench import ui
 from kvbench.config import ConfigError, parse_options
 from kvbench.kvmodel import KV_DTYPE_BYTES
 from kvbench.planner import PlanError, PlanInput, catalog_names, engines, plan, resolve_model
+from kvbench.suggest import with_hint
 from kvbench.units import fmt_gib
 
 
@@ -15,7 +16,8 @@ def plan_command(
     model: str = typer.Argument(..., help="A config.json, a model folder, a GGUF file, a hub id (org/name) or a "
                                           f"catalog name: {', '.join(catalog_names())}."),
     context: int = typer.Option(..., "--context", "-n", help="Tokens per sequence (prompt + output)."),
-    batch: int = typer.Option(1, "--batch", "-b", help="Concurrent sequences."),
+    # no -b: that is --backend in run, setup and validate
+    batch: int = typer.Option(1, "--batch", help="Concurrent sequences."),
     kv_dtype: str = typer.Option("auto", help="KV cache dtype: auto (the engine's default for the model) or "
                                               f"{', '.join(sorted(KV_DTYPE_BYTES))}; each engine takes some."),
     tp: int = typer.Option(1, help="GPUs the model is split over (tensor parallel; llama.cpp splits layers)."),
@@ -45,7 +47,10 @@ def plan_command(
                                 device=device, engine_version=engine_version, engine_options=options,
                                 allow_long_context=allow_long_context))
     except (PlanError, ConfigError) as exc:
-        typer.echo(f"error: {exc}", err=True)
+        message = with_hint(str(exc), model, catalog_names()) if model in str(exc) else str(exc)
+        if engine and engine in str(exc):
+            message = with_hint(message, engine, engines())
+        typer.echo(f"error: {message}", err=True)
         raise typer.Exit(2)
     if as_json:
         print(json.dumps(result, indent=2))

@@ -8,6 +8,7 @@ from kvbench.config import BackendConfig, ConfigError
 from kvbench.models import ModelError
 from kvbench.results import load_cells
 from kvbench.runner import Runner, RunOptions
+from kvbench.suggest import model_names, with_hint
 from kvbench.workloads import WorkloadError, available
 from kvbench.workloads import load as load_workload
 
@@ -42,7 +43,8 @@ def run(
             backends = [BackendConfig.parse(f"{backend[0]}{',' if ':' in backend[0] else ':'}url={url}")]
         wl = load_workload(workload)
     except (ConfigError, WorkloadError) as exc:
-        raise typer.BadParameter(str(exc)) from None
+        raise typer.BadParameter(with_hint(str(exc), workload, available()) if isinstance(exc, WorkloadError)
+                                 else str(exc)) from None
     options = RunOptions(model=model, workload=wl, backends=backends, results_dir=results_dir, run_id=run_id,
                          kv_dtype=kv_dtype, max_context=max_context, start_timeout_s=start_timeout,
                          request_timeout_s=request_timeout, repeats=repeats)
@@ -50,7 +52,7 @@ def run(
     try:
         run_dir = runner.run()
     except ModelError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(f"[red]error:[/] {with_hint(str(exc), model, model_names())}")
         raise typer.Exit(2)
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted; finished cells are in {runner.run_dir}[/]")

@@ -1,14 +1,16 @@
 import typer
+from rich.markup import escape
 
 from kvbench import models, ui
 from kvbench.backends import REGISTRY, gguf_converter
 from kvbench.config import BackendConfig, ConfigError
 from kvbench.envs import EnvInstallError, ensure_env
+from kvbench.suggest import model_names, with_hint
 
 
 def setup(
     backend: list[str] = typer.Option(["hf", "vllm", "llamacpp"], "--backend", "-b",
-                                      help="ENGINE[@VERSION]; repeat for several."),
+                                      help="ENGINE[@VERSION][:KEY=VALUE,...]; repeat for several (kvbench backends lists them)."),
     model: str = typer.Option("smollm2", help="Also prepare this model's HF-format copy."),
 ):
     """Install each engine's isolated environment and prepare the model (idempotent: installs only what is missing)."""
@@ -31,6 +33,6 @@ def setup(
         console.print(f"[green]ready[/] model {files.name}: {files.hf_dir}" + (f", {files.gguf_path}" if files.gguf_path else ""))
     except models.ModelError as exc:
         failed = True
-        console.print(f"[red]{exc}[/]")
+        console.print(f"[red]{escape(with_hint(str(exc), model, model_names()))}[/]")
     if failed:
         raise typer.Exit(1)

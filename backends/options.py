@@ -1,0 +1,88 @@
+"""Each engine's options (``-b ENGINE:KEY=VALUE,...``), declared once per adapter as ``option_specs`` and
+checked here: an unknown key or a value of the wrong type is an error naming the allowed keys, not an
+option silently ignored. ``kvbench backends`` lists them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbench.suggest import hint
+
+
+class OptionError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    type: type  # bool, int, float or str
+    default: object = None  # the value used when the option is not given (None: none / the engine's own)
+    help: str = ""
+    choices: tuple[str, ...] = ()  # for a str option: its allowed values
+    default_text: str = ""  # how the default is shown when it is computed, e.g. "1 on <= 2 cores"
+
+    @property
+    def type_name(self) -> str:
+        if self.choices:
+            return "|".join(self.choices)
+        return self.type.__name__
+
+    @property
+    def shown_default(self) -> str:
+        if self.default_text:
+            return self.default_text
+        return "-" if self.default is None else str(self.default).lower() if isinstance(self.default, bool) else str(self.default)
+
+
+#: Keys every engine takes: where its server is (attach mode), and how to reach a secured one.
+COMMON = (
+    Option("url", str, None, "attach to the server already running at this URL instead of starting one"),
+    Option("api_key_env", str, None, "name of an environment variable holding an API key, sent as a bearer token"),
+    Option("ca_bundle", str, None, "CA bundle (PEM file) to verify an https server's certificate with"),
+)
+
+#: Every engine that starts a server passes these on to it.
+EXTRA_ARGS = Option("extra_args", str, None, "more arguments for the server's command line (split on spaces)")
+
+
+def specs_of(cls) -> dict[str, Option]:
+    """Every option an adapter class takes: its own and the common ones."""
+    return {o.name: o for o in (*COMMON, *getattr(cls, "option_specs", ()))}
+
+
+def coerce(engine: str, spec: Option, value):
+    """``value`` (as the option parser read it: bool, int, float or str) as ``spec.type``, or an error
+    naming the option and what it takes."""
+    def wrong(what: str) -> OptionError:
+        return OptionError(f"option {spec.name!r} for {engine} takes {what}, not {value!r}")
+
+    if spec.type is bool:
+        if isinstance(value, bool):
+            return value
+        raise wrong("true or false")
+    if spec.type is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise wrong("an integer")
+    if spec.type is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise wrong("a number")
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    if spec.choices and text not in spec.choices:
+        raise OptionError(f"option {spec.name!r} for {engine} takes one of {', '.join(spec.choices)}, not "
+                          f"{value!r}; {hint(text, spec.choices)}".rstrip("; "))
+    return text
+
+
+def validate(engine: str, cls, options: dict) -> dict:
+    """``options`` checked against the adapter's declaration, each value as its declared type."""
+    specs = specs_of(cls)
+    out = {}
+    for key, value in options.items():
+        spec = specs.get(key)
+        if spec is None:
+            allowed = ", ".join(sorted(specs))
+            raise OptionError(f"unknown option {key!r} for {engine}; {hint(key, specs)}allowed: {allowed}")
+        out[key] = coerce(engine, spec, value)
+    return out

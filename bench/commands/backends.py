@@ -1,0 +1,30 @@
+import json
+
+import typer
+
+
+def backends(as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")):
+    """List every engine, its default version and its options (-b ENGINE[@VERSION][:KEY=VALUE,...])."""
+    from kvbench.backends import REGISTRY
+    from kvbench.backends.options import COMMON, specs_of
+
+    engines = {name: {"default_version": cls.default_version,
+                      "options": {o.name: {"type": o.type_name, "default": o.default, "shown_default": o.shown_default,
+                                           "help": o.help} for o in specs_of(cls).values() if o not in COMMON}}
+               for name, cls in sorted(REGISTRY.items())}
+    if as_json:
+        print(json.dumps({"engines": engines, "common_options": {o.name: {"type": o.type_name, "help": o.help}
+                                                                 for o in COMMON}}, indent=2))
+        return
+    lines = ["-b ENGINE[@VERSION][:KEY=VALUE,...], e.g. -b vllm@0.32.0 or -b llamacpp:threads=2,batch_threads=4", ""]
+    for name, e in engines.items():
+        lines.append(f"{name} (default version {e['default_version']})")
+        rows = [("option", "type", "default", "meaning")] + [(k, o["type"], o["shown_default"], o["help"])
+                                                            for k, o in e["options"].items()]
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines += ["  " + "  ".join(f"{c:<{w}}" for c, w in zip(r, widths)) + f"  {r[3]}" for r in rows]
+        lines.append("")
+    lines.append("every engine also takes:")
+    width = max(len(o.name) for o in COMMON)
+    lines += [f"  {o.name:<{width}}  {o.type_name}  {o.help}" for o in COMMON]
+    print("\n".join(lines))
