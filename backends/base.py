@@ -6,6 +6,8 @@ in use, and how to stop it. The runner knows nothing else about engines.
 """
 from __future__ import annotations
 
+import ssl
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import ClassVar
@@ -15,9 +17,11 @@ import httpx
 from kvbench.envs import Recipe
 from kvbench.kvmodel import kv_bytes_per_token
 from kvbench.models import ModelFiles
+from kvbench.redact import redact_url
 
+from . import streaming
 from .kvrules import KVCheck, KVQuestion, KVRules
-from .process import NotReady, ServerProcess, free_port, wait_http
+from .process import ServerProcess, free_port
 from .types import EngineStartError, EngineState, KVInUse, KVPool, RequestResult, ServerSpec
 
 
@@ -47,6 +51,22 @@ class Backend(ABC):
         self.spec: ServerSpec | None = None
         self.base_url = ""
         self._http: httpx.Client | None = None
+        #: Headers that authenticate every request to an attached server (``Authorization: Bearer`` from
+        #: ``api_key_env``, or basic auth from the url's userinfo): set by the runner from
+        #: ``BackendConfig.auth_headers()`` before :meth:`attach`. Never logged or written.
+        self.auth_headers: dict[str, str] = {}
+
+    @property
+    def tls(self) -> ssl.SSLContext:
+        """The context that verifies an https server's certificate: against the ``ca_bundle`` option's PEM
+        file, else the system's CAs. Shared by :attr:`http` and the streaming client."""
+        return streaming.tls_context(self.options.get("ca_bundle") or None)
+
+    def http_client(self, timeout_s: float | None = None) -> httpx.Client:
+        """A new client for untimed calls to this engine, with its credentials and TLS settings (for a
+        thread that needs its own, e.g. the poller)."""
+        return httpx.Client(timeout=self.untimed_timeout_s if timeout_s is None else timeout_s,
+                            headers=self.auth_headers, verify=self.tls)
 
     @property
     def http(self) -> httpx.Client:
@@ -54,7 +74,7 @@ class Backend(ABC):
         counters), closed by :meth:`stop`. Timed requests go through :mod:`.streaming`; the poller, which
         runs in a thread of its own, passes its own client to :meth:`poll`."""
         if self._http is None:
-            self._http = httpx.Client(timeout=self.untimed_timeout_s)
+            self._http = self.http_client()
         return self._http
 
     # --- install -------------------------------------------------------------------------------
@@ -90,11 +110,38 @@ class Backend(ABC):
         self.spec = spec
         self.base_url = url.rstrip("/")
         self.server = None
-        try:
-            wait_http(self.base_url + self.health_path, timeout_s, interval_s=0.5)
-        except NotReady as exc:
-            raise EngineStartError(f"no {self.engine} server answering at {self.base_url} "
-                                   f"({exc.last} from {self.health_path})") from None
+        # the timed client sends the same credentials, and verifies an https server the same way
+        streaming.configure_endpoint(self.base_url, self.auth_headers,
+                                     self.tls if self.base_url.startswith("https:") else None)
+        self._wait_attached(timeout_s)
+
+    def _wait_attached(self, timeout_s: float, interval_s: float = 0.5) -> None:
+        """GET the health path until it answers 200 (with the credentials and TLS settings of every call).
+        A certificate that does not verify, or an answer 401/403, fails at once: waiting would not help."""
+        where = redact_url(self.base_url)
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while True:
+            try:
+                status = self.http.get(self.base_url + self.health_path, timeout=2.0).status_code
+            except httpx.HTTPError as exc:
+                if isinstance(tls_error := _ssl_error(exc), ssl.SSLCertVerificationError):
+                    raise EngineStartError(f"TLS with {where}: certificate verify failed ({tls_error.verify_message}); "
+                                           f"give ca_bundle=PATH (a PEM file of the CA that signed it)") from None
+                if tls_error is not None:
+                    raise EngineStartError(f"TLS with {where} failed: {tls_error}; is it an https server?") from None
+                last = f"{type(exc).__name__}: {exc}"
+            else:
+                if status == 200:
+                    return
+                if status in (401, 403):
+                    what = ("refused the credentials given" if self.auth_headers else "wants credentials: "
+                            "give api_key_env=NAME (an environment variable holding the API key)")
+                    raise EngineStartError(f"{where} answered HTTP {status} to {self.health_path}: it {what}")
+                last = f"HTTP {status}"
+            if time.monotonic() + interval_s > deadline:
+                raise EngineStartError(f"no {self.engine} server answering at {where} ({last} from {self.health_path})")
+            time.sleep(interval_s)
 
     @property
     def attached(self) -> bool:
@@ -102,6 +149,8 @@ class Backend(ABC):
 
     def stop(self) -> list[dict]:
         """Stop the server and its whole process tree; the processes that survived (normally none)."""
+        if self.attached:
+            streaming.forget_endpoint(self.base_url)
         if self._http is not None:
             self._http.close()
             self._http = None
@@ -199,6 +248,17 @@ class Backend(ABC):
         one page fetch it once instead (:class:`PrometheusPolled`): rendering and parsing it costs the
         engine's server and the client CPU, at 10 Hz through every measured cell."""
         return EngineState(self.kv_in_use(client), self.queue_state(client))
+
+
+def _ssl_error(exc: BaseException) -> ssl.SSLError | None:
+    """The TLS error under an httpx error (a certificate that does not verify, a server that is not TLS)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, ssl.SSLError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def extra_args(options: dict) -> list[str]:

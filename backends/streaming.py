@@ -16,14 +16,25 @@ A stream that ends early never looks complete: a connection closed before the re
 Content-Length or chunked framing) raises :class:`StreamCutOff` (one of :data:`TRANSPORT_ERRORS`); a body
 that stops inside an event, or that ends before its final event, gets ``result.error``. "Final event"
 means: the SSE ``data: [DONE]`` line, or any event from which the adapter read the engine's output token
-count (``result.output_tokens_reported``), which every adapter reads from its engine's last event.
+count (``result.output_tokens_reported``), which every adapter reads from its engine's last event. A 200
+answer whose Content-Type is not the stream asked for (an HTML page of a proxy or a login wall, a JSON
+body of a server that ignored ``stream``) is not read as events: its error says what came instead.
+
+https: TLS through the standard ``ssl`` module, certificates verified (:func:`tls_context`). What a request
+to one server carries besides its body, its credential headers and the TLS context that trusts its
+certificate, is that server's :class:`Endpoint`, set by the adapter when it attaches
+(:func:`configure_endpoint`); a URL's own ``user:password@`` is sent as basic auth.
 """
 from __future__ import annotations
 
 import asyncio
+import base64
+import functools
+import ssl
 import time
 from contextlib import asynccontextmanager
-from urllib.parse import urlsplit
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
 
 import httptools
 import orjson
@@ -42,22 +53,82 @@ TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (OSError, httptools.HttpPars
 _DONE = b"[DONE]"
 perf_counter = time.perf_counter
 
+Origin = tuple[str, str, int]  # (scheme, host, port): a pool of connections, and an endpoint's settings
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What every request to one server carries besides its body."""
+
+    headers: bytes = b""  # extra header lines, each ending in CRLF (Authorization)
+    tls: ssl.SSLContext | None = None  # for https: the context that verifies the server's certificate
+
+
+_ENDPOINTS: dict[Origin, Endpoint] = {}
+
+
+def origin(url: str) -> Origin:
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, parts.hostname or "", parts.port or (443 if scheme == "https" else 80)
+
+
+def configure_endpoint(base_url: str, headers: dict[str, str] | None = None,
+                       tls: ssl.SSLContext | None = None) -> None:
+    """Every request to ``base_url``'s server (scheme, host, port) sends ``headers``; an https one verifies
+    the server with ``tls`` (default: :func:`tls_context`). Called by the adapter that attaches to it; the
+    load generator's clients read it when they send (one attached server at a time per origin)."""
+    lines = b""
+    for name, value in (headers or {}).items():
+        if any(c in f"{name}{value}" for c in "\r\n\0") or not name or ":" in name:
+            raise ValueError(f"header {name!r}: a name without ':' and no line break in name or value")
+        lines += f"{name}: {value}\r\n".encode("latin-1")
+    if lines or tls is not None:
+        _ENDPOINTS[origin(base_url)] = Endpoint(lines, tls)
+    else:
+        _ENDPOINTS.pop(origin(base_url), None)
+
+
+def forget_endpoint(base_url: str) -> None:
+    _ENDPOINTS.pop(origin(base_url), None)
+
+
+@functools.lru_cache(maxsize=8)
+def tls_context(ca_bundle: str | None = None) -> ssl.SSLContext:
+    """A client context that verifies certificates and host names: against ``ca_bundle`` (a PEM file) when
+    given, else the system's CA store (certifi's where the system has none). One per bundle, shared by the
+    streaming client and the adapter's untimed client."""
+    if ca_bundle:
+        return ssl.create_default_context(cafile=ca_bundle)
+    context = ssl.create_default_context()
+    if not context.cert_store_stats().get("x509_ca") and not context.get_ca_certs():
+        try:
+            import certifi
+        except ImportError:
+            pass
+        else:
+            context.load_verify_locations(cafile=certifi.where())
+    return context
+
 
 class _Connection(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection carrying one request at a time. The response body goes to
     ``body_handler(data, arrival_time)`` (given to :meth:`send`) as it arrives, from inside ``data_received``."""
 
-    def __init__(self, key: tuple[str, int]):
-        self.key = key  # (host, port): the pool it returns to
+    def __init__(self, key: Origin):
+        self.key = key  # (scheme, host, port): the pool it returns to
         self.transport = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.used = False  # has carried a request before: the server may have closed it meanwhile
         self._reset()
 
-    def _reset(self):
+    def _reset(self, accept: tuple[bytes, ...] = ()):
         self.status = 0
         self.keep_alive = False
+        self.accept = accept  # Content-Types (lower-case substrings) a 200 body may have to be read as events
+        self.content_type = b""
+        self.wrong_type = False  # a 200 answer of another Content-Type: its body is kept as an error
         self.framed = False  # Content-Length or chunked: the body has a known end
         self.headers_done = asyncio.get_running_loop().create_future()
         self.done = asyncio.get_running_loop().create_future()
@@ -101,9 +172,16 @@ class _Connection(asyncio.Protocol):
         lower = name.lower()
         if lower == b"content-length" or (lower == b"transfer-encoding" and b"chunked" in value.lower()):
             self.framed = True
+        elif lower == b"content-type":
+            self.content_type = value
 
     def on_headers_complete(self):
         self.status = self.parser.get_status_code()
+        if self.status == 200 and self.accept and self.content_type:  # no Content-Type at all: read it
+            ctype = self.content_type.lower()
+            if not any(a in ctype for a in self.accept):
+                self.wrong_type = True
+                self.body_handler = None  # the body goes to error_chunks
         if not self.headers_done.done():
             self.headers_done.set_result(None)
 
@@ -130,8 +208,8 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    def send(self, head: bytes, payload: bytes, on_body):
-        self._reset()
+    def send(self, head: bytes, payload: bytes, on_body, accept: tuple[bytes, ...] = ()):
+        self._reset(accept)
         self.body_handler = on_body
         self.used = True
         if self.closed or self.transport.is_closing():  # closed between the pool and now
@@ -148,28 +226,34 @@ def _set_failed(future: asyncio.Future, exc: BaseException) -> None:
 
 
 class Client:
-    """Keep-alive connections per host, opened as needed (the load generator bounds how many requests
-    are in flight, so this pool needs no limit of its own)."""
+    """Keep-alive connections per origin (scheme, host, port), opened as needed (the load generator bounds
+    how many requests are in flight, so this pool needs no limit of its own)."""
 
     def __init__(self):
-        self.idle: dict[tuple[str, int], list[_Connection]] = {}
+        self.idle: dict[Origin, list[_Connection]] = {}
         self.all: set[_Connection] = set()
 
-    async def _connect(self, host: str, port: int) -> _Connection:
+    async def _connect(self, key: Origin, tls: ssl.SSLContext | None = None) -> _Connection:
+        """A new connection to ``key``; https ones through ``tls`` (verified; the TLS handshake is within the
+        10 s connect limit). A certificate that does not verify raises ssl.SSLCertVerificationError."""
+        scheme, host, port = key
+        if scheme == "https" and tls is None:
+            tls = tls_context()
         loop = asyncio.get_running_loop()
-        connecting = loop.create_connection(lambda: _Connection((host, port)), host, port)
+        connecting = loop.create_connection(lambda: _Connection(key), host, port, ssl=tls,
+                                            server_hostname=host if tls else None)
         _, conn = await asyncio.wait_for(connecting, 10.0)
         self.all.add(conn)
         return conn
 
-    async def acquire(self, host: str, port: int) -> _Connection:
-        pool = self.idle.get((host, port))
+    async def acquire(self, key: Origin, tls: ssl.SSLContext | None = None) -> _Connection:
+        pool = self.idle.get(key)
         while pool:
             conn = pool.pop()
             if not conn.closed:
                 return conn
             self.all.discard(conn)
-        return await self._connect(host, port)
+        return await self._connect(key, tls)
 
     def release(self, conn: _Connection) -> None:
         if conn.closed or not conn.keep_alive:
@@ -200,20 +284,34 @@ async def open_client(max_connections: int, timeout_s: float):
         client.close()
 
 
-async def _request(client: Client, url: str, body: dict, result: RequestResult, on_body) -> _Connection:
+def _head(url: str, payload: bytes) -> tuple[Origin, bytes, ssl.SSLContext | None]:
+    """The request's origin, its head (with the endpoint's headers, or basic auth from the URL's userinfo)
+    and the TLS context of an https endpoint configured with one."""
+    parts = urlsplit(url)
+    key = origin(url)
+    endpoint = _ENDPOINTS.get(key)
+    extra = endpoint.headers if endpoint else b""
+    if parts.username is not None and b"authorization:" not in extra.lower():
+        userinfo = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+        extra += b"Authorization: Basic " + base64.b64encode(userinfo) + b"\r\n"
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    host = parts.netloc.rpartition("@")[2]  # never the userinfo
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Accept: text/event-stream, application/x-ndjson\r\nContent-Length: {len(payload)}\r\n").encode()
+    return key, head + extra + b"\r\n", endpoint.tls if endpoint else None
+
+
+async def _request(client: Client, url: str, body: dict, result: RequestResult, on_body,
+                   accept: tuple[bytes, ...] = ()) -> _Connection:
     """POST and wait for the response headers; returns the connection with its response under way. A
     keep-alive connection the server closed under us (llama-server does, between requests) fails before
     any answer: the request is resent once on a fresh connection, and ``result.t_sent`` is the send time
     of the attempt that was answered."""
-    parts = urlsplit(url)
-    host, port = parts.hostname, parts.port or 80
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     payload = orjson.dumps(body)
-    head = (f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-            f"Accept: text/event-stream, application/x-ndjson\r\nContent-Length: {len(payload)}\r\n\r\n").encode()
-    conn = await client.acquire(host, port)
+    key, head, tls = _head(url, payload)
+    conn = await client.acquire(key, tls)
     reused = conn.used
-    conn.send(head, payload, on_body)
+    conn.send(head, payload, on_body, accept)
     try:
         await conn.headers_done
     except StreamCutOff:
@@ -221,9 +319,9 @@ async def _request(client: Client, url: str, body: dict, result: RequestResult, 
             raise
         client.drop(conn)
         result.engine_details["resent_on_fresh_connection"] = True
-        conn = await client._connect(host, port)
+        conn = await client._connect(key, tls)
         result.t_sent = perf_counter()
-        conn.send(head, payload, on_body)
+        conn.send(head, payload, on_body, accept)
         await conn.headers_done
     return conn
 
@@ -238,22 +336,33 @@ async def _finish(client: Client, conn: _Connection, result: RequestResult) -> N
     client.release(conn)
 
 
-async def _stream(client: Client, url: str, body: dict, prompt, split_events) -> tuple[RequestResult, bytes, bool]:
+_SSE_TYPES = (b"text/event-stream",)
+_NDJSON_TYPES = (b"json",)  # application/x-ndjson (Ollama), application/jsonl, application/json
+
+
+async def _stream(client: Client, url: str, body: dict, prompt, split_events,
+                  accept: tuple[bytes, ...] = (), what: str = "") -> tuple[RequestResult, bytes, bool]:
     """The request, its body fed through ``split_events(data, now, state)``; returns the result, the
-    unfinished tail of the body and whether the SSE [DONE] marker came."""
+    unfinished tail of the body and whether the SSE [DONE] marker came. A 200 answer of a Content-Type
+    other than ``accept`` fails with ``what`` (the kind of stream asked for) in its error."""
     result = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, perf_counter())
     state = {"buf": b"", "done": False, "result": result}
 
     def on_body(data: bytes, now: float):
         split_events(data, now, state)
 
-    conn = await _request(client, url, body, result, on_body)
-    if conn.status != 200:
+    conn = await _request(client, url, body, result, on_body, accept)
+    if conn.status != 200 or conn.wrong_type:
         try:
             await _finish(client, conn, result)
         except StreamCutOff:
             pass
-        result.error = f"HTTP {conn.status}: {b''.join(conn.error_chunks).decode(errors='replace')[:500]}"
+        text = b"".join(conn.error_chunks).decode(errors="replace")
+        if conn.status != 200:
+            result.error = f"HTTP {conn.status}: {text[:500]}"
+        else:
+            ctype = conn.content_type.decode("latin-1").split(";")[0].strip()
+            result.error = f"HTTP 200 but content-type {ctype}, not {what}: {text[:300]}"
         result.t_done = perf_counter()
         return result, b"", False
     try:
@@ -296,7 +405,8 @@ async def stream_sse(client, url: str, body: dict, prompt, handle,
                     raise
                 handle(event, now, result)
 
-    result, buf, done_marker = await _stream(client, url, body, prompt, split_events)
+    result, buf, done_marker = await _stream(client, url, body, prompt, split_events, _SSE_TYPES,
+                                             "an event stream (text/event-stream)")
     if result.error:
         return result
     if buf.strip():
@@ -323,7 +433,8 @@ async def stream_ndjson(client, url: str, body: dict, prompt, handle,
             if line.strip():
                 handle(loads(line), now, state["result"])
 
-    result, buf, _ = await _stream(client, url, body, prompt, split_events)
+    result, buf, _ = await _stream(client, url, body, prompt, split_events, _NDJSON_TYPES,
+                                   "a JSON-lines stream (application/x-ndjson)")
     if result.error:
         return result
     if buf.strip():  # a last line without its newline: complete if it parses

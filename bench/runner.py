@@ -33,6 +33,7 @@ from kvbench.envs import EnvInstallError, ensure_env
 from kvbench.hardware import NVML, GPUBaseline, environment_info
 from kvbench.load import LoadPoint, LoadSettings, frozen_heap, run, run_async
 from kvbench.load.open_loop import schedule_seed
+from kvbench.redact import redact_text
 from kvbench.results import RunWriter, ensure_parquet
 from kvbench.samplers import EnginePoller, ProcessTreeMemorySampler, tree_rss
 from kvbench.summary import (
@@ -104,7 +105,7 @@ class Runner:
         o, w = self.o, self.o.workload
         repeats = o.repeats or w.repeats
         self.writer.write_run_info({
-            "run_id": self.run_id, "command": " ".join(o.command), "started_at": datetime.now(timezone.utc).isoformat(),
+            "run_id": self.run_id, "command": redact_text(" ".join(o.command)), "started_at": datetime.now(timezone.utc).isoformat(),
             "status": "running", "environment": environment_info(), "workload": w.model_dump(), "repeats": repeats,
             "kv_dtype": o.kv_dtype, "backends": [b.model_dump() | {"label": b.label} for b in o.backends]})
         self.console.print(f"[bold]kvbench run[/] {self.run_id} -> {self.run_dir}")
@@ -166,6 +167,7 @@ class _EngineSession:
                                            f"{'on' if self.spec.prefix_caching else 'off'}", status="not run")
             backend = self.make_backend(cls)
             if backend is not None:
+                backend.auth_headers = self.cfg.auth_headers()
                 self.run_cells(backend)
         finally:
             # this start's share of the bar, whatever ran: failed cells, and sweep rates never found

@@ -3,13 +3,23 @@ pieces, and how the stream ends. Correctness only; speed and timing accuracy are
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from functools import partial
 
 import pytest
 
-from kvbench.backends.streaming import TRANSPORT_ERRORS, open_client, stream_ndjson, stream_sse
+from kvbench.backends import streaming
+from kvbench.backends.streaming import (
+    TRANSPORT_ERRORS,
+    configure_endpoint,
+    forget_endpoint,
+    open_client,
+    origin,
+    stream_ndjson,
+    stream_sse,
+)
 from kvbench.backends.types import RequestResult
 from kvbench.backends.vllm import VLLMBackend
 from kvbench.load import run_async
@@ -209,10 +219,11 @@ def test_ndjson_stream():
 
     # the last line without its newline still counts; a cut-off one does not
     calls.clear()
-    r = run_sse([CLOSE_HEAD.replace(b"text/event-stream", b"application/x-ndjson"), body[:-1]], handle, stream_ndjson)
+    ndjson_close_head = CLOSE_HEAD.replace(b"text/event-stream", b"application/x-ndjson")
+    r = run_sse([ndjson_close_head, body[:-1]], handle, stream_ndjson)
     assert r.error is None and r.output_tokens_reported == 2
     calls.clear()
-    r = run_sse([CLOSE_HEAD, body[:-15]], handle, stream_ndjson)
+    r = run_sse([ndjson_close_head, body[:-15]], handle, stream_ndjson)
     assert r.error and "inside an event" in r.error
 
 
@@ -267,3 +278,83 @@ def test_a_keep_alive_connection_the_server_dropped_is_resent_once():
     assert second.chunk_tokens == [4] and second.output_tokens_reported == 4
     assert second.engine_details.get("resent_on_fresh_connection") and "resent_on_fresh_connection" not in first.engine_details
     assert len(connections) == 2
+
+
+def _page(content_type: bytes, body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (content_type, len(body), body)
+
+
+def test_a_200_reply_that_is_not_a_stream_says_what_it_is():
+    """A login wall or proxy page (text/html), or a JSON body of a server that ignored "stream": not read
+    as events, and not called a stream cut off inside an event."""
+    page = b"<html><body>Sign in to continue</body></html>"
+    calls, handle = recording_handle()
+    r = run_sse([_page(b"text/html; charset=utf-8", page)], handle)
+    assert r.error == ("HTTP 200 but content-type text/html, not an event stream (text/event-stream): "
+                       "<html><body>Sign in to continue</body></html>")
+    assert calls == [] and r.chunk_times == []
+    r = run_sse([_page(b"application/json", b'{"choices": []}')], handle)
+    assert r.error.startswith("HTTP 200 but content-type application/json, not an event stream")
+    # a close-delimited page (no length) too, and for the NDJSON reader
+    r = run_sse([CLOSE_HEAD.replace(b"text/event-stream", b"text/html"), b"<html>", 0.02, "close"], handle, stream_ndjson)
+    assert r.error == "HTTP 200 but content-type text/html, not a JSON-lines stream (application/x-ndjson): <html>"
+    assert calls == []
+
+
+def test_a_stream_without_a_content_type_is_still_read():
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    r = run_sse([head + chunk(token_event([1, 2], "length") + USAGE + DONE) + b"0\r\n\r\n"])
+    assert r.error is None and r.chunk_tokens == [2]
+
+
+def test_origin_has_the_scheme_and_its_default_port():
+    assert origin("https://api.example.com/v1") == ("https", "api.example.com", 443)
+    assert origin("http://user:pw@127.0.0.1/v1") == ("http", "127.0.0.1", 80)
+    assert origin("HTTPS://h:8443") == ("https", "h", 8443)
+
+
+def test_headers_of_the_endpoint_and_basic_auth_from_the_url_are_sent():
+    body = chunk(token_event([1], "length") + USAGE + DONE) + b"0\r\n\r\n"
+    heads = []
+
+    async def handler(reader, writer):
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return
+            heads.append(head.decode())
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:")))
+            await reader.readexactly(length)
+            writer.write(CHUNKED_HEAD + body)
+            await writer.drain()
+
+    async def go():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        base = f"http://127.0.0.1:{port}"
+        async with server, open_client(1, 10.0) as client:
+            configure_endpoint(base, {"Authorization": "Bearer k-123"})
+            try:
+                results = [await stream_sse(client, base + "/v1/completions", {}, PROMPT, VLLMBackend._read_event)]
+            finally:
+                forget_endpoint(base)
+            for url in (f"http://bob:p%40ss@127.0.0.1:{port}/v1/completions", base + "/v1/completions"):
+                results.append(await stream_sse(client, url, {}, PROMPT, VLLMBackend._read_event))
+            pools = list(client.idle)
+        return port, results, pools
+
+    port, results, pools = run_async(go())
+    assert all(r.error is None for r in results)
+    assert pools == [("http", "127.0.0.1", port)]  # one pool per (scheme, host, port)
+    assert "\r\nAuthorization: Bearer k-123\r\n" in heads[0]
+    assert f"\r\nHost: 127.0.0.1:{port}\r\n" in heads[1] and "bob" not in heads[1].replace("Basic", "")
+    assert f"\r\nAuthorization: Basic {base64.b64encode(b'bob:p@ss').decode()}\r\n" in heads[1]
+    assert "Authorization" not in heads[2]  # forgotten: the next server on that origin gets no key
+
+
+def test_a_header_that_would_split_the_request_is_refused():
+    with pytest.raises(ValueError, match="line break"):
+        configure_endpoint("http://127.0.0.1:1", {"Authorization": "Bearer a\r\nX-Injected: 1"})
+    assert origin("http://127.0.0.1:1") not in streaming._ENDPOINTS

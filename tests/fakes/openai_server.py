@@ -14,18 +14,47 @@ serving_completion.py; the OpenAI API reference for the base format):
 Knobs: ``tokens_per_chunk`` (several tokens per SSE chunk, as with vLLM's stream interval),
 ``eos_after`` (stop with finish_reason "stop" unless the request says ignore_eos), ``cut_after`` (close
 the connection after k chunks), ``include_usage`` (False: a server that ignores stream_options).
+
+A hosted endpoint: ``tls`` (an ``ssl.SSLContext`` with the server's certificate) serves https;
+``require_auth`` (the exact ``Authorization`` header value) answers every request without it with
+HTTP 401 ``{"error": {"message": "Incorrect API key provided", "type": "invalid_request_error", "code":
+"invalid_api_key"}}`` (OpenAI's answer); ``auth_seen`` records the Authorization header of every request.
 """
 from __future__ import annotations
 
 import json
+import socket
+import ssl
+import threading
 import time
 
-from tests.fakes._http import FakeServer, Handler, count_words
+from tests.fakes._http import FakeServer, Handler, Server, count_words
 
 
 class OpenAIHandler(Handler):
+    def setup(self):
+        # as uvicorn does: without TCP_NODELAY, a TLS server's small writes wait ~40 ms behind its session
+        # ticket for the client's delayed ACK, and a whole stream arrives at once
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        super().setup()
+
+    def _authorized(self) -> bool:
+        fake: FakeOpenAI = self.server.fake
+        seen = self.headers.get("Authorization")
+        with fake.lock:
+            fake.auth_seen.append(seen)
+        if fake.require_auth is None or seen == fake.require_auth:
+            return True
+        if self.command == "POST":
+            self.read_body()
+        self.send_json(401, {"error": {"message": "Incorrect API key provided", "type": "invalid_request_error",
+                                       "param": None, "code": "invalid_api_key"}})
+        return False
+
     def do_GET(self):
         fake: FakeOpenAI = self.server.fake
+        if not self._authorized():
+            return
         if self.path == "/v1/models":
             self.send_json(200, {"object": "list", "data": [
                 {"id": fake.model, "object": "model", "created": 1764000000, "owned_by": "vllm", "root": fake.model,
@@ -37,6 +66,8 @@ class OpenAIHandler(Handler):
 
     def do_POST(self):
         fake: FakeOpenAI = self.server.fake
+        if not self._authorized():
+            return
         if self.path != "/v1/completions":
             return self.send_json(404, {"detail": "Not Found"})
         fake.last_request = req = self.read_json()
@@ -87,9 +118,26 @@ class FakeOpenAI(FakeServer):
     handler = OpenAIHandler
 
     def __init__(self, host="127.0.0.1", port=0, model="smollm2", max_model_len=8192, version="0.32.0",
-                 token_delay_s=0.002, tokens_per_chunk=1, eos_after=None, cut_after=None, include_usage=True):
+                 token_delay_s=0.002, tokens_per_chunk=1, eos_after=None, cut_after=None, include_usage=True,
+                 tls: ssl.SSLContext | None = None, require_auth: str | None = None):
         super().__init__(host, port)
+        self.tls, self.require_auth = tls, require_auth
+        self.auth_seen: list[str | None] = []
         self.model, self.max_model_len, self.version = model, max_model_len, version
         self.token_delay_s, self.tokens_per_chunk = token_delay_s, tokens_per_chunk
         self.eos_after, self.cut_after, self.include_usage = eos_after, cut_after, include_usage
         self.last_request: dict | None = None
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
+
+    def start(self):
+        if self.tls is None:
+            return super().start()
+        self.httpd = Server((self.host, self.port), self.handler)
+        self.httpd.socket = self.tls.wrap_socket(self.httpd.socket, server_side=True)
+        self.httpd.fake = self
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
