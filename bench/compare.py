@@ -7,16 +7,26 @@ metric's change with a confidence interval, judged against a tolerance.
   are its samples. A cell on one side only, or whose ``token_contract`` differs between the sides, is
   listed and not compared. A cell that failed on the candidate but ran on the baseline counts as a
   regression; one that failed on the baseline only is listed.
-- **Intervals** (``bench/stats.py``): >= 2 repeats per side: Welch t-interval on the ratio of the means;
-  otherwise, for latency percentiles: a bootstrap over the requests of the single run ("single run:
-  interval from requests"); otherwise, for KV in use (deterministic up to the engine's rounding): the
-  two values as they are; otherwise the metric is not compared (run with ``--repeats 2`` or more).
+- **Intervals** (``bench/stats.py``, all on the log of the ratio, so none crosses -100 %): >= 2 repeats per
+  side: a Welch t-interval; **paired** when both sides hold the same repeat indices of one run, or of
+  runs that record ``interleaved: true`` in run.json (``kvbench run --interleave``: baseline and
+  candidate repeats alternate, so a drift of the machine hits both); otherwise, for latency percentiles:
+  a bootstrap over the requests of the single run ("single run: interval from requests", not run-to-run
+  noise); otherwise, for KV in use (deterministic up to the engine's rounding): the two values as they
+  are; otherwise the metric is not compared (run with ``--repeats 2`` or more). From the repeats'
+  noise, each metric says how many repeats its tolerance needs here (:func:`kvbench.stats.repeats_needed`).
 - **Verdict**: a regression only when the whole interval lies beyond the tolerance on the worse side.
-- **Exit code**: 1 when any regression was found; 2 when nothing could be compared (no cell matched, or
-  every match was set aside); 0 otherwise. Bad input (not a run, bad tolerances file) is 2 as well.
+- **Checks**: comparing a run (and backend) with itself is bad input; the same engine version on both
+  sides is warned about; runs from different hardware (CPU model, its AVX-512/AMX flags, cores, GPUs and
+  driver: :func:`kvbench.hardware.hardware_differences`) are refused unless ``allow_different_hardware``,
+  then loudly warned about.
+- **Exit code**: 0 no regression; 1 a regression (or a cell that failed only on the candidate); 2 bad input:
+  unreadable runs, a bad tolerances file, a self-comparison, different hardware, or nothing comparable
+  (no cell matched, or every match was set aside).
 """
 from __future__ import annotations
 
+import json
 import math
 import tomllib
 import zlib
@@ -28,11 +38,12 @@ import pandas as pd
 
 from kvbench import stats
 from kvbench.cells import load_label
+from kvbench.hardware import hardware_differences, hardware_line
 from kvbench.metrics import RequestTimes
-from kvbench.results import CELL_CONFIG_FIELDS, OK_STATUSES, load, not_a_run_dir
+from kvbench.results import CELL_CONFIG_FIELDS, OK_STATUSES, load, load_run_info, not_a_run_dir
 from kvbench.units import fmt_bytes
 
-JSON_SCHEMA = "kvbench.compare/1"
+JSON_SCHEMA = "kvbench.compare/2"
 DEFAULT_TOLERANCES = Path(__file__).with_name("compare_tolerances.toml")
 DEFAULT_MATCH = tuple(f for f in CELL_CONFIG_FIELDS if f != "engine_version")
 
@@ -124,6 +135,7 @@ class Side:
     requests: pd.DataFrame
     runs: list[str] = field(default_factory=list)
     backend: str | None = None
+    infos: list[dict] = field(default_factory=list)  # each run's run.json
     _samples: dict = field(default_factory=dict, repr=False)  # (cells, source) -> per-request samples
     _ok_by_cell: dict | None = field(default=None, repr=False)  # (run_id, cell_id, repeat) -> ok requests
 
@@ -150,12 +162,36 @@ def load_side(name: str, run_dirs: list[Path], backend: str | None = None) -> Si
                                f"(there: {', '.join(sorted(set(cells.backend))) or 'no cells'})")
         cells = cells[cells.backend == backend]
     requests = load(run_dirs, what="requests")
-    return Side(name, cells.reset_index(drop=True), requests, [str(d) for d in run_dirs], backend)
+    try:
+        infos = [load_run_info(d) for d in run_dirs]
+    except (OSError, ValueError) as exc:
+        raise CompareError(f"{name}: run.json unreadable: {exc}") from None
+    return Side(name, cells.reset_index(drop=True), requests, [str(d) for d in run_dirs], backend, infos)
+
+
+@dataclass(frozen=True)
+class Interleaving:
+    """Whether the repeats of the two sides may be paired by index: the same run, or runs that recorded an
+    interleaved A/B order."""
+
+    pairable: bool
+    why: str
+
+
+def interleaving(baseline: Side, candidate: Side) -> Interleaving:
+    same_run = [Path(r).resolve() for r in baseline.runs] == [Path(r).resolve() for r in candidate.runs]
+    interleaved = all(i.get("interleaved") for i in baseline.infos + candidate.infos) and \
+        bool(baseline.infos and candidate.infos)
+    if interleaved:
+        return Interleaving(True, "interleaved run (run.json: interleaved)")
+    if same_run:
+        return Interleaving(True, "one run: repeats paired by index")
+    return Interleaving(False, "separate runs: repeats not paired")
 
 
 def _norm(v):
     """A key value as plain JSON (NaN and None alike)."""
-    if v is None or (isinstance(v, float) and math.isnan(v)):
+    if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
         return None
     if isinstance(v, (np.integer,)):
         return int(v)
@@ -194,38 +230,97 @@ def _samples(side: Side, rows: pd.DataFrame, source: str) -> list[float]:
     return side._samples[(keys, source)]
 
 
-def _interval(metric: Metric, b_rows, c_rows, baseline: Side, candidate: Side, confidence: float, seed: int):
-    """(interval or None, note)."""
-    vb = [float(v) for v in b_rows[metric.name] if not pd.isna(v)]
-    vc = [float(v) for v in c_rows[metric.name] if not pd.isna(v)]
+def _values(rows: pd.DataFrame, name: str) -> dict[int, float]:
+    """repeat -> the metric's value, for the repeats that measured it."""
+    return {int(r): float(v) for r, v in zip(rows["repeat"], rows[name]) if not pd.isna(v)}
+
+
+def _noise(vb: dict[int, float], vc: dict[int, float], paired: bool) -> float | None:
+    """The sd of one repeat's log value (pooled over the sides), or of one pair's log ratio when paired."""
+    if paired:
+        keys = sorted(vb)
+        d = np.log([vc[k] for k in keys]) - np.log([vb[k] for k in keys])
+        return float(np.std(d, ddof=1)) if d.size >= 2 else None
+    lb, lc = np.log(list(vb.values())), np.log(list(vc.values()))
+    if lb.size < 2 or lc.size < 2:
+        return None
+    return float(math.sqrt(((lb.size - 1) * lb.var(ddof=1) + (lc.size - 1) * lc.var(ddof=1))
+                           / (lb.size + lc.size - 2)))
+
+
+def _interval(metric: Metric, b_rows, c_rows, baseline: Side, candidate: Side, confidence: float, seed: int,
+              pairable: bool = False):
+    """(interval or None, note, noise: the log-scale sd of a repeat or pair or None, paired)."""
+    vb, vc = _values(b_rows, metric.name), _values(c_rows, metric.name)
     if not vb or not vc:
         return None, "not measured on " + ("either side" if not vb and not vc else
-                                           "the baseline" if not vb else "the candidate")
-    if np.mean(vb) == 0:
-        return None, "baseline is 0: no relative change"
+                                           "the baseline" if not vb else "the candidate"), None, False
+    if min(vb.values()) <= 0 or min(vc.values()) <= 0:
+        return None, "a value is 0: no relative change", None, False
     if len(vb) >= 2 and len(vc) >= 2:
-        return stats.welch_relative_change(vb, vc, confidence), ""
+        paired = pairable and set(vb) == set(vc) and len(b_rows) == len(vb) and len(c_rows) == len(vc)
+        if paired:
+            keys = sorted(vb)
+            interval = stats.paired_relative_change([vb[k] for k in keys], [vc[k] for k in keys], confidence)
+        else:
+            interval = stats.welch_relative_change(list(vb.values()), list(vc.values()), confidence)
+        return interval, "", _noise(vb, vc, paired), paired
     if metric.requests:
         sb = _samples(baseline, b_rows, metric.requests)
         sc = _samples(candidate, c_rows, metric.requests)
         try:
             return stats.bootstrap_relative_change(sb, sc, stats.percentile_stat(metric.percentile), confidence,
-                                                   seed=seed), ""
-        except ValueError:
+                                                   seed=seed), "", None, False
+        except ValueError as exc:
+            if min(len(sb), len(sc)) >= stats.MIN_BOOTSTRAP_SAMPLES:
+                return None, f"{exc}; run with --repeats 2 or more", None, False
             return None, (f"one repeat and {min(len(sb), len(sc))} request samples on the smaller side: too few for "
-                          f"an interval (>= {stats.MIN_BOOTSTRAP_SAMPLES}); run with --repeats 2 or more")
+                          f"an interval (>= {stats.MIN_BOOTSTRAP_SAMPLES}); run with --repeats 2 or more"), None, False
     if metric.deterministic:
-        change = np.mean(vc) / np.mean(vb) - 1
+        change = float(np.mean(list(vc.values())) / np.mean(list(vb.values())) - 1)
         return stats.Interval(change, change, change, "one value per side: deterministic metric, compared as is",
-                              len(vb), len(vc), confidence), ""
-    return None, "one repeat per side: no interval (run with --repeats 2 or more)"
+                              len(vb), len(vc), confidence), "", None, False
+    return None, "one repeat per side: no interval (run with --repeats 2 or more)", None, False
 
 
-def compare(baseline: Side, candidate: Side, config: CompareConfig) -> dict:
-    """Everything ``kvbench compare`` reports, as one JSON-ready dict (schema ``kvbench.compare/1``)."""
+def checks(baseline: Side, candidate: Side, allow_different_hardware: bool = False) -> list[str]:
+    """Warnings about the pair of sides (printed before everything else); CompareError where the pair is
+    bad input: a run compared with itself, or runs from different hardware (unless allowed)."""
+    warnings = []
+    same_runs = [Path(r).resolve() for r in baseline.runs] == [Path(r).resolve() for r in candidate.runs]
+    if same_runs and (baseline.backend == candidate.backend or
+                      set(baseline.cells.backend) == set(candidate.cells.backend)):
+        raise CompareError(
+            f"SELF-COMPARISON: the baseline and the candidate are the same run{'s' if len(baseline.runs) > 1 else ''} "
+            f"({', '.join(baseline.runs)}) and the same backends: every change would be 0 and the verdict "
+            "meaningless. Give two runs, or one run with --baseline-backend and --candidate-backend")
+    versions_b = set(baseline.cells.engine_version.dropna()) if not baseline.cells.empty else set()
+    versions_c = set(candidate.cells.engine_version.dropna()) if not candidate.cells.empty else set()
+    if versions_b and versions_b == versions_c:
+        warnings.append(f"SAME ENGINE VERSION: both sides ran {', '.join(sorted(versions_b))}: the changes below "
+                        "are run-to-run noise (or a change other than the engine: driver, settings, machine)")
+    envs_b = [i.get("environment") or {} for i in baseline.infos]
+    envs_c = [i.get("environment") or {} for i in candidate.infos]
+    diffs = sorted({d for eb in envs_b for ec in envs_c for d in hardware_differences(eb, ec)})
+    if diffs:
+        text = (f"DIFFERENT HARDWARE: the baseline ran on {hardware_line(envs_b[0])}; the candidate on "
+                f"{hardware_line(envs_c[0])} ({'; '.join(diffs)}). A change of machine moves every figure (an AVX2-"
+                "only CPU ran bf16 prefill 10x slower than one with AVX-512)")
+        if not allow_different_hardware:
+            raise CompareError(text + ": refused; rerun both on one machine, or pass --allow-different-hardware")
+        warnings.append(text + ": compared anyway (--allow-different-hardware)")
+    return warnings
+
+
+def compare(baseline: Side, candidate: Side, config: CompareConfig, allow_different_hardware: bool = False) -> dict:
+    """Everything ``kvbench compare`` reports, as one JSON-ready dict (schema ``kvbench.compare/2``).
+    Raises CompareError for bad input (a self-comparison, different hardware unless allowed)."""
     fields = config.match_on
+    warnings = checks(baseline, candidate, allow_different_hardware)
+    pairing = interleaving(baseline, candidate)
     gb, gc = _groups(baseline, fields), _groups(candidate, fields)
-    result = {"schema": JSON_SCHEMA, "match_on": list(fields), "confidence": config.confidence,
+    result = {"schema": JSON_SCHEMA, "warnings": warnings, "pairing": pairing.why,
+              "match_on": list(fields), "confidence": config.confidence,
               "tolerances": config.tolerances,
               "baseline": {"runs": baseline.runs, "backend": baseline.backend,
                            "backends": sorted(set(baseline.cells.backend))},
@@ -266,18 +361,20 @@ def compare(baseline: Side, candidate: Side, config: CompareConfig) -> dict:
         for name, tol in config.tolerances.items():
             metric = METRICS[name]
             seed = zlib.crc32(repr((key, name)).encode())
-            interval, note = _interval(metric, ub, uc, baseline, candidate, config.confidence, seed)
+            interval, note, noise, paired = _interval(metric, ub, uc, baseline, candidate, config.confidence, seed,
+                                                      pairing.pairable)
             verdict = stats.decide(interval, tol, metric.higher_is_worse)
             vb, vc = ub[name].dropna(), uc[name].dropna()
             metrics.append({
                 "metric": name, "unit": metric.unit, "worse": "higher" if metric.higher_is_worse else "lower",
-                "tolerance": tol, "baseline": float(vb.mean()) if len(vb) else None,
-                "candidate": float(vc.mean()) if len(vc) else None,
+                "tolerance": tol, "baseline": _center(vb), "candidate": _center(vc),
                 "change": interval.change if interval else None, "ci_low": interval.low if interval else None,
                 "ci_high": interval.high if interval else None, "method": interval.method if interval else None,
                 "n_baseline": interval.n_baseline if interval else len(vb),
                 "n_candidate": interval.n_candidate if interval else len(vc),
-                "verdict": verdict, "note": note})
+                "verdict": verdict, "note": note, "paired": paired, "noise_log_sd": noise,
+                "repeats_needed": stats.repeats_needed(noise, tol, config.confidence, paired)
+                if noise is not None else None})
         result["cells"].append({**ident(key, rb, rc), "repeats": [len(ub), len(uc)],
                                 "token_contract": contracts_b, "metrics": metrics})
 
@@ -293,7 +390,40 @@ def compare(baseline: Side, candidate: Side, config: CompareConfig) -> dict:
     result["summary"] = summary
     result["regression_found"] = bool(summary["regression"] or failed_candidate)
     result["exit_code"] = 1 if result["regression_found"] else 2 if not result["cells"] else 0
-    return result
+    result["verdict"] = ("REGRESSION" if result["regression_found"] else
+                         "nothing to compare" if result["exit_code"] == 2 else
+                         "no regression" if summary["inconclusive"] == 0 else "no regression found")
+    result["repeats_needed"] = repeats_needed_summary(result)
+    first = ("schema", "verdict", "exit_code", "regression_found", "summary", "warnings")
+    return {**{k: result[k] for k in first}, **{k: v for k, v in result.items() if k not in first}}
+
+
+def _center(values: pd.Series) -> float | None:
+    """A side's value of a metric over its repeats: the geometric mean (what the change is the ratio of)
+    when every value is positive, else the mean."""
+    arr = np.asarray(values, dtype=float)
+    if not arr.size:
+        return None
+    return float(np.exp(np.log(arr).mean())) if (arr > 0).all() else float(arr.mean())
+
+
+def repeats_needed_summary(result: dict) -> list[dict]:
+    """Per metric, from the noise of its repeats: the repeats per side its tolerance needs here (the
+    median cell's and the noisiest cell's), for "5 % on TTFT p50 needs about N repeats here"."""
+    by_metric: dict[str, list] = {}
+    for c in result["cells"]:
+        for m in c["metrics"]:
+            if m["noise_log_sd"] is not None:
+                by_metric.setdefault(m["metric"], []).append(m)
+    out = []
+    for name, ms in by_metric.items():
+        needed = [m["repeats_needed"] for m in ms]
+        known = sorted(n for n in needed if n is not None)
+        out.append({"metric": name, "tolerance": ms[0]["tolerance"], "paired": all(m["paired"] for m in ms),
+                    "cells": len(ms), "repeats_now": min(min(m["n_baseline"], m["n_candidate"]) for m in ms),
+                    "median": known[len(known) // 2] if known else None,
+                    "worst": None if len(known) < len(needed) else (known[-1] if known else None)})
+    return out
 
 
 # --- as a table ------------------------------------------------------------------------------------------
@@ -334,14 +464,42 @@ def results_frame(result: dict) -> pd.DataFrame:
                 "candidate": _fmt_value(m["candidate"], m["unit"]), "change": _pct(m["change"]),
                 f"{result['confidence']:.0%} CI": "-" if m["ci_low"] is None else
                 f"[{_pct(m['ci_low'])}, {_pct(m['ci_high'])}]",
-                "tolerance": f"{m['tolerance']:.0%}" if m["tolerance"] * 100 == round(m["tolerance"] * 100)
-                else f"{m['tolerance']:.1%}",
+                "tolerance": _tol(m["tolerance"]),
                 "verdict": m["verdict"].upper() if m["verdict"] == "regression" else m["verdict"],
                 "how": m["method"] or m["note"]})
     return pd.DataFrame(rows)
 
 
+def _tol(t: float) -> str:
+    return f"{t:.0%}" if t * 100 == round(t * 100) else f"{t:.1%}"
+
+
+def verdict_line(result: dict) -> str:
+    s = result["summary"]
+    return (f"**{result['verdict']}**: {s['regression']} regressions, {s['improvement']} improvements, "
+            f"{s['inconclusive']} inconclusive, {s['unchanged']} unchanged, {s['not_compared']} not compared "
+            f"(metrics over {s['compared_cells']} cells compared); {s['failed_on_candidate']} cells failed on the "
+            f"candidate; {s['only_in_baseline']} only in the baseline, {s['only_in_candidate']} only in the "
+            f"candidate, {s['contract_mismatch']} with different token contracts.")
+
+
+def repeats_lines(result: dict) -> list[str]:
+    """ "5 % on TTFT p50 needs about N repeats here" per metric, from the noise of the repeats."""
+    out = []
+    for r in result.get("repeats_needed", []):
+        how = "pairs" if r["paired"] else "repeats per side"
+        if r["median"] is None:
+            out.append(f"{_tol(r['tolerance'])} on {r['metric']} needs more than 1000 {how} at the noise seen here")
+            continue
+        worst = (f", {r['worst']} in the noisiest of its {r['cells']} cells" if r["worst"] not in (None, r["median"])
+                 else "" if r["worst"] is not None else ", more than 1000 in the noisiest cell")
+        out.append(f"{_tol(r['tolerance'])} on {r['metric']} needs about {r['median']} {how} here{worst} "
+                   f"(this run has {r['repeats_now']})")
+    return out
+
+
 def markdown(result: dict) -> str:
+    """The verdict and its summary first, then any warning, then the table and the lists."""
     from kvbench.reports.tables import md_table
 
     ci = f"{result['confidence']:.0%} CI"
@@ -349,9 +507,23 @@ def markdown(result: dict) -> str:
            + (f" [{result['baseline']['backend']}]" if result['baseline']['backend'] else "")
            + f" -> {', '.join(result['candidate']['runs'])}"
            + (f" [{result['candidate']['backend']}]" if result['candidate']['backend'] else ""),
-           f"Cells matched on: {', '.join(result['match_on'])}. Change = candidate / baseline - 1; a regression "
-           f"only when the whole {ci} lies beyond the tolerance on the worse side."]
+           verdict_line(result)]
+    for w in result.get("warnings", []):
+        out.append(f"> **WARNING** {w}")
     frame = results_frame(result)
+    methods = {m["method"] or "" for c in result["cells"] for m in c["metrics"]}
+    notes = [f"Cells matched on: {', '.join(result['match_on'])}. Change = candidate / baseline - 1 (ratio of "
+             f"geometric means); intervals on the log of the ratio; a regression only when the whole {ci} lies "
+             f"beyond the tolerance on the worse side. Repeats: {result.get('pairing', '')}."]
+    if any(m.startswith(stats.SINGLE_RUN) for m in methods):
+        notes.append(f"Intervals marked \"{stats.SINGLE_RUN}\" come from the requests of one run per side: they "
+                     "show how requests vary, not how a repeated run would, and are narrower than the truth when "
+                     "runs differ; run with --repeats 3 or more for a verdict on runs.")
+    needed = repeats_lines(result)
+    if needed:
+        notes.append("Repeats needed for the interval to be as narrow as the tolerance, at the noise of these "
+                     "repeats:\n\n" + "\n".join(f"- {line}" for line in needed))
+    out += notes
     if not frame.empty:
         out.append(md_table(frame, {"baseline", "candidate", "change", ci, "tolerance"}))
     for title, items, fmt in (
@@ -367,12 +539,28 @@ def markdown(result: dict) -> str:
              lambda f: f"{_where(f['key'])} ({f['candidate_backend']})")):
         if items:
             out.append(f"## {title}\n\n" + "\n".join(f"- {fmt(i)}" for i in items))
-    s = result["summary"]
-    verdict = ("REGRESSION" if result["regression_found"] else
-               "nothing to compare" if result["exit_code"] == 2 else "no regression")
-    out.append(f"**{verdict}**: {s['compared_cells']} cells compared; {s['regression']} regressions, "
-               f"{s['improvement']} improvements, {s['unchanged']} unchanged, {s['inconclusive']} inconclusive, "
-               f"{s['not_compared']} not compared; {s['failed_on_candidate']} failed on the candidate; "
-               f"{s['only_in_baseline']} only in the baseline, {s['only_in_candidate']} only in the candidate, "
-               f"{s['contract_mismatch']} with different token contracts.")
     return "\n\n".join(out) + "\n"
+
+
+# --- files: Markdown, JSON and an HTML page with the forest plot ----------------------------------------
+
+def write_html(result: dict, path: Path, plot: Path | None = None) -> Path:
+    """compare.html: the verdict, warnings, the forest plot (embedded) and the table, self-contained."""
+    from kvbench.reports import html, plots
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plot = plot or path.with_name(path.stem + "_forest.png")
+    made = plots.forest(result, plot)
+    path.write_text(html.render_compare(result, results_frame(result), made, repeats_lines(result)))
+    return path
+
+
+def write_outputs(result: dict, text: str, folder: Path) -> list[Path]:
+    """compare.md, compare.json, compare_forest.png and compare.html in ``folder``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "compare.md").write_text(text)
+    (folder / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_html(result, folder / "compare.html", folder / "compare_forest.png")
+    return [folder / n for n in ("compare.md", "compare.json", "compare.html", "compare_forest.png")]

@@ -21,7 +21,7 @@ import kvbench
 
 # Instruction sets whose presence changes CPU inference speed by several times (bf16 prefill was 10x slower
 # on an AVX2-only machine than with AVX-512): recorded with every run, since figures compare only within one.
-SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 
 
 def cpu_model() -> str:
@@ -174,6 +174,41 @@ class NVML:
         return [{"index": d.index, "name": n, "memory_bytes": d.total, "reserved_bytes": d.reserved}
                 for d, n in zip(self.device_memory(), self.device_names())]
 
+    def _ask(self, fn: str, *args):
+        """One NVML query, None where the driver, the device or the binding does not answer it."""
+        get = getattr(self.nv, fn, None)
+        if get is None:
+            return None
+        try:
+            value = get(*args)
+        except Exception:
+            return None
+        return value.decode() if isinstance(value, bytes) else value
+
+    def driver(self) -> dict:
+        """The driver's version and the CUDA version it supports, where NVML gives them."""
+        cuda = self._ask("nvmlSystemGetCudaDriverVersion")
+        return {"driver_version": self._ask("nvmlSystemGetDriverVersion"),
+                "cuda_driver_version": f"{cuda // 1000}.{cuda % 1000 // 10}" if isinstance(cuda, int) else None}
+
+    def clocks(self) -> list[dict]:
+        """Per device: SM and memory clocks now and at most (MHz), the power limit (W) and persistence mode,
+        where NVML gives them (a clock held low or a lower power cap changes every figure)."""
+        out = []
+        for h in self.handles:
+            sm, mem, gr = (getattr(self.nv, n, None) for n in ("NVML_CLOCK_SM", "NVML_CLOCK_MEM",
+                                                                "NVML_CLOCK_GRAPHICS"))
+            power = self._ask("nvmlDeviceGetEnforcedPowerLimit", h)
+            out.append({"sm_clock_mhz": self._ask("nvmlDeviceGetClockInfo", h, sm) if sm is not None else None,
+                        "sm_clock_max_mhz": self._ask("nvmlDeviceGetMaxClockInfo", h, sm) if sm is not None else None,
+                        "graphics_clock_mhz": self._ask("nvmlDeviceGetClockInfo", h, gr) if gr is not None else None,
+                        "memory_clock_mhz": self._ask("nvmlDeviceGetClockInfo", h, mem) if mem is not None else None,
+                        "memory_clock_max_mhz": (self._ask("nvmlDeviceGetMaxClockInfo", h, mem)
+                                                 if mem is not None else None),
+                        "power_limit_w": power / 1000 if isinstance(power, (int, float)) else None,
+                        "persistence_mode": self._ask("nvmlDeviceGetPersistenceMode", h)})
+        return out
+
     # --- processes -------------------------------------------------------------------------------
     def _processes(self, handle) -> dict[int, int | None]:
         """pid -> usedGpuMemory on one device, compute and graphics processes together, each pid once."""
@@ -288,10 +323,81 @@ def has_nvcc() -> bool:
     return shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
 
 
+#: Environment variables that set how many threads the engines' math libraries and runtimes use.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND",
+                    "VLLM_CPU_KVCACHE_SPACE", "LLAMA_ARG_THREADS", "TORCH_NUM_THREADS")
+
+
+def threads_info() -> dict:
+    """The threads this process may use: the CPUs it is allowed to run on (affinity, e.g. a container's
+    quota or taskset) and the thread-count variables that the engines inherit (unset: None)."""
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        allowed = None
+    return {"cpus_allowed": allowed, **{v: os.environ.get(v) for v in THREAD_VARIABLES}}
+
+
+def gpu_info(nvml: NVML) -> list[dict]:
+    """run.json's ``gpus``: per device name, memory, driver, CUDA version and clocks, where NVML gives them."""
+    if not nvml.available:
+        return []
+    driver = nvml.driver()
+    return [{**d, **driver, **c} for d, c in zip(nvml.devices(), nvml.clocks())]
+
+
+def hardware_key(env: dict) -> dict:
+    """What two runs must share to be compared as "the same hardware": the CPU model, its speed flags (where
+    the run recorded them), its core count and the CPUs the run could use, and each GPU's name and
+    driver. Fields a run did not record are left out."""
+    key = {"cpu": env.get("cpu"), "cpu_count": env.get("cpu_count"),
+           "gpus": [g.get("name") for g in env.get("gpus") or []]}
+    if "cpu_flags" in env:
+        key["cpu_flags"] = sorted(env["cpu_flags"])
+    if (env.get("threads") or {}).get("cpus_allowed") is not None:
+        key["cpus_allowed"] = env["threads"]["cpus_allowed"]
+    drivers = [g.get("driver_version") for g in env.get("gpus") or [] if g.get("driver_version")]
+    if drivers:
+        key["gpu_driver"] = sorted(set(drivers))
+    return key
+
+
+def hardware_differences(a: dict, b: dict) -> list[str]:
+    """How the machines of two environment records differ ("" when they look alike), one line per field
+    that both recorded; a field only one of them recorded is named as not comparable."""
+    ka, kb = hardware_key(a), hardware_key(b)
+    out = []
+    for field_ in dict.fromkeys([*ka, *kb]):
+        if field_ in ka and field_ in kb:
+            if ka[field_] != kb[field_]:
+                out.append(f"{field_}: {ka[field_]} vs {kb[field_]}")
+    return out
+
+
+def hardware_line(env: dict) -> str:
+    """One line for a caption: CPU, cores, its speed flags, threads allowed, RAM, GPUs with driver and clock."""
+    flags = env.get("cpu_flags")
+    flag_text = ("flags " + " ".join(flags) if flags else "no AVX2/AVX-512/AMX") if flags is not None \
+        else "flags not recorded"
+    allowed = (env.get("threads") or {}).get("cpus_allowed")
+    cores = f"{env.get('cpu_count', '?')} cores" + (f" ({allowed} allowed)" if allowed and allowed != env.get(
+        "cpu_count") else "")
+    gpus = []
+    for g in env.get("gpus") or []:
+        extra = ", ".join(x for x in (f"driver {g['driver_version']}" if g.get("driver_version") else "",
+                                      f"SM {g['sm_clock_max_mhz']} MHz max" if g.get("sm_clock_max_mhz") else "")
+                          if x)
+        gpus.append(g.get("name", "?") + (f" ({extra})" if extra else ""))
+    return (f"{env.get('cpu', '?')}, {cores}, {flag_text}, {(env.get('memory_bytes') or 0) / 2**30:.0f} GiB RAM, "
+            f"GPU: {', '.join(gpus) or 'none'}")
+
+
 def environment_info() -> dict:
-    """What a run records about the machine and the harness (run.json's ``environment``)."""
+    """What a run records about the machine and the harness (run.json's ``environment``): the CPU with the
+    instruction-set flags that change engine speed (:data:`SPEED_FLAGS`), the threads it could use, the
+    GPUs with their driver and clocks."""
     nvml = NVML()
-    gpus = nvml.devices() if nvml.available else []
+    gpus = gpu_info(nvml)
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
@@ -299,6 +405,7 @@ def environment_info() -> dict:
         commit = None
     return {"kvbench_version": kvbench.__version__, "kvbench_commit": commit, "python": platform.python_version(),
             "os": platform.platform(), "cpu": cpu_model(), "cpu_flags": cpu_flags(), "cpu_count": os.cpu_count(),
-            "memory_bytes": psutil.virtual_memory().total, "gpus": gpus, "nvml": nvml.error or "ok"}
+            "memory_bytes": psutil.virtual_memory().total, "threads": threads_info(), "gpus": gpus,
+            "nvml": nvml.error or "ok"}
 
 

@@ -3,8 +3,9 @@ from pathlib import Path
 
 import typer
 
-from kvbench.compare import CompareError, load_config, load_side, markdown
+from kvbench.compare import CompareError, load_config, load_side, markdown, write_html, write_outputs
 from kvbench.compare import compare as run_compare
+from kvbench.results import ResultsReadError
 
 
 def compare(
@@ -16,11 +17,18 @@ def compare(
     match_on: str = typer.Option(None, "--match-on", help="Comma-separated cell fields that must agree "
                                                           "(default: the cell configuration minus engine_version)."),
     json_file: Path = typer.Option(None, "--json", help="Also write the result as JSON to this file."),
+    html_file: Path = typer.Option(None, "--html", help="Also write an HTML page with the forest plot to this file."),
+    output_dir: Path = typer.Option(None, "--output", "-o", help="Write compare.md, compare.json, compare.html and "
+                                                                 "compare_forest.png into this folder."),
     output_format: str = typer.Option("table", "--format", help="table (Markdown) or json, on stdout."),
+    allow_different_hardware: bool = typer.Option(
+        False, "--allow-different-hardware", help="Compare runs from different machines (CPU model or flags, cores, "
+                                                   "GPUs, driver) with a warning instead of refusing."),
 ):
-    """Compare a candidate run with a baseline, cell by cell: change and confidence interval of every headline
-    metric. Exit code 0: no regression; 1: a regression (or a cell that failed only on the candidate);
-    2: bad input or nothing to compare."""
+    """Compare a candidate run with a baseline, cell by cell: the verdict first, then the change and confidence
+    interval of every headline metric. Exit code 0: no regression; 1: a regression (or a cell that failed only
+    on the candidate); 2: bad input (unreadable runs, a run compared with itself, different hardware) or
+    nothing to compare."""
     if output_format not in ("table", "json"):
         raise typer.BadParameter("--format must be table or json")
     try:
@@ -34,14 +42,25 @@ def compare(
         config = load_config(tolerances, match_on.split(",") if match_on else None)
         base = load_side("baseline", [runs[0]], baseline_backend)
         cand = load_side("candidate", [runs[1]], candidate_backend)
-        result = run_compare(base, cand, config)
-    except CompareError as exc:
+        result = run_compare(base, cand, config, allow_different_hardware)
+    except (CompareError, ResultsReadError) as exc:  # ResultsReadError: a run folder that cannot be read
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
-    if json_file:
-        json_file.write_text(json.dumps(result, indent=2))
+    for warning in result["warnings"]:
+        typer.echo(f"WARNING: {warning}", err=True)
+    text = markdown(result)
+    try:
+        if output_dir:
+            write_outputs(result, text, output_dir)
+        if json_file:
+            json_file.write_text(json.dumps(result, indent=2))
+        if html_file:
+            write_html(result, html_file)
+    except OSError as exc:
+        typer.echo(f"error: writing the output: {exc}", err=True)
+        raise typer.Exit(2)
     if output_format == "json":
         typer.echo(json.dumps(result, indent=2))
     else:
-        typer.echo(markdown(result))
+        typer.echo(text)
     raise typer.Exit(result["exit_code"])

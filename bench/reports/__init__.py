@@ -57,10 +57,9 @@ def run_header(info: dict) -> list[tuple[str, str]]:
 
 
 def hardware(info: dict) -> str:
-    env = info.get("environment", {})
-    gpus = ", ".join(g["name"] for g in env.get("gpus", [])) or "none"
-    return (f"{env.get('cpu', '?')}, {env.get('cpu_count', '?')} cores, "
-            f"{env.get('memory_bytes', 0) / 2**30:.0f} GiB RAM, GPU: {gpus}")
+    from kvbench.hardware import hardware_line
+
+    return hardware_line(info.get("environment", {}))
 
 
 def engines(info: dict) -> str:

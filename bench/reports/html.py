@@ -78,3 +78,29 @@ def render(report) -> str:
         out.append("</section>")
     out += ["</body>", "</html>"]
     return "\n".join(out) + "\n"
+
+
+def render_compare(result: dict, frame, plot, needed: list[str]) -> str:
+    """``kvbench compare``'s page: the verdict and summary, the warnings, the forest plot, the table."""
+    from kvbench.compare import verdict_line
+
+    title = "kvbench compare: " + ", ".join(result["baseline"]["runs"]) + " -> " + ", ".join(result["candidate"]["runs"])
+    ci = f"{result['confidence']:.0%} CI"
+    out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
+           f'<meta name="kvbench-tables" content="{0 if frame.empty else 1}">',
+           f'<meta name="kvbench-images" content="{1 if plot else 0}">',
+           f"<title>{html.escape(title)}</title>", f"<style>{CSS}</style>", "</head>", "<body>",
+           f"<h1>{html.escape(title)}</h1>", f'<div class="header"><p>{inline(verdict_line(result))}</p></div>']
+    for w in result.get("warnings", []):
+        out.append(f'<p style="color:#b00020"><strong>WARNING</strong> {inline(w)}</p>')
+    out.append(f"<p>Repeats: {html.escape(result.get('pairing', ''))}. Change = candidate / baseline - 1; "
+               f"a regression only when the whole {ci} lies beyond the tolerance on the worse side.</p>")
+    if needed:
+        out.append("<ul>" + "".join(f"<li>{inline(n)}</li>" for n in needed) + "</ul>")
+    if plot:
+        out.append(f'<figure><img src="{data_uri(plot)}" alt="forest plot"><figcaption>Each metric\'s change '
+                   f"and {ci} against its tolerance band (grey)</figcaption></figure>")
+    if not frame.empty:
+        out.append(table(frame, {"baseline", "candidate", "change", ci, "tolerance"}))
+    out += ["</body>", "</html>"]
+    return "\n".join(out) + "\n"

@@ -172,3 +172,61 @@ def _kv_boundary_measured(cells: pd.DataFrame, out: Path) -> Path | None:
         ax.legend(fontsize=8)
     fig.suptitle("The KV boundary: what the engine ran and queued against what its KV pool holds")
     return _save(fig, out)
+
+
+VERDICT_COLORS = {"regression": "#d62728", "improvement": "#2ca02c", "unchanged": "#1f77b4",
+                  "inconclusive": "#ff7f0e"}
+
+
+def forest(result: dict, out: Path) -> Path | None:
+    """``kvbench compare``'s forest plot: per cell and metric, the change (candidate / baseline, log axis)
+    with its confidence interval, over the metric's tolerance band, coloured by verdict."""
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter
+
+    from kvbench.compare import _where
+
+    rows = [(f"{_where(c['key'])} · {m['metric']}" + (" (lower is worse)" if m["worse"] == "lower" else ""), m)
+            for c in result["cells"] for m in c["metrics"] if m["ci_low"] is not None]
+    if not rows:
+        return None
+    n = len(rows)
+    fig, ax = plt.subplots(figsize=(9.5, 1.6 + 0.26 * n))
+    lo = min(1 + min(m["ci_low"], -m["tolerance"]) for _, m in rows)
+    hi = max(1 + max(m["ci_high"], m["tolerance"]) for _, m in rows)
+    for y, (_, m) in enumerate(reversed(rows)):
+        tol = m["tolerance"]
+        ax.add_patch(plt.Rectangle((1 - tol, y - 0.4), 2 * tol, 0.8, color="#dddddd", lw=0, zorder=0))
+        color = VERDICT_COLORS.get(m["verdict"], "#7f7f7f")
+        ax.plot([1 + m["ci_low"], 1 + m["ci_high"]], [y, y], color=color, lw=2, zorder=2)
+        ax.plot([1 + m["change"]], [y], "o", color=color, ms=5, zorder=3)
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlim(lo / 1.05, hi * 1.05)
+    ticks = [1 + p / 100 for p in (-95, -90, -75, -50, -25, -10, -5, 0, 5, 10, 25, 50, 100, 200, 400, 900, 1900)
+             if lo / 1.05 <= 1 + p / 100 <= hi * 1.05]
+    import math
+
+    gap = math.log(hi / lo) / 10  # ticks at least a tenth of the axis apart, working out from 0
+    kept = [1.0]
+    for t in sorted((t for t in ticks if t > 1)):
+        if math.log(t / kept[-1]) >= gap:
+            kept.append(t)
+    for t in sorted((t for t in ticks if t < 1), reverse=True):
+        if math.log(min(kept) / t) >= gap:
+            kept.insert(0, t)
+    ax.set_xticks(sorted(kept))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{(x - 1) * 100:+.0f}%" if abs(x - 1) > 1e-9 else "0"))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda x, _: ""))
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_yticks(range(n), [label for label, _ in reversed(rows)], fontsize=7)
+    ax.set_ylim(-0.8, n - 0.2)
+    ax.set_xlabel(f"change, candidate vs baseline (log scale), with its {result['confidence']:.0%} interval")
+    ax.grid(axis="x", alpha=0.3, which="both")
+    handles = [Line2D([], [], color=c, lw=2, marker="o", label=v) for v, c in VERDICT_COLORS.items()]
+    handles.append(plt.Rectangle((0, 0), 1, 1, color="#dddddd", label="tolerance band"))
+    ax.legend(handles=handles, fontsize=7, loc="lower right" if n > 4 else "best")
+    ax.set_title(f"kvbench compare: {result['verdict']}", fontsize=11)
+    fig.savefig(out, dpi=DPI, bbox_inches="tight")  # long cell labels: the box grows to hold them
+    plt.close(fig)
+    return out
