@@ -147,8 +147,9 @@ def test_a_whole_run_writes_and_prints_no_secret(tmp_path):
     files = [p for p in run_dir.rglob("*") if p.is_file()]
     names = {p.name for p in files}
     assert {"run.json", "cells.jsonl", "requests.jsonl", "cells.parquet", "report.md", "report.html"} <= names
-    assert any(p.suffix == ".parquet" and "timeline" in str(p) for p in files) or any("timeline" in str(p) for p in files)
     label = f"openai@{host}"
+    timelines = [p.name for p in files if p.parent.name == "timelines"]
+    assert timelines and all(label in name for name in timelines)  # file names made from the label
     assert label.encode() in (run_dir / "cells.jsonl").read_bytes()  # the rows are there, labelled host:port
     for secret in (secret_url, secret_key):
         for path in files:
