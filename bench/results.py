@@ -9,17 +9,30 @@ A run is a folder ``results/runs/<run_id>/``:
 - ``requests.jsonl``: one :class:`RequestRow` per request with every chunk's timestamp;
 - ``timelines/<cell_id>.csv``: memory and KV-in-use samples of the cell on one time axis;
 - ``logs/<backend>.log``: each engine's own log.
+
+Rewritten files (run.json, timelines, the Parquet copies) are replaced atomically and appends are whole
+fsynced lines (``kvbench.files``), so a crash or a full disk leaves every finished row readable; the
+readers skip (and count, in a :class:`DamagedLinesWarning`) a torn line a crash left behind.
 """
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import socket
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
 import pandas as pd
-from pydantic import BaseModel, Field
+import psutil
+from pydantic import BaseModel, Field, ValidationError
 
+from kvbench.files import PlainNameError, append_line, atomic_write_bytes, atomic_write_text, check_plain_name
 from kvbench.metrics import RequestTimes, request_verdict
+
+__all__ = ["PlainNameError", "check_plain_name"]  # re-exported: run ids are checked with it (files.py has it)
 
 OK_STATUSES = ("ok", "flagged")  # cell statuses whose figures count (flagged: some requests broke the contract)
 SCHEMA_VERSION = 3
@@ -163,26 +176,198 @@ class RequestRow(BaseModel):
     engine_details: dict = Field(default_factory=dict)
 
 
-class RunWriter:
-    """Appends rows as they are produced; every write is flushed, so a crash loses nothing finished."""
+class ResultsWriteError(OSError):
+    """Writing the results folder failed (disk full, read-only filesystem, permission denied). Raised by
+    :class:`RunWriter` (and :func:`write_parquet`, ``kvbench.reports.write``) in place of the OSError; the
+    run must stop. ``errno`` is the cause's; the message is one line for the user."""
 
-    def __init__(self, root: Path):
-        self.root = root
-        (root / "timelines").mkdir(parents=True, exist_ok=True)
-        (root / "logs").mkdir(exist_ok=True)
+    def __init__(self, folder: str | Path, doing: str, cause: OSError, intact: bool = True,
+                 what: str = "results folder"):
+        reason = (cause.strerror or str(cause)).lower()  # e.g. "no space left on device"
+        tail = "; everything written before is intact" if intact else ""
+        super().__init__(f"{what} {folder}: {reason} ({doing}){tail}")
+        self.errno = cause.errno
+        self.folder = Path(folder)
+        self.doing = doing
+
+
+class RunFolderError(ValueError):
+    """The run folder cannot be used in the asked mode (exists, is not a run folder, nothing to resume)."""
+
+
+class RunExistsError(RunFolderError):
+    """A new run's folder already holds a run."""
+
+
+class ResultsReadError(ValueError):
+    """A run folder's file cannot be read (unreadable run.json, a row of the wrong shape); names the file
+    and line. A torn line is not this error: it is skipped and counted (:class:`DamagedLinesWarning`)."""
+
+
+class ResultsWarning(UserWarning):
+    """Something in a run folder was damaged and worked around (nothing intact was lost). ``path`` is the
+    file; ``detail`` is the message without the folder, for a report that already names the run."""
+
+    def __init__(self, path: str | Path, detail: str):
+        self.path, self.detail = Path(path), detail
+        super().__init__(f"{self.path.parent}/{detail}")
+
+
+class DamagedLinesWarning(ResultsWarning):
+    """Lines of a JSONL record that are not whole JSON rows (what a crash mid-append leaves) were skipped."""
+
+    def __init__(self, path: str | Path, lines: list[int]):
+        self.lines = list(lines)
+        n = len(self.lines)
+        shown = ", ".join(map(str, self.lines[:5])) + (", ..." if n > 5 else "")
+        super().__init__(path, f"{Path(path).name}: {n} damaged line{'s' if n != 1 else ''} skipped "
+                               f"(line{'s' if n != 1 else ''} {shown}: not a whole JSON row, e.g. cut off by a crash)")
+
+
+RunMode = Literal["new", "resume", "overwrite"]
+RUN_MODES = ("new", "resume", "overwrite")
+RUN_RECORDS = ("run.json", "cells.jsonl", "requests.jsonl")  # a folder holding one of these holds a run
+HARNESS_GONE = "interrupted (harness gone)"
+
+
+def harness_identity() -> dict:
+    """Who is writing the run: pid, host and the process's start time (to tell a reused pid apart)."""
+    return {"harness_pid": os.getpid(), "harness_host": socket.gethostname(),
+            "harness_started_at": psutil.Process().create_time()}
+
+
+def run_status(info: dict) -> str:
+    """The run's status as recorded, except that a "running" run whose harness process is gone (same
+    host, pid not alive or reused by another process) is ``"interrupted (harness gone)"``. A run recorded
+    on another host, or without a harness pid (older runs), keeps its recorded status."""
+    status = info.get("status") or "unknown"
+    pid, host = info.get("harness_pid"), info.get("harness_host")
+    if status != "running" or not pid or host != socket.gethostname():
+        return status
+    try:
+        proc = psutil.Process(int(pid))
+        started = info.get("harness_started_at")
+        if started is not None and abs(proc.create_time() - float(started)) > 1.0:
+            return HARNESS_GONE  # the pid now belongs to another process
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return HARNESS_GONE
+    except psutil.NoSuchProcess:
+        return HARNESS_GONE
+    except psutil.Error:  # e.g. access denied: it exists, so assume it runs
+        return status
+    return status
+
+
+class RunWriter:
+    """The files of one run, written so that a crash or a full disk loses nothing finished: rows are
+    appended as whole fsynced lines, rewritten files are replaced atomically, and any write error is a
+    :class:`ResultsWriteError` (the first one is kept in ``failed``).
+
+    ``mode``: "new" refuses a folder that already holds a run (:class:`RunExistsError`); "overwrite"
+    empties a run folder first (and refuses a non-empty folder that is not a run folder); "resume" keeps
+    everything: :meth:`finished_cell_ids` says which cells to skip, :meth:`discard_unfinished_requests`
+    drops the requests of a cell that was cut off, and :meth:`write_run_info` records the new invocation
+    beside the earlier ones in run.json's ``invocations``.
+    """
+
+    def __init__(self, root: Path, mode: RunMode = "new"):
+        if mode not in RUN_MODES:
+            raise ValueError(f"mode must be one of {', '.join(RUN_MODES)}, not {mode!r}")
+        self.root = Path(root)
+        self.mode = mode
+        self.failed: ResultsWriteError | None = None
+        self._info: dict | None = None
+        root, name, where = self.root, self.root.name, self.root.parent
+        has_run = any((root / f).exists() for f in RUN_RECORDS)
+        if mode == "new" and has_run:
+            raise RunExistsError(f"run {name} already exists in {where}: use --resume to finish its missing cells "
+                                 "or --overwrite to replace it")
+        if mode == "resume" and not (root / "run.json").exists():
+            raise RunFolderError(f"run {name} not found in {where} (no run.json): nothing to resume; "
+                                 "leave out --resume to start it")
+        if mode == "overwrite" and root.is_dir():
+            if not (root / "run.json").exists() and any(root.iterdir()):
+                raise RunFolderError(f"{root} is not a kvbench run folder (no run.json): refusing to overwrite it")
+            with self._writing("removing the old run", intact=False):
+                for child in list(root.iterdir()):
+                    if child.is_dir() and not child.is_symlink():
+                        shutil.rmtree(child)
+                    else:
+                        child.unlink()
+        with self._writing("creating the run folder", intact=False):
+            (root / "timelines").mkdir(parents=True, exist_ok=True)
+            (root / "logs").mkdir(exist_ok=True)
+
+    @contextmanager
+    def _writing(self, doing: str, intact: bool = True):
+        """Turn an OSError of the block into the run's one :class:`ResultsWriteError` type."""
+        try:
+            yield
+        except ResultsWriteError as exc:
+            self.failed = self.failed or exc
+            raise
+        except OSError as exc:
+            error = ResultsWriteError(self.root, doing, exc, intact)
+            self.failed = self.failed or error
+            raise error from exc
+
+    # --- run.json ----------------------------------------------------------------------------------
+    def _read_info(self) -> dict:
+        if self._info is None:
+            with self._writing("reading run.json"):
+                self._info = load_run_info(self.root)
+        return self._info
+
+    def _write_info(self, info: dict) -> None:
+        with self._writing("writing run.json"):
+            atomic_write_text(self.root / "run.json", json.dumps(info, indent=2))
+        self._info = info
 
     def write_run_info(self, info: dict) -> None:
-        (self.root / "run.json").write_text(json.dumps({"schema_version": SCHEMA_VERSION, **info}, indent=2))
+        """Write run.json at the start of an invocation, with ``harness_pid``, ``harness_host`` and
+        ``harness_started_at`` (so :func:`run_status` can tell a killed harness) and this invocation in
+        ``invocations``. In "resume" mode the earlier run.json is kept underneath: its ``started_at`` and
+        invocations stay, the new fields win, and an earlier ``finished_at``/``error`` is dropped."""
+        harness = harness_identity()
+        if self.mode == "resume":
+            old = self._read_info()
+            earlier = old.get("invocations") or [_invocation_of(old)]
+            merged = {k: v for k, v in old.items() if k not in ("finished_at", "error")}
+            merged.update({"schema_version": SCHEMA_VERSION, **info, **harness,
+                           "started_at": old.get("started_at", info.get("started_at"))})
+            merged["invocations"] = list(earlier)
+        else:
+            merged = {"schema_version": SCHEMA_VERSION, **info, **harness, "invocations": []}
+        merged["invocations"].append(_invocation_of({**info, **harness}) | {"mode": self.mode})
+        self._write_info(merged)
+
+    def record_invocation(self, info: dict) -> None:
+        """Add this process's invocation (``info``, e.g. command and started_at, with the harness identity)
+        to run.json's ``invocations``; if the last entry is already this process's (write_run_info
+        recorded it), ``info`` is merged into it instead of adding a duplicate."""
+        current = self._read_info()
+        harness = harness_identity()
+        invocations = list(current.get("invocations") or [])
+        same = invocations and all(invocations[-1].get(k) == v for k, v in harness.items())
+        entry = {**(invocations.pop() if same else {"mode": self.mode}), **info, **harness}
+        self._write_info({**current, "invocations": [*invocations, entry]})
 
     def update_run_info(self, **fields) -> None:
-        path = self.root / "run.json"
-        info = json.loads(path.read_text())
+        """Set fields of run.json (atomically); ``status``, ``finished_at`` and ``error`` also go to the
+        current invocation's entry, so each invocation's outcome stays recorded."""
+        info = dict(self._read_info())
         info.update(fields)
-        path.write_text(json.dumps(info, indent=2))
+        invocations = list(info.get("invocations") or [])
+        if invocations:
+            outcome = {k: fields[k] for k in ("status", "finished_at", "error") if k in fields}
+            invocations[-1] = {**invocations[-1], **outcome}
+            info["invocations"] = invocations
+        self._write_info(info)
 
+    # --- rows --------------------------------------------------------------------------------------
     def _append(self, name: str, row: BaseModel) -> None:
-        with (self.root / name).open("a") as f:
-            f.write(row.model_dump_json() + "\n")
+        with self._writing(f"writing {name}"):
+            append_line(self.root / name, row.model_dump_json())
 
     def write_cell(self, row: CellRow) -> None:
         self._append("cells.jsonl", row)
@@ -190,11 +375,58 @@ class RunWriter:
     def write_request(self, row: RequestRow) -> None:
         self._append("requests.jsonl", row)
 
+    def finished_cell_ids(self) -> set[str]:
+        """cell_id of every row in cells.jsonl, whatever its status: the cells a resumed run skips."""
+        rows, _ = read_jsonl_rows(self.root / "cells.jsonl")
+        return {row["cell_id"] for row in rows if isinstance(row.get("cell_id"), str)}
+
+    def discard_unfinished_requests(self) -> int:
+        """Rewrite requests.jsonl (atomically) keeping only warm-up rows and rows of finished cells (those
+        with a cells.jsonl row): a cell that was cut off mid-way is rerun whole on resume and its old
+        requests must not mix with the new ones. Damaged lines go too. Returns the lines removed."""
+        path = self.root / "requests.jsonl"
+        if not path.exists():
+            return 0
+        finished = self.finished_cell_ids()
+        kept, removed = [], 0
+        with self._writing("reading requests.jsonl"):
+            lines = path.read_bytes().splitlines()
+        for line in lines:
+            if not line.strip():
+                continue
+            row = _decode_row(line)
+            if row is not None and (row.get("warmup") or row.get("cell_id") in finished):
+                kept.append(line)
+            else:
+                removed += 1
+        if removed:
+            with self._writing("rewriting requests.jsonl"):
+                atomic_write_bytes(path, b"".join(line + b"\n" for line in kept))
+        return removed
+
+    # --- other files -------------------------------------------------------------------------------
     def write_timeline(self, cell_id: str, frame: pd.DataFrame) -> None:
-        frame.to_csv(self.root / "timelines" / f"{cell_id}.csv", index=False)
+        path = self.root / "timelines" / f"{_file_name(cell_id, 'cell id')}.csv"
+        with self._writing(f"writing timelines/{path.name}"):
+            atomic_write_text(path, frame.to_csv(index=False))
 
     def log_path(self, backend: str) -> Path:
-        return self.root / "logs" / f"{backend}.log"
+        return self.root / "logs" / f"{_file_name(backend, 'backend label')}.log"
+
+
+def _file_name(name: str, what: str) -> str:
+    """``name`` when it is one file name (no folder part, not '.' or '..'), else ValueError: a label made
+    from user input must not write outside the run folder."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ValueError(f"{what} {name!r} cannot be a file name in the run folder")
+    return name
+
+
+def _invocation_of(info: dict) -> dict:
+    """One entry of run.json's ``invocations``: who ran it, when, and how it ended."""
+    keys = ("command", "started_at", "harness_pid", "harness_host", "harness_started_at", "mode", "status",
+            "finished_at", "error")
+    return {k: info[k] for k in keys if k in info}
 
 
 def migrate_row(row: dict, model: type[BaseModel]) -> dict:
@@ -215,19 +447,82 @@ def migrate_row(row: dict, model: type[BaseModel]) -> dict:
     return out
 
 
+def _decode_row(line: bytes) -> dict | None:
+    """One JSONL line as a row, or None when it is not a whole JSON object (a torn or garbled line)."""
+    try:
+        row = json.loads(line)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        return None
+    return row if isinstance(row, dict) else None
+
+
+def read_jsonl_rows(path: Path) -> tuple[list[dict], list[int]]:
+    """The rows of a JSONL record and the (1-based) numbers of the damaged lines skipped: a line that is
+    not a whole JSON object, typically the last one a crash cut short. A missing file has no rows."""
+    numbered, damaged = _numbered_rows(path)
+    return [row for _, row in numbered], damaged
+
+
+def _numbered_rows(path: Path) -> tuple[list[tuple[int, dict]], list[int]]:
+    if not path.exists():
+        return [], []
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ResultsReadError(f"{path}: cannot be read: {(exc.strerror or str(exc)).lower()}") from None
+    rows, damaged = [], []
+    for number, line in enumerate(data.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        row = _decode_row(line)
+        if row is None:
+            damaged.append(number)
+        else:
+            rows.append((number, row))
+    return rows, damaged
+
+
 def _read_jsonl(path: Path, model: type[BaseModel]) -> pd.DataFrame:
-    rows = [migrate_row(json.loads(line), model) for line in path.read_text().splitlines() if line.strip()] \
-        if path.exists() else []
-    return pd.DataFrame(rows, columns=list(model.model_fields))
+    """A JSONL record as a DataFrame of the current schema. Damaged lines are skipped with a
+    :class:`DamagedLinesWarning` and counted in ``frame.attrs["damaged_lines"]`` ({path: [line numbers]});
+    a whole row of the wrong shape is a :class:`ResultsReadError` naming the line and field."""
+    numbered, damaged = _numbered_rows(path)
+    rows = []
+    for number, row in numbered:
+        try:
+            rows.append(migrate_row(row, model))
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'row'}: {e['msg']}" for e in exc.errors())
+            raise ResultsReadError(f"{path} line {number}: {problems}") from None
+        except ValueError as exc:
+            raise ResultsReadError(f"{path} line {number}: {exc}") from None
+    if damaged:
+        warnings.warn(DamagedLinesWarning(path, damaged), stacklevel=2)
+    frame = pd.DataFrame(rows, columns=list(model.model_fields))
+    frame.attrs["damaged_lines"] = {str(path): damaged} if damaged else {}
+    return frame
 
 
 def load_cells(run_dir: str | Path) -> pd.DataFrame:
-    """The cells of a run as a DataFrame (one row per cell), migrated to the current schema."""
+    """The cells of a run as a DataFrame (one row per cell), migrated to the current schema; a torn line
+    is skipped and counted (see :func:`_read_jsonl`)."""
     return _read_jsonl(Path(run_dir) / "cells.jsonl", CellRow)
 
 
 def load_run_info(run_dir: str | Path) -> dict:
-    return json.loads((Path(run_dir) / "run.json").read_text())
+    """run.json as a dict; :class:`ResultsReadError` (naming the file) when it is not a JSON object."""
+    path = Path(run_dir) / "run.json"
+    try:
+        info = json.loads(path.read_bytes())
+    except ValueError as exc:
+        raise ResultsReadError(f"{path}: not valid JSON ({exc})") from None
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ResultsReadError(f"{path}: cannot be read: {(exc.strerror or str(exc)).lower()}") from None
+    if not isinstance(info, dict):
+        raise ResultsReadError(f"{path}: not a JSON object")
+    return info
 
 
 # --- the columnar copy (Parquet) and the one public loader ---------------------------------------------
@@ -315,10 +610,15 @@ def not_a_run_dir(run_dir: str | Path) -> str | None:
     return None
 
 
+PARQUET_DAMAGED_KEY = b"kvbench_damaged_lines"  # the JSONL's skipped line numbers, so load() still says so
+PARQUET_SOURCE_KEY = b"kvbench_source_bytes"  # the JSONL's size the copy was made from
+
+
 def write_parquet(run_dir: str | Path) -> list[Path]:
     """Write cells.parquet and requests.parquet beside the JSONL files (migrated to the current schema;
     the schema version is in each file's metadata under ``kvbench_schema_version``). The JSONL files stay
-    the crash-safe record; the Parquet files are a derived copy that :func:`load` prefers when current."""
+    the crash-safe record; the Parquet files are a derived copy that :func:`load` prefers when current.
+    Each copy replaces the old one atomically; a write error is a :class:`ResultsWriteError`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -327,20 +627,33 @@ def write_parquet(run_dir: str | Path) -> list[Path]:
     for jsonl, parquet, model in PARQUET_FILES.values():
         if not (run_dir / jsonl).exists():
             continue
+        source_bytes = (run_dir / jsonl).stat().st_size
         frame = _read_jsonl(run_dir / jsonl, model)
+        damaged = frame.attrs.get("damaged_lines", {}).get(str(run_dir / jsonl), [])
         if model is RequestRow:
             # engine_details is free-form per engine: kept as JSON text so every run has one column type
             frame["engine_details"] = frame.engine_details.map(json.dumps)
         table = pa.Table.from_pandas(frame, preserve_index=False)
         meta = dict(table.schema.metadata or {})
         meta[PARQUET_META_KEY] = str(SCHEMA_VERSION).encode()
-        pq.write_table(table.replace_schema_metadata(meta), run_dir / parquet)
+        meta[PARQUET_SOURCE_KEY] = str(source_bytes).encode()
+        if damaged:
+            meta[PARQUET_DAMAGED_KEY] = json.dumps(damaged).encode()
+        buffer = pa.BufferOutputStream()
+        # page checksums: a copy damaged on disk fails to read (and load() falls back to the JSONL)
+        # instead of reading back as wrong numbers
+        pq.write_table(table.replace_schema_metadata(meta), buffer, write_page_checksum=True)
+        try:
+            atomic_write_bytes(run_dir / parquet, buffer.getvalue().to_pybytes())
+        except OSError as exc:
+            raise ResultsWriteError(run_dir, f"writing {parquet}", exc) from exc
         written.append(run_dir / parquet)
     return written
 
 
 def parquet_is_current(run_dir: str | Path) -> bool:
-    """True when every Parquet copy exists, has the current schema version and is newer than its JSONL."""
+    """True when every Parquet copy exists, is readable, has the current schema version and was made from
+    its JSONL as it is now (not older than it, and from as many bytes where the copy records that)."""
     import pyarrow.parquet as pq
 
     run_dir = Path(run_dir)
@@ -350,8 +663,13 @@ def parquet_is_current(run_dir: str | Path) -> bool:
             continue
         if not dst.exists() or dst.stat().st_mtime < src.stat().st_mtime:
             return False
-        meta = pq.read_schema(dst).metadata or {}
+        try:
+            meta = pq.read_schema(dst).metadata or {}
+        except Exception:  # a corrupt copy (pyarrow raises ArrowInvalid, OSError, ...) is never current
+            return False
         if meta.get(PARQUET_META_KEY) != str(SCHEMA_VERSION).encode():
+            return False
+        if PARQUET_SOURCE_KEY in meta and meta[PARQUET_SOURCE_KEY] != str(src.stat().st_size).encode():
             return False
     return True
 
@@ -364,10 +682,31 @@ def ensure_parquet(run_dir: str | Path) -> bool:
     return True
 
 
+def _read_parquet(path: Path, model: type[BaseModel]) -> pd.DataFrame:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path, page_checksum_verification=True)
+    frame = table.to_pandas()
+    if model is RequestRow:
+        frame["engine_details"] = frame.engine_details.map(json.loads)
+    for col in ("flags", "chunk_times", "chunk_tokens"):  # numpy arrays back to lists
+        if col in frame:
+            frame[col] = frame[col].map(list)
+    damaged = (table.schema.metadata or {}).get(PARQUET_DAMAGED_KEY)
+    if damaged:  # the JSONL the copy was made from had damaged lines: say so as the JSONL reader would
+        source = path.parent / PARQUET_FILES["cells" if model is CellRow else "requests"][0]
+        lines = json.loads(damaged)
+        warnings.warn(DamagedLinesWarning(source, lines), stacklevel=3)
+        frame.attrs["damaged_lines"] = {str(source): lines}
+    return frame
+
+
 def load(*run_dirs: str | Path, what: Literal["cells", "requests"] = "cells") -> pd.DataFrame:
     """One or more runs as one tidy DataFrame: one row per cell (``what="cells"``) or per request
     (``what="requests"``), every run migrated to the current schema, with ``run_id`` and ``run_dir``
-    columns. Reads the Parquet copy when it is current, else the JSONL record (never writes).
+    columns. Reads the Parquet copy when it is current and readable, else the JSONL record (never writes).
+    Damaged JSONL lines are skipped with a :class:`DamagedLinesWarning` and listed in
+    ``frame.attrs["damaged_lines"]``.
 
     Requests get three derived columns: ``tpot_s`` (bench/metrics.py's definition), ``ok`` (a measured
     request that met the token contract: the only kind in the cells' figures) and ``engine_details``
@@ -378,19 +717,21 @@ def load(*run_dirs: str | Path, what: Literal["cells", "requests"] = "cells") ->
     if what not in PARQUET_FILES:
         raise ValueError(f"what must be one of {', '.join(PARQUET_FILES)}, not {what!r}")
     jsonl, parquet, model = PARQUET_FILES[what]
-    frames = []
+    frames, damaged = [], {}
     for run_dir in map(Path, run_dirs):
         if not (run_dir / "run.json").exists():
             raise FileNotFoundError(f"{run_dir} has no run.json: not a kvbench run folder")
+        frame = None
         if (run_dir / parquet).exists() and parquet_is_current(run_dir):
-            frame = pd.read_parquet(run_dir / parquet)
-            if model is RequestRow:
-                frame["engine_details"] = frame.engine_details.map(json.loads)
-            for col in ("flags", "chunk_times", "chunk_tokens"):  # numpy arrays back to lists
-                if col in frame:
-                    frame[col] = frame[col].map(list)
-        else:
+            try:
+                frame = _read_parquet(run_dir / parquet, model)
+            except Exception as exc:  # a damaged copy: the JSONL is the record
+                why = " ".join(str(exc).split())  # pyarrow's messages span lines
+                warnings.warn(ResultsWarning(run_dir / parquet, f"{parquet}: unreadable ({type(exc).__name__}: "
+                                                                f"{why}); read {jsonl} instead"), stacklevel=2)
+        if frame is None:
             frame = _read_jsonl(run_dir / jsonl, model)
+        damaged.update(frame.attrs.get("damaged_lines", {}))
         if frame.empty:
             continue
         if model is RequestRow:
@@ -398,5 +739,8 @@ def load(*run_dirs: str | Path, what: Literal["cells", "requests"] = "cells") ->
         frame["run_dir"] = str(run_dir)
         frames.append(frame)
     if not frames:
-        return pd.DataFrame(columns=[*model.model_fields, "run_dir"])
-    return normalize_dtypes(pd.concat(frames, ignore_index=True), model)
+        out = pd.DataFrame(columns=[*model.model_fields, "run_dir"])
+    else:
+        out = normalize_dtypes(pd.concat(frames, ignore_index=True), model)
+    out.attrs = {"damaged_lines": damaged}  # {JSONL path: skipped line numbers}, as warned
+    return out

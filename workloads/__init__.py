@@ -13,6 +13,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from kvbench.files import check_plain_name
 from kvbench.load.registry import PROFILES, profile_info
 
 WORKLOAD_DIR = Path(__file__).parent
@@ -53,6 +54,12 @@ class Workload(BaseModel):
     prefix_caching: list[bool] = Field(default_factory=list)  # one engine start per setting; []: engine default
     turns: int = Field(default=1, gt=0)  # multi_turn: prompt_tokens of new user text per turn
     kv_pool_sequences: int | None = Field(default=None, gt=0)  # kv_boundary: pool sized for this many sequences
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name):
+        # the name goes into the default run id, a folder name: it must not be a path
+        return check_plain_name(name, "workload name")
 
     @field_validator("load_profile")
     @classmethod
@@ -164,5 +171,6 @@ def load(name_or_path: str) -> Workload:
     except tomllib.TOMLDecodeError as exc:
         raise WorkloadError(f"{path}: not valid TOML: {exc}") from None
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'workload'}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'workload'}: {e['msg'].removeprefix('Value error, ')}"
+                             for e in exc.errors())
         raise WorkloadError(f"{path}: {problems}") from None

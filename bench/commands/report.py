@@ -1,30 +1,52 @@
+import sys
+import warnings
 from pathlib import Path
 
 import typer
 from rich.markdown import Markdown
 
 from kvbench import reports, ui
-from kvbench.results import ensure_parquet, not_a_run_dir
+from kvbench.results import ResultsReadError, ResultsWarning, ResultsWriteError, ensure_parquet, not_a_run_dir
 
 
 def report(
     run_dirs: list[Path] = typer.Argument(..., help="One or more run folders under results/runs/ "
                                                     "(or any folder with run.json and cells.jsonl)."),
     output: Path = typer.Option(None, "--output", "-o", help="Write the Markdown here (default: RUN_DIR/report.md "
-                                                             "for one run, results/reports/<ids>/report.md for several)."),
+                                                             "for one run, results/reports/<ids>/report.md for several); "
+                                                             "with -o nothing is written into the run folders."),
     html_file: Path = typer.Option(None, "--html", help="Write the HTML page here (default: beside the Markdown)."),
     raw: bool = typer.Option(False, "--raw", help="Print the Markdown source instead of rendering it."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Make the PNG plots (into plots/ beside the Markdown)."),
 ):
     """Turn one or more runs into Markdown tables (KV predicted vs engine vs measured, latency and throughput,
-    the KV boundary, failures), PNG plots and one self-contained HTML page; also writes each run's Parquet
-    copy (cells.parquet, requests.parquet) when it is missing or stale."""
+    the KV boundary, failures), PNG plots and one self-contained HTML page; without -o also writes each run's
+    Parquet copy (cells.parquet, requests.parquet) when it is missing or stale. A damaged line of a run's
+    records (a crash's torn last line) is skipped and named in the report."""
     for run_dir in run_dirs:
         if problem := not_a_run_dir(run_dir):
             raise typer.BadParameter(problem, param_hint="RUN_DIR")
-    for run_dir in run_dirs:  # all checked before any is written to
-        ensure_parquet(run_dir)
-    output, target_html, text = reports.write(run_dirs, output, html_file, plots)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResultsWarning)
+        try:
+            if output is None:  # with -o the run folders are only read (they may be full or read-only)
+                for run_dir in run_dirs:  # all checked before any is written to
+                    try:
+                        ensure_parquet(run_dir)
+                    except ResultsWriteError as exc:  # a derived copy: the report reads the JSONL instead
+                        print(f"warning: Parquet copy not written: {exc}", file=sys.stderr)
+            output, target_html, text = reports.write(run_dirs, output, html_file, plots)
+        except ResultsReadError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise typer.Exit(2)
+        except ResultsWriteError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise typer.Exit(1)
+    for message in dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, ResultsWarning)):
+        print(f"warning: {message}", file=sys.stderr)
+    for w in caught:  # anything else as Python would have shown it
+        if not issubclass(w.category, ResultsWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if raw:
         print(text)
     else:

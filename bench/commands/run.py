@@ -1,12 +1,20 @@
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from kvbench import reports, ui
 from kvbench.backends import REGISTRY
 from kvbench.config import BackendConfig, ConfigError
 from kvbench.models import ModelError
-from kvbench.results import load_cells
+from kvbench.results import (
+    PlainNameError,
+    ResultsReadError,
+    ResultsWriteError,
+    RunFolderError,
+    check_plain_name,
+    load_cells,
+)
 from kvbench.runner import Runner, RunOptions
 from kvbench.suggest import model_names, with_hint
 from kvbench.workloads import WorkloadError, available
@@ -24,7 +32,12 @@ def run(
     kv_dtype: str = typer.Option("auto", help="KV cache dtype: auto (the model's), or e.g. fp32, bf16, q8_0."),
     max_context: int = typer.Option(None, help="Cap the context below the model's own limit."),
     results_dir: Path = typer.Option(Path("results/runs"), help="Where the run's folder is created."),
-    run_id: str = typer.Option(None, help="Name of the run folder (default: time, workload, host)."),
+    run_id: str = typer.Option(None, help="Name of the run folder (default: time, workload, host): letters, "
+                                          "digits, '.', '_', '-'. An existing run is refused unless --resume "
+                                          "or --overwrite is given."),
+    resume: bool = typer.Option(False, "--resume", help="Finish the run --run-id: run only the cells it has no row "
+                                                         "for, keep what is there, record both invocations."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the run --run-id (its folder is emptied first)."),
     repeats: int = typer.Option(None, min=1, help="Run every cell this many times (default: the workload's); "
                                                  "repeats give confidence intervals to kvbench compare."),
     url: str = typer.Option(None, help="Benchmark a server already running at this URL instead of starting one "
@@ -34,6 +47,16 @@ def run(
 ):
     """Run a workload on each backend and write the results folder, then print the report."""
     console = ui.console()
+    if resume and overwrite:
+        raise typer.BadParameter("--resume and --overwrite exclude each other: give one", param_hint="--resume")
+    if resume and run_id is None:
+        raise typer.BadParameter("--resume needs --run-id: the run to finish", param_hint="--resume")
+    if run_id is not None:
+        try:
+            check_plain_name(run_id, "run id")  # a path would write outside --results-dir
+        except PlainNameError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--run-id") from None
+    results_mode = "resume" if resume else "overwrite" if overwrite else "new"
     try:
         backends = [BackendConfig.parse(b) for b in backend]
         if url:
@@ -47,17 +70,32 @@ def run(
                                  else str(exc)) from None
     options = RunOptions(model=model, workload=wl, backends=backends, results_dir=results_dir, run_id=run_id,
                          kv_dtype=kv_dtype, max_context=max_context, start_timeout_s=start_timeout,
-                         request_timeout_s=request_timeout, repeats=repeats)
-    runner = Runner(options, console)
+                         request_timeout_s=request_timeout, repeats=repeats, results_mode=results_mode)
+    # errors print with soft_wrap: one line even past the console width (greppable in CI logs)
+    try:
+        runner = Runner(options, console)
+    except (RunFolderError, ResultsReadError) as exc:  # an existing run, or a damaged one to resume
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(2)
+    except ResultsWriteError as exc:  # --results-dir read-only, not permitted, full
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(1)
     try:
         run_dir = runner.run()
     except ModelError as exc:
         console.print(f"[red]error:[/] {with_hint(str(exc), model, model_names())}")
         raise typer.Exit(2)
+    except ResultsWriteError as exc:  # the runner stopped: say the first write error, once
+        console.print(f"[red]error:[/] {escape(str(runner.writer.failed or exc))}", soft_wrap=True)
+        raise typer.Exit(1)
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted; finished cells are in {runner.run_dir}[/]")
         raise typer.Exit(130)
-    md, page, _ = reports.write([run_dir])
+    try:
+        md, page, _ = reports.write([run_dir])
+    except ResultsWriteError as exc:
+        console.print(f"[red]error:[/] {escape(str(exc))}; the results are in {escape(str(run_dir))}", soft_wrap=True)
+        raise typer.Exit(1)
     console.print(f"\nresults: {run_dir}\nreport:  {md} and {page}  (kvbench report {run_dir})")
     cells = load_cells(run_dir)
     if cells.empty or (cells.status == "failed").all():

@@ -8,13 +8,22 @@ be quoted alone.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
+from kvbench.files import atomic_write_text
 from kvbench.reports import plots, tables
-from kvbench.results import load, load_run_info
+from kvbench.results import (
+    ResultsReadError,
+    ResultsWarning,
+    ResultsWriteError,
+    load,
+    load_run_info,
+    run_status,
+)
 
 
 @dataclass
@@ -40,13 +49,14 @@ class Report:
     headers: list[list[tuple[str, str]]]  # per run: (label, value) lines
     sections: list[Section]
     figures: list[Figure]
+    notes: list[str] = field(default_factory=list)  # damaged records worked around, e.g. a torn last line
 
 
 def run_header(info: dict) -> list[tuple[str, str]]:
     model = info.get("model", {})
     wl = info.get("workload", {})
     return [
-        ("Run", f"`{info['run_id']}` ({info.get('status')}), started {info.get('started_at', '?')}"),
+        ("Run", f"`{info['run_id']}` ({run_status(info)}), started {info.get('started_at', '?')}"),
         ("Command", f"`{info.get('command', '?')}`"),
         ("Hardware", hardware(info)),
         ("Model", f"{model.get('name', '?')} (sha256 `{str(model.get('sha256', '?'))[:16]}…`), "
@@ -133,10 +143,40 @@ def make_plots(run_dirs: list[Path], agg: pd.DataFrame, folder: Path) -> list[Fi
     return figures
 
 
+def _run_info(run_dir: Path) -> dict:
+    """run.json, or a stand-in that says why it could not be read (the cells may still be intact)."""
+    try:
+        return load_run_info(run_dir)
+    except ResultsReadError as exc:
+        return {"run_id": run_dir.name, "status": f"unknown: {exc}"}
+
+
 def build(run_dirs: list[str | Path], plots_dir: Path | None = None) -> Report:
-    """The report of one or more runs; plots are written into ``plots_dir`` (None: no plots)."""
+    """The report of one or more runs; plots are written into ``plots_dir`` (None: no plots). Damaged
+    records the loaders worked around (:class:`kvbench.results.ResultsWarning`, e.g. a torn last line)
+    are named in the run's header and in ``notes``, and warned again for the caller."""
     run_dirs = [Path(d) for d in run_dirs]
-    infos = [load_run_info(d) for d in run_dirs]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = _build(run_dirs, plots_dir)
+    found: dict[str, ResultsWarning] = {}
+    for w in caught:
+        if isinstance(w.message, ResultsWarning):
+            found.setdefault(str(w.message), w.message)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    for header, run_dir in zip(result.headers, run_dirs):
+        details = [n.detail for n in found.values() if n.path.parent == run_dir]
+        if details:
+            header.append(("Damaged records", "; ".join(details)))
+    result.notes = list(found)
+    for note in found.values():
+        warnings.warn(note, stacklevel=2)
+    return result
+
+
+def _build(run_dirs: list[Path], plots_dir: Path | None) -> Report:
+    infos = [_run_info(d) for d in run_dirs]
     title = "kvbench run " + ", ".join(i["run_id"] for i in infos) if len(infos) == 1 else \
         "kvbench runs " + ", ".join(i["run_id"] for i in infos)
     headers = [run_header(i) for i in infos]
@@ -175,10 +215,17 @@ def write(run_dirs: list[Path], output: Path | None = None, html_file: Path | No
     if output is None:
         folder = run_dirs[0] if len(run_dirs) == 1 else Path("results/reports") / "+".join(d.name for d in run_dirs)
         output = folder / "report.md"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    result = build(run_dirs, output.parent / "plots" if plots else None)
-    text = markdown.render(result, output.parent)
-    output.write_text(text)
     target_html = html_file or output.with_suffix(".html")
-    target_html.write_text(html.render(result))
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        result = build(run_dirs, output.parent / "plots" if plots else None)
+        text = markdown.render(result, output.parent)
+        # replaced whole: a full disk leaves the previous report, never a truncated one
+        atomic_write_text(output, text)
+        target_html.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(target_html, html.render(result))
+    except ResultsWriteError:
+        raise
+    except OSError as exc:
+        raise ResultsWriteError(output.parent, "writing the report", exc, intact=False, what="report folder") from exc
     return output, target_html, text
