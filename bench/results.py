@@ -282,9 +282,11 @@ class RunWriter:
         if mode == "new" and has_run:
             raise RunExistsError(f"run {name} already exists in {where}: use --resume to finish its missing cells "
                                  "or --overwrite to replace it")
-        if mode == "resume" and not (root / "run.json").exists():
-            raise RunFolderError(f"run {name} not found in {where} (no run.json): nothing to resume; "
-                                 "leave out --resume to start it")
+        if mode == "resume":
+            if not (root / "run.json").exists():
+                raise RunFolderError(f"run {name} not found in {where} (no run.json): nothing to resume; "
+                                     "leave out --resume to start it")
+            self._read_info()  # a damaged run.json is refused now, before any engine starts
         if mode == "overwrite" and root.is_dir():
             if not (root / "run.json").exists() and any(root.iterdir()):
                 raise RunFolderError(f"{root} is not a kvbench run folder (no run.json): refusing to overwrite it")

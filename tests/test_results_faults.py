@@ -484,3 +484,17 @@ def test_run_json_records_the_harness_and_run_status_sees_it_gone(tmp_path):
     out = kvbench("report", writer.root, "--no-plots", "--raw")
     assert out.exit_code == 0, out.output
     assert "`r1` (interrupted (harness gone))" in (writer.root / "report.md").read_text()
+
+
+def test_a_truncated_run_json_still_reports_and_is_not_resumed(tmp_path):
+    """What the old in-place rewrite left on a full disk: run.json cut at 4096 bytes (here: 100)."""
+    run = make_run(tmp_path, "a", repeats=1, prompts=(1024,), concurrency=(1,), n_requests=2)
+    (run / "run.json").write_bytes((run / "run.json").read_bytes()[:100])
+    out = kvbench("report", run, "--no-plots", "--raw")
+    assert out.exit_code == 0, out.output
+    text = (run / "report.md").read_text()
+    assert f"`a` (unknown: {run}/run.json: not valid JSON" in text and "| vllm-0.31.0 | 1024 |" in text
+    with pytest.raises(ResultsReadError, match=r"run.json: not valid JSON"):
+        RunWriter(run, mode="resume")
+    out = kvbench("run", "-b", "hf", "--results-dir", tmp_path, "--run-id", "a", "--resume", "--workload", "smoke")
+    assert out.exit_code == 2 and "run.json: not valid JSON" in out.output, out.output
