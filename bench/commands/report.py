@@ -18,6 +18,9 @@ def report(
     html_file: Path = typer.Option(None, "--html", help="Write the HTML page here (default: beside the Markdown)."),
     raw: bool = typer.Option(False, "--raw", help="Print the Markdown source instead of rendering it."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Make the PNG plots (into plots/ beside the Markdown)."),
+    recompute: bool = typer.Option(False, "--recompute", help="First rebuild every cell's figures from requests.jsonl "
+                                                              "under today's definitions and say what changed "
+                                                              "(cells.jsonl rewritten, the old one kept as cells.jsonl.bak)."),
 ):
     """Turn one or more runs into Markdown tables (KV predicted vs engine vs measured, latency and throughput,
     the KV boundary, failures), PNG plots and one self-contained HTML page; without -o also writes each run's
@@ -26,6 +29,11 @@ def report(
     for run_dir in run_dirs:
         if problem := not_a_run_dir(run_dir):
             raise typer.BadParameter(problem, param_hint="RUN_DIR")
+    if recompute:  # rebuild the figures first, so the report shows today's definitions
+        from kvbench.recompute import recompute_runs
+
+        if code := recompute_runs(run_dirs):
+            raise typer.Exit(code)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ResultsWarning)
         try:
