@@ -24,6 +24,8 @@ from .kvrules import KVCheck, KVQuestion, KVRules
 from .process import ServerProcess, free_port
 from .types import EngineStartError, EngineState, KVInUse, KVPool, RequestResult, ServerSpec
 
+ATTACH_REFUSED_S = 2.0  # an attached server whose port refuses connections this long is not there
+
 
 class Backend(ABC):
     """Base class of all adapters. Subclasses set ``engine`` and ``default_version``."""
@@ -119,7 +121,8 @@ class Backend(ABC):
         """GET the health path until it answers 200 (with the credentials and TLS settings of every call).
         A certificate that does not verify, or an answer 401/403, fails at once: waiting would not help."""
         where = redact_url(self.base_url)
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
         last = "no answer"
         while True:
             try:
@@ -131,6 +134,11 @@ class Backend(ABC):
                 if tls_error is not None:
                     raise EngineStartError(f"TLS with {where} failed: {tls_error}; is it an https server?") from None
                 last = f"{type(exc).__name__}: {exc}"
+                # nothing listens there: say so in seconds, not after the whole timeout
+                if isinstance(exc, httpx.ConnectError) and "refused" in str(exc).lower() \
+                        and time.monotonic() - start >= ATTACH_REFUSED_S:
+                    raise EngineStartError(f"no {self.engine} server at {where}: connection refused for "
+                                           f"{ATTACH_REFUSED_S:g} s") from None
             else:
                 if status == 200:
                     return

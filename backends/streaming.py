@@ -162,7 +162,9 @@ class _Connection(asyncio.Protocol):
         if not self.headers_done.done():
             _set_failed(self.headers_done, StreamCutOff("server closed the connection before answering"))
         if not self.done.done():
-            if self.headers_done.exception() is None and not self.framed:
+            if self.headers_done.cancelled():  # the request gave up (timed out) before the answer came
+                self.done.cancel()
+            elif self.headers_done.exception() is None and not self.framed:
                 self.done.set_result(None)  # a body without length ends when the connection does
             else:
                 _set_failed(self.done, StreamCutOff("connection closed before the end of the response"))

@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,10 +32,10 @@ from kvbench.cells import Cell, CellPrompts, NothingFits, RunPlan
 from kvbench.config import BackendConfig
 from kvbench.envs import EnvInstallError, ensure_env
 from kvbench.hardware import NVML, GPUBaseline, environment_info
-from kvbench.load import LoadPoint, LoadSettings, frozen_heap, run, run_async
+from kvbench.load import LoadPoint, LoadSettings, TimeoutStreak, frozen_heap, run, run_async
 from kvbench.load.open_loop import schedule_seed
 from kvbench.redact import redact_text
-from kvbench.results import RunWriter, ensure_parquet
+from kvbench.results import ResultsWriteError, RunMode, RunWriter, ensure_parquet, load_cells
 from kvbench.samplers import EnginePoller, ProcessTreeMemorySampler, tree_rss
 from kvbench.summary import (
     CellMeasurement,
@@ -68,14 +69,21 @@ class RunOptions:
     memory_hz: float = 20.0
     kv_poll_hz: float = 10.0
     command: list[str] = field(default_factory=lambda: list(sys.argv))
+    results_mode: RunMode = "new"  # an existing run folder: refused ("new"), finished ("resume") or replaced
+    max_consecutive_timeouts: int | None = 3  # an engine whose requests time out this often in a row is wedged
 
 
 def new_run_id(workload: str) -> str:
     return f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{workload}-{socket.gethostname()[:12]}"
 
 
-def _sigterm_as_interrupt(signum, frame):  # so `finally` blocks stop the servers on SIGTERM too
-    raise KeyboardInterrupt
+def _sigterm_as_interrupt(signum, frame):
+    """SIGTERM ends the run as Ctrl-C does, so that `finally` blocks stop the servers. Re-sent as SIGINT:
+    inside the load's event loop asyncio then cancels the load cleanly, where a KeyboardInterrupt raised
+    in a protocol callback was taken by uvloop for a connection error and the run went on."""
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):  # e.g. started with & by a shell
+        raise KeyboardInterrupt
+    signal.raise_signal(signal.SIGINT)
 
 
 class Runner:
@@ -83,7 +91,14 @@ class Runner:
         self.o = options
         self.console = console or Console()
         self.run_id = options.run_id or new_run_id(options.workload.name)
-        self.writer = RunWriter(options.results_dir / self.run_id)
+        self.writer = RunWriter(options.results_dir / self.run_id, mode=options.results_mode)
+        # resuming: the cells that have rows already (any status) are kept, not run again
+        self.finished: dict[str, float | None] = {}
+        if options.results_mode == "resume":
+            done = load_cells(self.writer.root)
+            self.finished = dict(zip(done.cell_id, done.requests_per_s))
+            self.writer.discard_unfinished_requests()
+        self.engine_stops: dict[str, dict] = {}
         self.nvml = NVML()
         self.reported_versions: dict[str, str] = {}
         self.token_checks: dict[str, str] = {}
@@ -138,11 +153,20 @@ class Runner:
                         variant = replace(spec, prefix_caching=prefix_caching)
                         _EngineSession(self, cfg, variant, plan, prompts, progress, bar).run()
             status = "finished"
+        except ResultsWriteError:
+            status = "stopped: results folder not writable"
+            raise
         finally:
-            self.writer.update_run_info(status=status, finished_at=datetime.now(timezone.utc).isoformat())
-            if (self.run_dir / "cells.jsonl").exists():
-                ensure_parquet(self.run_dir)  # the columnar copy beside the JSONL record
+            if self.writer.failed is None:  # else the first error stands alone, not buried under a second
+                self.writer.update_run_info(status=status, finished_at=datetime.now(timezone.utc).isoformat())
+                if (self.run_dir / "cells.jsonl").exists():
+                    ensure_parquet(self.run_dir)  # the columnar copy beside the JSONL record
         return self.run_dir
+
+    def record_stop(self, key: str, reason: str, survivors: list[dict]) -> None:
+        """Why an engine start ended, in run.json (and the processes that outlived its stop, if any)."""
+        self.engine_stops[key] = {"reason": reason, "survivors": survivors}
+        self.writer.update_run_info(engine_stops=self.engine_stops)
 
 
 class _EngineSession:
@@ -158,10 +182,26 @@ class _EngineSession:
         self.info = EngineRun(runner.run_id, cfg.label, cfg.engine, cfg.version, spec.model, plan.workload,
                               spec.kv_dtype, attached=bool(cfg.url), rules=REGISTRY[cfg.engine].kv_rules)
         self.gpu_baseline: GPUBaseline | None = None
+        self.streak = TimeoutStreak(runner.o.max_consecutive_timeouts)
+        self.stop_reason = "interrupted"  # until the session says otherwise
+        variant = {None: "", True: " (prefix caching on)", False: " (prefix caching off)"}[spec.prefix_caching]
+        self.key = cfg.label + variant  # this start's name in run.json's engine_stops
+
+    def skip_finished(self) -> None:
+        """Resuming: pass over the cells that have rows (a saturation sweep's rates come from its row)."""
+        while self.done < len(self.cells) and (cell_id := self.cells[self.done].cell_id(self.cfg.label)) \
+                in self.r.finished:
+            self.done += 1
+            self.progress.advance(self.bar)
+            self.cells[self.done:self.done] = self.plan.saturation_cells(self.cells[self.done - 1],
+                                                                         self.r.finished[cell_id] or 0)
 
     def run(self) -> None:
         cls = REGISTRY[self.cfg.engine]
         try:
+            self.skip_finished()
+            if self.done == len(self.cells):
+                return
             if self.spec.prefix_caching is not None and not cls.supports_prefix_caching:
                 return self.fail_remaining(f"the {self.cfg.engine} adapter cannot switch prefix caching "
                                            f"{'on' if self.spec.prefix_caching else 'off'}", status="not run")
@@ -169,6 +209,10 @@ class _EngineSession:
             if backend is not None:
                 backend.auth_headers = self.cfg.auth_headers()
                 self.run_cells(backend)
+        except (ResultsWriteError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever goes wrong with one backend fails that backend only
+            self.fail_remaining(f"backend failed: {type(exc).__name__}: {exc}", _traceback_tail(exc))
         finally:
             # this start's share of the bar, whatever ran: failed cells, and sweep rates never found
             self.progress.advance(self.bar, max(0, self.plan.cells_per_start - self.done))
@@ -181,6 +225,7 @@ class _EngineSession:
             env_path = ensure_env(cls.recipe(self.cfg.version), log=self.r.console.print)
         except EnvInstallError as exc:
             self.fail_remaining(f"install failed: {exc}", exc.log_tail)
+            self.stop_reason = "install failed"
             return None
         return cls(self.cfg.version, env_path, self.cfg.options)
 
@@ -204,9 +249,16 @@ class _EngineSession:
             self.info = replace(self.info, engine_version_reported=version, token_contract=self.token_contract(backend))
             self.warm_up(backend)
             while self.done < len(self.cells):
+                self.skip_finished()
+                if self.done == len(self.cells):
+                    break
                 cell = self.cells[self.done]
                 if died := backend.exit_description():
-                    return self.fail_remaining(f"engine {died} during the run", backend.log_tail())
+                    self.stop_reason = f"engine {died} during the run"
+                    return self.fail_remaining(self.stop_reason, backend.log_tail())
+                if self.streak.tripped:
+                    self.stop_reason = f"wedged: {self.streak.describe()}"
+                    return self.fail_remaining(self.stop_reason, backend.log_tail())
                 self.progress.update(self.bar, description=f"{label}: {cell.describe()}")
                 row = summarize(self.info, self.measure(backend, cell))
                 r.writer.write_cell(row)
@@ -215,16 +267,32 @@ class _EngineSession:
                 r.console.print(summary_line(row))
                 # a saturation sweep's closed loop found the rate: the open-loop rates follow it
                 self.cells[self.done:self.done] = self.plan.saturation_cells(cell, row.requests_per_s or 0)
+            self.stop_reason = "finished"
         except (EngineStartError, ValueError, httpx.HTTPError) as exc:
             # an HTTP error here is one of the harness's own calls (e.g. a cell's counter reset)
             detail = f"{type(exc).__name__}: {exc}" if isinstance(exc, httpx.HTTPError) else str(exc)
             died = backend.exit_description(wait_s=ENGINE_EXIT_WAIT_S) if started else ""
             what = f"engine {died} during the run" if died else ("engine failed" if started else
                                                                   "engine failed to start")
-            self.fail_remaining(f"{what}: {detail}", getattr(exc, "log_tail", "") or backend.log_tail())
+            self.stop_reason = f"{what}: {detail}"
+            self.fail_remaining(self.stop_reason, getattr(exc, "log_tail", "") or backend.log_tail())
+        except (ResultsWriteError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug or an engine answer the adapter cannot read
+            self.stop_reason = f"backend failed: {type(exc).__name__}: {exc}"
+            self.fail_remaining(self.stop_reason, _traceback_tail(exc) + "\n" + backend.log_tail())
         finally:
             self.progress.update(self.bar, description=f"{label}: stopping")
-            backend.stop()
+            survivors = backend.stop()
+            if survivors:  # the stop could not end the engine's tree: its memory skews whatever runs next
+                names = ", ".join(f"{p['pid']} ({p['name']})" for p in survivors)
+                row = failed_row(self.info, self.cells[max(0, self.done - 1)], "failed",
+                                 f"{len(survivors)} process(es) of the engine survived its stop: {names}", "")
+                row.cell_id, row.variant = f"{row.cell_id}_stop", "engine stop"  # a row of its own, never a cell's
+                r.writer.write_cell(row)
+                r.console.print(f"[red]{label}: processes of the engine survived its stop: {names}[/]")
+            if not cfg.url:
+                r.record_stop(self.key, self.stop_reason, survivors)
 
     def fail_remaining(self, error: str, log_tail: str = "", status: str = "failed") -> None:
         for cell in self.cells[self.done:]:
@@ -257,7 +325,8 @@ class _EngineSession:
         if not warmup:
             return
         self.progress.update(self.bar, description=f"{self.cfg.label}: warm-up")
-        load = run_async(run(backend, warmup, WARMUP_POINT, LoadSettings(self.r.o.request_timeout_s)))
+        load = run_async(run(backend, warmup, WARMUP_POINT, LoadSettings(self.r.o.request_timeout_s,
+                                                                         streak=self.streak)))
         for result in load.results:
             self.r.writer.write_request(request_row(self.r.run_id, f"{self.cfg.label}_warmup", self.cfg.label, result,
                                                     warmup=True))
@@ -267,7 +336,7 @@ class _EngineSession:
         r, w = self.r, self.plan.workload
         prompts = self.prompts.for_cell(cell, w.requests_per_cell(cell.load.concurrency, cell.load.request_rate))
         settings = LoadSettings(r.o.request_timeout_s, w.duration_s,
-                                schedule_seed(w.seed, cell.prompt_tokens, cell.repeat, cell.load.slug))
+                                schedule_seed(w.seed, cell.prompt_tokens, cell.repeat, cell.load.slug), self.streak)
         backend.reset_cell()
         memory, rss_baseline = None, None
         if backend.pid:
@@ -305,3 +374,8 @@ class _EngineSession:
         r.writer.write_timeline(cell.cell_id(label), timeline_frame(t0, m.memory_samples or [], engine.kv_samples,
                                                                      engine.queue_samples))
         return m
+
+
+def _traceback_tail(exc: BaseException, lines: int = 12) -> str:
+    """The last lines of an exception's traceback: where a backend failed, for its failed rows."""
+    return "\n".join("".join(traceback.format_exception(exc)).rstrip().splitlines()[-lines:])

@@ -14,7 +14,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import httpx
 import psutil
 
 from kvbench.hardware import NVML, GPUBaseline
@@ -145,7 +144,7 @@ class EnginePoller(_Sampler):
     def __init__(self, backend, hz: float = 10.0):
         super().__init__(hz)
         self.backend = backend
-        self.client = httpx.Client(timeout=2.0)
+        self.client = backend.http_client(2.0)  # with the credentials and CA bundle of its untimed calls
         self.kv_samples: list[KVSample] = []
         self.queue_samples: list[QueueSample] = []
         self.kv_source: str | None = None

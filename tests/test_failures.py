@@ -111,19 +111,105 @@ def _llama_smoke_run_past_its_first_cell(tmp_path) -> subprocess.Popen:
     return proc
 
 
-def test_ctrl_c_keeps_finished_cells_and_leaves_no_server(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_keeps_finished_cells_and_leaves_no_server(tmp_path, sig):
     llama_env = engine_env("llamacpp")
     proc = _llama_smoke_run_past_its_first_cell(tmp_path)
     try:
         assert processes_of(llama_env)  # the server is up mid-run
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         assert proc.wait(timeout=60) == 130
     finally:
         proc.kill()
     assert not processes_of(llama_env)
     cells = load_cells(tmp_path / "run")
     assert len(cells) >= 1 and (cells.status == "ok").all()
-    assert load_run_info(tmp_path / "run")["status"] == "interrupted"
+    info = load_run_info(tmp_path / "run")
+    assert info["status"] == "interrupted"
+    assert list(info["engine_stops"].values())[0]["reason"] == "interrupted"
+
+
+def _gone(env_path: Path, timeout_s: float = 30.0) -> list[psutil.Process]:
+    """The engine's processes still running after ``timeout_s`` (the guard needs a moment)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := processes_of(env_path)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _report(run_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvbench.cli", "report", str(run_dir), "-o", str(run_dir / "rep")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_a_killed_harness_leaves_no_server_and_resume_finishes_the_run(tmp_path):
+    llama_env = engine_env("llamacpp")
+    proc = _llama_smoke_run_past_its_first_cell(tmp_path)
+    proc.kill()  # SIGKILL: no finally block of kvbench runs
+    proc.wait()
+    assert _gone(llama_env) == []
+    run_dir = tmp_path / "run"
+    report = _report(run_dir)
+    assert report.returncode == 0, report.stderr
+    assert "harness gone" in (run_dir / "rep" / "report.md").read_text()
+    finished = len(load_cells(run_dir))
+    assert 1 <= finished < 4
+    resumed = _kvbench("-b", "llamacpp", "--workload", "smoke", "--results-dir", str(tmp_path), "--run-id", "run",
+                       "--resume", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert resumed.wait(timeout=600) == 0
+    cells = load_cells(run_dir)
+    assert len(cells) == 4 and cells.cell_id.is_unique and (cells.status == "ok").all()
+    info = load_run_info(run_dir)
+    assert info["status"] == "finished" and len(info["invocations"]) == 2
+    assert not processes_of(llama_env)
+
+
+def _vllm_children(kvbench: subprocess.Popen, vllm_env: Path) -> list[psutil.Process]:
+    return [p for p in psutil.Process(kvbench.pid).children() if p in processes_of(vllm_env)]
+
+
+def test_vllm_api_server_killed_mid_run_leaves_no_engine_core(tmp_path):
+    # SIGKILL of vLLM's API server used to leave its EngineCore and workers running, re-parented to PID 1
+    vllm_env = engine_env("vllm")
+    proc = _kvbench("-b", "vllm", "--workload", "smoke", "--results-dir", str(tmp_path), "--run-id", "run",
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_cells(tmp_path / "run", 1, proc, timeout=600)
+        tree = processes_of(vllm_env)
+        assert len(tree) >= 2  # the API server and its EngineCore
+        for p in _vllm_children(proc, vllm_env):
+            p.kill()  # the API server only
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    assert _gone(vllm_env, timeout_s=5) == []
+    cells = load_cells(tmp_path / "run")
+    assert len(cells) == 4 and (cells.status == "ok").sum() >= 1
+    assert cells[cells.status == "failed"].error.str.contains("SIGKILL").all()
+    info = load_run_info(tmp_path / "run")
+    stop = list(info["engine_stops"].values())[0]
+    assert "SIGKILL" in stop["reason"] and stop["survivors"] == []
+
+
+def test_a_harness_killed_while_vllm_starts_takes_the_vllm_tree_with_it(tmp_path):
+    # vLLM ignores SIGTERM (and so a parent-death SIGTERM) while it starts up
+    vllm_env = engine_env("vllm")
+    proc = _kvbench("-b", "vllm", "--workload", "smoke", "--results-dir", str(tmp_path), "--run-id", "run",
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while len(processes_of(vllm_env)) < 2 and time.monotonic() < deadline:  # EngineCore is up
+            assert proc.poll() is None
+            time.sleep(0.2)
+        assert len(processes_of(vllm_env)) >= 2
+        assert not (tmp_path / "run" / "cells.jsonl").exists()  # still starting
+    finally:
+        proc.kill()
+        proc.wait()
+    assert _gone(vllm_env) == []
+    report = _report(tmp_path / "run")
+    assert report.returncode in (0, 2), report.stderr  # a run with no cell: read, and said so
+    assert "Traceback" not in report.stderr
 
 
 def test_engine_crash_mid_run_fails_the_remaining_cells(tmp_path):

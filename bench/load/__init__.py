@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import importlib
 
-from .common import LoadPoint, LoadResult, LoadSettings, frozen_heap, run_async
+from .common import LoadPoint, LoadResult, LoadSettings, TimeoutStreak, frozen_heap, run_async
 from .registry import PROFILES, profile_info
 
-__all__ = ["PROFILES", "LoadPoint", "LoadResult", "LoadSettings", "frozen_heap", "run", "run_async"]
+__all__ = ["PROFILES", "LoadPoint", "LoadResult", "LoadSettings", "TimeoutStreak", "frozen_heap", "run", "run_async"]
 
 
 async def run(backend, prompts: list, point: LoadPoint, settings: LoadSettings) -> LoadResult:

@@ -43,6 +43,25 @@ class LoadPoint:
         return f"{self.profile}-r{rate}" + (f"-cap{self.concurrency}" if self.concurrency else "")
 
 
+class TimeoutStreak:
+    """Requests in a row that timed out, over one engine start. An engine that has stopped answering (a
+    wedged scheduler, a hung worker) would otherwise cost the full request timeout for every request of
+    every remaining cell; after ``limit`` timeouts in a row the rest are not sent."""
+
+    def __init__(self, limit: int | None = 3):
+        self.limit, self.count = limit, 0
+
+    @property
+    def tripped(self) -> bool:
+        return bool(self.limit) and self.count >= self.limit
+
+    def record(self, timed_out: bool) -> None:
+        self.count = self.count + 1 if timed_out else 0
+
+    def describe(self) -> str:
+        return f"the engine stopped answering: {self.count} requests in a row timed out"
+
+
 @dataclass(frozen=True)
 class LoadSettings:
     """What every profile is told besides its load point."""
@@ -50,6 +69,7 @@ class LoadSettings:
     timeout_s: float  # one request's limit
     duration_s: float | None = None  # no request starts after this many seconds (the ones in flight finish)
     seed: int = 0  # the arrival schedule's seed (open loops)
+    streak: TimeoutStreak | None = None  # shared by the cells of one engine start
 
 
 @dataclass
@@ -85,17 +105,30 @@ class InFlight:
         self.now -= 1
 
 
-async def send_one(backend: Backend, client, prompt, timeout_s: float) -> RequestResult:
-    """One request; a timeout, transport error or malformed stream becomes a failed result."""
+async def send_one(backend: Backend, client, prompt, settings: LoadSettings) -> RequestResult:
+    """One request. Whatever goes wrong inside it (a timeout, a transport error, a malformed or wrong-shape
+    event the adapter cannot read) becomes that request's error: one bad request never ends the run."""
     t0 = time.perf_counter()
-    try:
-        return await asyncio.wait_for(backend.stream(client, prompt), timeout_s)
-    except (asyncio.TimeoutError, TimeoutError):
-        error = f"timed out after {timeout_s:.0f} s"
-    except TRANSPORT_ERRORS as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    except ValueError as exc:  # malformed stream
-        error = f"bad response: {exc}"
+    streak = settings.streak
+    if streak and streak.tripped:
+        error = f"not sent: {streak.describe()}"
+    else:
+        timed_out = False
+        try:
+            result = await asyncio.wait_for(backend.stream(client, prompt), settings.timeout_s)
+            if streak:
+                streak.record(False)
+            return result
+        except (asyncio.TimeoutError, TimeoutError):
+            error, timed_out = f"timed out after {settings.timeout_s:.0f} s", True
+        except TRANSPORT_ERRORS as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        except ValueError as exc:  # malformed stream
+            error = f"bad response: {exc}"
+        except Exception as exc:  # noqa: BLE001 - an event of the wrong shape (a list, null, a string...)
+            error = f"bad response: {type(exc).__name__}: {exc}"
+        if streak:
+            streak.record(timed_out)
     result = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, t0)
     result.error, result.t_done = error, time.perf_counter()
     return result

@@ -29,7 +29,7 @@ async def run(backend: Backend, prompts: list, point: LoadPoint, settings: LoadS
                 except asyncio.QueueEmpty:
                     return
                 with in_flight:
-                    result = await send_one(backend, client, prompt, timeout_s)
+                    result = await send_one(backend, client, prompt, settings)
                 results.append(result)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))

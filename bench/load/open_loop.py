@@ -42,7 +42,7 @@ async def send_on_schedule(backend: Backend, prompts: list, offsets: np.ndarray,
             try:
                 lags.append(time.perf_counter() - due)
                 with in_flight:
-                    result = await send_one(backend, client, prompt, timeout_s)
+                    result = await send_one(backend, client, prompt, settings)
                 result.t_scheduled = due
                 results.append(result)
             finally:

@@ -1,0 +1,125 @@
+"""The fault matrix, part one: servers that misbehave (docs/fault-matrix.md lists every case with the command
+that runs it). A broken server makes failed rows with a clear error; the run goes on to the next backend and
+ends "finished"; a wedged server costs a few request timeouts, not one per remaining request.
+
+The engines' own faults (SIGKILL mid-cell and while starting, the harness killed) are in
+tests/test_failures.py with real engines; the results folder's (full disk, torn lines, reused run ids) in
+tests/test_results_faults.py.
+"""
+import io
+import logging
+import time
+
+import pytest
+from rich.console import Console
+
+from kvbench.config import BackendConfig
+from kvbench.results import load_cells, load_run_info
+from kvbench.runner import Runner, RunOptions
+from kvbench.workloads import load
+
+from .fakes.misbehaving_server import FakeMisbehaving
+from .fakes.openai_server import FakeOpenAI
+
+SMOKE_CELLS = 4  # workloads/smoke.toml: 2 lengths x 2 concurrencies
+
+
+def run(tmp_path, *urls, request_timeout_s=10.0, **options):
+    console = io.StringIO()
+    opts = RunOptions(model="smollm2", workload=load("smoke"), results_dir=tmp_path, run_id="run",
+                      backends=[BackendConfig.parse(f"openai:url={u}") for u in urls],
+                      request_timeout_s=request_timeout_s, **options)
+    run_dir = Runner(opts, Console(file=console, width=200)).run()
+    return run_dir, load_cells(run_dir), console.getvalue()
+
+
+# fault -> what the failed rows say
+BROKEN = {
+    "list": "bad response",
+    "null": "bad response",
+    "choices_str": "bad response",
+    "not_json": "bad response",
+    "http_500": "EngineCore encountered an issue",
+    "http_429": "Too many requests",
+    "reset": "connection closed",
+    "html": "text/html",
+}
+
+
+@pytest.mark.parametrize("fault", list(BROKEN))
+def test_a_broken_server_fails_its_rows_and_the_next_backend_still_runs(tmp_path, smollm2, fault):
+    with FakeMisbehaving(fault) as bad, FakeOpenAI() as good:
+        run_dir, cells, console = run(tmp_path, bad.url, good.url)
+    broken = cells[cells.backend == f"openai@127.0.0.1:{bad.port}"]
+    fine = cells[cells.backend == f"openai@127.0.0.1:{good.port}"]
+    assert len(broken) == len(fine) == SMOKE_CELLS  # every cell has its row, on both backends
+    assert (broken.status == "failed").all()
+    assert broken.error.str.contains(BROKEN[fault], regex=False).all(), broken.error.tolist()
+    assert (fine.status == "ok").all()
+    assert load_run_info(run_dir)["status"] == "finished"
+    assert "Traceback" not in console
+
+
+def test_one_bad_event_among_good_requests_fails_only_that_request(tmp_path, smollm2):
+    with FakeMisbehaving("list", fault_every=3) as server:
+        run_dir, cells, _ = run(tmp_path, server.url)
+    assert len(cells) == SMOKE_CELLS
+    assert (cells.n_failed >= 0).all() and cells.n_failed.sum() >= 1
+    assert (cells.n_ok > 0).all()  # the other requests of each cell were measured
+
+
+@pytest.mark.parametrize("fault", ["hang", "stall", "infinite"])
+def test_a_wedged_server_costs_a_few_timeouts_not_one_per_request(tmp_path, smollm2, fault, caplog):
+    timeout_s = 1.0
+    with FakeMisbehaving(fault) as bad, FakeOpenAI() as good:
+        t0 = time.monotonic()
+        with caplog.at_level(logging.DEBUG):
+            run_dir, cells, console = run(tmp_path, bad.url, good.url, request_timeout_s=timeout_s)
+        took = time.monotonic() - t0
+    broken = cells[cells.backend == f"openai@127.0.0.1:{bad.port}"]
+    assert len(broken) == SMOKE_CELLS and (broken.status == "failed").all()
+    assert broken.error.str.contains("stopped answering|timed out").all(), broken.error.tolist()
+    assert (cells[cells.backend == f"openai@127.0.0.1:{good.port}"].status == "ok").all()
+    # 3 timeouts in a row trip the backend: well under the 1 + 4 + 6 = 11 requests x 1 s it would take
+    assert took < 3 * timeout_s + 6, took
+    # a request timeout is a failed request, not a CancelledError traceback on the console or in the log
+    assert "CancelledError" not in console and "Traceback" not in console
+    assert not [r for r in caplog.records if "CancelledError" in r.getMessage() or r.exc_info]
+
+
+def test_a_server_refusing_connections_fails_the_backend_in_seconds(tmp_path, smollm2):
+    with FakeOpenAI() as gone:
+        url = gone.url
+    t0 = time.monotonic()
+    run_dir, cells, console = run(tmp_path, url, start_timeout_s=60)
+    assert time.monotonic() - t0 < 10
+    assert len(cells) == SMOKE_CELLS and (cells.status == "failed").all()
+    assert cells.error.str.contains("refused").all(), cells.error.tolist()
+
+
+# --- reused run ids and resume (the results folder's own faults: tests/test_results_faults.py) -------------
+
+def test_a_reused_run_id_is_refused_and_resume_finishes_only_the_missing_cells(tmp_path, smollm2):
+    from kvbench.results import RunExistsError, load
+
+    with FakeOpenAI() as server:
+        run_dir, cells, _ = run(tmp_path, server.url)
+        assert len(cells) == SMOKE_CELLS
+        with pytest.raises(RunExistsError, match="--resume"):
+            run(tmp_path, server.url)
+        # what an interrupted run leaves: the last cell had sent its requests but had no row yet
+        lines = (run_dir / "cells.jsonl").read_text().splitlines(keepends=True)
+        (run_dir / "cells.jsonl").write_text("".join(lines[:-1]))
+        kept = lines[:-1]
+        before = load(run_dir, what="requests")
+        requests_before = len(before[~before.warmup])
+        _, cells, console = run(tmp_path, server.url, results_mode="resume")
+    assert len(cells) == SMOKE_CELLS and cells.cell_id.is_unique and (cells.status == "ok").all()
+    assert (run_dir / "cells.jsonl").read_text().splitlines(keepends=True)[:-1] == kept  # kept as they were
+    requests = load(run_dir, what="requests")
+    measured = requests[~requests.warmup]
+    assert len(measured) == requests_before  # the cut-off cell's requests were replaced, not doubled
+    assert measured.groupby("cell_id").request_id.apply(lambda ids: ids.is_unique).all()
+    assert requests.warmup.sum() == 2  # each invocation warmed the engine up
+    info = load_run_info(run_dir)
+    assert info["status"] == "finished" and len(info["invocations"]) == 2
