@@ -1,6 +1,10 @@
 """Ollama: ``ollama serve`` from PATH (kvbench installs nothing), the benchmark's GGUF imported through the
 API (blob upload + ``/api/create``), requests on ``/api/generate`` (NDJSON) as raw text.
 
+The untimed calls (model import and load, ``/api/ps``, ``/api/show``, ``/api/version``) go through the
+official ``ollama`` Python client, so they parse Ollama's replies with the types Ollama's own client
+uses; the timed requests stay on kvbench's streaming client (backends/streaming.py).
+
 Ollama takes text only and has no ignore_eos: a request may stop early at EOS; ``eval_count`` says how many
 tokens it generated and the runner's token contract flags the shortfall. ``prompt_eval_count`` below the
 tokens sent is Ollama's silent truncation to num_ctx (reported as is; the runner flags it). The client
@@ -121,9 +125,27 @@ class OllamaBackend(Backend):
         super().attach(spec, url, timeout_s)
         self._prepare_model(max(timeout_s, 300.0))
 
+    def client(self, timeout_s: float | None = None):
+        """The official Ollama client for this server (imported here: only an Ollama run needs it), with the
+        credentials and TLS settings every call to an attached server uses where the adapter has them."""
+        import ollama
+        return ollama.Client(host=self.base_url, timeout=timeout_s or self.untimed_timeout_s,
+                             headers=getattr(self, "auth_headers", None) or None, verify=getattr(self, "tls", True))
+
     def _prepare_model(self, timeout_s: float) -> None:
         """Use ``served_model`` if given, else import the benchmark's GGUF; then load it with our num_ctx."""
-        http, base = self.http, self.base_url
+        import ollama
+        try:
+            with self.client(timeout_s) as client:
+                self._import_and_load(client)
+        except (ollama.ResponseError, ConnectionError, httpx.HTTPError, ValueError) as exc:
+            # a ResponseError's text is Ollama's own {"error": ...} message
+            status = f"HTTP {exc.status_code} " if isinstance(exc, ollama.ResponseError) else ""
+            raise EngineStartError(f"ollama: preparing {self.model or 'the model'}: {status}{str(exc)[:300]}",
+                                   self.log_tail()) from None
+
+    def _import_and_load(self, client) -> None:
+        import ollama
         if self.options.get("served_model"):
             self.model = str(self.options["served_model"])
         else:
@@ -132,28 +154,23 @@ class OllamaBackend(Backend):
                 raise EngineStartError("Ollama needs a GGUF model file (or ollama:served_model=NAME)")
             self.model = model_tag(self.spec)
             digest = "sha256:" + self.spec.model.sha256  # the GGUF's own digest, computed once at load
-            if http.head(f"{base}/api/blobs/{digest}", timeout=timeout_s).status_code != 200:
-                with Path(gguf).open("rb") as f:
-                    r = http.post(f"{base}/api/blobs/{digest}", content=f, timeout=timeout_s,
-                                  headers={"Content-Length": str(Path(gguf).stat().st_size)})
-                if r.status_code not in (200, 201):
-                    raise EngineStartError(f"uploading {Path(gguf).name} to Ollama: HTTP {r.status_code} {r.text[:300]}",
-                                           self.log_tail())
-            r = http.post(f"{base}/api/create", json={"model": self.model, "files": {Path(gguf).name: digest},
-                                                      "stream": False}, timeout=timeout_s)
-            if r.status_code != 200:
-                raise EngineStartError(f"ollama /api/create: HTTP {r.status_code} {r.text[:300]}", self.log_tail())
+            try:  # HEAD /api/blobs: the client has no call for it; its transport raises on a 404
+                client._request_raw("HEAD", f"/api/blobs/{digest}")
+            except ollama.ResponseError as exc:
+                if exc.status_code != 404:
+                    raise
+                if client.create_blob(gguf) != digest:  # uploads, under the digest it computes itself
+                    raise EngineStartError(f"{Path(gguf).name} changed while kvbench read it (digest differs)")
+            client.create(self.model, files={Path(gguf).name: digest}, stream=False)
         # An empty prompt loads the model (done_reason "load") with the options every request uses.
-        r = http.post(f"{base}/api/generate", json={"model": self.model, "prompt": "", "keep_alive": -1,
-                                                    "options": self._options(0)}, timeout=timeout_s)
-        if r.status_code != 200:
-            raise EngineStartError(f"ollama could not load {self.model}: HTTP {r.status_code} {r.text[:300]}",
-                                   self.log_tail())
+        client.generate(self.model, "", keep_alive=-1, options=self._options(0))
 
     def reported_version(self) -> str:
-        try:
-            return self.http.get(self.base_url + "/api/version").json()["version"]
-        except (httpx.HTTPError, KeyError, ValueError, TypeError):
+        import ollama
+        try:  # the client has no version call: its transport asks /api/version with its headers and errors
+            with self.client() as client:
+                return client._request_raw("GET", "/api/version").json()["version"]
+        except (ollama.ResponseError, ConnectionError, httpx.HTTPError, KeyError, ValueError, TypeError):
             return self.version
 
     def kv_dtype_name(self) -> str:
@@ -182,22 +199,25 @@ class OllamaBackend(Backend):
                                                                 "prompt_eval_duration", "eval_duration")}
 
     def running_model(self) -> dict | None:
-        """This model's /api/ps entry (size, size_vram, context_length), None when it is not loaded."""
+        """This model's /api/ps entry (size, size_vram, context_length, expires_at), None when it is not
+        loaded; as JSON values (the client parses sizes and times)."""
+        import ollama
         try:
-            models = self.http.get(self.base_url + "/api/ps").json().get("models") or []
-        except (httpx.HTTPError, ValueError):
+            with self.client() as client:
+                models = client.ps().models
+        except (ollama.ResponseError, ConnectionError, httpx.HTTPError, ValueError):
             return None
         wanted = self.model if ":" in self.model else f"{self.model}:latest"
-        return next((m for m in models if m.get("name") in (self.model, wanted) or m.get("model") in (self.model, wanted)),
-                    None)
+        found = next((m for m in models if m.name in (self.model, wanted) or m.model in (self.model, wanted)), None)
+        return found.model_dump(mode="json") if found else None
 
     def show_geometry(self):
         """The model's KV geometry from /api/show ``model_info`` (raw GGUF keys), as Ollama sees it."""
-        r = self.http.post(self.base_url + "/api/show", json={"model": self.model})
-        r.raise_for_status()
-        return geometry_from_gguf_keys(r.json()["model_info"], "/api/show model_info")
+        with self.client() as client:
+            return geometry_from_gguf_keys(dict(client.show(self.model).modelinfo or {}), "/api/show model_info")
 
     def kv_pool(self) -> KVPool | None:
+        import ollama
         details: dict = {}
         ps = self.running_model()
         if ps:
@@ -205,8 +225,8 @@ class OllamaBackend(Backend):
         try:
             details["bytes_per_token_api_show"] = self.kv_rules.bytes_per_token(
                 KVQuestion(self.show_geometry(), self.kv_dtype_name()))
-        except (httpx.HTTPError, KeyError, ValueError):  # ConfigError is a ValueError
-            pass
+        except (httpx.HTTPError, ConnectionError, KeyError, ValueError, ollama.ResponseError):  # ConfigError is
+            pass  # a ValueError
         text = last_load(self.server.log_path.read_text(errors="replace")) if self.server else ""
         caches = parse_kv_log(text)
         if caches:

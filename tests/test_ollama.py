@@ -152,3 +152,20 @@ def test_log_readers_take_the_last_load():
             'time=t level=INFO source=ml/backend.go:250 msg="kv cache" device=CUDA1 size="512 B"\n')
     assert [d["bytes"] for d in parse_slog_kv(last_load(text))] == [round(1.5 * 1024**3), 512]
     assert len(parse_slog_kv(text)) == 3
+
+
+def test_a_blob_already_on_the_server_is_not_uploaded_again(tmp_path, fake, tiny_gguf, monkeypatch):
+    import ollama
+    attached(tmp_path, fake, tiny_gguf)
+
+    def no_upload(self, path):
+        raise AssertionError("uploaded again")
+    monkeypatch.setattr(ollama.Client, "create_blob", no_upload)
+    again = attached(tmp_path, fake, tiny_gguf)
+    assert again.model in fake.models
+    assert again.running_model()["expires_at"].startswith("2318-")  # JSON values: the client's datetimes dumped
+
+
+def test_ollama_errors_while_preparing_say_the_status_and_ollamas_message(tmp_path, fake, tiny_gguf):
+    with pytest.raises(EngineStartError, match=r"HTTP 404 model 'llama3.2' not found|HTTP 404 model \"llama3.2\" not found"):
+        attached(tmp_path, fake, tiny_gguf, served_model="llama3.2")

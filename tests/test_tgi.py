@@ -168,3 +168,15 @@ def test_nothing_to_install(tmp_path, monkeypatch):
     assert recipe.steps == () and recipe.venv is False
     path = ensure_env(recipe)
     assert is_installed(recipe) and ensure_env(recipe) == path and path.name == "tgi-3.3.5"
+
+
+
+def test_version_and_build_from_info(tmp_path):
+    with FakeTGI() as fake:
+        backend = TGIBackend("3.3.0", tmp_path)
+        backend.attach(spec(tmp_path), fake.url, timeout_s=5)
+        assert backend.reported_version() == "3.3.5"  # the server's, not the configured one
+        fake.sha = "0123456789abcdef"
+        assert backend.reported_version() == "3.3.5 (0123456)"
+    backend.stop()  # (closes its keep-alive connection)
+    assert backend.reported_version() == "3.3.0"  # the server gone: the configured version

@@ -202,10 +202,11 @@ class FakeOllama(FakeServer):
                 "digest": m["digest"].split(":")[1], "details": self.details(name)}
 
     def running(self) -> dict:
+        """An /api/ps entry (api/types.go ProcessModelResponse: no modified_at, unlike /api/tags)."""
         name, num_ctx = self.loaded
         size = self.models[name]["size"] + self.loaded_kv_bytes
-        return {**self.tag(name), "expires_at": "2318-01-01T00:00:00Z", "size": size, "size_vram": 0,
-                "context_length": num_ctx}
+        tag = {k: v for k, v in self.tag(name).items() if k != "modified_at"}
+        return {**tag, "expires_at": "2318-01-01T00:00:00Z", "size": size, "size_vram": 0, "context_length": num_ctx}
 
     def load(self, name: str, num_ctx: int) -> int:
         """Start the runner for (model, num_ctx) unless it already runs; log its KV cache. Load time in ns."""

@@ -5,6 +5,8 @@ Sources (huggingface/text-generation-inference):
   details}``, ``Token {id, text, logprob, special}``, ``StreamDetails {finish_reason, generated_tokens,
   seed, input_length}``, ``ErrorResponse {error, error_type}``, FinishReason serialised as
   ``length`` / ``eos_token`` / ``stop_sequence``, ``Info`` (model_id, ..., version, sha, docker_label).
+- router/src/server.rs ``compat_generate``: POST / takes ``{inputs, parameters, stream}`` and answers as
+  /generate_stream when ``stream`` is true (huggingface_hub's InferenceClient.text_generation posts there).
 - router/src/server.rs ``generate_stream_internal``: /generate_stream always answers 200 with an SSE body;
   a validation, overload or generation error is one ``data:{"error":...,"error_type":...}`` event
   (``impl From<InferError> for Event``); /generate answers the same error as HTTP 422 JSON. A body that
@@ -50,6 +52,7 @@ class TGIHandler(Handler):
         if self.path == "/health":
             self.send_bytes(200, b"", "text/plain")
         elif self.path == "/info":
+            fake.info_headers = dict(self.headers)
             self.send_json(200, fake.info())
         elif self.path == "/metrics":
             self.send_text(200, fake.metrics(), "text/plain; version=0.0.4")
@@ -58,9 +61,14 @@ class TGIHandler(Handler):
 
     def do_POST(self):
         fake: FakeTGI = self.server.fake
-        if self.path not in ("/generate_stream", "/generate"):
+        if self.path not in ("/generate_stream", "/generate", "/"):
             return self.send_bytes(404, b"", "text/plain")
         raw = self.read_body()
+        if self.path == "/":  # compat_generate: the body's `stream` picks the route
+            try:
+                self.path = "/generate_stream" if json.loads(raw).get("stream") else "/generate"
+            except (ValueError, AttributeError):
+                pass
         try:
             req = json.loads(raw)
             inputs = req["inputs"]
@@ -127,6 +135,8 @@ class FakeTGI(FakeServer):
         self.errors_as_http_422 = errors_as_http_422
         self.pool_gauge = True  # False: TGI before 2.3.1, no tgi_batch_max_total_tokens on /metrics
         self.last_request: dict | None = None
+        self.info_headers: dict | None = None  # the request headers of the last GET /info
+        self.sha: str | None = None  # the router's git sha in /info (None: a build without one)
         self.in_flight = self.running = self.queued = self.reserved = 0
         self.requests = 0
         self.peak_reserved = self.peak_queued = 0
@@ -137,7 +147,7 @@ class FakeTGI(FakeServer):
                 "max_concurrent_requests": self.max_concurrent_requests, "max_best_of": 2, "max_stop_sequences": 4,
                 "max_input_tokens": self.max_input_tokens, "max_total_tokens": self.max_total_tokens,
                 "validation_workers": 2, "max_client_batch_size": 4, "router": "text-generation-router",
-                "version": VERSION, "sha": None, "docker_label": None}
+                "version": VERSION, "sha": self.sha, "docker_label": f"sha-{self.sha[:7]}" if self.sha else None}
 
     def validate(self, n_in: int, max_new: int) -> str | None:
         if n_in > self.max_input_tokens:
