@@ -72,3 +72,10 @@ def test_report_recompute_option(tmp_path):
     assert out.exit_code == 0, out.output
     assert "3 figures in 1 cells changed" in out.output and "itl_s_p50" in out.output
     assert (run / "cells.jsonl.bak").exists()
+
+
+@pytest.mark.parametrize("run", sorted(p.parent.name for p in ROOT.glob("*/*/requests.jsonl")))
+def test_every_published_run_matches_a_recompute(run):
+    path = next(ROOT.glob(f"*/{run}"))
+    result = rc.recompute(path)
+    assert result.cells_recomputed and result.changes == [], rc.summary(result)
