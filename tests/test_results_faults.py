@@ -67,23 +67,29 @@ def tear(path: Path, fragment: bytes = b'{"schema_version": 3, "run_id": "r1", "
         f.write(fragment)
 
 
-def files_of(folder: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+def files_of(folder: Path, files_only: bool = False) -> dict[str, tuple[int, int]]:
+    """Every entry under ``folder`` (or every file) with its size and mtime."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")
+            if p.is_file() or not files_only}
 
 
 # --- a real small filesystem --------------------------------------------------------------------------
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 256 KiB tmpfs mounted for the test (skipped where mount is not permitted)."""
-    mount_point = tmp_path / "fs"
+def mount_tmpfs(mount_point: Path, size: str, request) -> Path:
+    """A tmpfs of ``size`` at ``mount_point``, unmounted after the test (skipped where mount is not permitted)."""
     mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
                           capture_output=True, text=True)
     if done.returncode:
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}): the monkeypatched tests cover the logic")
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+    request.addfinalizer(lambda: subprocess.run(["umount", "-l", str(mount_point)], check=False))
+    return mount_point
+
+
+@pytest.fixture
+def small_fs(tmp_path, request):
+    """A 256 KiB tmpfs mounted for the test."""
+    return mount_tmpfs(tmp_path / "fs", "256k", request)
 
 
 def remount_read_only(mount_point: Path) -> None:
@@ -199,7 +205,27 @@ def test_report_to_elsewhere_reads_a_read_only_run_and_writes_only_there(small_f
     out = kvbench("report", run, "-o", tmp_path / "out" / "report.md", "--raw")
     assert out.exit_code == 0, out.output
     assert (tmp_path / "out" / "report.md").read_text().startswith("# kvbench run a")
-    assert (tmp_path / "out" / "report.html").exists() and (tmp_path / "out" / "plots").is_dir()
+    assert (tmp_path / "out" / "report.html").exists()
+    assert (tmp_path / "out" / "plots" / "kv_vs_context.png").read_bytes()[:4] == b"\x89PNG"
+    assert not [p for p in (tmp_path / "out").rglob("*") if ".tmp" in p.name]  # plots renamed into place
+
+
+def test_a_report_onto_a_full_disk_keeps_the_previous_one(tmp_path, request):
+    """Real tmpfs (4 MiB: a report with its plots): the second report of the run does not fit; the first
+    stays whole."""
+    small_fs = mount_tmpfs(tmp_path / "fs", "4m", request)
+    run = make_run(tmp_path, "a", repeats=1, prompts=(1024,), concurrency=(1,), n_requests=2)
+    out = kvbench("report", run, "-o", small_fs / "report.md", "--raw")
+    assert out.exit_code == 0, out.output
+    before = files_of(small_fs, files_only=True)
+    fill(small_fs)
+    (run / "cells.jsonl").write_text((run / "cells.jsonl").read_text().replace('"error":null', '"error":"' + "e" * 9000 + '"'))
+    out = kvbench("report", run, "-o", small_fs / "report.md", "--raw")
+    assert out.exit_code == 1, out.output
+    assert f"error: report folder {small_fs}: no space left on device (writing the report)" in out.output
+    assert "Traceback" not in out.output
+    (small_fs / "filler").unlink()
+    assert files_of(small_fs, files_only=True) == before  # report.md, report.html and the plots as they were; no temp file
 
 
 def test_report_to_elsewhere_leaves_the_run_folder_untouched(tmp_path):

@@ -8,6 +8,7 @@ be quoted alone.
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,14 +121,27 @@ def _validation(run_dirs: list[Path], infos: list[dict]) -> list[Section]:
     return out
 
 
+def _plot(draw, path: Path, *args) -> bool:
+    """``draw(*args, temp_path)`` into a temp file beside ``path``, then renamed over it: a full disk leaves
+    the old PNG (or none), never a truncated one. True when the plot was drawn."""
+    temp = path.with_name(f".{path.stem}.tmp{path.suffix}")  # the suffix tells matplotlib the format
+    try:
+        drawn = draw(*args, temp)
+        if drawn:
+            os.replace(temp, path)
+        return bool(drawn)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
 def make_plots(run_dirs: list[Path], agg: pd.DataFrame, folder: Path) -> list[Figure]:
     folder.mkdir(parents=True, exist_ok=True)
     figures = []
-    if plots.kv_vs_context(agg, folder / "kv_vs_context.png"):
+    if _plot(plots.kv_vs_context, folder / "kv_vs_context.png", agg):
         figures.append(Figure("KV in use vs prompt length", folder / "kv_vs_context.png"))
-    if plots.throughput_ttft_vs_concurrency(agg, folder / "throughput_ttft_vs_concurrency.png"):
+    if _plot(plots.throughput_ttft_vs_concurrency, folder / "throughput_ttft_vs_concurrency.png", agg):
         figures.append(Figure("Throughput and TTFT vs concurrency", folder / "throughput_ttft_vs_concurrency.png"))
-    if plots.kv_boundary(agg, folder / "kv_boundary.png"):
+    if _plot(plots.kv_boundary, folder / "kv_boundary.png", agg):
         figures.append(Figure("The KV boundary", folder / "kv_boundary.png"))
     requests = load(run_dirs, what="requests")
     if not requests.empty:
@@ -138,7 +152,7 @@ def make_plots(run_dirs: list[Path], agg: pd.DataFrame, folder: Path) -> list[Fi
     for _, cell in largest.iterrows():
         first_repeat = cell.cell_id
         name = f"timeline_{cell.run_id}_{first_repeat}.png" if len(run_dirs) > 1 else f"timeline_{first_repeat}.png"
-        if plots.memory_timeline(Path(cell.run_dir), cell, requests, folder / name):
+        if _plot(plots.memory_timeline, folder / name, Path(cell.run_dir), cell, requests):
             figures.append(Figure(f"memory and KV over {cell.label}: {cell.cell_id}", folder / name))
     return figures
 
