@@ -524,3 +524,15 @@ def test_a_truncated_run_json_still_reports_and_is_not_resumed(tmp_path):
         RunWriter(run, mode="resume")
     out = kvbench("run", "-b", "hf", "--results-dir", tmp_path, "--run-id", "a", "--resume", "--workload", "smoke")
     assert out.exit_code == 2 and "run.json: not valid JSON" in out.output, out.output
+
+
+def test_a_torn_kv_validation_line_is_skipped_in_the_report(tmp_path):
+    run = make_run(tmp_path, "a", repeats=1, prompts=(1024,), concurrency=(1,), n_requests=2)
+    row = {"engine": "hf", "case": "smollm2 bf16, 2 x (300 + 8)", "quantity": "cache tensor bytes",
+           "predicted": 14146560, "engine_reported": None, "measured": 14146560, "tolerance": 0,
+           "note": "transformers 5.24.0", "error_pct": 0.0, "ok": True}
+    (run / "kv_validation.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(row)[:40])
+    out = kvbench("report", run, "--no-plots", "--raw")
+    assert out.exit_code == 0, out.output
+    assert "kv_validation.jsonl: 1 damaged line skipped (line 2" in out.output
+    assert "smollm2 bf16, 2 x (300 + 8)" in (run / "report.md").read_text()

@@ -7,7 +7,6 @@ be quoted alone.
 """
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -18,11 +17,13 @@ import pandas as pd
 from kvbench.files import atomic_write_text
 from kvbench.reports import plots, tables
 from kvbench.results import (
+    DamagedLinesWarning,
     ResultsReadError,
     ResultsWarning,
     ResultsWriteError,
     load,
     load_run_info,
+    read_jsonl_rows,
     run_status,
 )
 
@@ -111,7 +112,9 @@ def _validation(run_dirs: list[Path], infos: list[dict]) -> list[Section]:
         path = run_dir / "kv_validation.jsonl"
         if not path.exists():
             continue
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows, damaged = read_jsonl_rows(path)  # a torn line is skipped and said, as in the run's records
+        if damaged:
+            warnings.warn(DamagedLinesWarning(path, damaged), stacklevel=2)
         title = "The KV model against the engines' own allocations"
         out.append(Section(title + (f" ({info['run_id']})" if len(run_dirs) > 1 else ""),
                            "Predicted by each engine's KV rules (its adapter in `backends/`, `kvbench plan --engine ...`); "
