@@ -17,9 +17,9 @@ metric's change with a confidence interval, judged against a tolerance.
   noise, each metric says how many repeats its tolerance needs here (:func:`kvbench.stats.repeats_needed`).
 - **Verdict**: a regression only when the whole interval lies beyond the tolerance on the worse side.
 - **Checks**: comparing a run (and backend) with itself is bad input; the same engine version on both
-  sides is warned about; runs from different hardware (CPU model, its AVX-512/AMX flags, cores, GPUs and
-  driver: :func:`kvbench.hardware.hardware_differences`) are refused unless ``allow_different_hardware``,
-  then loudly warned about.
+  sides is warned about; runs from different hardware (CPU model, its AVX-512/AMX flags, cores, GPUs:
+  :func:`kvbench.hardware.hardware_differences`) are refused unless ``allow_different_hardware``, then
+  loudly warned about; a different GPU driver is warned about.
 - **Exit code**: 0 no regression; 1 a regression (or a cell that failed only on the candidate); 2 bad input:
   unreadable runs, a bad tolerances file, a self-comparison, different hardware, or nothing comparable
   (no cell matched, or every match was set aside).
@@ -38,7 +38,7 @@ import pandas as pd
 
 from kvbench import stats
 from kvbench.cells import load_label
-from kvbench.hardware import hardware_differences, hardware_line
+from kvbench.hardware import driver_differences, hardware_differences, hardware_line
 from kvbench.metrics import RequestTimes
 from kvbench.results import CELL_CONFIG_FIELDS, OK_STATUSES, load, load_run_info, not_a_run_dir
 from kvbench.units import fmt_bytes
@@ -309,6 +309,9 @@ def checks(baseline: Side, candidate: Side, allow_different_hardware: bool = Fal
         if not allow_different_hardware:
             raise CompareError(text + ": refused; rerun both on one machine, or pass --allow-different-hardware")
         warnings.append(text + ": compared anyway (--allow-different-hardware)")
+    drivers = sorted({d for eb in envs_b for ec in envs_c for d in driver_differences(eb, ec)})
+    if drivers:
+        warnings.append(f"DIFFERENT GPU DRIVER ({'; '.join(drivers)}): the changes below include the driver's")
     return warnings
 
 

@@ -348,18 +348,25 @@ def gpu_info(nvml: NVML) -> list[dict]:
 
 def hardware_key(env: dict) -> dict:
     """What two runs must share to be compared as "the same hardware": the CPU model, its speed flags (where
-    the run recorded them), its core count and the CPUs the run could use, and each GPU's name and
-    driver. Fields a run did not record are left out."""
+    the run recorded them), its core count and the CPUs the run could use, and each GPU's name (the
+    driver is software: :func:`driver_differences`). Fields a run did not record are left out."""
     key = {"cpu": env.get("cpu"), "cpu_count": env.get("cpu_count"),
            "gpus": [g.get("name") for g in env.get("gpus") or []]}
     if "cpu_flags" in env:
         key["cpu_flags"] = sorted(env["cpu_flags"])
     if (env.get("threads") or {}).get("cpus_allowed") is not None:
         key["cpus_allowed"] = env["threads"]["cpus_allowed"]
-    drivers = [g.get("driver_version") for g in env.get("gpus") or [] if g.get("driver_version")]
-    if drivers:
-        key["gpu_driver"] = sorted(set(drivers))
     return key
+
+
+def driver_differences(a: dict, b: dict) -> list[str]:
+    """The GPU driver versions of two environment records, where both recorded them and they differ (a
+    driver upgrade is a change one may mean to measure, so compare warns about it and does not refuse)."""
+    def drivers(env):
+        return sorted({g.get("driver_version") for g in env.get("gpus") or [] if g.get("driver_version")})
+
+    da, db = drivers(a), drivers(b)
+    return [f"GPU driver: {da} vs {db}"] if da and db and da != db else []
 
 
 def hardware_differences(a: dict, b: dict) -> list[str]:

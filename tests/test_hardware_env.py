@@ -40,3 +40,10 @@ def test_two_machines_that_differ_in_avx512_are_told_apart():
     assert hardware_differences(a, {**a, "gpus": [{"name": "NVIDIA H200"}]})[0].startswith("gpus:")
     assert "flags avx2 avx512f avx512_bf16" in hardware_line(a)
     assert "flags not recorded" in hardware_line(old)
+    # a driver upgrade is not different hardware: compare warns about it instead
+    from kvbench.hardware import driver_differences
+
+    h200 = {**a, "gpus": [{"name": "NVIDIA H200", "driver_version": "570.1"}]}
+    newer = {**a, "gpus": [{"name": "NVIDIA H200", "driver_version": "575.2"}]}
+    assert hardware_differences(h200, newer) == [] and driver_differences(h200, newer) == [
+        "GPU driver: ['570.1'] vs ['575.2']"]
