@@ -35,7 +35,7 @@ from kvbench.hardware import NVML, GPUBaseline, environment_info
 from kvbench.load import LoadPoint, LoadSettings, TimeoutStreak, frozen_heap, run, run_async
 from kvbench.load.open_loop import schedule_seed
 from kvbench.redact import redact_text
-from kvbench.results import ResultsWriteError, RunMode, RunWriter, ensure_parquet, load_cells
+from kvbench.results import ResultsWriteError, RunMode, RunWriter, ensure_parquet, load_cells, load_run_info
 from kvbench.samplers import EnginePoller, ProcessTreeMemorySampler, tree_rss
 from kvbench.summary import (
     CellMeasurement,
@@ -71,6 +71,10 @@ class RunOptions:
     command: list[str] = field(default_factory=lambda: list(sys.argv))
     results_mode: RunMode = "new"  # an existing run folder: refused ("new"), finished ("resume") or replaced
     max_consecutive_timeouts: int | None = 3  # an engine whose requests time out this often in a row is wedged
+    # A/B on a noisy machine: each repeat runs on every backend in turn (one engine at a time, restarted per
+    # repeat), the order reversed on odd repeats (AB BA AB ...), so that drift of the machine hits every
+    # side alike; compare then pairs the repeats by index
+    interleave: bool = False
 
 
 def new_run_id(workload: str) -> str:
@@ -92,17 +96,23 @@ class Runner:
         self.console = console or Console()
         self.run_id = options.run_id or new_run_id(options.workload.name)
         self.writer = RunWriter(options.results_dir / self.run_id, mode=options.results_mode)
+        self.reported_versions: dict[str, str] = {}
+        self.token_checks: dict[str, str] = {}
+        self.gpu_baselines: dict[str, dict | None] = {}
         # resuming: the cells that have rows already (any status) are kept, not run again
         self.finished: dict[str, float | None] = {}
+        self.engine_stops: dict[str, dict] = {}
         if options.results_mode == "resume":
             done = load_cells(self.writer.root)
             self.finished = dict(zip(done.cell_id, done.requests_per_s))
             self.writer.discard_unfinished_requests()
-        self.engine_stops: dict[str, dict] = {}
+            # what the earlier invocations recorded per engine stays, beside this one's
+            earlier = load_run_info(self.writer.root)
+            self.reported_versions.update(earlier.get("engine_versions") or {})
+            self.token_checks.update(earlier.get("token_checks") or {})
+            self.gpu_baselines.update(earlier.get("gpu_baselines") or {})
+            self.engine_stops.update(earlier.get("engine_stops") or {})
         self.nvml = NVML()
-        self.reported_versions: dict[str, str] = {}
-        self.token_checks: dict[str, str] = {}
-        self.gpu_baselines: dict[str, dict | None] = {}
 
     @property
     def run_dir(self) -> Path:
@@ -122,7 +132,8 @@ class Runner:
         self.writer.write_run_info({
             "run_id": self.run_id, "command": redact_text(" ".join(o.command)), "started_at": datetime.now(timezone.utc).isoformat(),
             "status": "running", "environment": environment_info(), "workload": w.model_dump(), "repeats": repeats,
-            "kv_dtype": o.kv_dtype, "backends": [b.model_dump() | {"label": b.label} for b in o.backends]})
+            "kv_dtype": o.kv_dtype, "backends": [b.model_dump() | {"label": b.label} for b in o.backends],
+            "interleaved": o.interleave})
         self.console.print(f"[bold]kvbench run[/] {self.run_id} -> {self.run_dir}")
         try:
             model = models.resolve(o.model, gguf_converter(self.console.print), log=self.console.print)
@@ -148,10 +159,11 @@ class Runner:
         try:
             with Progress(*columns, console=self.console) as progress:
                 bar = progress.add_task("cells", total=plan.cells_per_start * len(plan.variants) * len(o.backends))
-                for cfg in o.backends:
-                    for prefix_caching in plan.variants:
-                        variant = replace(spec, prefix_caching=prefix_caching)
-                        _EngineSession(self, cfg, variant, plan, prompts, progress, bar).run()
+                for repeat, backends in self.schedule(plan.repeats):
+                    for cfg in backends:
+                        for prefix_caching in plan.variants:
+                            variant = replace(spec, prefix_caching=prefix_caching)
+                            _EngineSession(self, cfg, variant, plan, prompts, progress, bar, repeat).run()
             status = "finished"
         except ResultsWriteError:
             status = "stopped: results folder not writable"
@@ -162,6 +174,12 @@ class Runner:
                 if (self.run_dir / "cells.jsonl").exists():
                     ensure_parquet(self.run_dir)  # the columnar copy beside the JSONL record
         return self.run_dir
+
+    def schedule(self, repeats: int) -> list[tuple[int | None, list[BackendConfig]]]:
+        """Which repeat (None: all of them) each round of engine starts runs, and on which backends in order."""
+        if not self.o.interleave:
+            return [(None, list(self.o.backends))]
+        return [(r, list(self.o.backends) if r % 2 == 0 else list(reversed(self.o.backends))) for r in range(repeats)]
 
     def record_stop(self, key: str, reason: str, survivors: list[dict]) -> None:
         """Why an engine start ended, in run.json (and the processes that outlived its stop, if any)."""
@@ -174,10 +192,12 @@ class _EngineSession:
     with the reason when the engine cannot install, start or keep running."""
 
     def __init__(self, runner: Runner, cfg: BackendConfig, spec: ServerSpec, plan: RunPlan, prompts: CellPrompts,
-                 progress: Progress, bar):
+                 progress: Progress, bar, repeat: int | None = None):
         self.r, self.cfg, self.spec, self.plan, self.prompts = runner, cfg, spec, plan, prompts
         self.progress, self.bar = progress, bar
-        self.cells = plan.cells(spec.prefix_caching)  # grows as a saturation sweep finds its rates
+        # grows as a saturation sweep finds its rates; one repeat only when the run is interleaved
+        self.cells = [c for c in plan.cells(spec.prefix_caching) if repeat is None or c.repeat == repeat]
+        self.expected = plan.cells_per_start // (1 if repeat is None else plan.repeats)  # its share of the bar
         self.done = 0  # cells[:done] have their rows written
         self.info = EngineRun(runner.run_id, cfg.label, cfg.engine, cfg.version, spec.model, plan.workload,
                               spec.kv_dtype, attached=bool(cfg.url), rules=REGISTRY[cfg.engine].kv_rules)
@@ -185,7 +205,7 @@ class _EngineSession:
         self.streak = TimeoutStreak(runner.o.max_consecutive_timeouts)
         self.stop_reason = "interrupted"  # until the session says otherwise
         variant = {None: "", True: " (prefix caching on)", False: " (prefix caching off)"}[spec.prefix_caching]
-        self.key = cfg.label + variant  # this start's name in run.json's engine_stops
+        self.key = cfg.label + variant + ("" if repeat is None else f" repeat {repeat}")  # in run.json's engine_stops
 
     def skip_finished(self) -> None:
         """Resuming: pass over the cells that have rows (a saturation sweep's rates come from its row)."""
@@ -215,7 +235,7 @@ class _EngineSession:
             self.fail_remaining(f"backend failed: {type(exc).__name__}: {exc}", _traceback_tail(exc))
         finally:
             # this start's share of the bar, whatever ran: failed cells, and sweep rates never found
-            self.progress.advance(self.bar, max(0, self.plan.cells_per_start - self.done))
+            self.progress.advance(self.bar, max(0, self.expected - self.done))
 
     def make_backend(self, cls) -> Backend | None:
         if self.cfg.url:

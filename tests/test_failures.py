@@ -138,7 +138,7 @@ def _gone(env_path: Path, timeout_s: float = 30.0) -> list[psutil.Process]:
 
 
 def _report(run_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvbench.cli", "report", str(run_dir), "-o", str(run_dir / "rep")],
+    return subprocess.run([sys.executable, "-m", "kvbench.cli", "report", str(run_dir), "-o", str(run_dir / "rep" / "report.md")],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
 
 

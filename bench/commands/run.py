@@ -40,6 +40,10 @@ def run(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the run --run-id (its folder is emptied first)."),
     repeats: int = typer.Option(None, min=1, help="Run every cell this many times (default: the workload's); "
                                                  "repeats give confidence intervals to kvbench compare."),
+    interleave: bool = typer.Option(False, "--interleave",
+                                    help="A/B on a noisy machine: run each repeat on every backend in turn (AB BA "
+                                         "AB ..., one engine at a time) so that machine drift hits every side "
+                                         "alike; kvbench compare then pairs the repeats."),
     url: str = typer.Option(None, help="Benchmark a server already running at this URL instead of starting one "
                                        "(one --backend; or give each backend its own url=... option)."),
     start_timeout: float = typer.Option(600.0, help="Seconds an engine may take to become ready."),
@@ -70,7 +74,8 @@ def run(
                                  else str(exc)) from None
     options = RunOptions(model=model, workload=wl, backends=backends, results_dir=results_dir, run_id=run_id,
                          kv_dtype=kv_dtype, max_context=max_context, start_timeout_s=start_timeout,
-                         request_timeout_s=request_timeout, repeats=repeats, results_mode=results_mode)
+                         request_timeout_s=request_timeout, repeats=repeats, results_mode=results_mode,
+                         interleave=interleave)
     # errors print with soft_wrap: one line even past the console width (greppable in CI logs)
     try:
         runner = Runner(options, console)
