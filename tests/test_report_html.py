@@ -76,9 +76,19 @@ def test_report_of_the_published_run(published_report):
     captions = [line for line in md.splitlines() if line.startswith("<sub>run `20261129-143003-cpu-default`")]
     assert len(captions) == 4
     assert all("AMD EPYC, 2 cores" in c and "smollm2" in c and "vllm-0.32.0 (0.32.0)" in c for c in captions)
-    for png in ("kv_vs_context", "throughput_ttft_vs_concurrency", "kv_boundary", "timeline_vllm-0.32.0_p8128_c4"):
+    for png in ("kv_vs_context", "kv_ratio_vs_context", "throughput_ttft_vs_concurrency", "latency_throughput",
+                "latency_cdfs", "kv_boundary", "timeline_vllm-0.32.0_p8128_c4"):
         assert (run / "plots" / f"{png}.png").read_bytes()[:8] == PNG
         assert f"(plots/{png}.png)" in md
+    # each plot under the table it illustrates, no "Plots" section at the end
+    sections = md.split("\n## ")
+    kv = next(s for s in sections if s.startswith("KV cache"))
+    perf = next(s for s in sections if s.startswith("Latency and throughput"))
+    boundary = next(s for s in sections if s.startswith("The KV boundary"))
+    assert "plots/kv_ratio_vs_context.png" in kv and "plots/timeline_hf-5.24.0_p8128_c4.png" in kv
+    assert "plots/latency_cdfs.png" in perf and "plots/latency_throughput.png" in perf
+    assert "plots/kv_boundary.png" in boundary and "## Plots" not in md
+    assert kv.index("| backend |") < kv.index("plots/kv_vs_context.png")
     assert (run / "cells.parquet").exists() and (run / "requests.parquet").exists()
 
 
@@ -94,7 +104,7 @@ def test_html_renders_every_table_and_image_in_headless_chromium(published_repor
     seen = rendered(published_report / "report.html", tmp_path)
     assert seen["tables"] == seen["expected_tables"] == 4  # KV, latency, boundary, validation (no failures)
     assert seen["tables_rendered"] == seen["tables"]
-    assert seen["images"] == seen["expected_images"] == 6
+    assert seen["images"] == seen["expected_images"] == 9
     assert seen["images_rendered"] == seen["images"]
 
 
@@ -110,7 +120,8 @@ def test_report_of_several_runs_with_repeats_and_a_failure(tmp_path):
     assert "| a | vllm-0.31.0 | 1024 | 1 | 2 |" in md
     assert "| b | vllm-0.32.0 | 1024 | 4 | 2 | failed | engine failed to start |" in md
     assert "run `a`" in md and "run `b`" in md
-    assert (tmp_path / "out" / "plots" / "kv_vs_context.png").exists() and (a / "cells.parquet").exists()
+    # with -o the run folders are only read: no Parquet copy is written into them
+    assert (tmp_path / "out" / "plots" / "kv_vs_context.png").exists() and not (a / "cells.parquet").exists()
     seen = rendered(out.with_suffix(".html"), tmp_path)
     assert seen["tables_rendered"] == seen["expected_tables"] == 4  # KV, latency, boundary, failures
     assert seen["images_rendered"] == seen["expected_images"] > 0
@@ -119,3 +130,19 @@ def test_report_of_several_runs_with_repeats_and_a_failure(tmp_path):
 def test_not_a_run_folder_is_a_usage_error(tmp_path):
     result = CliRunner().invoke(app, ["report", str(tmp_path)])
     assert result.exit_code == 2 and "not a kvbench run folder" in result.output
+
+
+def test_one_colour_per_engine_and_no_boundary_panel_from_one_point(tmp_path):
+    import pandas as pd
+
+    from kvbench.reports import plots
+
+    colours = plots.palette(["vllm-0.32.0", "hf-5.24.0", "vllm-0.32.0"])
+    assert colours == {"hf-5.24.0": "tab:blue", "vllm-0.32.0": "tab:orange"}
+    assert plots.color("vllm-0.32.0") == "tab:orange" and plots.color("llamacpp-0.3.36") == "tab:green"
+    one = pd.DataFrame([dict(label="vllm", kv_pool_tokens_engine=4096.0, concurrency=2, prompt_tokens=1024,
+                             output_tokens=16, requests_running_peak=2.0, requests_waiting_peak=0.0,
+                             kv_pool_sequences_predicted=4)])
+    assert plots.kv_boundary(one, tmp_path / "b.png") is None  # a single point shows no boundary
+    two = pd.concat([one, one.assign(concurrency=8, requests_running_peak=4.0, requests_waiting_peak=4.0)])
+    assert plots.kv_boundary(two, tmp_path / "b.png") == tmp_path / "b.png"

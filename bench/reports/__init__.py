@@ -43,6 +43,7 @@ class Section:
 class Figure:
     title: str
     path: Path  # the PNG on disk
+    section: str = ""  # the start of the title of the section whose table it illustrates ("": none)
 
 
 @dataclass
@@ -138,26 +139,11 @@ def _plot(draw, path: Path, *args) -> bool:
 
 
 def make_plots(run_dirs: list[Path], agg: pd.DataFrame, folder: Path) -> list[Figure]:
-    folder.mkdir(parents=True, exist_ok=True)
-    figures = []
-    if _plot(plots.kv_vs_context, folder / "kv_vs_context.png", agg):
-        figures.append(Figure("KV in use vs prompt length", folder / "kv_vs_context.png"))
-    if _plot(plots.throughput_ttft_vs_concurrency, folder / "throughput_ttft_vs_concurrency.png", agg):
-        figures.append(Figure("Throughput and TTFT vs concurrency", folder / "throughput_ttft_vs_concurrency.png"))
-    if _plot(plots.kv_boundary, folder / "kv_boundary.png", agg):
-        figures.append(Figure("The KV boundary", folder / "kv_boundary.png"))
+    """Every plot (kvbench.reports.plots.report_figures, each written through :func:`_plot`), each placed
+    under the table it illustrates."""
     requests = load(run_dirs, what="requests")
-    if not requests.empty:
-        requests = requests[~requests.warmup.astype(bool)]
-    ok = agg[agg.status.isin(tables.OK_STATUSES)]
-    # the largest cell of each series: the longest prompt at the highest load
-    largest = ok.sort_values(["prompt_tokens", "concurrency"]).groupby("label").tail(1)
-    for _, cell in largest.iterrows():
-        first_repeat = cell.cell_id
-        name = f"timeline_{cell.run_id}_{first_repeat}.png" if len(run_dirs) > 1 else f"timeline_{first_repeat}.png"
-        if _plot(plots.memory_timeline, folder / name, Path(cell.run_dir), cell, requests):
-            figures.append(Figure(f"memory and KV over {cell.label}: {cell.cell_id}", folder / name))
-    return figures
+    return [Figure(title, path, section)
+            for section, title, path in plots.report_figures(run_dirs, agg, requests, folder, draw=_plot)]
 
 
 def _run_info(run_dir: Path) -> dict:

@@ -46,7 +46,28 @@ def data_uri(path) -> str:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
 
 
+def place(report) -> tuple[dict[int, list], list]:
+    """Each figure under the section whose table it illustrates (its ``section`` starts that section's
+    title; the first such section), the rest apart: ({id(section): figures}, rest)."""
+    placed: dict[int, list] = {}
+    rest = []
+    for f in report.figures:
+        where = getattr(f, "section", "")
+        home = next((s for s in report.sections if where and s.title.startswith(where)), None)
+        if home is None:
+            rest.append(f)
+        else:
+            placed.setdefault(id(home), []).append(f)
+    return placed, rest
+
+
+def _figure(f) -> str:
+    return (f'<figure><img src="{data_uri(f.path)}" alt="{html.escape(f.title)}">'
+            f"<figcaption>{html.escape(f.title)}</figcaption></figure>")
+
+
 def render(report) -> str:
+    placed, rest = place(report)
     n_tables = sum(s.table is not None for s in report.sections)
     out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
            '<meta name="viewport" content="width=device-width, initial-scale=1">',
@@ -69,12 +90,11 @@ def render(report) -> str:
             out.append(f"<p>{inline(s.note)}</p>")
         for title, text in s.code_blocks:
             out.append(f"<p>{html.escape(title)}:</p><pre>{html.escape(text)}</pre>")
+        out += [_figure(f) for f in placed.get(id(s), [])]
         out.append("</section>")
-    if report.figures:
+    if rest:
         out.append("<section><h2>Plots</h2>")
-        for f in report.figures:
-            out.append(f'<figure><img src="{data_uri(f.path)}" alt="{html.escape(f.title)}">'
-                       f"<figcaption>{html.escape(f.title)}</figcaption></figure>")
+        out += [_figure(f) for f in rest]
         out.append("</section>")
     out += ["</body>", "</html>"]
     return "\n".join(out) + "\n"

@@ -9,6 +9,13 @@ from kvbench.reports.tables import md_table
 
 def render(report, base: Path) -> str:
     """The Markdown text; image links are relative to ``base`` (the folder the .md file is written to)."""
+    from kvbench.reports.html import place
+
+    placed, rest = place(report)
+
+    def figure(f) -> str:
+        return f"![{f.title}]({Path(os.path.relpath(f.path, base)).as_posix()})"
+
     out = [f"# {report.title}"]
     for header in report.headers:
         out.append("  \n".join(f"**{label}** {value}" for label, value in header))
@@ -24,9 +31,8 @@ def render(report, base: Path) -> str:
             out.append(s.note)
         for title, text in s.code_blocks:
             out.append(f"{title}:\n\n```\n{text}\n```")
-    if report.figures:
+        out += [figure(f) for f in placed.get(id(s), [])]  # each plot under the table it illustrates
+    if rest:
         out.append("## Plots")
-        for f in report.figures:
-            rel = Path(os.path.relpath(f.path, base)).as_posix()
-            out.append(f"![{f.title}]({rel})")
+        out += [figure(f) for f in rest]
     return "\n\n".join(out) + "\n"

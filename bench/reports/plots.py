@@ -1,6 +1,8 @@
 """PNG plots of one or more runs (matplotlib, Agg: no display needed). Each function takes the tidy
 cells (repeats averaged by ``tables.aggregate``, with a ``label`` column naming the series) and writes one
-PNG, or returns None when the runs hold nothing to plot."""
+PNG, or returns None when the runs hold nothing to plot. :func:`report_figures` makes every plot of a
+report and says which section's table each one illustrates; every series keeps one colour
+(:func:`palette`) in every plot of the report."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,11 +19,31 @@ from .tables import sequences_fitting  # noqa: E402
 
 MARKERS = "osd^v<>PX*"
 DPI = 110
+COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
+          "tab:cyan", "tab:gray")
+# the sections a plot can illustrate (the report's section titles start with these)
+KV_SECTION, PERF_SECTION, BOUNDARY_SECTION = "KV cache", "Latency and throughput", "The KV boundary"
+
+_palette: dict[str, str] = {}
+
+
+def palette(labels) -> dict[str, str]:
+    """One colour per series label (an engine and version, e.g. vllm-0.32.0), in sorted order, used by every
+    plot made after this call; labels not in it get the next free colours."""
+    global _palette
+    _palette = {label: COLORS[i % len(COLORS)] for i, label in enumerate(sorted(set(labels)))}
+    return dict(_palette)
+
+
+def color(label: str) -> str:
+    if label not in _palette:
+        _palette[label] = COLORS[len(_palette) % len(COLORS)]
+    return _palette[label]
 
 
 def _save(fig, out: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(out, dpi=DPI)
+    # the bounding box grows to hold every title, label and legend: nothing is clipped
+    fig.savefig(out, dpi=DPI, bbox_inches="tight")
     plt.close(fig)
     return out
 
@@ -34,7 +56,7 @@ def kv_vs_context(cells: pd.DataFrame, out: Path) -> Path | None:
     levels = sorted(done.concurrency.dropna().unique())
     if not levels:
         return None
-    fig, axes = plt.subplots(1, len(levels), figsize=(5.5 * len(levels), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(levels), figsize=(5.5 * len(levels), 4.2), squeeze=False, layout="constrained")
     for ax, c in zip(axes[0], levels):
         part = done[done.concurrency == c]
         predicted = part.drop_duplicates("prompt_tokens").sort_values("prompt_tokens")
@@ -43,7 +65,7 @@ def kv_vs_context(cells: pd.DataFrame, out: Path) -> Path | None:
         for (label, group), marker in zip(part.groupby("label"), MARKERS * 4):
             group = group.sort_values("prompt_tokens")
             ax.plot(group.prompt_tokens, group.kv_in_use_peak_bytes / MIB, marker=marker, ls="", ms=7,
-                    label=f"{label} (engine)")
+                    color=color(label), label=f"{label} (engine)")
         ax.set(title=f"concurrency {int(c)}", xlabel="prompt tokens", ylabel="KV in use at peak (MiB)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -62,7 +84,7 @@ def memory_timeline(run_dir: Path, cell: pd.Series, requests: pd.DataFrame, out:
     mem, kv = tl[tl.series == "memory"], tl[tl.series == "kv"]
     if mem.empty and kv.empty:
         return None
-    fig, ax = plt.subplots(figsize=(9, 4.2))
+    fig, ax = plt.subplots(figsize=(9, 4.2), layout="constrained")
     if not mem.empty and mem.rss_bytes.notna().any():
         ax.plot(mem.t_s, mem.rss_bytes / MIB, color="tab:blue", label="engine process tree RSS")
     if "gpu_process_bytes" in mem and mem.gpu_process_bytes.notna().any():
@@ -95,13 +117,15 @@ def throughput_ttft_vs_concurrency(cells: pd.DataFrame, out: Path) -> Path | Non
     if done.empty:
         return None
     lengths = sorted(done.prompt_tokens.unique())
-    fig, axes = plt.subplots(2, len(lengths), figsize=(4.2 * len(lengths), 6.8), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(2, len(lengths), figsize=(4.2 * len(lengths), 6.8), squeeze=False, sharex=True,
+                             layout="constrained")
     for j, p in enumerate(lengths):
         part = done[done.prompt_tokens == p]
         for (label, group), marker in zip(part.groupby("label"), MARKERS * 4):
             group = group.sort_values("concurrency")
-            axes[0][j].plot(group.concurrency, group.output_tokens_per_s, marker=marker, label=label)
-            axes[1][j].plot(group.concurrency, group.ttft_s_p50, marker=marker, label=label)
+            axes[0][j].plot(group.concurrency, group.output_tokens_per_s, marker=marker, color=color(label),
+                            label=label)
+            axes[1][j].plot(group.concurrency, group.ttft_s_p50, marker=marker, color=color(label), label=label)
         axes[0][j].set(title=f"prompt {p} tokens", ylabel="output tokens/s" if j == 0 else None)
         axes[1][j].set(xlabel="concurrency", ylabel="TTFT p50 (s)" if j == 0 else None)
         levels = sorted(part.concurrency.unique())
@@ -123,21 +147,24 @@ def kv_boundary(cells: pd.DataFrame, out: Path) -> Path | None:
         return None
     if "requests_running_peak" in pooled and pooled.requests_running_peak.notna().any():
         return _kv_boundary_measured(pooled[pooled.requests_running_peak.notna()], out)
-    labels = sorted(pooled.label.unique())
-    fig, axes = plt.subplots(1, len(labels), figsize=(5.2 * len(labels), 4.2), squeeze=False)
+    # a panel per engine only where it has more than one cell: one point shows no boundary
+    labels = [label for label, n in pooled.groupby("label").size().items() if n > 1]
+    if not labels:
+        return None
+    fig, axes = plt.subplots(1, len(labels), figsize=(5.2 * len(labels), 4.2), squeeze=False, layout="constrained")
     for ax, label in zip(axes[0], labels):
         part = pooled[pooled.label == label]
         pool = part.kv_pool_tokens_engine.max()
         context = part.prompt_tokens + part.output_tokens - 1
         lo, hi = max(1, int(context.min() * 0.5)), int(context.max() * 1.3)
         xs = list(range(lo, hi + 1, max(1, (hi - lo) // 200)))
-        ax.plot(xs, [pool / x for x in xs], color="tab:red", label=f"boundary: pool of {int(pool):,} tokens / context")
+        ax.plot(xs, [pool / x for x in xs], color="k", label=f"boundary: pool of {int(pool):,} tokens / context")
         # within the pool by the boundary table's rule (the KV model's engine rule where the row has it)
         fits = part.concurrency <= pd.Series([sequences_fitting(r) for r in part.itertuples()], index=part.index,
                                              dtype=float)
-        ax.scatter(context[fits], part.concurrency[fits], color="tab:blue", zorder=3, label="cell within the pool")
+        ax.scatter(context[fits], part.concurrency[fits], color=color(label), zorder=3, label="cell within the pool")
         if (~fits).any():
-            ax.scatter(context[~fits], part.concurrency[~fits], facecolors="none", edgecolors="tab:blue", zorder=3,
+            ax.scatter(context[~fits], part.concurrency[~fits], facecolors="none", edgecolors=color(label), zorder=3,
                        label="cell beyond the pool")
         ax.set(title=label, xlabel="context per sequence (prompt + output - 1 tokens)",
                ylabel="concurrent sequences", yscale="log", xscale="log")
@@ -148,15 +175,20 @@ def kv_boundary(cells: pd.DataFrame, out: Path) -> Path | None:
 
 
 def _kv_boundary_measured(cells: pd.DataFrame, out: Path) -> Path | None:
-    labels = sorted(cells.label.unique())
-    fig, axes = plt.subplots(1, len(labels), figsize=(5.2 * len(labels), 4.2), squeeze=False)
+    labels = [label for label, part in cells.groupby("label") if part.concurrency.nunique() > 1]
+    if not labels:
+        return None
+    fig, axes = plt.subplots(1, len(labels), figsize=(5.2 * len(labels), 4.2), squeeze=False, layout="constrained")
     for ax, label in zip(axes[0], labels):
         part = cells[cells.label == label]
         for prompt, group in part.groupby("prompt_tokens"):
+            if group.concurrency.nunique() < 2:
+                continue
             group = group.groupby("concurrency", as_index=False)[
                 ["requests_running_peak", "requests_waiting_peak", "kv_pool_sequences_predicted"]].mean()
+            one = part.prompt_tokens.nunique() == 1  # the engine's colour, unless prompt lengths need their own
             (line,) = ax.plot(group.concurrency, group.requests_running_peak, marker="o",
-                              label=f"running at once ({prompt} tok)")
+                              color=color(label) if one else None, label=f"running at once ({prompt} tok)")
             ax.plot(group.concurrency, group.requests_waiting_peak, marker="x", linestyle="--", color=line.get_color(),
                     alpha=0.6, label=f"waiting ({prompt} tok)")
             predicted = group.kv_pool_sequences_predicted.dropna()
@@ -172,6 +204,129 @@ def _kv_boundary_measured(cells: pd.DataFrame, out: Path) -> Path | None:
         ax.legend(fontsize=8)
     fig.suptitle("The KV boundary: what the engine ran and queued against what its KV pool holds")
     return _save(fig, out)
+
+
+def kv_ratio_vs_context(cells: pd.DataFrame, out: Path) -> Path | None:
+    """KV in use / predicted per engine against the context per sequence: the engine's own rounding (vLLM's
+    whole blocks: about 6 % more at 1K tokens, nothing at 8K) that the bytes plot cannot show."""
+    done = cells[cells.kv_measured_over_predicted.notna() & cells.prompt_tokens.notna()]
+    if done.empty:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 4.2), layout="constrained")
+    ax.axhline(1.0, color="k", ls="--", lw=1.2, label="predicted (formula) = 1")
+    for label, part in done.groupby("label"):
+        for (conc, group), marker in zip(part.groupby("concurrency", dropna=False), MARKERS * 4):
+            group = group.sort_values("prompt_tokens")
+            context = group.prompt_tokens + group.output_tokens - 1
+            ax.plot(context, group.kv_measured_over_predicted, marker=marker, ms=7, color=color(label),
+                    label=f"{label}, concurrency {'-' if pd.isna(conc) else int(conc)}")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="context per sequence (prompt + output - 1 tokens)", ylabel="KV in use / predicted",
+           title="KV in use against the formula's prediction, per engine")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    return _save(fig, out)
+
+
+def latency_throughput(cells: pd.DataFrame, out: Path) -> Path | None:
+    """TTFT p50 and E2E p50 against output tokens/s over the load points (concurrency or request rate) of
+    each engine and prompt length: where more load stops buying throughput and only adds latency."""
+    done = cells[cells.output_tokens_per_s.notna() & cells.ttft_s_p50.notna()]
+    load = done.concurrency.fillna(0).astype(float) + done.request_rate.fillna(0).astype(float)
+    done = done.assign(_load=load)
+    series = [(k, g) for k, g in done.groupby(["label", "prompt_tokens"]) if g._load.nunique() > 1]
+    if not series:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), squeeze=False, layout="constrained")
+    styles = {p: ls for p, ls in zip(sorted(done.prompt_tokens.unique()), ["-", "--", ":", "-."] * 8)}
+    for (label, prompt), group in series:
+        group = group.sort_values("_load")
+        for ax, metric in zip(axes[0], ("ttft_s_p50", "e2e_s_p50")):
+            ax.plot(group.output_tokens_per_s, group[metric], marker="o", ls=styles[prompt], color=color(label),
+                    label=f"{label}, prompt {int(prompt)}")
+            for x, y, n in zip(group.output_tokens_per_s, group[metric], group._load):
+                ax.annotate(f"{n:g}", (x, y), textcoords="offset points", xytext=(4, 3), fontsize=6)
+    axes[0][0].set(xlabel="output tokens/s", ylabel="TTFT p50 (s)", yscale="log", title="TTFT against throughput")
+    axes[0][1].set(xlabel="output tokens/s", ylabel="E2E p50 (s)", yscale="log", title="E2E against throughput")
+    for ax in axes[0]:
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Latency against throughput over the load points (numbers: concurrency or request rate)")
+    return _save(fig, out)
+
+
+def latency_cdfs(requests: pd.DataFrame, out: Path) -> Path | None:
+    """The distribution (CDF) of TTFT and of ITL per engine, over every measured request that met the token
+    contract (all cells of the engine pooled; ITL per gap, as bench/metrics.py defines it)."""
+    import numpy as np
+
+    from kvbench.metrics import RequestTimes
+
+    if requests.empty or "label" not in requests:
+        return None
+    mine = requests[requests.ok.astype(bool) & requests.counted.astype(bool)]
+    if mine.empty:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), squeeze=False, layout="constrained")
+    for label, part in mine.groupby("label"):
+        ttft = np.sort(part.ttft_s.dropna().to_numpy(dtype=float))
+        itl = np.sort([g for t, k in zip(part.chunk_times, part.chunk_tokens)
+                       for g in RequestTimes(0.0, tuple(t), tuple(k)).itl_samples()])
+        for ax, values in zip(axes[0], (ttft, itl)):
+            if len(values):
+                ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", color=color(label),
+                        label=f"{label} ({len(values):,})")
+    for ax, what in zip(axes[0], ("TTFT (s)", "ITL, per gap (s)")):
+        ax.set(xscale="log", xlabel=what, ylabel="fraction of samples at or below", ylim=(0, 1.02),
+               title=f"{what.split(' ')[0].rstrip(',')} distribution per engine")
+        ax.grid(alpha=0.3, which="both")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="lower right")
+    return _save(fig, out)
+
+
+def _draw(plot, path: Path, *args) -> bool:
+    return bool(plot(*args, path))
+
+
+def report_figures(run_dirs, agg: pd.DataFrame, requests: pd.DataFrame, folder: Path,
+                   draw=_draw) -> list[tuple[str, str, Path]]:
+    """Every plot of a report as (section it illustrates, title, PNG), in the order they should appear under
+    their section's table (the section is one of :data:`KV_SECTION`, :data:`PERF_SECTION`,
+    :data:`BOUNDARY_SECTION`). Sets the palette from ``agg.label`` first: one colour per series.
+    ``draw(plot, path, *args)`` makes one plot (``plot(*args, path)``) and says whether it was drawn (the
+    report passes one that writes to a temporary file and renames it into place)."""
+    from .tables import OK_STATUSES
+
+    folder.mkdir(parents=True, exist_ok=True)
+    palette(agg.label)
+    figures = []
+
+    def add(section, title, name, plot, *args):
+        if draw(plot, folder / name, *args):
+            figures.append((section, title, folder / name))
+
+    add(KV_SECTION, "KV in use vs prompt length", "kv_vs_context.png", kv_vs_context, agg)
+    add(KV_SECTION, "KV in use / predicted vs context, per engine", "kv_ratio_vs_context.png", kv_ratio_vs_context,
+        agg)
+    if not requests.empty:
+        requests = requests[requests.counted.astype(bool)]
+        requests = requests.assign(label=requests.backend if agg.run_id.nunique() == 1
+                                   else requests.run_id + ": " + requests.backend)
+    ok = agg[agg.status.isin(OK_STATUSES)]
+    # the largest cell of each series: the longest prompt at the highest load
+    largest = ok.sort_values(["prompt_tokens", "concurrency"]).groupby("label").tail(1)
+    for _, cell in largest.iterrows():
+        name = f"timeline_{cell.run_id}_{cell.cell_id}.png" if len(run_dirs) > 1 else f"timeline_{cell.cell_id}.png"
+        add(KV_SECTION, f"memory and KV over {cell.label}: {cell.cell_id}", name, memory_timeline,
+            Path(cell.run_dir), cell, requests)
+    add(PERF_SECTION, "Throughput and TTFT vs concurrency", "throughput_ttft_vs_concurrency.png",
+        throughput_ttft_vs_concurrency, agg)
+    add(PERF_SECTION, "Latency against throughput over the load points", "latency_throughput.png",
+        latency_throughput, agg)
+    add(PERF_SECTION, "TTFT and ITL distributions per engine", "latency_cdfs.png", latency_cdfs, requests)
+    add(BOUNDARY_SECTION, "The KV boundary", "kv_boundary.png", kv_boundary, agg)
+    return figures
 
 
 VERDICT_COLORS = {"regression": "#d62728", "improvement": "#2ca02c", "unchanged": "#1f77b4",
