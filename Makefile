@@ -28,7 +28,7 @@ RUN_DIR := results/runs/$(RUN_ID)
 # What `make report` reports on: make report RUN=results/runs/<run id> (default: the latest run).
 RUN ?= $(lastword $(sort $(wildcard results/runs/*)))
 
-.PHONY: setup engines bench test browser report clean gpu-check
+.PHONY: setup engines bench test browser report clean gpu-check bench-harness
 
 setup: $(STAMP)
 
@@ -61,6 +61,18 @@ test: engines browser
 report: setup
 	@test -n "$(RUN)" || { echo "no run under results/runs/: make report RUN=path/to/run"; exit 2; }
 	$(KVBENCH) report $(RUN) --raw
+
+# The harness's own hot paths under pytest-benchmark (tests/benchmarks/bench_*.py, which `make test` does not
+# collect), compared with the baseline saved in the repo; fails when one got slower than BENCH_FAIL allows.
+# min:30%: on the shared 2-core machines the fastest round of 5 runs varied by up to 13%, the mean by up to
+# 95% (docs/harness-benchmarks.md). A quiet machine can take e.g. BENCH_FAIL=mean:15%.
+BENCH_FAIL ?= min:30%
+BENCH_BASELINE ?= $(firstword $(wildcard tests/benchmarks/baseline/*/0001_baseline.json))
+bench-harness: setup
+	$(KVBENCH) setup -b hf
+	$(BIN)/python -m pytest tests/benchmarks -o python_files='bench_*.py' -p no:cacheprovider -q \
+	  --benchmark-storage=tests/benchmarks/baseline --benchmark-compare=$(BENCH_BASELINE) \
+	  --benchmark-compare-fail=$(BENCH_FAIL) --benchmark-columns=min,median,mean,stddev,rounds $(HARNESS_BENCH_ARGS)
 
 # The GPU checks (selfcheck/gpu_check.py): offline, under 10 minutes; exits 3 on a machine without a GPU.
 gpu-check: setup
