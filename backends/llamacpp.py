@@ -88,6 +88,7 @@ class LlamaCppKV(KVRules):
 
     engine = "llamacpp"
     version = "0.3.36"
+    rule_options = ("unified",)  # what `kvbench plan --engine-option` takes (KVQuestion.options)
     dtypes = {"f16": "f16", "fp16": "f16", "float16": "f16", "bf16": "bf16", "bfloat16": "bf16", "f32": "f32",
               "fp32": "f32", "float32": "f32", "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0",
               "q5_1": "q5_1", "iq4_nl": "iq4_nl"}

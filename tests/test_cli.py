@@ -158,3 +158,27 @@ def test_b_means_backend_everywhere():
     assert plan.returncode == 0 and '"batch": 2' in plan.stdout
     for verb in ("run", "setup", "validate"):
         assert "-b, --backend" in kvbench(verb, "--help").stdout
+
+
+def test_plan_engine_options_are_checked_against_the_engines_kv_rules():
+    typo = kvbench("plan", "llama-3-8b", "--context", "1024", "--engine", "vllm", "--engine-option", "hybrid_kv=off")
+    assert typo.returncode == 2 and "unknown --engine-option 'hybrid_kv' for vllm; did you mean 'hybrid_kv_cache'?" \
+        in typo.stderr
+    no_engine = kvbench("plan", "llama-3-8b", "--context", "1024", "--engine-option", "unified=true")
+    assert no_engine.returncode == 2 and "needs --engine" in no_engine.stderr
+    ok = kvbench("plan", "llama-3-8b", "--context", "1024", "--engine", "llamacpp", "--engine-option", "unified=true")
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_each_kv_rules_class_declares_the_options_it_reads():
+    import inspect
+    import re
+
+    from kvbench.planner import engine_rules, engines
+    for engine in engines():
+        rules = engine_rules(engine)
+        read = set()
+        for cls in type(rules).__mro__:
+            if cls.__module__.startswith("kvbench.backends") and cls.__name__ != "KVRules":
+                read |= set(re.findall(r"q\.options\.get\(\"(\w+)\"", inspect.getsource(cls)))
+        assert read == set(getattr(rules, "rule_options", ())), engine

@@ -7,8 +7,8 @@ from rich.table import Table
 from kvbench import ui
 from kvbench.config import ConfigError, parse_options
 from kvbench.kvmodel import KV_DTYPE_BYTES
-from kvbench.planner import PlanError, PlanInput, catalog_names, engines, plan, resolve_model
-from kvbench.suggest import with_hint
+from kvbench.planner import PlanError, PlanInput, catalog_names, engine_rules, engines, plan, resolve_model
+from kvbench.suggest import hint, with_hint
 from kvbench.units import fmt_gib
 
 
@@ -41,6 +41,7 @@ def plan_command(
     """How much KV a deployment needs, and whether it fits on a GPU."""
     try:
         options = parse_options(",".join(engine_option), "--engine-option")
+        _check_engine_options(engine, options)
         m = resolve_model(model, weights_dtype)
         result = plan(PlanInput(model=m, context=context, batch=batch, kv_dtype=kv_dtype, tp=tp, engine=engine,
                                 gpu=gpu, overhead_gib=overhead_gib, margin=margin, block_size=block_size,
@@ -78,3 +79,16 @@ def plan_command(
             t.add_row(f"longest context at concurrency {batch}", f"{result['max_context_at_batch']:,} tokens"
                       + (" (the model's limit)" if result["max_context_at_batch"] == result["max_context"] else ""))
     ui.console().print(t)
+
+
+def _check_engine_options(engine: str | None, options: dict) -> None:
+    """--engine-option keys the engine's KV rules read (their ``rule_options``), not silently ignored."""
+    if not options:
+        return
+    if engine is None:
+        raise PlanError(f"--engine-option {', '.join(options)} needs --engine (the plain formula takes none)")
+    allowed = getattr(engine_rules(engine), "rule_options", ())
+    for key in options:
+        if key not in allowed:
+            raise PlanError(f"unknown --engine-option {key!r} for {engine}; {hint(key, allowed)}"
+                            f"allowed: {', '.join(allowed) or 'none'}")
