@@ -273,8 +273,9 @@ def summary_line(row: CellRow) -> str:
     lagged = (f"\n  [yellow]warning[/]: the client's event loop ran up to {lag * 1000:.0f} ms late: its TTFT/ITL "
               "may be late by as much (a CPU shared with the engine or another process)"
               if lag is not None and lag > CLIENT_LAG_WARN_S else "")
+    itl = "undefined" if row.itl_s_p50 is None else f"{row.itl_s_p50 * 1000:.1f} ms"  # no gap measured: not 0
     return (f"{head} [{color}]{row.status}[/] TTFT p50 {row.ttft_s_p50:.3f} s, ITL p50 "
-            f"{(row.itl_s_p50 or 0) * 1000:.1f} ms, {row.output_tokens_per_s or 0:.1f} out tok/s, "
+            f"{itl}, {row.output_tokens_per_s or 0:.1f} out tok/s, "
             f"KV peak {fmt_bytes(row.kv_in_use_peak_bytes)}{ratio}, RSS peak {fmt_bytes(row.rss_peak_bytes)}"
             f"{queue}{lagged}")
 

@@ -93,3 +93,14 @@ def test_a_failed_row_carries_the_reason_and_no_figures(tmp_path):
     row = failed_row(engine_run(tmp_path), CELL, "failed", "engine failed to start: boom", "tail")
     assert (row.status, row.error, row.log_tail, row.n_requests, row.ttft_s_p50) == \
         ("failed", "engine failed to start: boom", "tail", 0, None)
+
+
+def test_the_console_line_says_undefined_for_a_cell_without_itl():
+    from kvbench.results import CellRow
+    from kvbench.summary import summary_line
+
+    row = CellRow(run_id="r", cell_id="c", backend="vllm-0.32.0", engine="vllm", engine_version="0.32.0", model="m",
+                  workload="w", prompt_tokens=8, output_tokens=4, concurrency=1, kv_dtype="bf16", status="ok",
+                  ttft_s_p50=0.2, itl_s_p50=None, output_tokens_per_s=10.0)
+    assert "ITL p50 undefined" in summary_line(row)
+    assert "ITL p50 12.5 ms" in summary_line(row.model_copy(update={"itl_s_p50": 0.0125}))
