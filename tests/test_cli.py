@@ -82,8 +82,9 @@ def test_top_level_help_lists_every_verb_with_its_summary():
 
 
 def test_importing_the_cli_imports_no_heavy_package():
-    code = ("import sys, kvbench.cli; heavy = [m for m in ('pandas', 'matplotlib', 'transformers', 'torch') "
-            "if m in sys.modules]; print(heavy)")
+    # nor do the verbs that need none (run, report and compare read results: theirs are imported when they run)
+    code = ("import sys, kvbench.cli; from kvbench.commands import backends, default_bench, plan, setup, validate; "
+            "heavy = [m for m in ('pandas', 'matplotlib', 'transformers', 'torch') if m in sys.modules]; print(heavy)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
 
