@@ -41,13 +41,17 @@ def load_command(name: str):
 
 
 def docstring(name: str) -> str:
-    """The verb's docstring, read from its module's source without importing it."""
+    """The verb's docstring, read from its module's source without importing it (imported where there is
+    no source to read, e.g. an install of bytecode only)."""
     module, function = COMMANDS[name]
-    source = importlib.util.find_spec(module).origin
-    with open(source, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), source)
-    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
-    return inspect.cleandoc(ast.get_docstring(node) or "")
+    try:
+        source = importlib.util.find_spec(module).origin
+        with open(source, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), source)
+        node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
+        return inspect.cleandoc(ast.get_docstring(node) or "")
+    except (OSError, SyntaxError, ValueError, StopIteration):
+        return inspect.cleandoc(getattr(importlib.import_module(module), function).__doc__ or "")
 
 
 class LazyGroup(TyperGroup):

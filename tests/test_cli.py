@@ -183,3 +183,9 @@ def test_each_kv_rules_class_declares_the_options_it_reads():
             if cls.__module__.startswith("kvbench.backends") and cls.__name__ != "KVRules":
                 read |= set(re.findall(r"q\.options\.get\(\"(\w+)\"", inspect.getsource(cls)))
         assert read == set(getattr(rules, "rule_options", ())), engine
+
+
+def test_the_listing_read_from_the_sources_matches_the_commands():
+    from kvbench.cli import COMMANDS, docstring, load_command
+    for verb in COMMANDS:
+        assert docstring(verb) == (load_command(verb).help or "").strip(), verb
