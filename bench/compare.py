@@ -397,6 +397,13 @@ def compare(baseline: Side, candidate: Side, config: CompareConfig, allow_differ
                          "nothing to compare" if result["exit_code"] == 2 else
                          "no regression" if summary["inconclusive"] == 0 else "no regression found")
     result["repeats_needed"] = repeats_needed_summary(result)
+    single = [m for c in result["cells"] for m in c["metrics"]
+              if m["verdict"] in ("regression", "improvement") and (m["method"] or "").startswith(stats.SINGLE_RUN)]
+    if single:
+        result["warnings"].append(
+            f"SINGLE RUN: {len(single)} regression/improvement verdict(s) rest on one run per side (intervals from "
+            "the requests, blind to run-to-run noise: at 7 % run-to-run noise they call an unchanged engine a "
+            "regression about 5 % of the time, python -m kvbench.compare_calibration); confirm with --repeats")
     first = ("schema", "verdict", "exit_code", "regression_found", "summary", "warnings")
     return {**{k: result[k] for k in first}, **{k: v for k, v in result.items() if k not in first}}
 

@@ -140,6 +140,7 @@ def test_single_run_latency_intervals_come_from_the_requests(tmp_path):
     metrics = {m["metric"]: m for m in as_json(out)["cells"][0]["metrics"]}
     assert metrics["ttft_s_p50"]["method"].startswith("single run: interval from requests")
     assert metrics["ttft_s_p50"]["verdict"] == "regression" and out.exit_code == 1
+    assert any(w.startswith("SINGLE RUN") for w in as_json(out)["warnings"])
     assert metrics["itl_s_p50"]["method"].startswith("single run")
     # throughput has no per-request samples: one repeat gives no interval, and says why
     assert metrics["output_tokens_per_s"]["verdict"] == "not compared"
