@@ -54,3 +54,20 @@ def test_every_field_has_a_dtype():
         assert set(dtypes.values()) <= {"float64", "Int64", "bool", "boolean", "object"}
     assert column_dtypes(RequestRow)["chunk_times"] == "object"
     assert column_dtypes(CellRow)["kv_pool_bytes_engine"] == "float64"
+
+
+def test_a_parquet_copy_without_a_column_still_loads_it(tmp_path):
+    """The issue's case: a Parquet copy made before client_loop_lag_s_max existed; load() gives the column
+    (NaN) with the same dtype as everywhere else instead of raising."""
+    import pyarrow.parquet as pq
+
+    from kvbench.results import parquet_is_current, write_parquet
+
+    run = make_run(tmp_path, "old", repeats=1, prompts=(128,), concurrency=(1,))
+    write_parquet(run)
+    table = pq.read_table(run / "cells.parquet")
+    pq.write_table(table.drop_columns(["client_loop_lag_s_max"]), run / "cells.parquet")
+    assert parquet_is_current(run)  # it is the copy load() reads
+    cells = load(run)
+    assert cells.client_loop_lag_s_max.isna().all() and str(cells.client_loop_lag_s_max.dtype) == "float64"
+    assert signature(cells) == signature(load(RUNS[0]))
