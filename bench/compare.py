@@ -287,7 +287,9 @@ def checks(baseline: Side, candidate: Side, allow_different_hardware: bool = Fal
     """Warnings about the pair of sides (printed before everything else); CompareError where the pair is
     bad input: a run compared with itself, or runs from different hardware (unless allowed)."""
     warnings = []
-    same_runs = [Path(r).resolve() for r in baseline.runs] == [Path(r).resolve() for r in candidate.runs]
+    ids_b = sorted(i.get("run_id") or "" for i in baseline.infos)
+    same_runs = [Path(r).resolve() for r in baseline.runs] == [Path(r).resolve() for r in candidate.runs] or \
+        (all(ids_b) and ids_b == sorted(i.get("run_id") or "" for i in candidate.infos))  # a copy of the run
     if same_runs and (baseline.backend == candidate.backend or
                       set(baseline.cells.backend) == set(candidate.cells.backend)):
         raise CompareError(

@@ -172,6 +172,15 @@ def test_a_run_compared_with_itself_is_refused_loudly():
     assert out.exit_code == 2 and "SELF-COMPARISON" in out.output
 
 
+def test_a_copy_of_a_run_compared_with_the_original_is_a_self_comparison(runs, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(runs["base"], copy)
+    out = kvbench("compare", runs["base"], copy)
+    assert out.exit_code == 2 and "SELF-COMPARISON" in out.output
+
+
 def test_single_run_itl_samples_are_the_metrics_own():
     """The bootstrap's ITL samples are kvbench.metrics' per-gap samples: tokens read together count as one
     chunk, tokens that came with the first chunk are TTFT's, and only ok requests count."""
