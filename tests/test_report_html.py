@@ -146,3 +146,16 @@ def test_one_colour_per_engine_and_no_boundary_panel_from_one_point(tmp_path):
     assert plots.kv_boundary(one, tmp_path / "b.png") is None  # a single point shows no boundary
     two = pd.concat([one, one.assign(concurrency=8, requests_running_peak=4.0, requests_waiting_peak=4.0)])
     assert plots.kv_boundary(two, tmp_path / "b.png") == tmp_path / "b.png"
+
+
+def test_compare_html_renders_its_forest_plot_and_table_in_headless_chromium(tmp_path):
+    base = make_run(tmp_path, "a", backends=[("vllm", "0.31.0")], prompts=(1024,), repeats=3, seed=1)
+    cand = make_run(tmp_path, "b", backends=[("vllm", "0.32.0")], prompts=(1024,), repeats=3, seed=2,
+                    scale={"vllm-0.32.0": {"latency": 1.2}})
+    result = CliRunner().invoke(app, ["compare", str(base), str(cand), "-o", str(tmp_path / "cmp")])
+    assert result.exit_code == 1, result.output
+    page = tmp_path / "cmp" / "compare.html"
+    assert not re.search(r"https?://", page.read_text()) and "<script" not in page.read_text()
+    seen = rendered(page, tmp_path)
+    assert seen["images_rendered"] == seen["expected_images"] == 1
+    assert seen["tables_rendered"] == seen["expected_tables"] == 1
