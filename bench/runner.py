@@ -24,7 +24,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from kvbench import models
+from kvbench import estimate, models
 from kvbench.backends import REGISTRY, gguf_converter
 from kvbench.backends.base import Backend
 from kvbench.backends.types import EngineStartError, ServerSpec
@@ -34,6 +34,7 @@ from kvbench.envs import EnvInstallError, ensure_env
 from kvbench.hardware import NVML, GPUBaseline, environment_info
 from kvbench.load import LoadPoint, LoadSettings, TimeoutStreak, frozen_heap, run, run_async
 from kvbench.load.open_loop import schedule_seed
+from kvbench.metrics import RequestTimes
 from kvbench.redact import redact_text
 from kvbench.results import ResultsWriteError, RunMode, RunWriter, ensure_parquet, load_cells, load_run_info
 from kvbench.samplers import EnginePoller, ProcessTreeMemorySampler, tree_rss
@@ -75,6 +76,7 @@ class RunOptions:
     # repeat), the order reversed on odd repeats (AB BA AB ...), so that drift of the machine hits every
     # side alike; compare then pairs the repeats by index
     interleave: bool = False
+    estimate: bool = True  # one calibration request per engine start, to say how long its cells will take
 
 
 def new_run_id(workload: str) -> str:
@@ -102,6 +104,7 @@ class Runner:
         # resuming: the cells that have rows already (any status) are kept, not run again
         self.finished: dict[str, float | None] = {}
         self.engine_stops: dict[str, dict] = {}
+        self.estimates: dict[str, dict] = {}
         if options.results_mode == "resume":
             done = load_cells(self.writer.root)
             self.finished = dict(zip(done.cell_id, done.requests_per_s))
@@ -204,6 +207,7 @@ class _EngineSession:
         self.gpu_baseline: GPUBaseline | None = None
         self.streak = TimeoutStreak(runner.o.max_consecutive_timeouts)
         self.stop_reason = "interrupted"  # until the session says otherwise
+        self.estimated: dict | None = None  # how long its cells were expected to take (bench/estimate.py)
         variant = {None: "", True: " (prefix caching on)", False: " (prefix caching off)"}[spec.prefix_caching]
         self.key = cfg.label + variant + ("" if repeat is None else f" repeat {repeat}")  # in run.json's engine_stops
 
@@ -302,6 +306,10 @@ class _EngineSession:
             self.stop_reason = f"backend failed: {type(exc).__name__}: {exc}"
             self.fail_remaining(self.stop_reason, _traceback_tail(exc) + "\n" + backend.log_tail())
         finally:
+            if self.estimated:  # the estimate beside what the cells took, so its error here can be read
+                self.estimated["took_s"] = round(time.monotonic() - self.estimated.pop("started"), 1)
+                r.estimates[self.key] = self.estimated
+                r.writer.update_run_info(estimates=r.estimates)
             self.progress.update(self.bar, description=f"{label}: stopping")
             survivors = backend.stop()
             if survivors:  # the stop could not end the engine's tree: its memory skews whatever runs next
@@ -341,15 +349,43 @@ class _EngineSession:
         return ", ".join(parts)
 
     def warm_up(self, backend: Backend) -> None:
+        """The workload's warm-up requests, then (for the estimate, once the engine is warm) a short and a
+        long calibration request; all are recorded as warm-up requests and count in no figure."""
+        w = self.plan.workload
         warmup = self.prompts.warmup()
-        if not warmup:
+        longest = max((w.prompt_tokens_sent(c.prompt_tokens, c.turn) for c in self.cells[self.done:]), default=0)
+        calibration = [self.prompts.builder.build(n, w.seed, f"calibration-{n}", 8)
+                       for n in sorted({min(32, longest), longest})] if self.r.o.estimate and longest else []
+        prompts = warmup + calibration
+        if not prompts:
             return
         self.progress.update(self.bar, description=f"{self.cfg.label}: warm-up")
-        load = run_async(run(backend, warmup, WARMUP_POINT, LoadSettings(self.r.o.request_timeout_s,
-                                                                         streak=self.streak)))
+        load = run_async(run(backend, prompts, WARMUP_POINT, LoadSettings(self.r.o.request_timeout_s,
+                                                                          streak=self.streak)))
         for result in load.results:
             self.r.writer.write_request(request_row(self.r.run_id, f"{self.cfg.label}_warmup", self.cfg.label, result,
                                                     warmup=True))
+        measured = [r for r in load.results[len(warmup):] if not r.error]
+        if calibration and measured:
+            self.estimate_cells([RequestTimes.of(r) for r in measured], [r.prompt_tokens_sent for r in measured])
+
+    def estimate_cells(self, times: list[RequestTimes], prompt_tokens: list[int]) -> None:
+        """Say how long this engine's cells will take here (bench/estimate.py), and record it."""
+        points = [(p, t.ttft) for p, t in zip(prompt_tokens, times) if t.ttft is not None]
+        itls = sorted(x for t in times for x in t.itl_samples())
+        if not points or not itls:
+            return
+        cal = estimate.Calibration.from_points(min(points), max(points), itls[len(itls) // 2])
+        w, cells = self.plan.workload, self.cells[self.done:]
+        seconds = sum(estimate.cell_seconds(cal, w.prompt_tokens_sent(c.prompt_tokens, c.turn), w.output_tokens,
+                                            w.requests_per_cell(c.load.concurrency, c.load.request_rate),
+                                            c.load.concurrency, c.load.request_rate) for c in cells)
+        self.estimated = {"estimated_s": round(seconds, 1), "cells": len(cells), "started": time.monotonic(),
+                          "prefill_tokens_per_s": round(1 / cal.prefill_s_per_token) if cal.prefill_s_per_token else None,
+                          "decode_tokens_per_s": round(1 / cal.decode_s_per_token) if cal.decode_s_per_token else None}
+        self.r.console.print(f"{self.cfg.label}: about {estimate.describe(seconds)} for its {len(cells)} cells on "
+                             f"this machine (from its {min(points)[0]}- and {max(points)[0]}-token calibration "
+                             f"prompts; rough, see bench/estimate.py)")
 
     def measure(self, backend: Backend, cell: Cell) -> CellMeasurement:
         """One cell: the load with the samplers running alongside, and the engine's figures around it."""
