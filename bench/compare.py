@@ -563,8 +563,9 @@ def write_html(result: dict, path: Path, plot: Path | None = None) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     plot = plot or path.with_name(path.stem + "_forest.png")
-    made = plots.forest(result, plot)
-    path.write_text(html.render_compare(result, results_frame(result), made, repeats_lines(result)))
+    made = plots.forest(result, plot, _where)
+    path.write_text(html.render_compare(result, results_frame(result), made, repeats_lines(result),
+                                        verdict_line(result)))
     return path
 
 

@@ -100,17 +100,16 @@ def render(report) -> str:
     return "\n".join(out) + "\n"
 
 
-def render_compare(result: dict, frame, plot, needed: list[str]) -> str:
-    """``kvbench compare``'s page: the verdict and summary, the warnings, the forest plot, the table."""
-    from kvbench.compare import verdict_line
-
+def render_compare(result: dict, frame, plot, needed: list[str], verdict: str) -> str:
+    """``kvbench compare``'s page: the verdict and summary (``verdict``, Markdown), the warnings, the forest
+    plot, the table."""
     title = "kvbench compare: " + ", ".join(result["baseline"]["runs"]) + " -> " + ", ".join(result["candidate"]["runs"])
     ci = f"{result['confidence']:.0%} CI"
     out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
            f'<meta name="kvbench-tables" content="{0 if frame.empty else 1}">',
            f'<meta name="kvbench-images" content="{1 if plot else 0}">',
            f"<title>{html.escape(title)}</title>", f"<style>{CSS}</style>", "</head>", "<body>",
-           f"<h1>{html.escape(title)}</h1>", f'<div class="header"><p>{inline(verdict_line(result))}</p></div>']
+           f"<h1>{html.escape(title)}</h1>", f'<div class="header"><p>{inline(verdict)}</p></div>']
     for w in result.get("warnings", []):
         out.append(f'<p style="color:#b00020"><strong>WARNING</strong> {inline(w)}</p>')
     out.append(f"<p>Repeats: {html.escape(result.get('pairing', ''))}. Change = candidate / baseline - 1; "

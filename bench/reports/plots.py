@@ -333,15 +333,14 @@ VERDICT_COLORS = {"regression": "#d62728", "improvement": "#2ca02c", "unchanged"
                   "inconclusive": "#ff7f0e"}
 
 
-def forest(result: dict, out: Path) -> Path | None:
+def forest(result: dict, out: Path, where=lambda key: str(key)) -> Path | None:
     """``kvbench compare``'s forest plot: per cell and metric, the change (candidate / baseline, log axis)
-    with its confidence interval, over the metric's tolerance band, coloured by verdict."""
+    with its confidence interval, over the metric's tolerance band, coloured by verdict. ``where`` names a
+    cell from its key (kvbench.compare passes its own)."""
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter
 
-    from kvbench.compare import _where
-
-    rows = [(f"{_where(c['key'])} · {m['metric']}" + (" (lower is worse)" if m["worse"] == "lower" else ""), m)
+    rows = [(f"{where(c['key'])} · {m['metric']}" + (" (lower is worse)" if m["worse"] == "lower" else ""), m)
             for c in result["cells"] for m in c["metrics"] if m["ci_low"] is not None]
     if not rows:
         return None
