@@ -9,7 +9,7 @@ from kvbench.results import ResultsReadError
 
 
 def compare(
-    runs: list[Path] = typer.Argument(..., help="BASELINE CANDIDATE run folders, or one run holding both "
+    runs: list[Path] = typer.Argument(..., metavar="RUN_DIR", help="BASELINE CANDIDATE run folders, or one run holding both "
                                                 "(with --baseline-backend and --candidate-backend)."),
     baseline_backend: str = typer.Option(None, "--baseline-backend", help="Backend label of the baseline, e.g. vllm-0.31.0."),
     candidate_backend: str = typer.Option(None, "--candidate-backend", help="Backend label of the candidate, e.g. vllm-0.32.0."),

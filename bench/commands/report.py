@@ -10,7 +10,7 @@ from kvbench.results import ResultsReadError, ResultsWarning, ResultsWriteError,
 
 
 def report(
-    run_dirs: list[Path] = typer.Argument(..., help="One or more run folders under results/runs/ "
+    run_dirs: list[Path] = typer.Argument(..., metavar="RUN_DIR", help="One or more run folders under results/runs/ "
                                                     "(or any folder with run.json and cells.jsonl)."),
     output: Path = typer.Option(None, "--output", "-o", help="Write the Markdown here (default: RUN_DIR/report.md "
                                                              "for one run, results/reports/<ids>/report.md for several); "

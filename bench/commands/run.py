@@ -24,7 +24,7 @@ DEFAULT_BACKENDS = ["hf", "vllm", "llamacpp"]
 
 
 def run(
-    backend: list[str] = typer.Option(DEFAULT_BACKENDS, "--backend", "-b",
+    backend: list[str] = typer.Option(DEFAULT_BACKENDS, "--backend", "-b", metavar="BACKEND",
                                       help="ENGINE[@VERSION][:KEY=VALUE,...]; repeat for several. "
                                            f"Engines: {', '.join(sorted(REGISTRY))}."),
     model: str = typer.Option("smollm2", help="'smollm2' (embedded), a .gguf file or an HF model folder."),

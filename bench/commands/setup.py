@@ -9,7 +9,7 @@ from kvbench.suggest import model_names, with_hint
 
 
 def setup(
-    backend: list[str] = typer.Option(["hf", "vllm", "llamacpp"], "--backend", "-b",
+    backend: list[str] = typer.Option(["hf", "vllm", "llamacpp"], "--backend", "-b", metavar="BACKEND",
                                       help="ENGINE[@VERSION][:KEY=VALUE,...]; repeat for several (kvbench backends lists them)."),
     model: str = typer.Option("smollm2", help="Also prepare this model's HF-format copy."),
 ):

@@ -20,7 +20,7 @@ FAMILIES_TABLE = "kv_families.md"
 
 
 def validate(
-    backend: list[str] = typer.Option(["hf", "vllm", "llamacpp"], "--backend", "-b",
+    backend: list[str] = typer.Option(["hf", "vllm", "llamacpp"], "--backend", "-b", metavar="BACKEND",
                                       help="Engines to check: ENGINE[@VERSION]; repeat for several."),
     into: Path = typer.Option(None, help="A run folder to add the tables to (default: results/validation/)."),
     with_families: bool = typer.Option(False, "--families", help="Also measure the validation families (GQA, MQA, "
