@@ -230,18 +230,26 @@ def _samples(side: Side, rows: pd.DataFrame, source: str) -> list[float]:
     return side._samples[(keys, source)]
 
 
-def _values(rows: pd.DataFrame, name: str) -> dict[int, float]:
-    """repeat -> the metric's value, for the repeats that measured it."""
-    return {int(r): float(v) for r, v in zip(rows["repeat"], rows[name]) if not pd.isna(v)}
+def _values(rows: pd.DataFrame, name: str) -> list[tuple[int, float]]:
+    """(repeat, the metric's value) of the rows that measured it."""
+    return [(int(r), float(v)) for r, v in zip(rows["repeat"], rows[name]) if not pd.isna(v)]
 
 
-def _noise(vb: dict[int, float], vc: dict[int, float], paired: bool) -> float | None:
+def _pairs(vb: list[tuple[int, float]], vc: list[tuple[int, float]]):
+    """The values as pairs by repeat index ([b], [c]), or None when the sides do not pair up: a repeat index
+    twice on a side (several runs), or not the same repeats measured on both sides."""
+    db, dc = dict(vb), dict(vc)
+    if len(db) != len(vb) or len(dc) != len(vc) or set(db) != set(dc):
+        return None
+    keys = sorted(db)
+    return [db[k] for k in keys], [dc[k] for k in keys]
+
+
+def _noise(b: list[float], c: list[float], paired: bool) -> float | None:
     """The sd of one repeat's log value (pooled over the sides), or of one pair's log ratio when paired."""
+    lb, lc = np.log(b), np.log(c)
     if paired:
-        keys = sorted(vb)
-        d = np.log([vc[k] for k in keys]) - np.log([vb[k] for k in keys])
-        return float(np.std(d, ddof=1)) if d.size >= 2 else None
-    lb, lc = np.log(list(vb.values())), np.log(list(vc.values()))
+        return float(np.std(lc - lb, ddof=1)) if lb.size >= 2 else None
     if lb.size < 2 or lc.size < 2:
         return None
     return float(math.sqrt(((lb.size - 1) * lb.var(ddof=1) + (lc.size - 1) * lc.var(ddof=1))
@@ -252,19 +260,20 @@ def _interval(metric: Metric, b_rows, c_rows, baseline: Side, candidate: Side, c
               pairable: bool = False):
     """(interval or None, note, noise: the log-scale sd of a repeat or pair or None, paired)."""
     vb, vc = _values(b_rows, metric.name), _values(c_rows, metric.name)
-    if not vb or not vc:
-        return None, "not measured on " + ("either side" if not vb and not vc else
-                                           "the baseline" if not vb else "the candidate"), None, False
-    if min(vb.values()) <= 0 or min(vc.values()) <= 0:
+    b, c = [v for _, v in vb], [v for _, v in vc]
+    if not b or not c:
+        return None, "not measured on " + ("either side" if not b and not c else
+                                           "the baseline" if not b else "the candidate"), None, False
+    if min(b) <= 0 or min(c) <= 0:
         return None, "a value is 0: no relative change", None, False
-    if len(vb) >= 2 and len(vc) >= 2:
-        paired = pairable and set(vb) == set(vc) and len(b_rows) == len(vb) and len(c_rows) == len(vc)
-        if paired:
-            keys = sorted(vb)
-            interval = stats.paired_relative_change([vb[k] for k in keys], [vc[k] for k in keys], confidence)
+    if len(b) >= 2 and len(c) >= 2:
+        pairs = _pairs(vb, vc) if pairable else None
+        if pairs is not None:
+            b, c = pairs
+            interval = stats.paired_relative_change(b, c, confidence)
         else:
-            interval = stats.welch_relative_change(list(vb.values()), list(vc.values()), confidence)
-        return interval, "", _noise(vb, vc, paired), paired
+            interval = stats.welch_relative_change(b, c, confidence)
+        return interval, "", _noise(b, c, pairs is not None), pairs is not None
     if metric.requests:
         sb = _samples(baseline, b_rows, metric.requests)
         sc = _samples(candidate, c_rows, metric.requests)
@@ -277,9 +286,9 @@ def _interval(metric: Metric, b_rows, c_rows, baseline: Side, candidate: Side, c
             return None, (f"one repeat and {min(len(sb), len(sc))} request samples on the smaller side: too few for "
                           f"an interval (>= {stats.MIN_BOOTSTRAP_SAMPLES}); run with --repeats 2 or more"), None, False
     if metric.deterministic:
-        change = float(np.mean(list(vc.values())) / np.mean(list(vb.values())) - 1)
+        change = float(np.mean(c) / np.mean(b) - 1)
         return stats.Interval(change, change, change, "one value per side: deterministic metric, compared as is",
-                              len(vb), len(vc), confidence), "", None, False
+                              len(b), len(c), confidence), "", None, False
     return None, "one repeat per side: no interval (run with --repeats 2 or more)", None, False
 
 

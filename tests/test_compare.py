@@ -292,3 +292,11 @@ def test_a_planted_10_percent_ttft_regression_is_caught_at_10_repeats_and_noise_
     assert sum(m["verdict"] == "regression" for m in ttft) >= 3 and all(m["ci_high"] > 0.05 for m in ttft)
     quiet = as_json(kvbench("compare", base, same, "--format", "json"))
     assert quiet["exit_code"] == 0 and quiet["summary"]["regression"] == 0
+
+
+def test_pairs_only_when_each_repeat_index_is_once_on_each_side():
+    from kvbench.compare import _pairs
+
+    assert _pairs([(0, 1.0), (1, 2.0)], [(1, 4.0), (0, 3.0)]) == ([1.0, 2.0], [3.0, 4.0])
+    assert _pairs([(0, 1.0), (0, 2.0)], [(0, 3.0), (1, 4.0)]) is None  # two runs on a side: repeat 0 twice
+    assert _pairs([(0, 1.0), (1, 2.0)], [(0, 3.0), (2, 4.0)]) is None  # not the same repeats
