@@ -589,12 +589,18 @@ def normalize_dtypes(frame: pd.DataFrame, model: type[BaseModel]) -> pd.DataFram
     for the model's fields, :data:`DERIVED_DTYPES` for the derived ones); a missing field is added empty."""
     dtypes = {**column_dtypes(model), **{k: v for k, v in DERIVED_DTYPES.items()
                                          if k in frame.columns or (k == "run_dir")}}
+    import typing
+
+    lists = {name for name, info in model.model_fields.items()
+             if list in (typing.get_origin(info.annotation), info.annotation)}
     frame = frame.copy()
     for col, dtype in dtypes.items():
         if col not in frame.columns:
             frame[col] = pd.Series([None] * len(frame), index=frame.index, dtype="object")
         series = frame[col]
-        if dtype == "object":
+        if col in lists:  # a Parquet copy gives numpy arrays where the JSONL record has lists
+            frame[col] = series.map(lambda v: v.tolist() if hasattr(v, "tolist") and not isinstance(v, str) else v)
+        elif dtype == "object":
             frame[col] = series.astype(object).where(series.notna(), None) if len(series) else series.astype(object)
         elif dtype in ("float64", "Int64", "boolean"):
             frame[col] = pd.to_numeric(series.astype(object).where(series.notna(), None), errors="coerce") \
