@@ -3,7 +3,8 @@ cell's prompts, its :class:`LoadPoint` and :class:`LoadSettings`, and returns a 
 
 - :mod:`.concurrent`: closed loop, ``concurrency`` workers, each sends its next request when the last ends;
 - :mod:`.poisson`, :mod:`.constant`: open loop at a request rate (:mod:`.open_loop` sends on the schedule);
-- :mod:`.sweep`: which load points a workload asks for, including a sweep of rates up to saturation.
+- :mod:`.sweep`: which load points a workload asks for, including a sweep of rates up to saturation;
+- :mod:`.workers`: any profile from several processes (``LoadSettings.workers`` > 1), results merged.
 """
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ __all__ = ["PROFILES", "LoadPoint", "LoadResult", "LoadSettings", "TimeoutStreak
 
 
 async def run(backend, prompts: list, point: LoadPoint, settings: LoadSettings) -> LoadResult:
-    """Drive ``prompts`` through ``backend`` with the profile ``point`` names."""
+    """Drive ``prompts`` through ``backend`` with the profile ``point`` names (from ``settings.workers``
+    processes when more than one: :mod:`.workers`)."""
+    if settings.workers > 1:
+        from . import workers
+        return await workers.run(backend, prompts, point, settings)
     module = importlib.import_module(f"{__name__}.{profile_info(point.profile).module}")
     return await module.run(backend, prompts, point, settings)

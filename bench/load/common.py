@@ -70,6 +70,7 @@ class LoadSettings:
     duration_s: float | None = None  # no request starts after this many seconds (the ones in flight finish)
     seed: int = 0  # the arrival schedule's seed (open loops)
     streak: TimeoutStreak | None = None  # shared by the cells of one engine start
+    workers: int = 1  # load generator processes (bench/load/workers.py); 1: this process alone
 
 
 @dataclass
