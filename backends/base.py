@@ -14,12 +14,12 @@ from typing import ClassVar
 
 import httpx
 
+import kvbench.backends.streaming as streaming  # the module (its endpoint settings), not the package
 from kvbench.envs import Recipe
 from kvbench.kvmodel import kv_bytes_per_token
 from kvbench.models import ModelFiles
 from kvbench.redact import redact_url
 
-from . import streaming
 from .kvrules import KVCheck, KVQuestion, KVRules
 from .process import ServerProcess, free_port
 from .types import EngineStartError, EngineState, KVInUse, KVPool, RequestResult, ServerSpec

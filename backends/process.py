@@ -15,10 +15,10 @@ from pathlib import Path
 
 import httpx
 
-from . import guard
+from .guard import terminate
 from .types import LOCALHOST, EngineStartError
 
-GUARD_SCRIPT = Path(guard.__file__)
+GUARD_SCRIPT = Path(__file__).with_name("guard.py")  # run as a script: it imports only psutil
 
 
 def free_port(host: str = LOCALHOST) -> int:
@@ -172,7 +172,7 @@ class ServerProcess:
             except (subprocess.TimeoutExpired, ValueError, OSError):
                 self.guard.kill()
         if survivors is None:  # no guard to ask (it died): stop the session from here
-            survivors = guard.terminate(self.proc.pid, {}, grace_s)
+            survivors = terminate(self.proc.pid, {}, grace_s)
         try:
             self.proc.wait(timeout=5)  # reap the root (a zombie until its parent, the harness, waits)
         except subprocess.TimeoutExpired:

@@ -242,3 +242,10 @@ def plan(p: PlanInput) -> dict:
         "max_context_at_batch": max(0, _largest(fits_context, 1, geom.max_context or 10**7)),
     })
     return out
+
+
+def model_names() -> list[str]:
+    """The model names kvbench knows without a path or hub id (for "did you mean"): the embedded models and
+    the catalog's."""
+    from kvbench.models import EMBEDDED
+    return [*EMBEDDED, *catalog_names()]

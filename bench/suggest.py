@@ -31,9 +31,3 @@ def with_hint(message: str, word: str, choices: Iterable[str]) -> str:
             return f"{message[:at]}; {h}{message[at + 2:]}"
     return f"{message}; {h.strip()}"
 
-
-def model_names() -> list[str]:
-    """The model names kvbench knows without a path or hub id: the embedded models and the catalog's."""
-    from kvbench.models import EMBEDDED
-    from kvbench.planner import catalog_names
-    return [*EMBEDDED, *catalog_names()]

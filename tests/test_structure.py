@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # What the adapters may use of the harness: the data and helpers below them, never the runner, the load
 # generator, the planner or the reports.
 BELOW_THE_ADAPTERS = {"kvbench", "kvbench.configs", "kvbench.envs", "kvbench.hardware", "kvbench.kvmodel", "kvbench.models",
-                      "kvbench.units"}
+                      "kvbench.redact", "kvbench.suggest", "kvbench.units"}
 
 
 def package_dirs() -> dict[str, Path]:

@@ -5,8 +5,8 @@ import typer
 from kvbench import ui
 from kvbench.default_bench import DefaultBenchError, default_bench_for
 from kvbench.models import ModelError
-from kvbench.planner import PlanError
-from kvbench.suggest import model_names, with_hint
+from kvbench.planner import PlanError, model_names
+from kvbench.suggest import with_hint
 
 
 def default_bench(

@@ -7,6 +7,7 @@ from kvbench import reports, ui
 from kvbench.backends import REGISTRY
 from kvbench.config import BackendConfig, ConfigError
 from kvbench.models import ModelError
+from kvbench.planner import model_names
 from kvbench.results import (
     PlainNameError,
     ResultsReadError,
@@ -16,7 +17,7 @@ from kvbench.results import (
     load_cells,
 )
 from kvbench.runner import Runner, RunOptions
-from kvbench.suggest import model_names, with_hint
+from kvbench.suggest import with_hint
 from kvbench.workloads import WorkloadError, available
 from kvbench.workloads import load as load_workload
 

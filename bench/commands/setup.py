@@ -5,7 +5,8 @@ from kvbench import models, ui
 from kvbench.backends import REGISTRY, gguf_converter
 from kvbench.config import BackendConfig, ConfigError
 from kvbench.envs import EnvInstallError, ensure_env
-from kvbench.suggest import model_names, with_hint
+from kvbench.planner import model_names
+from kvbench.suggest import with_hint
 
 
 def setup(
