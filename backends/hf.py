@@ -78,7 +78,8 @@ class HFBackend(Backend):
     default_version = "5.24.0"
     #: The options this adapter reads (-b hf:KEY=VALUE); checked by BackendConfig.parse, listed by `kvbench backends`.
     option_specs = (
-        Option("engine_mode", str, "sized", "transformers has no pool to size: both modes run alike (recorded)",
+        Option("engine_mode", str, "sized", "transformers has no pool to size; deployed loads the model with "
+               "device_map=auto (accelerate spreads it over every GPU) unless device_map says otherwise",
                choices=("sized", "deployed")),
         Option("batch_wait_ms", int, 200, "how long the worker waits to fill a batch (--batch-wait-ms)"),
         Option("threads", int, None, "torch threads of the worker (--threads)", default_text="torch's own"),
@@ -167,14 +168,18 @@ class HFBackend(Backend):
                 "--batch-wait-ms", str(self.options.get("batch_wait_ms", 200))]
         if "threads" in self.options:
             argv += ["--threads", str(self.options["threads"])]
-        if self.options.get("device_map"):
-            argv += ["--device-map", str(self.options["device_map"])]
+        # deployed on a GPU machine: device_map=auto (every GPU), as transformers is deployed there
+        deployed_map = "auto" if self.options.get("engine_mode") == "deployed" and has_nvidia_gpu() else None
+        device_map = self.options.get("device_map") or deployed_map
+        if device_map:
+            argv += ["--device-map", device_map]
         return argv, {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 
     @classmethod
     def gpus_used(cls, options: dict) -> int:
-        """device_map=auto spreads the layers over every GPU found; otherwise one device."""
-        if options.get("device_map") != "auto" or not has_nvidia_gpu():
+        """device_map=auto (given, or deployed mode's) spreads the layers over every GPU found; else one."""
+        device_map = options.get("device_map") or ("auto" if options.get("engine_mode") == "deployed" else None)
+        if device_map != "auto" or not has_nvidia_gpu():
             return 1
         from kvbench.hardware import detect_gpus
 

@@ -322,7 +322,7 @@ class VLLMBackend(PrometheusPolled, Backend):
             argv += ["--kv-cache-memory-bytes", str(pool_bytes)]
         elif "gpu_memory_utilization" in self.options:
             argv += ["--gpu-memory-utilization", str(self.options["gpu_memory_utilization"])]
-        tp = self.gpus_used(self.options)
+        tp = int(self.options.get("tp") or 1)
         if tp > 1:
             argv += ["--tensor-parallel-size", str(tp)]
         eager = self.options.get("enforce_eager")

@@ -141,7 +141,8 @@ class PlanInput:
     tp: int = 1
     engine: str | None = None  # None: the plain formula
     gpu: str | None = None
-    overhead_gib: float = 1.5  # CUDA context, activations, graphs: an assumption, per GPU
+    overhead_gib: float = 1.5  # CUDA context, activations, graphs: an assumption, per GPU (see measured_overhead)
+    overhead_source: str = "assumed"  # where overhead_gib came from
     margin: float = 0.10  # fraction of the GPU kept free
     block_size: int | None = None
     device: str = "gpu"  # engines size some things per device (vLLM's block size)
@@ -224,7 +225,7 @@ def plan(p: PlanInput) -> dict:
     gpu_name, gpu_bytes = gpu_memory(p.gpu)
     usable = gpu_bytes * (1 - p.margin)
     out.update({"gpu": gpu_name, "gpu_memory_bytes": gpu_bytes, "margin": p.margin, "usable_bytes": usable,
-                "overhead_bytes": p.overhead_gib * GIB})
+                "overhead_bytes": p.overhead_gib * GIB, "overhead_source": p.overhead_source})
     if p.model.weights_bytes is None:  # the KV answer stands; whether it fits cannot be said
         out.update({"weights_bytes_per_gpu": None, "needed_bytes_per_gpu": None, "fits": None, "max_batch": None,
                     "max_context_at_batch": None})
@@ -249,3 +250,41 @@ def model_names() -> list[str]:
     the catalog's."""
     from kvbench.models import EMBEDDED
     return [*EMBEDDED, *catalog_names()]
+
+
+# --- the overhead measured in a run ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MeasuredOverhead:
+    bytes: float  # per GPU
+    source: str  # which run, engine, model and cell it came from
+    cells: int  # cells that measured it
+
+
+def measured_overhead(run_dir: str | Path, engine: str | None = None, model: str | None = None) -> MeasuredOverhead:
+    """The largest runtime overhead per GPU a run measured (``gpu_overhead_bytes_per_gpu``: NVML's device use
+    over the idle baseline on the fullest GPU, minus the weights and the KV pool the engine reported), over
+    its ok cells of ``engine`` (and ``model``) where given: the largest, since a plan must hold at every load
+    the run measured. A run with no such cell is a PlanError saying why."""
+    from kvbench.results import OK_STATUSES, load_cells
+
+    path = Path(run_dir).expanduser()
+    if not (path / "cells.jsonl").exists():
+        raise PlanError(f"--overhead-from {run_dir}: not a run folder (no cells.jsonl)")
+    cells = load_cells(path)
+    if cells.empty or "gpu_overhead_bytes_per_gpu" not in cells:
+        raise PlanError(f"--overhead-from {run_dir}: the run has no cells")
+    measured = cells[cells.status.isin(OK_STATUSES) & cells.gpu_overhead_bytes_per_gpu.notna()]
+    if engine:
+        measured = measured[measured.engine == engine.lower()]
+    if model:
+        same = measured[measured.model == model]
+        measured = same if not same.empty else measured  # the run's model may be named differently
+    if measured.empty:
+        raise PlanError(f"--overhead-from {run_dir}: no ok cell{' of ' + engine if engine else ''} measured the "
+                        "overhead (a GPU run whose engine reported its weights; CPU runs have none)")
+    top = measured.loc[measured.gpu_overhead_bytes_per_gpu.idxmax()]
+    mode = f", {top.engine_mode}" if top.get("engine_mode") else ""
+    return MeasuredOverhead(float(top.gpu_overhead_bytes_per_gpu),
+                            f"measured: {path.name}, {top.backend}{mode}, {top.model}, cell {top.cell_id} "
+                            f"(largest of {len(measured)} cells)", len(measured))

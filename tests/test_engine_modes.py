@@ -291,3 +291,9 @@ def test_transformers_spreads_over_gpus_with_device_map(tmp_path, monkeypatch):
     monkeypatch.setattr("kvbench.hardware.detect_gpus", lambda nvml=None: ["a", "b"])
     monkeypatch.setenv("KVBENCH_GPU", "1")
     assert HFBackend.gpus_used({"device_map": "auto"}) == 2 and HFBackend.gpus_used({}) == 1
+    assert HFBackend.gpus_used({"engine_mode": "deployed"}) == 2
+    argv, _ = HFBackend("5.24.0", tmp_path, {"engine_mode": "deployed"}).command(spec(tmp_path))
+    assert value(argv, "--device-map") == "auto"
+    monkeypatch.setenv("KVBENCH_GPU", "0")
+    argv, _ = HFBackend("5.24.0", tmp_path, {"engine_mode": "deployed"}).command(spec(tmp_path))
+    assert "--device-map" not in argv

@@ -318,3 +318,52 @@ def test_an_encoder_is_refused(tmp_path):
             "max_position_embeddings": 512}
     code, output = plan_cli(write(tmp_path, bert), "--context", "256")
     assert code == 2 and "bert is an encoder (a masked language model)" in output
+
+
+# --- issue 15 item 4: the overhead measured in a run -----------------------------------------------
+
+def _overhead_run(tmp_path, rows: list[dict]) -> Path:
+    """A run folder whose cells carry the per-GPU overhead figures a GPU run writes (no GPU needed)."""
+    from kvbench.results import CellRow
+
+    run = tmp_path / "gpu-run"
+    run.mkdir()
+    base = dict(run_id="gpu-run", workload="gpu_long_context", prompt_tokens=1024, output_tokens=128,
+                concurrency=1, kv_dtype="bf16", model="Qwen/Qwen2.5-7B-Instruct", engine_mode="deployed")
+    lines = [CellRow(**{**base, "cell_id": f"c{i}", "backend": f"{r['engine']}-1", "engine_version": "1", **r})
+             .model_dump_json() for i, r in enumerate(rows)]
+    (run / "cells.jsonl").write_text("\n".join(lines) + "\n")
+    return run
+
+
+def test_plan_takes_the_overhead_a_run_measured(tmp_path):
+    run = _overhead_run(tmp_path, [
+        {"engine": "vllm", "status": "ok", "gpu_overhead_bytes_per_gpu": 3.25 * GIB},
+        {"engine": "vllm", "status": "ok", "gpu_overhead_bytes_per_gpu": 2.0 * GIB},
+        {"engine": "vllm", "status": "failed", "gpu_overhead_bytes_per_gpu": 9.0 * GIB},  # failed: not counted
+        {"engine": "llamacpp", "status": "ok", "gpu_overhead_bytes_per_gpu": 0.75 * GIB},
+        {"engine": "hf", "status": "ok"}])  # not measured
+    args = ["plan", "llama-3.1-8b", "--context", "8192", "--gpu", "H100-80GB", "--json"]
+    assumed = json.loads(runner.invoke(app, args).stdout)
+    vllm = json.loads(runner.invoke(app, [*args, "--engine", "vllm", "--overhead-from", str(run)]).stdout)
+    llama = json.loads(runner.invoke(app, [*args, "--engine", "llamacpp", "--overhead-from", str(run)]).stdout)
+    assert assumed["overhead_bytes"] == 1.5 * GIB and assumed["overhead_source"] == "assumed"
+    assert vllm["overhead_bytes"] == 3.25 * GIB and "largest of 2 cells" in vllm["overhead_source"]
+    assert "vllm-1, deployed" in vllm["overhead_source"] and "gpu-run" in vllm["overhead_source"]
+    assert llama["overhead_bytes"] == 0.75 * GIB
+    # the measured figure moves the answer: more overhead, fewer sequences fit
+    assert vllm["needed_bytes_per_gpu"] - llama["needed_bytes_per_gpu"] > 2 * GIB
+    assert vllm["max_batch"] <= llama["max_batch"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--engine", "hf"], "no ok cell of hf measured the overhead"),
+    (["--overhead-gib", "2"], "give one"),
+])
+def test_overhead_from_a_run_that_did_not_measure_it_says_so(tmp_path, extra, message):
+    run = _overhead_run(tmp_path, [{"engine": "hf", "status": "ok"}])
+    out = runner.invoke(app, ["plan", "llama-3.1-8b", "--context", "100", "--gpu", "H100-80GB",
+                              "--overhead-from", str(run), *extra])
+    assert out.exit_code == 2 and message in out.output, out.output
+    missing = runner.invoke(app, ["plan", "llama-3.1-8b", "--context", "100", "--overhead-from", str(tmp_path)])
+    assert missing.exit_code == 2 and "not a run folder" in missing.output

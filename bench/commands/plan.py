@@ -7,9 +7,18 @@ from rich.table import Table
 from kvbench import ui
 from kvbench.config import ConfigError, parse_options
 from kvbench.kvmodel import KV_DTYPE_BYTES
-from kvbench.planner import PlanError, PlanInput, catalog_names, engine_rules, engines, plan, resolve_model
+from kvbench.planner import (
+    PlanError,
+    PlanInput,
+    catalog_names,
+    engine_rules,
+    engines,
+    measured_overhead,
+    plan,
+    resolve_model,
+)
 from kvbench.suggest import hint, with_hint
-from kvbench.units import fmt_gib
+from kvbench.units import GIB, fmt_gib
 
 
 def plan_command(
@@ -33,7 +42,11 @@ def plan_command(
                                                                        "hybrid_kv_cache=off (vLLM), unified=true "
                                                                        "(llama.cpp); repeat for several."),
     weights_dtype: str = typer.Option("bf16", help="Weights dtype when only a config gives the parameter count."),
-    overhead_gib: float = typer.Option(1.5, help="Runtime overhead per GPU (CUDA context, activations): an assumption."),
+    overhead_gib: float = typer.Option(None, help="Runtime overhead per GPU (CUDA context, activations, graphs); "
+                                                  "default 1.5, an assumption, unless --overhead-from."),
+    overhead_from: str = typer.Option(None, "--overhead-from", metavar="RUN",
+                                      help="Take the overhead per GPU a GPU run measured (its largest over the cells "
+                                           "of --engine, if given) instead of the 1.5 GiB assumption."),
     margin: float = typer.Option(0.10, help="Fraction of GPU memory kept free, from 0 to below 1."),
     allow_long_context: bool = typer.Option(False, help="Plan a context beyond the model's max_position_embeddings."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -42,9 +55,16 @@ def plan_command(
     try:
         options = parse_options(",".join(engine_option), "--engine-option")
         _check_engine_options(engine, options)
+        if overhead_from is not None and overhead_gib is not None:
+            raise PlanError("--overhead-gib and --overhead-from: give one")
+        source = "assumed" if overhead_gib is None else "given"
+        if overhead_from is not None:
+            found = measured_overhead(overhead_from, engine)
+            overhead_gib, source = found.bytes / GIB, found.source
         m = resolve_model(model, weights_dtype)
         result = plan(PlanInput(model=m, context=context, batch=batch, kv_dtype=kv_dtype, tp=tp, engine=engine,
-                                gpu=gpu, overhead_gib=overhead_gib, margin=margin, block_size=block_size,
+                                gpu=gpu, overhead_gib=1.5 if overhead_gib is None else overhead_gib,
+                                overhead_source=source, margin=margin, block_size=block_size,
                                 device=device, engine_version=engine_version, engine_options=options,
                                 allow_long_context=allow_long_context))
     except (PlanError, ConfigError) as exc:
@@ -72,6 +92,7 @@ def plan_command(
             t.add_row("per GPU", f"weights {fmt_gib(result['weights_bytes_per_gpu'])} + KV "
                       f"{fmt_gib(result['kv_bytes_per_gpu'] + result['kv_pool_extra_bytes'])} + overhead "
                       f"{fmt_gib(result['overhead_bytes'])} = {fmt_gib(result['needed_bytes_per_gpu'])}")
+            t.add_row("overhead", escape(result["overhead_source"]))
             t.add_row("usable", f"{fmt_gib(result['usable_bytes'])} of {result['gpu']} "
                       f"{fmt_gib(result['gpu_memory_bytes'])} ({result['margin']:.0%} kept free)")
             t.add_row("fits", "[green]yes[/]" if result["fits"] else "[red]no[/]")
