@@ -9,10 +9,14 @@ STAMP := $(VENV)/.kvbench-setup
 # What `make bench` runs; override e.g. make bench ENGINES="-b vllm" BENCH_ARGS="--workload smoke".
 BENCH_ARGS ?=
 ENGINES ?= -b hf -b vllm -b llamacpp
-MODEL ?= smollm2
 # A machine where nvidia-smi lists a GPU gets the GPU default benchmark (CUDA builds of the engines, the
 # gpu_long_context ladder sized for the card by `kvbench default-bench`); DEVICE=cpu forces the CPU default.
 DEVICE ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo gpu || echo cpu)
+# The model: on a GPU a real ungated 7B instruct model from the hub (bench/default_bench.py GPU_MODEL says
+# why; downloaded once into the hub cache, HF_TOKEN read from the environment if set), its GGUF for llama.cpp
+# made by llama.cpp's own converter; on a CPU the embedded SmolLM2-135M. MODEL=org/name or a path overrides.
+GPU_MODEL := Qwen/Qwen2.5-7B-Instruct
+MODEL ?= $(if $(filter gpu,$(DEVICE)),$(GPU_MODEL),smollm2)
 # The engines' recipes read this to choose their CUDA builds (bench/hardware.py).
 export KVBENCH_GPU := $(if $(filter gpu,$(DEVICE)),1,0)
 ifeq ($(DEVICE),gpu)

@@ -185,6 +185,8 @@ class LlamaCppBackend(Backend):
         Option("engine_mode", str, "sized", "sized: -c and -np set by kvbench for the workload; deployed: "
                "llama-server's own context and slots, every layer on the GPU (-ngl 999)",
                choices=("sized", "deployed")),
+        Option("gguf", str, None, "a GGUF file to serve instead of the model's own",
+               default_text="the model's GGUF, or one llama.cpp's converter makes from its HF folder"),
         Option("threads", int, None, "generation threads (-t)", default_text="1 on <= 2 cores, else cores/2"),
         Option("batch_threads", int, None, "prompt-processing threads (-tb)", default_text="all cores"),
         Option("split_mode", str, None, "how several GPUs share the model (--split-mode)",
@@ -325,7 +327,7 @@ class LlamaCppBackend(Backend):
         return out
 
     def command(self, spec: ServerSpec):
-        gguf = spec.model.gguf_path
+        gguf = self.options.get("gguf") or spec.model.gguf_path
         if gguf is None:  # an HF folder (a hub id): llama.cpp's converter makes the GGUF from the same weights
             gguf = self.gguf_for(spec.model)
         deployed = self.options.get("engine_mode", "sized") == "deployed"

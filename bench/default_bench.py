@@ -13,6 +13,13 @@ from kvbench.planner import PlanInput
 from kvbench.units import GIB
 
 CPU_WORKLOAD = "long_context_ladder"
+CPU_MODEL = "smollm2"  # the embedded SmolLM2-135M GGUF: no download
+# The GPU default model: what people deploy on one GPU, ungated (no licence to accept, no HF_TOKEN), Apache-2.0,
+# an architecture every engine serves (Qwen2: vLLM, llama.cpp's converter, TGI, transformers), 7.6 B parameters
+# (15.2 GB of bf16 safetensors) and GQA with 4 KV heads (57,344 B/token) with a 32K context. Llama-3.1-8B is
+# gated: `make bench` could not download it unattended. llama.cpp serves a GGUF made from these same weights
+# by llama.cpp's own converter (LlamaCppBackend.gguf_for), unless -b llamacpp:gguf=FILE names one.
+GPU_MODEL = "Qwen/Qwen2.5-7B-Instruct"
 GPU_WORKLOAD = "gpu_long_context"
 ENGINES = ("hf", "vllm", "llamacpp")
 # GPU sizing: a share of the card kept free, and the runtime overhead besides weights and KV
@@ -104,6 +111,11 @@ def model_sizing(model: str) -> tuple[float, float, int | None]:
         weights = 2 * sum(int(t.n_elements) for t in GGUFReader(path).tensors)
     geom = planned.geometry
     return kv_bytes_per_token(geom, "bf16"), weights, geom.max_context
+
+
+def default_model() -> str:
+    """The model `make bench` runs here: :data:`GPU_MODEL` on a GPU machine, :data:`CPU_MODEL` otherwise."""
+    return GPU_MODEL if has_nvidia_gpu() else CPU_MODEL
 
 
 def default_bench_for(model: str = "smollm2", gpus: list[GPUInfo] | None = None) -> DefaultBench:

@@ -105,3 +105,78 @@ def test_run_resolves_a_hub_id_to_the_whole_model(hub, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0] == "org/tiny" and "'model.safetensors'" in out.stdout and "README" not in out.stdout
+
+
+# --- issue 15 item 1: a hub model on every engine, the GPU default -------------------------------------
+
+# Qwen/Qwen2.5-7B-Instruct's config.json (the architecture fields; the Instruct model's context is 32K)
+QWEN25_7B_INSTRUCT = json.dumps({
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 32768,
+    "max_window_layers": 28, "sliding_window": 131072, "use_sliding_window": False, "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-06, "vocab_size": 152064, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151645})
+
+def test_llamacpp_makes_the_gguf_of_a_hub_model_once_with_llamas_converter(tmp_path, monkeypatch):
+    """An HF folder (what a hub id resolves to) has no GGUF: llama.cpp's adapter converts it once with
+    llama.cpp's own converter (gguf_from_hf, stubbed here), caches it by the folder's hash, and serves it;
+    -b llamacpp:gguf=FILE serves the user's file instead."""
+    from kvbench.backends.llamacpp import LlamaCppBackend
+    from kvbench.backends.types import ServerSpec
+    from kvbench.configs import geometry_from_hf
+    from kvbench.models import ModelFiles
+
+    monkeypatch.setenv("KVBENCH_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr("kvbench.backends.llamacpp.ensure_env", lambda recipe, log=print: tmp_path / "hf-env")
+    calls = []
+
+    def convert(cls, python, pairs, log=print, version=None, outtype="f16"):
+        calls.append((str(python), [(str(a), str(b)) for a, b in pairs], outtype))
+        for _, out in pairs:
+            Path(out).write_bytes(b"GGUF")
+        return ["ok"] * len(pairs)
+
+    monkeypatch.setattr(LlamaCppBackend, "gguf_from_hf", classmethod(convert))
+    folder = tmp_path / "snapshot"
+    folder.mkdir()
+    (folder / "config.json").write_text(QWEN25_7B_INSTRUCT)
+    model = ModelFiles("Qwen/Qwen2.5-7B-Instruct", folder, None, "ab" * 32, geometry_from_hf(folder))
+    spec = ServerSpec(model=model, max_context=1024, max_concurrency=1, kv_dtype="auto", port=8000)
+    backend = LlamaCppBackend("0.3.36", tmp_path / "llama-env", {})
+    argv, _ = backend.command(spec)
+    gguf = tmp_path / "home" / "models" / ("ab" * 8) / "Qwen2.5-7B-Instruct.gguf"
+    assert argv[argv.index("-m") + 1] == str(gguf) and gguf.read_bytes() == b"GGUF"
+    assert calls == [(str(tmp_path / "hf-env" / "bin" / "python"), [(str(folder), str(gguf) + ".partial")], "auto")]
+    backend.command(spec)
+    assert len(calls) == 1  # cached: converted once
+    mine = tmp_path / "mine.gguf"
+    argv, _ = LlamaCppBackend("0.3.36", tmp_path / "llama-env", {"gguf": str(mine)}).command(spec)
+    assert argv[argv.index("-m") + 1] == str(mine)
+
+
+def test_the_gpu_default_is_a_real_ungated_model_sized_from_the_hub(hub, tmp_path):
+    """On a GPU machine `make bench` runs Qwen2.5-7B-Instruct (bench/default_bench.py GPU_MODEL; the
+    Makefile names the same); its ladder is sized from the hub's config and safetensors index, with a token
+    in the environment that is sent but written nowhere."""
+    from kvbench import default_bench
+
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"GPU_MODEL := {default_bench.GPU_MODEL}" in makefile
+    config = QWEN25_7B_INSTRUCT.encode()
+    index = json.dumps({"metadata": {"total_size": 15_231_233_024}, "weight_map": {}}).encode()
+    hub.repos[default_bench.GPU_MODEL] = {"config.json": config, "model.safetensors.index.json": index}
+    code = ("from kvbench import default_bench as d; from kvbench.hardware import GPUInfo; import os; "
+            "os.environ['KVBENCH_GPU'] = '1'; assert d.default_model() == d.GPU_MODEL; "
+            "p = d.gpu_default_bench(d.default_model(), [GPUInfo('NVIDIA H100 80GB HBM3', 81559 * 2**20)]); "
+            "print(p.max_context, p.workload); print(p.note)")
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "0",
+           "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": TOKEN, "KVBENCH_HOME": str(tmp_path / "home")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, note = out.stdout.splitlines()[:2]
+    # 15.2 GB of weights + 1.5 GiB + 16 sequences x 57,344 B/token within 90 % of 80 GiB: the model's whole
+    # 32K context fits (about 64K tokens would)
+    assert first == "None gpu_long_context" and "weights 14.19 GiB" in note and "57,344 B/token" in note
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert written and not any(TOKEN.encode() in p.read_bytes() for p in written)
+    assert default_bench.default_model() in (default_bench.GPU_MODEL, default_bench.CPU_MODEL)

@@ -3,19 +3,21 @@ import json
 import typer
 
 from kvbench import ui
-from kvbench.default_bench import DefaultBenchError, default_bench_for
+from kvbench.default_bench import DefaultBenchError, default_bench_for, default_model
 from kvbench.models import ModelError
 from kvbench.planner import PlanError, model_names
 from kvbench.suggest import with_hint
 
 
 def default_bench(
-    model: str = typer.Option("smollm2", help="The model the run will use (sizes the GPU ladder)."),
+    model: str = typer.Option(None, help="The model the run will use (sizes the GPU ladder); default: "
+                                         "Qwen/Qwen2.5-7B-Instruct on a GPU machine, smollm2 otherwise."),
     args: bool = typer.Option(False, "--args", help="Print only the `kvbench run` arguments (workload, context cap)."),
     make: bool = typer.Option(False, "--make", help="Print DEVICE=, ENGINES= and DEFAULT_ARGS= lines."),
     as_json: bool = typer.Option(False, "--json", help="Print the default benchmark as one JSON object."),
 ):
     """Which benchmark `make bench` runs here: the CPU default, or the GPU one sized for the card."""
+    model = model or default_model()
     try:
         p = default_bench_for(model)
     except (DefaultBenchError, ModelError, PlanError) as exc:
