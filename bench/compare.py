@@ -156,6 +156,9 @@ def load_side(name: str, run_dirs: list[Path], backend: str | None = None) -> Si
         if problem := not_a_run_dir(d):
             raise CompareError(problem)
     cells = load(run_dirs, what="cells")
+    # a deployment is compared by its total rows; its rows per replica (a part of the same cell) stay out
+    if "replica" in cells:
+        cells = cells[cells.replica.fillna("") == ""]
     if backend is not None:
         if backend not in set(cells.backend):
             raise CompareError(f"{name}: no backend {backend!r} in {', '.join(map(str, run_dirs))} "

@@ -104,6 +104,11 @@ BOUNDARY_INTRO = ("The KV boundary: how many sequences of the cell's length the 
                   "waited or were preempted (its own counters, polled at 10 Hz; schema v2 runs). Past the "
                   "boundary an engine must queue requests or preempt running ones. The `kv_boundary` workload "
                   "sizes the pool below the concurrency on purpose; llama.cpp runs at most one sequence per slot.")
+DEPLOYMENT_INTRO = ("A deployment (several replicas of one engine as one backend: `-b 'ENGINE:url=A,url=B'`) has "
+                    "a total row (\"total (N replicas)\": every request; KV in use and the queue summed over the "
+                    "replicas at each poll; the pool and the sequences it holds summed) and a row per replica "
+                    "(its own pool, KV and queue, and the requests it served; through a gateway, its KV and queue "
+                    "only). Which replica queued first: the first poll that found requests waiting on it.")
 REPEATS_NOTE = " Cells run several times (rep > 1) show the mean over their repeats."
 
 
@@ -204,7 +209,12 @@ def _build(run_dirs: list[Path], plots_dir: Path | None) -> Report:
                 code_blocks=[(f"log tail of {cid}", tail) for cid, tail in tables.log_tails(agg)]),
         *_validation(run_dirs, infos),
     ]
-    figures = make_plots(run_dirs, agg, plots_dir) if plots_dir is not None else []
+    if tables.deployments(agg):  # after the boundary: which replica of a deployment queued first
+        lines = tables.queued_first_lines(agg)
+        sections.insert(3, Section("Deployments: which replica queued first", DEPLOYMENT_INTRO,
+                                   note="\n".join(f"- {line}" for line in lines) or "(no finished deployment cells)"))
+    # the plots draw whole backends: a deployment's total, not its replicas beside it
+    figures = make_plots(run_dirs, tables.totals(agg), plots_dir) if plots_dir is not None else []
     return Report(title, headers, sections, figures)
 
 

@@ -87,7 +87,7 @@ def render(report) -> str:
             if s.caption:
                 out.append(f'<p class="caption">{inline(s.caption)}</p>')
         if s.note:
-            out.append(f"<p>{inline(s.note)}</p>")
+            out.append("<p>" + "<br>\n".join(inline(line) for line in s.note.splitlines()) + "</p>")
         for title, text in s.code_blocks:
             out.append(f"<p>{html.escape(title)}:</p><pre>{html.escape(text)}</pre>")
         out += [_figure(f) for f in placed.get(id(s), [])]

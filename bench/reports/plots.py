@@ -81,7 +81,10 @@ def memory_timeline(run_dir: Path, cell: pd.Series, requests: pd.DataFrame, out:
     if not path.exists():
         return None
     tl = pd.read_csv(path)
-    mem, kv = tl[tl.series == "memory"], tl[tl.series == "kv"]
+    # a deployment's timeline has each replica's KV beside the total (replica "": the total, or one server)
+    replica = tl.replica.fillna("") if "replica" in tl else pd.Series("", index=tl.index)
+    mem, kv = tl[tl.series == "memory"], tl[(tl.series == "kv") & (replica == "")]
+    per_replica = tl[(tl.series == "kv") & (replica != "")]
     if mem.empty and kv.empty:
         return None
     fig, ax = plt.subplots(figsize=(9, 4.2), layout="constrained")
@@ -92,6 +95,8 @@ def memory_timeline(run_dir: Path, cell: pd.Series, requests: pd.DataFrame, out:
     ax.set(xlabel="seconds since the cell started", ylabel="memory (MiB)", title=f"{cell.label}: {cell_id}")
     ax2 = ax.twinx()
     ax2.plot(kv.t_s, kv.kv_bytes_in_use / MIB, color="tab:red", label="KV in use (engine)")
+    for name, part in per_replica.groupby(replica[per_replica.index]):
+        ax2.plot(part.t_s, part.kv_bytes_in_use / MIB, linestyle="--", lw=1, label=f"KV in use, replica {name}")
     ax2.set_ylabel("KV in use (MiB)")
     reqs = requests[(requests.cell_id == cell_id) & (requests.run_id == cell.run_id)] if not requests.empty else requests
     if "repeat" in reqs and not reqs.empty:

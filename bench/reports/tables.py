@@ -64,8 +64,9 @@ def load_label(r) -> str:
 
 def aggregate(cells: pd.DataFrame) -> pd.DataFrame:
     """One row per (run, backend, cell configuration): numbers averaged over the repeats, ``repeats``
-    counted, ``status`` the worst of them, flags and errors joined."""
-    keys = ["run_id", "backend", *CELL_CONFIG_FIELDS]
+    counted, ``status`` the worst of them, flags and errors joined. A deployment's rows per replica stay
+    apart from its total (``replica``), placed after the total of their cell in the order of the urls."""
+    keys = ["run_id", "backend", *CELL_CONFIG_FIELDS, *(["replica"] if "replica" in cells else [])]
     frame = cells.copy()
     for k in keys:  # None in a key (request_rate of a closed loop) must not drop the row
         frame[k] = frame[k].astype(object).where(frame[k].notna(), None)
@@ -87,7 +88,8 @@ def aggregate(cells: pd.DataFrame) -> pd.DataFrame:
         first["log_tail"] = next((t for t in group.log_tail if isinstance(t, str) and t), None)
         rows.append(first)
     out = pd.DataFrame(rows)
-    return out.sort_values(["run_id", "backend", "prompt_tokens", "load_profile", "concurrency"],
+    # stable: a deployment's replicas stay after its total, in the order its urls were given
+    return out.sort_values(["run_id", "backend", "prompt_tokens", "load_profile", "concurrency"], kind="stable",
                            key=lambda s: s.fillna(0) if s.dtype != object else s.fillna("")).reset_index(drop=True)
 
 
@@ -97,6 +99,8 @@ def _lead(agg: pd.DataFrame) -> pd.DataFrame:
     if many_runs(agg):
         lead["run"] = agg.run_id
     lead["backend"] = agg.backend
+    if deployments(agg):  # a deployment's total, then each replica (by host:port); "" for a single server
+        lead["replica"] = [replica_label(r) for r in agg.itertuples()]
     if (agg.variant.fillna("") != "").any():
         lead["variant"] = agg.variant.fillna("")
     lead["prompt"] = agg.prompt_tokens.map(lambda x: "-" if _missing(x) else str(int(x)))
@@ -110,6 +114,43 @@ def _lead(agg: pd.DataFrame) -> pd.DataFrame:
 
 
 LEAD_RIGHT = {"prompt", "conc", "rep"}
+
+
+def deployments(agg: pd.DataFrame) -> bool:
+    """Whether any row is a deployment's (backends/deployment.py: several replicas as one backend)."""
+    return "replicas" in agg and agg.replicas.notna().any()
+
+
+def replica_label(r) -> str:
+    """The replica column: the replica's host:port, "total (N replicas)" for a deployment's total row."""
+    if isinstance(r.replica, str) and r.replica:
+        return r.replica
+    return "" if _missing(r.replicas) else f"total ({int(r.replicas)} replicas)"
+
+
+def totals(agg: pd.DataFrame) -> pd.DataFrame:
+    """The rows of whole backends: single servers and deployments' totals, without the rows per replica
+    (what the plots and ``kvbench compare`` read)."""
+    return agg[agg.replica.fillna("") == ""] if "replica" in agg else agg
+
+
+def queued_first_lines(agg: pd.DataFrame) -> list[str]:
+    """For each cell of a deployment: which replica queued first (the first poll that found requests
+    waiting on any replica), and when each replica first did."""
+    lines = []
+    for r in agg[agg.replicas.notna() & (agg.replica.fillna("") == "")].itertuples() if deployments(agg) else []:
+        lead = f"`{r.backend}` prompt {int(r.prompt_tokens)}, {load_label(r)}" + (f", {r.variant}" if r.variant else "")
+        if r.status not in OK_STATUSES:
+            continue
+        parts = agg[(agg.run_id == r.run_id) & (agg.backend == r.backend) & (agg.cell_id.str.startswith(r.cell_id + "@"))]
+        others = ", ".join(f"{p.replica} at {p.queued_first_s:.2f} s" if not _missing(p.queued_first_s) else
+                           f"{p.replica} never" for p in parts.itertuples())
+        if _missing(r.queued_first_replica):
+            lines.append(f"{lead}: no replica queued (no poll found requests waiting)")
+        else:
+            lines.append(f"{lead}: replica {r.queued_first_replica} queued first, {r.queued_first_s:.2f} s into the "
+                         f"cell (requests waiting on it; {others})")
+    return lines
 
 
 def kv_table(agg: pd.DataFrame) -> pd.DataFrame:
@@ -202,6 +243,8 @@ def boundary_table(agg: pd.DataFrame) -> pd.DataFrame:
         if f is None:
             return "no pool" if pool_label(r).startswith("no pool") else "-"
         wanted = r.concurrency if not _missing(r.concurrency) else r.max_in_flight
+        if isinstance(getattr(r, "replica", ""), str) and getattr(r, "replica", ""):
+            wanted = r.max_in_flight  # a deployment's replica: the requests it was sent at once, not the cell's
         if _missing(wanted):
             return "-"
         return "within" if wanted <= f else "beyond: must queue or preempt"
