@@ -9,7 +9,13 @@ b. transformers on CUDA (the embedded SmolLM2 model and each ``--model`` HF fold
    ``generate`` call measured three ways (the cache tensors' bytes, the CUDA allocator's delta, NVML's
    device delta) at several prompt lengths and batches, against kvbench.kvmodel's prediction;
 c. every engine whose environment is installed here, through ``kvbench run`` with the GPU default benchmark's
-   workload, each time-boxed.
+   workload, each time-boxed;
+d. the runtime overhead per model (CUDA context, allocator slack, activations: memory besides weights and KV)
+   against ``kvbench plan``'s 1.5 GiB assumption, from (b)'s probes;
+e. with ``--llama-source``, llama.cpp's CUDA llama-server built from a source archive, if the time allows.
+
+Without ``--config``, (b) builds random-weight models of three real geometries on the GPU (an 8B GQA, a
+hybrid sliding-window and an MLA config from tests/data/configs): no model file has to travel.
 
 Writes ``gpu_check.md`` (the tables and the exact command) and ``gpu_check.json`` under ``--out``. Without
 an NVIDIA GPU it prints why, runs nothing and exits with code 3. Exit 0: every check ran and agreed;
@@ -41,6 +47,12 @@ KV_CELLS = [(1024, 1), (4096, 1), (4096, 4), (16384, 1), (32768, 1), ("max", 1),
 CONFIG_CELLS = [(1024, 1), (8192, 1), (4096, 4)]
 FAMILY_CELLS = [(100, 2), (1000, 1)]  # the validation families: windows and chunks of 64
 NEW_TOKENS = 16
+# (b) without --config: random-weight models of three real geometries, built on the GPU from their configs
+# (no model files travel): an 8B GQA model, a hybrid sliding-window model (5 local : 1 global layers) and an
+# MLA model (the latent cached, K only). The H200 run of 2026-11-30 built these three among five in 271 s.
+CONFIG_DIR = ROOT / "tests" / "data" / "configs"
+DEFAULT_CONFIGS = ("llama-3.1-8b.json", "gemma-3-4b-it.json", "deepseek-v2-lite.json")
+PLANNER_OVERHEAD = 1.5 * GIB  # kvbench plan's assumption (PlanInput.overhead_gib): what (d) measures
 # Agreement: the allocator holds the cache tensors rounded up to 512-byte blocks; NVML sees whole
 # segments the caching allocator reserved (2 MiB granularity, 20 MiB for large blocks, fragmentation).
 ALLOCATOR_REL, ALLOCATOR_ABS = 0.01, 4 * MIB
@@ -107,6 +119,25 @@ def kv_row(model: str, predicted: float, before: dict, after: dict, snap_before:
             "cache_ok": after["cache_bytes"] == round(predicted),
             "allocator_ok": within(allocator, after["cache_bytes"], ALLOCATOR_REL, ALLOCATOR_ABS),
             "nvml_ok": within(nvml, after["cache_bytes"], NVML_REL, NVML_ABS)}
+
+
+def overhead_row(model: str, idle: dict, ready: dict, loaded_event: dict, loaded: dict, kv_rows: list[dict]) -> dict:
+    """(d) for one model, from NVML at three moments of its probe (idle: before it started; ready: CUDA context
+    up, nothing allocated; loaded: weights in place, kernels warmed) and its cells: memory besides weights and
+    KV. ``overhead`` is what the planner's 1.5 GiB stands for: everything on the GPU at the largest cell's peak
+    but the weights and the KV (the CUDA context and libraries, the allocator's slack, the activations)."""
+    weights = loaded_event.get("allocated")
+    context = ready["device_used"] - idle["device_used"]
+    at_load = loaded["device_used"] - idle["device_used"]
+    cells = [r for r in kv_rows if "error" not in r and r.get("model") == model]
+    activations = max((r["allocator_peak_delta_bytes"] - r["cache_bytes"] for r in cells), default=None)
+    overhead = at_load - weights + activations if weights is not None and activations is not None else None
+    return {"model": model, "context_bytes": context, "weights_bytes": weights, "loaded_device_delta_bytes": at_load,
+            "at_load_bytes": at_load - weights if weights is not None else None,
+            "activations_peak_bytes": activations, "overhead_bytes": overhead,
+            "largest_cell": max(((r["prompt_tokens"], r["batch"]) for r in cells),
+                                key=lambda c: c[0] * c[1], default=None),
+            "over_assumption": ratio(overhead, PLANNER_OVERHEAD)}
 
 
 def engine_row(engine: str, status: str, cells: list[dict], seconds: float | None, note: str = "") -> dict:
@@ -193,6 +224,29 @@ def render_markdown(result: dict) -> str:
                      f"| {fmt_ratio(r['allocator_over_cache'])} | {fmt_ratio(r['nvml_over_cache'])} "
                      f"| {fmt_bytes(r['allocator_peak_delta_bytes'])} | cache {fmt_ok(r['cache_ok'])}, allocator "
                      f"{fmt_ok(r['allocator_ok'])}, NVML {fmt_ok(r['nvml_ok'])} |")
+    lines += ["", "## (d) runtime overhead: memory besides weights and KV (issue 15 item 4)", "",
+              "Per model, NVML's device use over the idle device: at `ready` (the CUDA context, nothing "
+              "allocated) and at `loaded` (weights in place, kernels warmed, cached blocks released); weights = "
+              "the allocator's live bytes at `loaded`; activations = the largest cell's allocator peak during "
+              "`generate` minus its cache; overhead = (loaded - weights) + activations, what `kvbench plan` "
+              f"assumes is {fmt_gib(PLANNER_OVERHEAD)} per GPU (`kvbench plan --overhead-from` takes an engine run's "
+              "figure instead).", "",
+              "| model | CUDA context | weights | loaded - weights | activations peak (cell) | overhead | "
+              "overhead / 1.5 GiB |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for o in result.get("overhead", []):
+        cell = f" ({o['largest_cell'][0]} x{o['largest_cell'][1]})" if o.get("largest_cell") else ""
+        lines.append(f"| {o['model']} | {fmt_bytes(o['context_bytes'])} | {fmt_bytes(o['weights_bytes'])} "
+                     f"| {fmt_bytes(o['at_load_bytes'])} | {fmt_bytes(o['activations_peak_bytes'])}{cell} "
+                     f"| {fmt_bytes(o['overhead_bytes'])} | {fmt_ratio(o['over_assumption'])} |")
+    if not result.get("overhead"):
+        lines.append("| not measured | | | | | | |")
+    if result.get("llama_build"):
+        b = result["llama_build"]
+        lines += ["", "## (e) llama.cpp's CUDA server built here", "",
+                  f"From `{b.get('source')}`: {b['status']}"
+                  + (f" in {b['seconds']:.0f} s" if b.get("seconds") is not None else "")
+                  + (f"; `llama-server --list-devices`: {b['devices']}" if b.get("devices") else "")
+                  + (f"; {b['note']}" if b.get("note") else "")]
     lines += ["", "## (c) engines through `kvbench run` (GPU default benchmark)", ""]
     if result.get("engine_command"):
         lines += [f"Each: `{result['engine_command']}`", ""]
@@ -355,7 +409,8 @@ def check_sampler(nvml, python: str, alloc_bytes: int, budget: Budget, logs: Pat
 
 
 def check_kv(nvml, python: str, model_dir: Path, name: str, budget: Budget, logs: Path,
-             script: Path = PROBE, cells: list[tuple[int, int]] | None = None) -> list[dict]:
+             script: Path = PROBE, cells: list[tuple[int, int]] | None = None,
+             overhead: list[dict] | None = None) -> list[dict]:
     """(b) for one model: a folder with weights, or a config.json file (a random-weight model built on the GPU)."""
     from kvbench.backends.hf import HFBackend
     from kvbench.backends.kvrules import KVQuestion
@@ -366,14 +421,17 @@ def check_kv(nvml, python: str, model_dir: Path, name: str, budget: Budget, logs
     cells = [(p, b) for p, b in cells if p <= limit] if cells else kv_cells(geom.max_context)
     # the probe runs in its own folder: the path must not be relative
     source = ["--config" if model_dir.is_file() else "--model", str(model_dir.resolve())]
+    idle = nvml_snapshot(nvml, set(), settle_s=0.0)  # before the probe: no CUDA context of it yet
     probe = Probe(python, ["kv", *source, "--cells", ",".join(f"{p}x{b}" for p, b in cells),
                            "--new", str(NEW_TOKENS)], logs / f"probe_kv_{name}.log", script)
     rows = []
     try:
         pids = {probe.proc.pid}
         probe.next(min(120, budget.left()))  # ready
+        ready = nvml_snapshot(nvml, pids)
         probe.go()
-        probe.next(min(300, budget.left()))  # loaded
+        loaded_event = probe.next(min(300, budget.left()))  # loaded
+        loaded = nvml_snapshot(nvml, pids)
         probe.go()
         for prompt, batch in cells:
             if budget.left() < 30:
@@ -394,6 +452,8 @@ def check_kv(nvml, python: str, model_dir: Path, name: str, budget: Budget, logs
             probe.go()
             probe.next(60)  # cell_freed
             probe.go()
+        if overhead is not None:
+            overhead.append(overhead_row(name, idle, ready, loaded_event, loaded, rows))
     except (TimeoutError, RuntimeError) as exc:
         rows.append({"model": name, "prompt_tokens": "-", "batch": "-", "error": str(exc)})
     finally:
@@ -443,12 +503,69 @@ def check_engines(engines: list[str], model: str, run_args: list[str], out: Path
     return rows, shlex.join([Path(base[0]).name, *base[1:], "-b", "ENGINE", "--run-id", "ENGINE"])
 
 
+def llama_build_argv(src: Path, build: Path, jobs: int) -> list[list[str]]:
+    """(e) The commands that build llama-server with CUDA from llama.cpp's sources (the options of
+    build_llama_server.sh, plus CUDA for this machine's GPU), then list the devices it sees."""
+    return [["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+             "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF",
+             "-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=native", "-DGGML_NATIVE=ON"],
+            ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)],
+            [str(build / "bin" / "llama-server"), "--list-devices"]]
+
+
+def build_llama(source: Path, out: Path, budget: Budget, reserve_s: float = 30) -> dict:
+    """(e) Build llama.cpp's CUDA llama-server from ``source`` (an archive pack_llama_source.sh made, or a
+    folder holding llama.cpp/) within what is left of the budget; the devices it lists. Never fails the run:
+    the status says what happened."""
+    import tarfile
+
+    row = {"source": str(source), "status": "not run", "seconds": None, "devices": None, "note": ""}
+    t0 = time.monotonic()
+    try:
+        if source.is_file():
+            with tarfile.open(source) as tar:
+                try:
+                    tar.extractall(out / "llama-src", filter="data")
+                except TypeError:  # a Python before 3.11.4 / 3.10.12: no extraction filters
+                    tar.extractall(out / "llama-src")
+            source = out / "llama-src"
+        src = source / "llama.cpp" if (source / "llama.cpp" / "CMakeLists.txt").exists() else source
+        if not (src / "CMakeLists.txt").exists():
+            return {**row, "status": "no CMakeLists.txt in the source"}
+        log = (out / "logs" / "llama_build.log").open("w")
+        for argv in llama_build_argv(src, out / "llama-build", os.cpu_count() or 4):
+            left = budget.left() - reserve_s
+            if left < 30:
+                return {**row, "status": "skipped: time budget", "seconds": time.monotonic() - t0,
+                        "note": f"stopped before `{' '.join(argv[:3])}`"}
+            done = subprocess.run(argv, stdout=subprocess.PIPE if argv[-1] == "--list-devices" else log,
+                                  stderr=subprocess.STDOUT, text=True, timeout=left)
+            if done.returncode != 0:
+                return {**row, "status": f"`{Path(argv[0]).name} {argv[1]}` exited {done.returncode}",
+                        "seconds": time.monotonic() - t0, "note": "see logs/llama_build.log"}
+            if argv[-1] == "--list-devices":
+                devices = [line.strip() for line in (done.stdout or "").splitlines() if "CUDA" in line]
+                row["devices"] = "; ".join(devices) or "none with CUDA"
+        return {**row, "status": "built", "seconds": time.monotonic() - t0}
+    except subprocess.TimeoutExpired as exc:
+        return {**row, "status": "time box reached", "seconds": time.monotonic() - t0, "note": str(exc.cmd[:3])}
+    except (OSError, tarfile.TarError) as exc:
+        return {**row, "status": f"failed: {exc}", "seconds": time.monotonic() - t0}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbench.selfcheck.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="folder for gpu_check.md/json (default results/gpu/<time>-<gpu>)")
     parser.add_argument("--model", action="append", default=[], help="an extra local HF model folder (repeatable)")
     parser.add_argument("--config", action="append", default=[], type=Path,
-                        help="a config.json: (b) builds a random-weight model of it on the GPU (repeatable)")
+                        help="a config.json: (b) builds a random-weight model of it on the GPU (repeatable; "
+                             "default: an 8B GQA, a hybrid sliding-window and an MLA geometry, "
+                             f"{', '.join(DEFAULT_CONFIGS)})")
+    parser.add_argument("--no-configs", action="store_true", help="(b) without the default configs")
+    parser.add_argument("--llama-source", type=Path,
+                        help="(e) a llama.cpp source archive or folder (backends/scripts/pack_llama_source.sh "
+                             "makes one under 64 MiB): build its CUDA llama-server here if the time allows")
     parser.add_argument("--families", action="store_true",
                         help="(b) also on kvbench validate's families (random-weight models of bench/kv_families.toml)")
     parser.add_argument("--no-embedded", action="store_true", help="(b) without the embedded model")
@@ -514,7 +631,8 @@ def main(argv: list[str] | None = None) -> int:
                 except models.ModelError as exc:
                     result["skipped"].append(f"(b) smollm2: {exc}")
             targets += [(Path(m).name, Path(m), None) for m in args.model]
-            targets += [(c.stem, c, CONFIG_CELLS) for c in args.config]
+            configs = args.config or ([] if args.no_configs else [CONFIG_DIR / c for c in DEFAULT_CONFIGS])
+            targets += [(c.stem, c, CONFIG_CELLS) for c in configs]
             if args.families:
                 from kvbench.validate import families
 
@@ -530,13 +648,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"(b) transformers on CUDA: {name}", flush=True)
                 try:
                     result.setdefault("kv", []).extend(check_kv(nvml, python, source, name, budget, out / "logs",
-                                                                cells=cells))
+                                                                cells=cells, overhead=result.setdefault("overhead", [])))
                 except (TimeoutError, RuntimeError) as exc:  # one model that will not load is its own row
                     result.setdefault("kv", []).append({"model": name, "prompt_tokens": "-", "batch": "-",
                                                         "error": str(exc)})
                 save()
         else:
             result["skipped"].append(f"(b): {python} has torch but not transformers")
+    if args.llama_source:
+        print(f"(e) building llama.cpp's CUDA server from {args.llama_source}", flush=True)
+        result["llama_build"] = build_llama(args.llama_source, out, budget)
+        save()
     engines = [e for e in args.engines.split(",") if e]
     if engines:
         try:

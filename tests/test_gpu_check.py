@@ -1,6 +1,7 @@
 """selfcheck/gpu_check.py without a GPU: the "no GPU" exit, the pure table functions on fake measurements, and
 the measuring steps driven end to end by a fake probe (tests/fakes/fake_gpu_probe.py) and a fake NVML."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -151,3 +152,124 @@ def test_check_kv_end_to_end(fake_gpu):
     result = {"kv": rows, "sampler": None, "skipped": []}
     ok_all, problems = gc.verdict(result)
     assert not ok_all and any("4080 x8" in p for p in problems)
+
+
+# --- issue 15 item 6: three geometries by default, the overhead, llama.cpp's CUDA build ------------------
+
+def test_check_kv_measures_the_overhead_besides_weights_and_kv(fake_gpu):
+    """(d) from the fake probe: its CUDA context is 500 MiB, its weights 100 MiB, and each cell's allocator peak
+    during generate is twice its cache (the activations are one cache more)."""
+    nvml, tmp = fake_gpu
+    model = tmp / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 1000,
+        "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}))
+    overhead = []
+    rows = gc.check_kv(nvml, sys.executable, model, "tiny", gc.Budget(120), tmp / "logs", script=FAKE_PROBE,
+                       overhead=overhead)
+    (o,) = overhead
+    largest = 256 * (4080 + gc.NEW_TOKENS - 1)  # the largest cell that ran (4080 x8 ran out of memory)
+    assert o["context_bytes"] == 500 * MiB and o["weights_bytes"] == 100 * MiB
+    assert o["loaded_device_delta_bytes"] == 600 * MiB and o["at_load_bytes"] == 500 * MiB
+    assert o["largest_cell"] == (4080, 1) and o["activations_peak_bytes"] == largest
+    assert o["overhead_bytes"] == 500 * MiB + largest
+    assert o["over_assumption"] == pytest.approx((500 * MiB + largest) / (1.5 * GiB))
+    md = gc.render_markdown({"kv": rows, "overhead": overhead, "skipped": []})
+    assert "## (d) runtime overhead" in md and "| tiny | 500.00 MiB | 100.00 MiB | 500.00 MiB |" in md
+
+
+def test_the_default_configs_are_an_8b_gqa_a_hybrid_window_and_an_mla_geometry():
+    from kvbench.configs import geometry_from_hf
+
+    geoms = [geometry_from_hf(gc.CONFIG_DIR / name) for name in gc.DEFAULT_CONFIGS]
+    gqa, hybrid, mla = geoms
+    assert (gqa.num_layers, gqa.num_kv_heads, gqa.num_attention_heads) == (32, 8, 32)
+    assert hybrid.num_sliding_layers and hybrid.num_sliding_layers < hybrid.num_layers
+    assert mla.mla is not None and gqa.mla is None
+    # and they travel: small text files in the repository
+    assert sum((gc.CONFIG_DIR / n).stat().st_size for n in gc.DEFAULT_CONFIGS) < 64 * 1024
+
+
+def test_llama_cuda_build_from_a_source_archive(tmp_path, monkeypatch):
+    """(e) with a stand-in cmake on PATH: the archive is unpacked, configured with CUDA for this GPU, the server
+    target built and asked for its devices; a failing step is reported, never raised."""
+    import tarfile
+
+    src = tmp_path / "pack" / "llama.cpp"
+    src.mkdir(parents=True)
+    (src / "CMakeLists.txt").write_text("project(llama)")
+    archive = tmp_path / "llama.cpp-src.tar.xz"
+    with tarfile.open(archive, "w:xz") as tar:
+        tar.add(src, arcname="llama.cpp")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    (bin_dir / "cmake").write_text(f"""#!/bin/sh
+echo "$@" >> {calls}
+if [ "$1" = "--build" ]; then
+  mkdir -p "$2/bin"
+  printf '#!/bin/sh\\necho "Available devices:"\\necho "  CUDA0: NVIDIA H200 (143156 MiB, 142000 MiB free)"\\n' > "$2/bin/llama-server"
+  chmod +x "$2/bin/llama-server"
+fi
+[ -z "$FAIL_BUILD" ] || [ "$1" != "--build" ]
+""")
+    (bin_dir / "cmake").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    row = gc.build_llama(archive, out, gc.Budget(120))
+    assert row["status"] == "built" and row["devices"] == "CUDA0: NVIDIA H200 (143156 MiB, 142000 MiB free)"
+    configure, build = calls.read_text().splitlines()
+    assert "-DGGML_CUDA=ON" in configure and "-DCMAKE_CUDA_ARCHITECTURES=native" in configure
+    assert f"-S {out}/llama-src/llama.cpp" in configure and build.startswith("--build") and "llama-server" in build
+    monkeypatch.setenv("FAIL_BUILD", "1")
+    (tmp_path / "out2" / "logs").mkdir(parents=True)
+    failed = gc.build_llama(archive, tmp_path / "out2", gc.Budget(120))
+    assert failed["status"] == "`cmake --build` exited 1" and failed["devices"] is None
+    assert gc.build_llama(archive, out, gc.Budget(20))["status"] == "skipped: time budget"
+    md = gc.render_markdown({"llama_build": row, "skipped": []})
+    assert "## (e) llama.cpp's CUDA server built here" in md and "CUDA0: NVIDIA H200" in md
+
+
+def test_the_packed_llama_source_fits_a_gpu_loan(tmp_path):
+    """pack_llama_source.sh trims the 77 MB sdist to what builds llama-server (and the converter): under
+    64 MiB, with the server's and CUDA backend's sources and without the vocab GGUFs."""
+    import tarfile
+
+    sdists = sorted(Path("/tmp/llamacpp-src").glob("llama_cpp_python-*.tar.gz"))
+    if not sdists:
+        pytest.skip("no llama-cpp-python sdist on this machine (the script downloads one with pip otherwise)")
+    script = ROOT / "backends" / "scripts" / "pack_llama_source.sh"
+    out = subprocess.run(["bash", str(script), "0.3.36", str(tmp_path), str(sdists[-1])], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    archive = Path(out.stdout.strip().splitlines()[-1])
+    assert archive.stat().st_size < 64 * MiB
+    names = tarfile.open(archive).getnames()
+    for needed in ("llama.cpp/CMakeLists.txt", "llama.cpp/tools/server/server.cpp", "llama.cpp/tools/ui",
+                   "llama.cpp/ggml/src/ggml-cuda/CMakeLists.txt", "llama.cpp/convert_hf_to_gguf.py"):
+        assert needed in names, needed
+    assert not any(n.startswith(("llama.cpp/models/", "llama.cpp/docs/")) for n in names)
+
+
+def test_gpu_check_runs_from_a_checkout_that_is_not_installed(tmp_path):
+    """make gpu-check without .venv (a GPU machine lent with no network): selfcheck/uninstalled.py maps the
+    package as pyproject.toml does, so every module comes from that checkout; here it exits 3 (no GPU)."""
+    import shutil
+
+    copy = tmp_path / "checkout"
+    for folder in ("bench", "backends", "workloads", "selfcheck"):
+        shutil.copytree(ROOT / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("import sys; sys.path.insert(0, 'selfcheck'); import uninstalled; uninstalled.register(); "
+            "import kvbench.selfcheck.gpu_check as g, kvbench.backends.vllm as v, kvbench.workloads as w; "
+            "print(g.__file__); print(v.__file__); print(w.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=copy, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(copy / "selfcheck" / "gpu_check.py"), str(copy / "backends" / "vllm.py"),
+                                  str(copy / "workloads" / "__init__.py")]
+    if not NVML().available:
+        run = subprocess.run([sys.executable, "selfcheck/uninstalled.py", "kvbench.selfcheck.gpu_check"], cwd=copy,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 3 and "nothing was run" in run.stderr
