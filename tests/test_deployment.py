@@ -2,8 +2,9 @@
 replica and in total, its timeline per replica, and its report.
 
 The non-engine tests attach the real vLLM adapter to fake vLLM replicas (tests/fakes/replica_server.py:
-a real vLLM 0.32.0 /metrics page whose pool, KV usage and queue are each replica's own). The engine test
-attaches a deployment of two real llama.cpp servers.
+a real vLLM 0.32.0 /metrics page whose pool, KV usage and queue are each replica's own). The engine tests
+attach two real vLLM CPU servers (the pools and the KV boundary summed), and two real llama.cpp servers,
+each pair as one deployment.
 """
 import io
 import json
@@ -229,10 +230,10 @@ def test_schema_columns_and_migration():
 
 @pytest.mark.engine
 def test_two_real_llamacpp_replicas_as_one_deployment(tmp_path_factory, smollm2):
-    """Two real llama.cpp servers (~200 MB each; two vLLM CPU replicas would take ~4 GB and most of this
-    2-core machine) started by their adapter, attached as one llamacpp deployment: requests alternate, each
-    replica's KV in use comes from its own /slots, and the report shows each replica and the total. (An
-    attached llama.cpp reports no pool: its pool is in a log kvbench does not read.)"""
+    """Two real llama.cpp servers (~200 MB each) started by their adapter, attached as one llamacpp
+    deployment: requests alternate, each replica's KV in use comes from its own /slots, and the report shows
+    each replica and the total. (An attached llama.cpp reports no pool: its pool is in a log kvbench does not
+    read; the vLLM test below checks the pools' sum.)"""
     from kvbench.backends.llamacpp import LlamaCppBackend
     from kvbench.backends.types import ServerSpec
 
@@ -277,3 +278,58 @@ def test_two_real_llamacpp_replicas_as_one_deployment(tmp_path_factory, smollm2)
     assert "| total (2 replicas) |" in rows[0] and f"| {labels[0]} |" in rows[1] and f"| {labels[1]} |" in rows[2]
     for row, cell in zip(rows, (total, r0, r1)):
         assert f"| {cell.kv_in_use_peak_bytes / 2**20:,.2f} MiB |" in row  # KV in use, each its own
+
+
+@pytest.mark.engine
+def test_two_real_vllm_replicas_as_one_deployment(tmp_path_factory, smollm2):
+    """Two real vLLM CPU servers (~2 GB each), started by their adapter with a pool of 3 sequences of 256
+    tokens each (two 128-token blocks per sequence, plus the null block), attached as one vllm deployment:
+    each replica's pool and KV in use are read from its own /metrics, and the deployment's pool and the
+    sequences it holds are their sums, in the rows and in the report."""
+    from kvbench.backends.types import ServerSpec
+
+    from .conftest import engine_env
+
+    env = engine_env("vllm")
+    servers = [VLLMBackend(VLLMBackend.default_version, env) for _ in range(2)]
+    logs = tmp_path_factory.mktemp("external")
+    spec_ = ServerSpec(model=smollm2, max_context=256, max_concurrency=3, kv_dtype="auto")
+    try:
+        # one after the other, from this thread: a server's parent-death signal is tied to the thread that
+        # started it (backends/guard.py), so one started from a pool's thread is stopped when that thread ends
+        for i, server in enumerate(servers):
+            server.start(spec_, logs / f"vllm{i}.log", 300)
+        # 48 + 64 tokens: one 128-token block per sequence; 64 decode steps outlast the API server's gauge lag
+        wl = Workload(name="deploy", seed=5, prompt_tokens=[48], output_tokens=64, concurrency=[4], rounds=1,
+                      warmup_requests=2)
+        root = tmp_path_factory.mktemp("runs")
+        opts = RunOptions(model="smollm2", workload=wl, results_dir=root, run_id="deploy", start_timeout_s=120,
+                          request_timeout_s=300, backends=[BackendConfig.parse(
+                              f"vllm:url={servers[0].base_url},url={servers[1].base_url}")])
+        run_dir = Runner(opts, Console(file=io.StringIO(), width=200)).run()
+        assert all(s.alive() for s in servers)
+    finally:
+        for server in servers:
+            server.stop()
+    cells = load(run_dir)
+    labels = [s.base_url.split("//")[1] for s in servers]
+    assert list(cells.replica) == ["", *labels]
+    assert (cells.status == "ok").all(), cells[["cell_id", "status", "error", "flags"]].to_string()
+    total, r0, r1 = (cells.iloc[i] for i in range(3))
+    assert (r0.n_ok, r1.n_ok, total.n_ok) == (2, 2, 4)
+    blocks = 3 * 2 + 1  # the budget kvbench sizes: 3 sequences of 256 tokens in 128-token blocks, + null block
+    assert r0.kv_pool_tokens_engine == r1.kv_pool_tokens_engine == blocks * 128
+    assert total.kv_pool_tokens_engine == 2 * blocks * 128
+    assert r0.kv_pool_sequences_predicted == r1.kv_pool_sequences_predicted == 6  # 112 tokens: one block each
+    assert total.kv_pool_sequences_predicted == 12
+    for r in (r0, r1):  # two requests of one block each, block-rounded
+        assert r.kv_in_use_peak_tokens in (128, 256), (r.kv_in_use_source, r.client_loop_lag_s_max)
+    assert max(r0.kv_in_use_peak_tokens, r1.kv_in_use_peak_tokens) <= total.kv_in_use_peak_tokens \
+        <= r0.kv_in_use_peak_tokens + r1.kv_in_use_peak_tokens
+    _, _, text = reports.write([run_dir], output=run_dir / "report.md", plots=False)
+    kv_section = text.split("## KV cache")[1].split("\n## ")[0]
+    rows = [line for line in kv_section.splitlines() if line.startswith("| vllm@")]
+    assert "| total (2 replicas) |" in rows[0] and f"| {labels[0]} |" in rows[1] and f"| {labels[1]} |" in rows[2]
+    assert f"| {2 * blocks * 128:,} |" in rows[0] and f"| {blocks * 128:,} |" in rows[1]  # pool tokens
+    boundary = [line for line in text.split("## The KV boundary")[1].splitlines() if line.startswith("| vllm@")]
+    assert "| 12 |" in boundary[0] and "| 6 |" in boundary[1] and "| 6 |" in boundary[2]
