@@ -285,10 +285,11 @@ class Deployment(Backend):
             if self._polls[label].kv_pool is None:
                 self._polls[label].kv_pool = replica.kv_pool()
         for r in results:
-            label = self._routed.get(r.request_id)
+            # the stamp stream() left (also where it ran in another process), else where it was sent
+            label = r.engine_details.get("replica") or self._routed.get(r.request_id)
             if label is None:
                 continue
-            r.engine_details.setdefault("replica", label)
+            r.engine_details["replica"] = label
             if label in self._polls and self._polls[label].request_ids is not None:
                 self._polls[label].request_ids.add(r.request_id)
         return dict(self._polls)
