@@ -186,6 +186,28 @@ def test_the_report_shows_replicas_and_total_and_compare_reads_totals_only(round
     assert list(side.cells.replica) == [""] and len(side.cells) == 1
 
 
+def test_one_set_of_credentials_reaches_every_replica_and_no_file(tmp_path, smollm2):
+    """The userinfo of the second url is the backend's credentials: every replica (and its /metrics) is
+    sent them, and neither the password nor the user reaches any file of the run (run.json's command too)."""
+    import base64
+
+    token = "Basic " + base64.b64encode(b"alice:PLANTEDpw").decode()
+    a, b = (FakeReplica(require_auth=token, token_delay_s=0.005) for _ in range(2))
+    with a, b:
+        backend = f"vllm:url={a.url},url=http://alice:PLANTEDpw@127.0.0.1:{b.port}"
+        opts = RunOptions(model="smollm2", workload=WORKLOAD.model_copy(update={"rounds": 1}),
+                          backends=[BackendConfig.parse(backend)], results_dir=tmp_path, run_id="secret",
+                          command=["kvbench", "run", "-b", backend])
+        run_dir = Runner(opts, Console(file=io.StringIO(), width=200)).run()
+    assert set(a.auth_seen) == set(b.auth_seen) == {token} and a.served and b.served
+    assert (load_cells(run_dir).status == "ok").all()
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert b"PLANTEDpw" not in data and b"alice" not in data, path
+    assert "http://***@127.0.0.1" in json.loads((run_dir / "run.json").read_text())["command"]
+
+
 def test_recompute_rebuilds_the_total_and_keeps_the_replica_rows(round_robin):
     """The requests are under the total's cell id: a recompute rebuilds the total's figures from all of
     them (unchanged here) and keeps each replica row's, saying so."""
