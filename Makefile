@@ -32,7 +32,7 @@ RUN_DIR := results/runs/$(RUN_ID)
 # What `make report` reports on: make report RUN=results/runs/<run id> (default: the latest run).
 RUN ?= $(lastword $(sort $(wildcard results/runs/*)))
 
-.PHONY: setup engines bench test browser report clean gpu-check bench-harness
+.PHONY: setup engines bench test browser prometheus report clean gpu-check bench-harness
 
 setup: $(STAMP)
 
@@ -59,7 +59,16 @@ browser:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
 
-test: engines browser
+# Prometheus for the tests that read GPU and engine metrics through it (bench/telemetry.py): Debian's
+# package, installed only when missing (its service is not started: each test starts its own on 127.0.0.1).
+# Where it cannot be installed, those tests skip and say why; the rest of `make test` runs.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq prometheus; } || \
+	  echo "prometheus could not be installed: the tests that read metrics through it will skip"
+
+test: engines browser prometheus
 	$(BIN)/python -m pytest tests
 
 report: setup

@@ -35,13 +35,15 @@ from kvbench.metrics import RequestTimes, request_verdict
 __all__ = ["PlainNameError", "check_plain_name"]  # re-exported: run ids are checked with it (files.py has it)
 
 OK_STATUSES = ("ok", "flagged")  # cell statuses whose figures count (flagged: some requests broke the contract)
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 6
 # v2 (load generator): repeat, load_profile, request_rate, variant, token_contract, attached, queueing
 # and goodput fields. v1 rows read as v2 with those fields at their defaults (one closed-loop repeat).
 # v3 (one meaning per figure): TPOT is undefined (None, not 0.0) where ITL is, and goodput does not count
 # an undefined TPOT as within the SLO; cells' client_loop_lag_s_max (written by some v2 runs without a
 # version bump) is a v3 column; loaded requests get ``counted`` (not a warm-up) beside ``ok`` (met the
 # token contract), and load() gives every column one dtype in every run (:func:`normalize_dtypes`).
+# v6 (the cluster's own monitoring, bench/telemetry.py): t_cell_start_unix and the prom_* figures read from
+# Prometheus after each cell (--prometheus): DCGM's GPU memory per device, the engines' KV usage and queue.
 
 #: The fields that say what a cell *is*; two cells with equal values measure the same thing
 #: (``kvbench compare`` matches on these, repeats aside).
@@ -150,6 +152,20 @@ class CellRow(BaseModel):
     memory_samples: int = 0
     memory_sample_hz: float | None = None
     t_cell_start: float | None = None  # perf_counter at the cell's start: timelines count from here
+    t_cell_start_unix: float | None = None  # the same instant in Unix seconds (telemetry/<cell_id>.csv's clock)
+    # the cluster's own monitoring, read from Prometheus after the cell (`--prometheus`; bench/telemetry.py):
+    # DCGM exporter's framebuffer used per GPU at its peak (one dict per device: device (UUID), gpu, hostname,
+    # model, used_peak_bytes) and on the fullest GPU; per engine instance its KV usage (0-1) and queue peaks;
+    # preemptions during the cell summed over engines; how many samples and from where (or why not measured)
+    prom_gpu_used_peak_bytes: float | None = None
+    prom_gpu_devices: list[dict] = Field(default_factory=list)
+    prom_kv_usage_peak: float | None = None
+    prom_requests_running_peak: float | None = None
+    prom_requests_waiting_peak: float | None = None
+    prom_preemptions: float | None = None
+    prom_engines: list[dict] = Field(default_factory=list)
+    prom_samples: int = 0
+    prom_source: str | None = None
 
 
 class RequestRow(BaseModel):
@@ -440,6 +456,8 @@ def migrate_row(row: dict, model: type[BaseModel]) -> dict:
     v2 -> v3: ``client_loop_lag_s_max`` None where the row lacks it (not measured). A stored cell's TPOT and
     goodput keep the figures its run wrote (a v2 TPOT may be 0.0 where v3 says undefined): ``kvbench report
     --recompute RUN`` rebuilds them from requests.jsonl under the current definitions.
+    v5 -> v6: ``t_cell_start_unix`` and the ``prom_*`` figures None (``prom_gpu_devices`` and ``prom_engines``
+    [], ``prom_samples`` 0): not measured, no Prometheus was read.
     """
     version = int(row.get("schema_version", 1))
     if version > SCHEMA_VERSION:

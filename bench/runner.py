@@ -48,6 +48,7 @@ from kvbench.summary import (
     summary_line,
     timeline_frame,
 )
+from kvbench.telemetry import Prometheus, measure_cell
 from kvbench.workloads import Workload
 from kvbench.workloads.prompts import PromptBuilder
 
@@ -77,6 +78,8 @@ class RunOptions:
     # side alike; compare then pairs the repeats by index
     interleave: bool = False
     estimate: bool = True  # one calibration request per engine start, to say how long its cells will take
+    load_workers: int = 1  # load generator processes (bench/load/workers.py)
+    prometheus: Prometheus | None = None  # read after each cell: GPU memory (DCGM) and engine metrics
 
 
 def new_run_id(workload: str) -> str:
@@ -392,7 +395,8 @@ class _EngineSession:
         r, w = self.r, self.plan.workload
         prompts = self.prompts.for_cell(cell, w.requests_per_cell(cell.load.concurrency, cell.load.request_rate))
         settings = LoadSettings(r.o.request_timeout_s, w.duration_s,
-                                schedule_seed(w.seed, cell.prompt_tokens, cell.repeat, cell.load.slug), self.streak)
+                                schedule_seed(w.seed, cell.prompt_tokens, cell.repeat, cell.load.slug), self.streak,
+                                workers=r.o.load_workers)
         backend.reset_cell()
         memory, rss_baseline = None, None
         if backend.pid:
@@ -410,6 +414,7 @@ class _EngineSession:
                 for s in samplers:
                     s.stop()
         label = self.cfg.label
+        prom = measure_cell(r.o.prometheus, t0, load.t_end, r.run_dir, cell.cell_id(label))
         for result in load.results:
             r.writer.write_request(request_row(r.run_id, cell.cell_id(label), label, result, repeat=cell.repeat))
         # A killed engine closes its sockets a moment before its exit can be read: wait for it briefly,
@@ -426,7 +431,8 @@ class _EngineSession:
                             kv_samples=engine.kv_samples, kv_source=engine.kv_source,
                             queue_samples=engine.queue_samples, queue_source=engine.queue_source,
                             memory_samples=memory.samples if memory else None, rss_baseline_bytes=rss_baseline,
-                            gpu_baseline_used_bytes=self.gpu_baseline.used_bytes if self.gpu_baseline else None)
+                            gpu_baseline_used_bytes=self.gpu_baseline.used_bytes if self.gpu_baseline else None,
+                            telemetry=prom)
         r.writer.write_timeline(cell.cell_id(label), timeline_frame(t0, m.memory_samples or [], engine.kv_samples,
                                                                      engine.queue_samples))
         return m

@@ -64,6 +64,7 @@ class CellMeasurement:
     memory_samples: list[MemorySample] | None = None  # None: not measured (an attached server)
     rss_baseline_bytes: int | None = None
     gpu_baseline_used_bytes: int | None = None
+    telemetry: dict | None = None  # t_cell_start_unix and the prom_* figures (--prometheus; bench/telemetry.py)
 
 
 def failed_row(run: EngineRun, cell: Cell, status: str, error: str | None, log_tail: str | None) -> CellRow:
@@ -97,6 +98,8 @@ def summarize(run: EngineRun, m: CellMeasurement) -> CellRow:
         (row.requests_waiting_peak, row.requests_running_peak, row.preemptions,
          row.queue_source) = queue_peaks(m.queue_samples, windows, m.queue_source)
     _memory(row, m)
+    for k, v in (m.telemetry or {}).items():  # the cluster's own monitoring, as read from Prometheus
+        setattr(row, k, v)
     return row
 
 

@@ -18,6 +18,7 @@ from kvbench.results import (
 )
 from kvbench.runner import Runner, RunOptions
 from kvbench.suggest import with_hint
+from kvbench.telemetry import Prometheus
 from kvbench.workloads import WorkloadError, available
 from kvbench.workloads import load as load_workload
 
@@ -49,6 +50,16 @@ def run(
                                        "(one --backend; or give each backend its own url=... option)."),
     start_timeout: float = typer.Option(600.0, help="Seconds an engine may take to become ready."),
     request_timeout: float = typer.Option(900.0, help="Seconds one request may take."),
+    load_workers: int = typer.Option(1, min=1, help="Load generator processes, each with its own event loop "
+                                                    "(requests split over them): for rates one core cannot send."),
+    prometheus: str = typer.Option(None, help="Read each cell's GPU memory (DCGM exporter) and the engines' "
+                                              "metrics from this Prometheus (its HTTP API URL), e.g. for "
+                                              "servers kvbench did not start (docs/telemetry.md)."),
+    prometheus_selector: str = typer.Option("", help="Label matchers for those queries, e.g. "
+                                                     "'{namespace=\"llm\"}'."),
+    prometheus_gpu_selector: str = typer.Option(None, help="Label matchers for the DCGM (GPU) series instead, "
+                                                           "e.g. '{Hostname=\"gpu-node-1\"}' (default: "
+                                                           "--prometheus-selector)."),
 ):
     """Run a workload on each backend and write the results folder, then print the report."""
     console = ui.console()
@@ -70,13 +81,14 @@ def run(
                                   "(or a url=... option per backend)")
             backends = [BackendConfig.parse(f"{backend[0]}{',' if ':' in backend[0] else ':'}url={url}")]
         wl = load_workload(workload)
-    except (ConfigError, WorkloadError) as exc:
+        prom = Prometheus(prometheus, prometheus_selector, prometheus_gpu_selector) if prometheus else None
+    except (ConfigError, WorkloadError, ValueError) as exc:
         raise typer.BadParameter(with_hint(str(exc), workload, available()) if isinstance(exc, WorkloadError)
                                  else str(exc)) from None
     options = RunOptions(model=model, workload=wl, backends=backends, results_dir=results_dir, run_id=run_id,
                          kv_dtype=kv_dtype, max_context=max_context, start_timeout_s=start_timeout,
                          request_timeout_s=request_timeout, repeats=repeats, results_mode=results_mode,
-                         interleave=interleave)
+                         interleave=interleave, load_workers=load_workers, prometheus=prom)
     # errors print with soft_wrap: one line even past the console width (greppable in CI logs)
     try:
         runner = Runner(options, console)

@@ -18,26 +18,34 @@ of imports per worker) is outside the cell. The merged result's ``t_start`` is t
 
 Workers are started with the ``spawn`` context (a fresh interpreter: the harness has sampler threads, which
 ``fork`` would copy in whatever state they are in). The backend goes to each worker as a copy of its state
-without the server process handle and the untimed HTTP client (neither is needed to stream); the
-credentials and TLS settings of attached servers (:func:`kvbench.backends.streaming.configure_endpoint`)
-go with it.
+without the server process handle, HTTP clients and TLS contexts (none is needed to stream:
+:class:`_WorkerPickler`); the credentials and TLS settings of attached servers
+(:func:`kvbench.backends.streaming.configure_endpoint`) go with it.
 """
 from __future__ import annotations
 
 import asyncio
 import copy
 import inspect
+import io
 import multiprocessing
 import pickle
+import ssl
+import subprocess
+import threading
 import time
 import traceback
 from dataclasses import replace
 
+import httpx
+
 from kvbench.backends import streaming
 from kvbench.backends.base import Backend
+from kvbench.backends.process import ServerProcess
 
-from . import concurrent, open_loop
 from .common import LoadPoint, LoadResult, LoadSettings, run_async
+from .concurrent import run as run_closed_loop
+from .open_loop import send_on_schedule
 from .registry import profile_info
 
 READY_TIMEOUT_S = 120.0  # a worker that has not started and read its share by then is given up on
@@ -113,16 +121,40 @@ def plan(prompts: list, point: LoadPoint, settings: LoadSettings, workers: int) 
 
 # --- what goes to a worker ---------------------------------------------------------------------------
 
+def _nothing():
+    return None
+
+
+class _WorkerPickler(pickle.Pickler):
+    """Pickles the backend for a worker: what only the harness's process uses (the engine's process
+    handle, untimed HTTP clients, TLS contexts, locks), wherever it sits (also inside the adapters of a
+    deployment's replicas), goes as None or, for a lock, as a new one."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, (httpx.Client, httpx.AsyncClient, ssl.SSLContext, subprocess.Popen, ServerProcess)):
+            return _nothing, ()
+        if isinstance(obj, _LOCKS):
+            return type(obj), ()
+        return NotImplemented
+
+
+_LOCKS = (type(threading.Lock()), type(threading.RLock()))
+
+
+def dumps_for_worker(obj) -> bytes:
+    buffer = io.BytesIO()
+    _WorkerPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
 def portable_backend(backend: Backend) -> tuple[Backend, list[str]]:
-    """A copy of ``backend`` that can be pickled to a worker: without its server process handle and its
-    untimed HTTP client (streaming needs neither); any other attribute that cannot be pickled is left
-    out too, and named (the second item), so a worker that misses one says which."""
+    """A copy of ``backend`` that can be pickled to a worker (:class:`_WorkerPickler`); an attribute that
+    still cannot be pickled is left out, and named (the second item), so a worker that misses one says which."""
     clone = copy.copy(backend)
-    clone.server, clone._http = None, None
     dropped = []
     for name, value in list(vars(clone).items()):
         try:
-            pickle.dumps(value)
+            dumps_for_worker(value)
         except Exception:  # noqa: BLE001 - whatever cannot cross to another process
             delattr(clone, name)
             dropped.append(name)
@@ -140,19 +172,24 @@ def _apply_endpoints(backend: Backend, endpoints: list[tuple]) -> None:
         streaming._ENDPOINTS[key] = streaming.Endpoint(headers, backend.tls if tls else None)
 
 
-async def _share(backend, prompts, point: LoadPoint, offsets, settings: LoadSettings, t_go: float) -> LoadResult:
-    """One worker's load, started at the common instant ``t_go`` (perf_counter, shared by all processes).
-    The profile takes its own start a few microseconds after ``t_go``; an open loop's send times are put
-    back on the common schedule (``t_go`` + offset), and its lags measured against it, so that a worker's
-    late start counts as lag instead of moving the schedule."""
+async def _share(conn, backend, dropped, prompts, point: LoadPoint, offsets, settings: LoadSettings):
+    """One worker's load: say it is ready (its event loop running, its heap frozen), wait for the common
+    start instant ``t_go`` (perf_counter, shared by all processes), run its share from then. The profile
+    takes its own start a few microseconds after ``t_go``; an open loop's send times are put back on the
+    common schedule (``t_go`` + offset), and its lags measured against it, so that a worker's late start
+    counts as lag instead of moving the schedule."""
+    conn.send(("ready", dropped))
+    kind, t_go = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+    if kind != "go":
+        return None
     delay = t_go - time.perf_counter()
     if delay > 0.002:
         await asyncio.sleep(delay - 0.002)
     while time.perf_counter() < t_go:  # the last 2 ms: asyncio's timers are good to about 1 ms
         pass
     if offsets is None:
-        return await concurrent.run(backend, prompts, point, settings)
-    result = await open_loop.send_on_schedule(backend, prompts, offsets, point, settings)
+        return await run_closed_loop(backend, prompts, point, settings)
+    result = await send_on_schedule(backend, prompts, offsets, point, settings)
     skew = result.t_start - t_go
     for r in result.results:
         if r.t_scheduled is not None:
@@ -163,16 +200,13 @@ async def _share(backend, prompts, point: LoadPoint, offsets, settings: LoadSett
 
 
 def _worker_main(conn) -> None:
-    """A worker process: read its share, say it is ready, wait for the start instant, run, send the result."""
+    """A worker process: read its share, start its event loop, run (:func:`_share`), send the result."""
     try:
-        backend, dropped, endpoints, prompts, point, offsets, settings = conn.recv()
+        backend, dropped, endpoints, prompts, point, offsets, settings = pickle.loads(conn.recv_bytes())
         _apply_endpoints(backend, endpoints)
-        conn.send(("ready", dropped))
-        kind, t_go = conn.recv()
-        if kind != "go":
-            return
-        result = run_async(_share(backend, prompts, point, offsets, settings, t_go))
-        conn.send(("done", result))
+        result = run_async(_share(conn, backend, dropped, prompts, point, offsets, settings))
+        if result is not None:
+            conn.send(("done", result))
     except KeyboardInterrupt:
         pass
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it as a WorkerError
@@ -205,7 +239,7 @@ def run_workers(backend: Backend, prompts: list, point: LoadPoint, settings: Loa
             procs.append(proc)
             conns.append(parent_end)
         for conn, (share, share_point, offsets) in zip(conns, shares):
-            conn.send((clone, dropped, endpoints, share, share_point, offsets, worker_settings))
+            conn.send_bytes(dumps_for_worker((clone, dropped, endpoints, share, share_point, offsets, worker_settings)))
         for i, conn in enumerate(conns):
             _expect(conn, procs[i], "ready", READY_TIMEOUT_S, i)
         t_go = time.perf_counter() + START_MARGIN_S
