@@ -45,6 +45,7 @@ class TransformersKV(KVRules):
 
     engine = "hf"
     version = "5.24.0"
+    answer_is_in_use = True  # the cache tensors a load holds: what the worker measures
     dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "f16": "fp16",
               "fp32": "fp32", "float32": "fp32", "f32": "fp32"}
 

@@ -90,6 +90,9 @@ class VLLMKV(KVRules):
     engine = "vllm"
     version = "0.32.0"
     has_blocks = True
+    # answer() is the blocks a load holds, which is what kv_cache_usage_perc counts: the KV in use per GPU
+    # is compared with it (CellRow.kv_peak_bytes_per_gpu_predicted)
+    answer_is_in_use = True
     rule_options = ("hybrid_kv_cache",)  # what `kvbench plan --engine-option` takes (KVQuestion.options)
     dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32",
               "float32": "fp32", "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}

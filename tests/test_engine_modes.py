@@ -297,3 +297,19 @@ def test_transformers_spreads_over_gpus_with_device_map(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBENCH_GPU", "0")
     argv, _ = HFBackend("5.24.0", tmp_path, {"engine_mode": "deployed"}).command(spec(tmp_path))
     assert "--device-map" not in argv
+
+
+def test_the_per_gpu_prediction_is_only_set_where_it_means_kv_in_use(tmp_path):
+    """llama.cpp's rules answer its whole allocation (n_ctx cells), not the tokens /slots says are held: its
+    row gets the KV in use per GPU but no per-GPU prediction to set it against (kvbench validate checks its pool)."""
+    from kvbench.backends.llamacpp import LlamaCppBackend as L
+
+    t0 = 10.0
+    kw = dict(kv_samples=[KVSample(t0 + 0.6, 2 * 1000 * 23040, 2000)], kv_source="slots")
+    for cls, predicted in ((L, False), (VLLMBackend, True)):
+        run = EngineRun("r", "x-1", cls.engine, "1", spec(tmp_path).model, WORKLOAD, "auto", False, rules=cls.kv_rules)
+        results = [request(0, t0), request(1, t0)]
+        row = summarize(run, CellMeasurement(CELL, LoadResult(results, t0, t0 + 2, max_in_flight=2), t0, "f16"
+                                             if cls is L else "bf16", **kw))
+        assert row.kv_in_use_peak_bytes_per_gpu == 2 * 1000 * 23040
+        assert (row.kv_peak_bytes_per_gpu_predicted is not None) is predicted
