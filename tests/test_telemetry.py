@@ -312,3 +312,35 @@ def test_vllm_through_prometheus_beside_kvbenchs_own_poll(tmp_path, smollm2):
     # the samples that saw KV in use, placed on the cell's axis, fall while kvbench's requests were in flight
     busy = kv[kv.value > 0]
     assert busy.t_s.between(first_sent - 0.5, last_done + 0.5).all(), (busy.t_s.tolist(), first_sent, last_done)
+
+
+def test_the_cli_flags_reach_the_run(tmp_path):
+    """`kvbench run --prometheus ... --load-workers 2` end to end through the CLI: a selector that is not label
+    matchers is refused before anything runs; an unreachable Prometheus leaves the cell measured and its
+    Prometheus figures "not measured", saying why."""
+    import os
+    import subprocess
+    import sys
+
+    from kvbench.results import load_cells
+    from tests.fakes.openai_server import FakeOpenAI
+
+    def kvbench(*args):
+        return subprocess.run([sys.executable, "-m", "kvbench.cli", "run", *args], capture_output=True, text=True,
+                              timeout=300, cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "COLUMNS": "300"})
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    bad = kvbench("-b", "openai:url=http://127.0.0.1:9", "--prometheus", dead, "--prometheus-selector", 'job="x"',
+                  "--results-dir", str(tmp_path))
+    assert bad.returncode == 2 and "label matchers in braces" in bad.stdout + bad.stderr
+    (tmp_path / "tiny.toml").write_text('name = "tiny"\nseed = 1\nprompt_tokens = [16]\noutput_tokens = 4\n'
+                                        'concurrency = [2]\nrounds = 2\nwarmup_requests = 0\n')
+    with FakeOpenAI() as fake:
+        done = kvbench("-b", f"openai:url={fake.url}", "--workload", str(tmp_path / "tiny.toml"), "--load-workers", "2",
+                       "--prometheus", dead, "--results-dir", str(tmp_path), "--run-id", "r")
+    assert done.returncode == 0, done.stdout + done.stderr
+    (row,) = load_cells(tmp_path / "r").itertuples()
+    assert row.status == "ok" and row.n_ok == 4 and row.max_in_flight <= 2
+    assert row.prom_source.startswith(f"not measured: {dead}: ConnectError") and row.prom_samples == 0
+    assert row.prom_gpu_used_peak_bytes is None or pd.isna(row.prom_gpu_used_peak_bytes)
+    assert not (tmp_path / "r" / "telemetry").exists()  # no samples, no file
