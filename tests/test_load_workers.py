@@ -152,3 +152,32 @@ def test_workers_bench_quick(tmp_path):
         for key in ("tokens_per_s", "requests_per_s", "ttft_p50_err_ms", "ttft_p99_err_ms"):
             assert math.isfinite(row[key]), key
         assert row["ttft_p50_err_ms"] > -1.0  # no token seen before the mock sent it
+
+
+def test_a_cancelled_load_ends_its_workers_at_once(tmp_path):
+    """Ctrl-C or SIGTERM cancels the load's task: the workers are ended, not waited for (their requests
+    would take 10 s here)."""
+    import asyncio
+    import multiprocessing
+
+    prompts = [prompt(8, 1000, f"r{i}") for i in range(4)]
+    with FakeOpenAI(token_delay_s=0.01) as fake:
+        backend = attached(tmp_path, fake)
+
+        async def cancel_soon():
+            task = asyncio.create_task(run(backend, prompts, LoadPoint("concurrent", 2), LoadSettings(60.0, workers=2)))
+            await asyncio.sleep(2.0)
+            task.cancel()
+            t = time.perf_counter()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return time.perf_counter() - t
+
+        t0 = time.perf_counter()
+        asyncio.run(cancel_soon())
+        took = time.perf_counter() - t0
+    assert took < 6.0  # 2 s of load, then the workers ended (the requests alone would take 10 s)
+    deadline = time.monotonic() + 5
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not multiprocessing.active_children()
