@@ -344,3 +344,64 @@ def test_the_cli_flags_reach_the_run(tmp_path):
     assert row.prom_source.startswith(f"not measured: {dead}: ConnectError") and row.prom_samples == 0
     assert row.prom_gpu_used_peak_bytes is None or pd.isna(row.prom_gpu_used_peak_bytes)
     assert not (tmp_path / "r" / "telemetry").exists()  # no samples, no file
+
+
+@pytest.mark.engine
+def test_a_deployment_of_two_vllm_replicas_with_prometheus_and_dcgm(tmp_path, smollm2):
+    """The issue's whole picture: two real vLLM CPU replicas attached as one deployment, a real Prometheus
+    scraping both and the DCGM stand-in, `kvbench run --prometheus --load-workers 2`: the rows per replica
+    and in total, each replica's KV through Prometheus beside its own poll, the GPUs as served, and the
+    report's KV table per replica and in total."""
+    from kvbench import reports
+    from kvbench.backends.types import ServerSpec
+    from kvbench.backends.vllm import VLLMBackend
+    from kvbench.results import load
+    from kvbench.workloads import Workload
+
+    from .conftest import engine_env
+
+    env = engine_env("vllm")
+    servers = [VLLMBackend(VLLMBackend.default_version, env) for _ in range(2)]
+    gpus = [GPU(0, "GPU-604ac76c-d9cf-fef3-62e9-d92044ab6e52", "00000000:3B:00.0", fb_used=70_123),
+            GPU(1, "GPU-1b2c3d4e-0000-1111-2222-333344445555", "00000000:5E:00.0", fb_used=69_001)]
+    wl = Workload(name="deploy-prom", seed=5, prompt_tokens=[200], output_tokens=64, concurrency=[4], rounds=1,
+                  warmup_requests=2, warmup_prompt_tokens=32)
+    try:
+        for i, server in enumerate(servers):  # from this thread: see tests/test_deployment.py
+            server.start(ServerSpec(model=smollm2, max_context=512, max_concurrency=3, kv_dtype="auto"),
+                         tmp_path / f"vllm{i}.log", 300)
+        labels = [s.base_url.split("//")[1] for s in servers]
+        with FakeDCGMExporter(gpus) as dcgm:
+            prom = RealPrometheus(tmp_path, {"dcgm": f"127.0.0.1:{dcgm.port}", "vllm": labels[0], "vllm2": labels[1]})
+            try:
+                prom.wait_scraped(60)
+                run_dir, _ = run_kvbench(tmp_path, wl, f"vllm:url={servers[0].base_url},url={servers[1].base_url}",
+                                         prom.url, "", load_workers=2)
+            finally:
+                prom.stop()
+        assert all(s.alive() for s in servers)
+    finally:
+        for server in servers:
+            server.stop()
+    cells = load(run_dir)
+    assert list(cells.replica) == ["", *labels]
+    assert (cells.status == "ok").all(), cells[["cell_id", "status", "error", "flags"]].to_string()
+    total, r0, r1 = (cells.iloc[i] for i in range(3))
+    assert (r0.n_ok, r1.n_ok, total.n_ok) == (2, 2, 4)  # round-robin over both replicas, from two workers
+    assert total.prom_gpu_used_peak_bytes == 70_123 * MIB
+    assert [(d["device"], d["used_peak_bytes"]) for d in total.prom_gpu_devices] == [
+        (gpus[0].uuid, 70_123 * MIB), (gpus[1].uuid, 69_001 * MIB)]
+    engines = {e["instance"]: e for e in total.prom_engines}
+    assert set(engines) == set(labels)
+    for label, replica in zip(labels, (r0, r1)):  # each replica's gauge through Prometheus beside its own poll
+        usage = engines[label]["kv_usage_peak"]
+        blocks = usage * (replica.kv_pool_tokens_engine // 128 - 1)
+        assert usage > 0 and abs(blocks - round(blocks)) < 1e-6, (label, usage)
+        assert round(blocks) * 128 <= replica.kv_in_use_peak_tokens + 128, (label, usage, replica.kv_in_use_peak_tokens)
+    assert total.prom_kv_usage_peak == max(e["kv_usage_peak"] for e in engines.values())
+    samples = pd.read_csv(run_dir / "telemetry" / f"{total.cell_id}.csv")
+    assert set(samples.instance[samples.metric == "kv_usage"]) == set(labels)
+    _, _, text = reports.write([run_dir], output=run_dir / "report.md", plots=False)
+    kv_section = text.split("## KV cache")[1].split("\n## ")[0]
+    rows = [line for line in kv_section.splitlines() if line.startswith("| vllm@")]
+    assert "| total (2 replicas) |" in rows[0] and f"| {labels[0]} |" in rows[1] and f"| {labels[1]} |" in rows[2]
