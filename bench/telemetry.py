@@ -39,6 +39,8 @@ from pathlib import Path
 import httpx
 import pandas as pd
 
+from kvbench.redact import redact_text, redact_url
+
 MIB = 1 << 20
 
 #: DCGM exporter's framebuffer gauges (MiB) and the name of each in the samples' ``metric`` column.
@@ -253,7 +255,8 @@ class Prometheus:
             self._http = None
 
     def describe(self) -> str:
-        return self.url + (f" {self.selector}" if self.selector else "") + \
+        """The Prometheus and its selectors, for the row (credentials in the URL masked)."""
+        return redact_url(self.url) + (f" {self.selector}" if self.selector else "") + \
             (f", GPUs {self.gpu_selector}" if self.gpu_selector is not None else "")
 
     def raw_series(self, query: str, start_unix: float, end_unix: float) -> list[Series]:
@@ -264,7 +267,7 @@ class Prometheus:
                                      params={"query": f"{query}[{window_ms}ms]", "time": f"{end_unix:.3f}"})
             payload = response.json()
         except httpx.HTTPError as exc:
-            raise TelemetryError(f"{type(exc).__name__}: {exc}") from None
+            raise TelemetryError(f"{type(exc).__name__}: {redact_text(str(exc))}") from None
         except ValueError:
             raise TelemetryError(f"HTTP {response.status_code}, not JSON: {response.text[:200]}") from None
         return parse_matrix(payload)

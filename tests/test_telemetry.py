@@ -103,6 +103,13 @@ def test_an_unreachable_prometheus_is_not_measured_and_says_why():
     assert cell.samples.empty and abs(cell.figures["t_cell_start_unix"] - (time.time() - 1.0)) < 0.5
 
 
+def test_credentials_in_the_prometheus_url_stay_out_of_the_row():
+    prom = Prometheus(f"http://kvbench:s3cret@127.0.0.1:{free_port()}", '{job="vllm"}', settle_s=0.1, timeout_s=1.0)
+    t = time.perf_counter()
+    source = prom.cell(t - 1.0, t).figures["prom_source"]
+    assert "s3cret" not in source and "kvbench:" not in source and '{job="vllm"}' in source
+
+
 def test_wall_clock_offset_maps_perf_counter_to_unix_time():
     offset = telemetry.wall_clock_offset()
     assert abs(time.perf_counter() + offset - time.time()) < 0.005
