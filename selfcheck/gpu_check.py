@@ -503,24 +503,36 @@ def check_engines(engines: list[str], model: str, run_args: list[str], out: Path
     return rows, shlex.join([Path(base[0]).name, *base[1:], "-b", "ENGINE", "--run-id", "ENGINE"])
 
 
-def llama_build_argv(src: Path, build: Path, jobs: int) -> list[list[str]]:
+def cuda_architecture(nvml) -> str:
+    """The first GPU's compute capability as CMake wants it ("90" for 9.0), from NVML; "native" (CMake >= 3.24
+    asks the driver) where NVML does not say. One architecture: compiling ggml's CUDA kernels for all of them
+    would not fit a short loan."""
+    try:
+        major, minor = nvml.nv.nvmlDeviceGetCudaComputeCapability(nvml.handles[0])
+        return f"{int(major)}{int(minor)}"
+    except Exception:
+        return "native"
+
+
+def llama_build_argv(src: Path, build: Path, jobs: int, arch: str = "native") -> list[list[str]]:
     """(e) The commands that build llama-server with CUDA from llama.cpp's sources (the options of
     build_llama_server.sh, plus CUDA for this machine's GPU), then list the devices it sees."""
     return [["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
              "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
              "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF",
-             "-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=native", "-DGGML_NATIVE=ON"],
+             "-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={arch}", "-DGGML_NATIVE=ON"],
             ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)],
             [str(build / "bin" / "llama-server"), "--list-devices"]]
 
 
-def build_llama(source: Path, out: Path, budget: Budget, reserve_s: float = 30) -> dict:
+def build_llama(source: Path, out: Path, budget: Budget, reserve_s: float = 30, arch: str = "native") -> dict:
     """(e) Build llama.cpp's CUDA llama-server from ``source`` (an archive pack_llama_source.sh made, or a
     folder holding llama.cpp/) within what is left of the budget; the devices it lists. Never fails the run:
     the status says what happened."""
     import tarfile
 
-    row = {"source": str(source), "status": "not run", "seconds": None, "devices": None, "note": ""}
+    row = {"source": str(source), "status": "not run", "seconds": None, "devices": None, "note": "",
+           "cuda_architecture": arch}
     t0 = time.monotonic()
     try:
         if source.is_file():
@@ -534,7 +546,7 @@ def build_llama(source: Path, out: Path, budget: Budget, reserve_s: float = 30) 
         if not (src / "CMakeLists.txt").exists():
             return {**row, "status": "no CMakeLists.txt in the source"}
         log = (out / "logs" / "llama_build.log").open("w")
-        for argv in llama_build_argv(src, out / "llama-build", os.cpu_count() or 4):
+        for argv in llama_build_argv(src, out / "llama-build", os.cpu_count() or 4, arch):
             left = budget.left() - reserve_s
             if left < 30:
                 return {**row, "status": "skipped: time budget", "seconds": time.monotonic() - t0,
@@ -657,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
             result["skipped"].append(f"(b): {python} has torch but not transformers")
     if args.llama_source:
         print(f"(e) building llama.cpp's CUDA server from {args.llama_source}", flush=True)
-        result["llama_build"] = build_llama(args.llama_source, out, budget)
+        result["llama_build"] = build_llama(args.llama_source, out, budget, arch=cuda_architecture(nvml))
         save()
     engines = [e for e in args.engines.split(",") if e]
     if engines:

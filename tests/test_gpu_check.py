@@ -219,10 +219,10 @@ fi
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     out = tmp_path / "out"
     (out / "logs").mkdir(parents=True)
-    row = gc.build_llama(archive, out, gc.Budget(120))
+    row = gc.build_llama(archive, out, gc.Budget(120), arch="90")
     assert row["status"] == "built" and row["devices"] == "CUDA0: NVIDIA H200 (143156 MiB, 142000 MiB free)"
     configure, build = calls.read_text().splitlines()
-    assert "-DGGML_CUDA=ON" in configure and "-DCMAKE_CUDA_ARCHITECTURES=native" in configure
+    assert "-DGGML_CUDA=ON" in configure and "-DCMAKE_CUDA_ARCHITECTURES=90" in configure
     assert f"-S {out}/llama-src/llama.cpp" in configure and build.startswith("--build") and "llama-server" in build
     monkeypatch.setenv("FAIL_BUILD", "1")
     (tmp_path / "out2" / "logs").mkdir(parents=True)
@@ -273,3 +273,10 @@ def test_gpu_check_runs_from_a_checkout_that_is_not_installed(tmp_path):
         run = subprocess.run([sys.executable, "selfcheck/uninstalled.py", "kvbench.selfcheck.gpu_check"], cwd=copy,
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 3 and "nothing was run" in run.stderr
+
+
+def test_the_cuda_architecture_comes_from_nvml():
+    fake = FakeNVML([FakeDevice()])
+    assert gc.cuda_architecture(NVML(module=fake)) == "native"  # a binding without the call
+    fake.nvmlDeviceGetCudaComputeCapability = lambda handle: (9, 0)
+    assert gc.cuda_architecture(NVML(module=fake)) == "90"
