@@ -17,8 +17,9 @@ How a cell is read: the samples Prometheus scraped during the cell's wall-clock 
 scraped (an instant query of a range vector, ``{...}[Nms]``, which returns every raw sample with its scrape
 timestamp), not ``query_range``: a range query resamples at its step and fills each step with the last
 sample up to five minutes old, so a peak over it would include the previous cell's value and its times
-would be the step's, not the scrape's. Before reading, the client waits (up to ``settle_s``) until every
-series has a sample at or after the cell's end, so the last scrape of the cell is in.
+would be the step's, not the scrape's. Before reading, the client waits until every series has a sample at
+or after the cell's end, so the last scrape of the cell is in: up to 1.5 scrape intervals of the series'
+jobs plus a second (from the targets API; 5 s where it cannot be read).
 
 Alignment: the runner's times are ``time.perf_counter()`` seconds; Prometheus stamps samples with the
 scraping server's wall clock (Unix seconds). :func:`wall_clock_offset` measures ``time.time() -
@@ -117,6 +118,15 @@ def parse_matrix(payload: dict) -> list[Series]:
         points = [(float(ts), float(value)) for ts, value in item.get("values") or []]
         out.append(Series(dict(item.get("metric") or {}), points))
     return out
+
+
+def parse_duration(text: str) -> float | None:
+    """A Prometheus duration ("1s", "15s", "1m30s", "500ms") in seconds; None when it is not one."""
+    parts = re.findall(r"(\d+)(ms|s|m|h|d)", text or "")
+    if not parts or "".join(n + u for n, u in parts) != text:
+        return None
+    scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+    return sum(int(n) * scale[u] for n, u in parts)
 
 
 def wall_clock_offset(pairs: int = 5) -> float:
@@ -232,9 +242,11 @@ class Prometheus:
     """A Prometheus server's HTTP API, read after each cell. ``selector``: label matchers for every query
     (e.g. ``{namespace="llm"}``); ``gpu_selector``: for the DCGM series instead, where the GPUs are
     scraped under other labels than the engines (default: ``selector``). A URL's ``user:password@`` is
-    sent as basic auth."""
+    sent as basic auth. ``settle_s``: how long to wait after a cell for every series' next scrape (None:
+    1.5 scrape intervals of the series' jobs plus a second, from the targets API; 5 s where that cannot be
+    read)."""
 
-    def __init__(self, url: str, selector: str = "", gpu_selector: str | None = None, settle_s: float = 5.0,
+    def __init__(self, url: str, selector: str = "", gpu_selector: str | None = None, settle_s: float | None = None,
                  timeout_s: float = 10.0, lookback_s: float = 30.0):
         self.url = url.rstrip("/")
         self.selector, self.gpu_selector = selector or "", gpu_selector
@@ -242,6 +254,7 @@ class Prometheus:
         self.gpu_matchers = self.matchers if gpu_selector is None else selector_matchers(gpu_selector)
         self.settle_s, self.timeout_s, self.lookback_s = settle_s, timeout_s, lookback_s
         self._http: httpx.Client | None = None
+        self._intervals: dict[str, float] | None = None  # scrape interval per job, from the targets API
 
     @property
     def http(self) -> httpx.Client:
@@ -275,23 +288,48 @@ class Prometheus:
     def queries(self) -> list[str]:
         return [series_query(GPU_METRICS, self.gpu_matchers), series_query(ENGINE_METRICS, self.matchers)]
 
+    def scrape_intervals(self) -> dict[str, float]:
+        """Seconds between scrapes per job, from ``/api/v1/targets`` (read once; {} where it cannot be)."""
+        if self._intervals is None:
+            self._intervals = {}
+            try:
+                targets = self.http.get(self.url + "/api/v1/targets", params={"state": "active"}).json()
+                for t in targets["data"]["activeTargets"]:
+                    job, interval = t["labels"].get("job"), parse_duration(t.get("scrapeInterval", ""))
+                    if job and interval:
+                        self._intervals[job] = max(self._intervals.get(job, 0.0), interval)
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                pass
+        return self._intervals
+
+    def settle_for(self, series: list[Series]) -> float:
+        """How long to wait for the series' next scrapes: ``settle_s``, else 1.5 of their jobs' longest
+        scrape interval plus a second (at most two minutes), else 5 s."""
+        if self.settle_s is not None:
+            return self.settle_s
+        intervals = self.scrape_intervals()
+        known = [intervals[j] for j in {s.labels.get("job") for s in series} if j in intervals]
+        return min(120.0, 1.5 * max(known) + 1.0) if known else 5.0
+
     def read(self, start_unix: float, end_unix: float) -> tuple[list[Series], str]:
-        """The series of the window (with ``lookback_s`` before it, for counters' baselines), waiting up to
-        ``settle_s`` for a scrape at or after ``end_unix`` of every series; and a note when some series had
-        none by then."""
-        deadline = time.monotonic() + self.settle_s
+        """The series of the window (with ``lookback_s`` before it, for counters' baselines), waiting (up
+        to :meth:`settle_for`) for a scrape at or after ``end_unix`` of every series; and a note when some
+        series had none by then."""
+        started, settle = time.monotonic(), None
         while True:
             now = time.time()
             series = [s for q in self.queries() for s in self.raw_series(q, start_unix - self.lookback_s,
                                                                            max(now, end_unix))]
             late = [s for s in series if not s.points or s.points[-1][0] < end_unix]
-            if not late or time.monotonic() >= deadline:
+            if late and settle is None:
+                settle = self.settle_for(series)
+            if not late or time.monotonic() - started >= settle:
                 break
             time.sleep(0.2)
         note = ""
         if late:
             gap = max(end_unix - (s.points[-1][0] if s.points else start_unix) for s in late)
-            note = (f"; {len(late)} series without a scrape after the cell's end within {self.settle_s:g} s "
+            note = (f"; {len(late)} series without a scrape after the cell's end within {settle:g} s "
                     f"(last up to {gap:.1f} s before it)")
         return series, note
 

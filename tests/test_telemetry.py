@@ -103,6 +103,33 @@ def test_an_unreachable_prometheus_is_not_measured_and_says_why():
     assert cell.samples.empty and abs(cell.figures["t_cell_start_unix"] - (time.time() - 1.0)) < 0.5
 
 
+def test_the_wait_after_a_cell_follows_the_scrape_interval():
+    """A cluster scraping every 15 s: after the cell kvbench waits up to 1.5 intervals + 1 s for the series'
+    next scrape (read from the targets API), and says so when it does not come."""
+    import httpx as _httpx
+
+    assert telemetry.parse_duration("15s") == 15 and telemetry.parse_duration("1m30s") == 90
+    assert telemetry.parse_duration("500ms") == 0.5 and telemetry.parse_duration("soon") is None
+    targets = {"status": "success", "data": {"activeTargets": [
+        {"labels": {"job": "vllm", "instance": "a:8000"}, "scrapeInterval": "15s", "health": "up"},
+        {"labels": {"job": "dcgm", "instance": "n:9400"}, "scrapeInterval": "30s", "health": "up"}]}}
+    old = [dcgm_series("DCGM_FI_DEV_FB_USED", 0, "GPU-aaaa", [(T0 + 0.5, 100)])]
+    old[0]["metric"]["job"] = "vllm"
+
+    def handler(request):
+        if request.url.path == "/api/v1/targets":
+            return _httpx.Response(200, json=targets)
+        return _httpx.Response(200, json=answer(*old) if "FB_USED" in request.url.params["query"] else answer())
+
+    prom = Prometheus("http://prom:9090")
+    prom._http = _httpx.Client(transport=_httpx.MockTransport(handler))
+    series = parse_matrix(answer(*old))
+    assert prom.settle_for(series) == 1.5 * 15 + 1  # the vllm job's interval, not dcgm's (no series of it)
+    prom.settle_s = 0.3  # given: used as is
+    got, note = prom.read(T0, T0 + 2.0)
+    assert len(got) == 1 and "1 series without a scrape after the cell's end within 0.3 s" in note
+
+
 def test_credentials_in_the_prometheus_url_stay_out_of_the_row():
     prom = Prometheus(f"http://kvbench:s3cret@127.0.0.1:{free_port()}", '{job="vllm"}', settle_s=0.1, timeout_s=1.0)
     t = time.perf_counter()
