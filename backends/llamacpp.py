@@ -191,8 +191,8 @@ class LlamaCppBackend(Backend):
         Option("batch_threads", int, None, "prompt-processing threads (-tb)", default_text="all cores"),
         Option("split_mode", str, None, "how several GPUs share the model (--split-mode)",
                choices=("none", "layer", "row"), default_text="llama.cpp's own: layer, over every visible GPU"),
-        Option("tensor_split", str, None, "share of the model per GPU, e.g. 1,1 (-ts)",
-               default_text="by free memory"),
+        Option("tensor_split", str, None, "share of the model per GPU, e.g. 3/1 (-ts; llama.cpp reads / like a "
+               "comma, which would end the option here)", default_text="by free memory"),
         EXTRA_ARGS,
     )
     kv_rules = LlamaCppKV()

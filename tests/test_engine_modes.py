@@ -281,6 +281,10 @@ def test_llamacpp_reads_its_buffers_per_device_and_counts_its_gpus(monkeypatch):
     assert buffers["kv"] == {"CUDA0": 512 * 2**20, "CUDA1": 448 * 2**20}
     assert LlamaCppBackend.gpus_used({"split_mode": "none"}) == 1
     assert LlamaCppBackend.gpus_used({"tensor_split": "3,1,0"}) == 2
+    assert LlamaCppBackend.gpus_used({"tensor_split": "1/1/1"}) == 3  # as -b 'llamacpp:tensor_split=1/1/1' gives it
+    from kvbench.config import BackendConfig
+    assert BackendConfig.parse("llamacpp:split_mode=layer,tensor_split=3/1").options == {
+        "split_mode": "layer", "tensor_split": "3/1"}
     monkeypatch.setenv("KVBENCH_GPU", "0")
     assert LlamaCppBackend.gpus_used({}) == 1
 
