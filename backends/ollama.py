@@ -78,6 +78,9 @@ class OllamaBackend(Backend):
         Option("flash_attention", bool, None, "OLLAMA_FLASH_ATTENTION", default_text="on for a quantised KV cache"),
         Option("debug", bool, True, "OLLAMA_DEBUG (some versions log the KV cache only at this level)"),
         Option("served_model", str, None, "use this model as it is on the server instead of importing the GGUF"),
+        Option("engine_mode", str, "sized", "sized: parallel slots, context and KV type set by kvbench; deployed: "
+               "Ollama's own (requests still ask num_ctx: prompts longer than its default would be cut)",
+               choices=("sized", "deployed")),
     )
     accepts_token_ids = False
     forces_output_length = False  # no ignore_eos in Ollama's API
@@ -110,6 +113,12 @@ class OllamaBackend(Backend):
                "OLLAMA_CONTEXT_LENGTH": str(spec.max_context), "OLLAMA_KV_CACHE_TYPE": cache_type,
                "OLLAMA_FLASH_ATTENTION": "1" if flash else "0", "OLLAMA_KEEP_ALIVE": "-1",
                "OLLAMA_NOPRUNE": "1"}
+        if self.options.get("engine_mode", "sized") == "deployed":  # Ollama's defaults, unless asked for
+            for key, option in (("OLLAMA_NUM_PARALLEL", None), ("OLLAMA_MAX_LOADED_MODELS", None),
+                                ("OLLAMA_CONTEXT_LENGTH", None), ("OLLAMA_KV_CACHE_TYPE", None),
+                                ("OLLAMA_FLASH_ATTENTION", "flash_attention")):
+                if option is None or option not in self.options:
+                    env.pop(key)
         if self.options.get("debug", True):
             env["OLLAMA_DEBUG"] = "1"  # the runner's KV lines are logged at this level by some versions
         return [str(binary), "serve"], env

@@ -95,12 +95,20 @@ class TGIBackend(PrometheusPolled, Backend):
         Option("max_batch_prefill_tokens", int, None, "--max-batch-prefill-tokens", default_text="the context cap"),
         Option("max_concurrent_requests", int, None, "--max-concurrent-requests",
                default_text="the workload's top concurrency"),
+        Option("engine_mode", str, "sized", "sized: prefill batch and concurrency set by kvbench for the workload; "
+               "deployed: TGI's own (its warm-up sizes max-batch-total-tokens either way)",
+               choices=("sized", "deployed")),
+        Option("num_shard", int, None, "GPUs to shard the model over (--num-shard)", default_text="TGI's own"),
         EXTRA_ARGS,
     )
     accepts_token_ids = False
     forces_output_length = False  # no ignore_eos in TGI's API
     health_path = "/health"
     POLLED = ("tgi_batch_current_max_tokens", "tgi_queue_size")  # the samples polled during a cell
+
+    @classmethod
+    def gpus_used(cls, options: dict) -> int:
+        return int(options.get("num_shard") or 1)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -116,9 +124,16 @@ class TGIBackend(PrometheusPolled, Backend):
     def _limits(self, spec: ServerSpec) -> list[str]:
         # Every request is prompt + output <= max_context tokens; TGI wants max_input < max_total and
         # a prefill batch that holds one whole prompt.
-        argv = ["--max-input-tokens", str(spec.max_context - 1), "--max-total-tokens", str(spec.max_context),
-                "--max-batch-prefill-tokens", str(int(self.options.get("max_batch_prefill_tokens", spec.max_context))),
-                "--max-concurrent-requests", str(int(self.options.get("max_concurrent_requests", spec.max_concurrency)))]
+        argv = ["--max-input-tokens", str(spec.max_context - 1), "--max-total-tokens", str(spec.max_context)]
+        deployed = self.options.get("engine_mode", "sized") == "deployed"
+        if not deployed or "max_batch_prefill_tokens" in self.options:
+            argv += ["--max-batch-prefill-tokens",
+                     str(int(self.options.get("max_batch_prefill_tokens", spec.max_context)))]
+        if not deployed or "max_concurrent_requests" in self.options:
+            argv += ["--max-concurrent-requests",
+                     str(int(self.options.get("max_concurrent_requests", spec.max_concurrency)))]
+        if self.options.get("num_shard"):
+            argv += ["--num-shard", str(int(self.options["num_shard"]))]
         kv = spec.kv_dtype.lower()
         if kv in FP8:
             argv += ["--kv-cache-dtype", FP8[kv]]

@@ -14,7 +14,7 @@ SECRET_NAME = re.compile(r"key|token|secret|passw|pwd|auth|credential|signature|
 #: Backend option names that would carry a secret in the clear (config refuses them; texts mask them).
 SECRET_OPTIONS = ("api_key", "apikey", "key", "token", "api_token", "access_token", "bearer", "password",
                   "passwd", "secret", "auth", "authorization", "credentials")
-_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>,]+")  # a comma ends it: -b KEY=URL,KEY=URL
 _SECRET_OPTION_IN_TEXT = re.compile(r"(?<![\w.-])(" + "|".join(SECRET_OPTIONS) + r")=[^,&\s'\"]*", re.IGNORECASE)
 MASK = "***"
 

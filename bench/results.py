@@ -42,6 +42,11 @@ SCHEMA_VERSION = 6
 # an undefined TPOT as within the SLO; cells' client_loop_lag_s_max (written by some v2 runs without a
 # version bump) is a v3 column; loaded requests get ``counted`` (not a warm-up) beside ``ok`` (met the
 # token contract), and load() gives every column one dtype in every run (:func:`normalize_dtypes`).
+# v4 (GPU runs as deployed): engine_mode ("sized" or "deployed"; "" = not recorded), gpus_used (tensor/
+# layer split), gpu_devices (NVML per device), the per-GPU KV in use and its prediction, the engine's
+# weights and the measured overhead per GPU.
+# v5 (deployments, backends/deployment.py): replica, replicas, queued_first_s, queued_first_replica; a
+# deployment's cell has its total row (replica "") and one row per replica (cell_id "<total's>@<host:port>").
 # v6 (the cluster's own monitoring, bench/telemetry.py): t_cell_start_unix and the prom_* figures read from
 # Prometheus after each cell (--prometheus): DCGM's GPU memory per device, the engines' KV usage and queue.
 
@@ -77,6 +82,10 @@ class CellRow(BaseModel):
     # compare cells whose contracts differ)
     token_contract: str = ""
     attached: bool = False  # benchmarked a server kvbench did not start: no process memory
+    # "sized": the KV pool sized by kvbench for the workload; "deployed": the engine's own defaults
+    # (vLLM's memory utilisation and CUDA graphs, llama.cpp's context, TGI's auto batch tokens); "": not recorded
+    engine_mode: str = ""
+    gpus_used: int = 1  # GPUs the engine was split over (vLLM/TGI tensor parallel, llama.cpp layers, device_map)
     status: Literal["ok", "flagged", "failed", "not run"]
     flags: list[str] = Field(default_factory=list)
     error: str | None = None
@@ -149,6 +158,18 @@ class CellRow(BaseModel):
     gpu_baseline_used_bytes: int | None = None  # device used before the engine started
     gpu_device_total_bytes: int | None = None
     gpu_device_reserved_bytes: int | None = None
+    # per GPU (NVML), one dict per device in index order: index, used_peak_bytes, over_baseline_peak_bytes,
+    # process_peak_bytes, total_bytes (a list, not columns per device: the number of GPUs differs by machine)
+    gpu_devices: list[dict] = Field(default_factory=list)
+    # KV per GPU: the engine's in-use peak on its fullest GPU, and what its rules give for one GPU at the
+    # same load (`kvbench plan --tp N`'s per-GPU figure)
+    kv_in_use_peak_bytes_per_gpu: float | None = None
+    kv_peak_bytes_per_gpu_predicted: float | None = None
+    # memory besides KV, per GPU: the weights as the engine reports them, and the rest measured (device
+    # used over the idle baseline, minus weights and KV pool): CUDA context, graphs, activations, slack
+    weights_bytes_engine: float | None = None
+    weights_source: str | None = None
+    gpu_overhead_bytes_per_gpu: float | None = None
     memory_samples: int = 0
     memory_sample_hz: float | None = None
     t_cell_start: float | None = None  # perf_counter at the cell's start: timelines count from here
@@ -166,6 +187,15 @@ class CellRow(BaseModel):
     prom_engines: list[dict] = Field(default_factory=list)
     prom_samples: int = 0
     prom_source: str | None = None
+    # a deployment of several replicas (backends/deployment.py): each cell has the deployment's total row
+    # (replica "", its figures over every request, KV and queue summed over the replicas at each poll, the
+    # pool's sequences summed) and one row per replica (replica = its host:port, cell_id the total's +
+    # "@host:port": its own pool, KV and queue, and the requests it served). Compare and the plots read the
+    # rows with replica "" only.
+    replica: str = ""  # "": a single server, or a deployment's total
+    replicas: int | None = None  # the replicas of the deployment (None: a single server)
+    queued_first_s: float | None = None  # first poll with requests waiting > 0, seconds since the cell started
+    queued_first_replica: str | None = None  # a deployment's total row: the replica that queued first
 
 
 class RequestRow(BaseModel):
@@ -456,6 +486,11 @@ def migrate_row(row: dict, model: type[BaseModel]) -> dict:
     v2 -> v3: ``client_loop_lag_s_max`` None where the row lacks it (not measured). A stored cell's TPOT and
     goodput keep the figures its run wrote (a v2 TPOT may be 0.0 where v3 says undefined): ``kvbench report
     --recompute RUN`` rebuilds them from requests.jsonl under the current definitions.
+    v3 -> v4: ``engine_mode`` "" (not recorded: every earlier run sized the pool itself, as "sized" does
+    now, and started vLLM with --enforce-eager), ``gpus_used`` 1, ``gpu_devices`` [], and the per-GPU KV,
+    weights and overhead fields None (not measured).
+    v4 -> v5: ``replica`` "" (every earlier row is a single server's), ``replicas``, ``queued_first_s`` and
+    ``queued_first_replica`` None (not measured: earlier runs did not record when requests first waited).
     v5 -> v6: ``t_cell_start_unix`` and the ``prom_*`` figures None (``prom_gpu_devices`` and ``prom_engines``
     [], ``prom_samples`` 0): not measured, no Prometheus was read.
     """

@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvbench import estimate, models
 from kvbench.backends import REGISTRY, gguf_converter
 from kvbench.backends.base import Backend
+from kvbench.backends.deployment import Deployment
 from kvbench.backends.types import EngineStartError, ServerSpec
 from kvbench.cells import Cell, CellPrompts, NothingFits, RunPlan
 from kvbench.config import BackendConfig
@@ -41,7 +42,9 @@ from kvbench.samplers import EnginePoller, ProcessTreeMemorySampler, tree_rss
 from kvbench.summary import (
     CellMeasurement,
     EngineRun,
+    engine_setup,
     failed_row,
+    replica_rows,
     request_row,
     request_verdicts,
     summarize,
@@ -206,7 +209,8 @@ class _EngineSession:
         self.expected = plan.cells_per_start // (1 if repeat is None else plan.repeats)  # its share of the bar
         self.done = 0  # cells[:done] have their rows written
         self.info = EngineRun(runner.run_id, cfg.label, cfg.engine, cfg.version, spec.model, plan.workload,
-                              spec.kv_dtype, attached=bool(cfg.url), rules=REGISTRY[cfg.engine].kv_rules)
+                              spec.kv_dtype, attached=bool(cfg.url), rules=REGISTRY[cfg.engine].kv_rules,
+                              **engine_setup(REGISTRY[cfg.engine], cfg.options, bool(cfg.url)))
         self.gpu_baseline: GPUBaseline | None = None
         self.streak = TimeoutStreak(runner.o.max_consecutive_timeouts)
         self.stop_reason = "interrupted"  # until the session says otherwise
@@ -245,6 +249,8 @@ class _EngineSession:
             self.progress.advance(self.bar, max(0, self.expected - self.done))
 
     def make_backend(self, cls) -> Backend | None:
+        if self.cfg.deployment:  # several replicas (or a gateway): one adapter attached to each
+            return Deployment.of(cls, self.cfg.version, self.cfg.options, self.cfg.urls, self.cfg.gateway)
         if self.cfg.url:
             return cls(self.cfg.version, None, self.cfg.options)
         self.progress.update(self.bar, description=f"{self.cfg.label}: installing")
@@ -287,8 +293,11 @@ class _EngineSession:
                     self.stop_reason = f"wedged: {self.streak.describe()}"
                     return self.fail_remaining(self.stop_reason, backend.log_tail())
                 self.progress.update(self.bar, description=f"{label}: {cell.describe()}")
-                row = summarize(self.info, self.measure(backend, cell))
+                m = self.measure(backend, cell)
+                row = summarize(self.info, m)
                 r.writer.write_cell(row)
+                for part in replica_rows(self.info, m, row):  # a deployment's rows per replica
+                    r.writer.write_cell(part)
                 self.done += 1
                 self.progress.advance(self.bar)
                 r.console.print(summary_line(row))
@@ -415,6 +424,8 @@ class _EngineSession:
                     s.stop()
         label = self.cfg.label
         prom = measure_cell(r.o.prometheus, t0, load.t_end, r.run_dir, cell.cell_id(label))
+        # a deployment: each replica's polls and the requests it served (each marked with its replica)
+        replicas = backend.replica_polls(load.results) if isinstance(backend, Deployment) else None
         for result in load.results:
             r.writer.write_request(request_row(r.run_id, cell.cell_id(label), label, result, repeat=cell.repeat))
         # A killed engine closes its sockets a moment before its exit can be read: wait for it briefly,
@@ -432,9 +443,9 @@ class _EngineSession:
                             queue_samples=engine.queue_samples, queue_source=engine.queue_source,
                             memory_samples=memory.samples if memory else None, rss_baseline_bytes=rss_baseline,
                             gpu_baseline_used_bytes=self.gpu_baseline.used_bytes if self.gpu_baseline else None,
-                            telemetry=prom)
+                            replicas=replicas, telemetry=prom)
         r.writer.write_timeline(cell.cell_id(label), timeline_frame(t0, m.memory_samples or [], engine.kv_samples,
-                                                                     engine.queue_samples))
+                                                                     engine.queue_samples, replicas))
         return m
 
 

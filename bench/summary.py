@@ -42,6 +42,21 @@ class EngineRun:
     engine_version_reported: str | None = None
     token_contract: str = ""
     rules: KVRules | None = None  # how the engine sizes its KV (None: unknown)
+    engine_mode: str = ""  # "sized" or "deployed" (:func:`engine_setup`); "": not recorded
+    gpus_used: int = 1  # GPUs the engine is split over
+
+
+def engine_setup(cls, options: dict, attached: bool = False) -> dict:
+    """EngineRun's ``engine_mode`` and ``gpus_used`` for an engine started with ``options``, as its adapter
+    declares them: the ``engine_mode`` option (given, else the adapter's default; "" for an adapter without
+    one, and for an attached server, whose settings are its operator's) and the GPUs its own
+    ``gpus_used(options)`` counts (1 for an adapter without one)."""
+    from kvbench.backends.options import specs_of
+
+    spec = specs_of(cls).get("engine_mode")
+    mode = str(options.get("engine_mode", spec.default)) if spec is not None and not attached else ""
+    count = getattr(cls, "gpus_used", None)
+    return {"engine_mode": mode, "gpus_used": int(count(options)) if count else 1}
 
 
 @dataclass
@@ -64,6 +79,9 @@ class CellMeasurement:
     memory_samples: list[MemorySample] | None = None  # None: not measured (an attached server)
     rss_baseline_bytes: int | None = None
     gpu_baseline_used_bytes: int | None = None
+    # a deployment (backends/deployment.py): each replica's own pool, polls and requests, by host:port; the
+    # fields above are then the deployment's totals (KV and queue summed over the replicas at each poll)
+    replicas: dict | None = None
     telemetry: dict | None = None  # t_cell_start_unix and the prom_* figures (--prometheus; bench/telemetry.py)
 
 
@@ -75,7 +93,8 @@ def failed_row(run: EngineRun, cell: Cell, status: str, error: str | None, log_t
                    prompt_tokens=w.prompt_tokens_sent(cell.prompt_tokens, cell.turn), output_tokens=w.output_tokens,
                    load_profile=cell.load.profile, concurrency=cell.load.concurrency,
                    request_rate=cell.load.request_rate, repeat=cell.repeat, kv_dtype=run.kv_dtype,
-                   attached=run.attached, status=status, error=error,
+                   attached=run.attached, engine_mode=run.engine_mode, gpus_used=run.gpus_used,
+                   status=status, error=error,
                    log_tail=log_tail or None, slo_ttft_s=w.slo_ttft_s, slo_tpot_s=w.slo_tpot_s)
 
 
@@ -98,9 +117,64 @@ def summarize(run: EngineRun, m: CellMeasurement) -> CellRow:
         (row.requests_waiting_peak, row.requests_running_peak, row.preemptions,
          row.queue_source) = queue_peaks(m.queue_samples, windows, m.queue_source)
     _memory(row, m)
+    _per_gpu(row, run, m)
+    _queued_first(row, m)
     for k, v in (m.telemetry or {}).items():  # the cluster's own monitoring, as read from Prometheus
         setattr(row, k, v)
     return row
+
+
+def _queued_first(row: CellRow, m: CellMeasurement) -> None:
+    """When requests first waited in the engine's queue; for a deployment, the replica that queued first."""
+    row.queued_first_s = first_waiting(m.queue_samples, m.t_cell_start)
+    if m.replicas:
+        row.replicas = len(m.replicas)
+        firsts = [(t, label) for label, rp in m.replicas.items()
+                  if (t := first_waiting(rp.queue_samples, m.t_cell_start)) is not None]
+        if firsts:
+            row.queued_first_s, row.queued_first_replica = min(firsts)
+
+
+def first_waiting(samples: list[QueueSample], t0: float) -> float | None:
+    """Seconds from ``t0`` to the first poll that found requests waiting (None: none did)."""
+    return next((q.t - t0 for q in samples if q.waiting), None)
+
+
+def replica_rows(run: EngineRun, m: CellMeasurement, total: CellRow) -> list[CellRow]:
+    """A deployment's rows per replica, beside the total row ``total`` (none for a single server). Each is
+    the replica's own pool, KV in use and queue, and, round-robin, the requests it served (their latency,
+    throughput and token contract); through a gateway which replica served a request is not known, so a
+    replica's row has its KV and queue only (request figures "not measured")."""
+    rows = []
+    for label, rp in (m.replicas or {}).items():
+        mine = [r for r in m.load.results if rp.request_ids is not None and r.request_id in rp.request_ids]
+        load = LoadResult(mine, m.load.t_start, m.load.t_end, max_in_flight=max_overlap(request_windows(mine)),
+                          loop_lag_s_max=m.load.loop_lag_s_max)
+        part = CellMeasurement(m.cell, load, m.t_cell_start, m.kv_dtype, kv_pool=rp.kv_pool,
+                               kv_samples=rp.kv_samples, kv_source=rp.kv_source, queue_samples=rp.queue_samples,
+                               queue_source=rp.queue_source)
+        row = summarize(run, part)
+        row.cell_id, row.replica, row.replicas = f"{total.cell_id}@{label}", label, len(m.replicas)
+        row.engine_version_reported = rp.version or total.engine_version_reported
+        if not mine:  # through a gateway (which replica served a request is not known), or it served none
+            row.status, row.error, row.flags, row.log_tail = total.status, None, [], None
+            row.n_requests = row.n_ok = 0
+            for name in ("max_in_flight", "kv_tokens_peak_predicted", "kv_bytes_peak_predicted",
+                         "kv_measured_over_predicted", "client_loop_lag_s_max"):
+                setattr(row, name, None)
+        rows.append(row)
+    return rows
+
+
+def max_overlap(windows: list[tuple[float, float]]) -> int:
+    """The most windows (start, end) open at once."""
+    events = sorted([(start, 1) for start, _ in windows] + [(end, -1) for _, end in windows],
+                    key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
 
 
 def _load_achieved(row: CellRow, load: LoadResult) -> None:
@@ -166,7 +240,9 @@ def _kv(row: CellRow, run: EngineRun, m: CellMeasurement, windows) -> None:
     pool = m.kv_pool
     if pool:
         row.kv_pool_bytes_engine, row.kv_pool_tokens_engine, row.kv_pool_source = pool.bytes, pool.tokens, pool.source
-        if pool.tokens and rules:  # the engine's rules: how a pool of that many tokens is laid out
+        if m.replicas and pool.tokens and rules:  # a deployment: each replica's pool by the rules, summed
+            _deployment_pool(row, rules, geometry, m, row.prompt_tokens + w.output_tokens)
+        elif pool.tokens and rules:  # the engine's rules: how a pool of that many tokens is laid out
             row.kv_pool_bytes_predicted = pool.tokens * rules.pool_bytes_per_token(geometry, m.kv_dtype, pool.details)
             row.kv_pool_sequences_predicted = rules.sequences_in_pool(
                 geometry, pool.tokens, row.prompt_tokens + w.output_tokens, pool.details)
@@ -191,6 +267,18 @@ def _kv(row: CellRow, run: EngineRun, m: CellMeasurement, windows) -> None:
         row.kv_measured_over_predicted = row.kv_in_use_peak_bytes / row.kv_bytes_peak_predicted
 
 
+def _deployment_pool(row: CellRow, rules: KVRules, geometry, m: CellMeasurement, context: int) -> None:
+    """A deployment's pool: each replica's predicted bytes and sequences (its own pool, by the engine's
+    rules) summed; the deployment holds as many sequences at once as its replicas together."""
+    pools = [rp.kv_pool for rp in m.replicas.values()]
+    if any(p is None or not p.tokens for p in pools):
+        return
+    row.kv_pool_bytes_predicted = sum(p.tokens * rules.pool_bytes_per_token(geometry, m.kv_dtype, p.details)
+                                      for p in pools)
+    fits = [rules.sequences_in_pool(geometry, p.tokens, context, p.details) for p in pools]
+    row.kv_pool_sequences_predicted = None if any(f is None for f in fits) else sum(fits)
+
+
 def _memory(row: CellRow, m: CellMeasurement) -> None:
     """Peaks of the process tree's memory timeline (not measured for an attached server: not our processes)."""
     row.rss_baseline_bytes = m.rss_baseline_bytes
@@ -207,6 +295,71 @@ def _memory(row: CellRow, m: CellMeasurement) -> None:
     row.gpu_device_total_bytes = samples[-1].gpu_device_total_bytes
     row.gpu_device_reserved_bytes = samples[-1].gpu_device_reserved_bytes
     row.gpu_baseline_used_bytes = m.gpu_baseline_used_bytes
+    row.gpu_devices = device_peaks(samples)
+
+
+def device_peaks(samples: list[MemorySample]) -> list[dict]:
+    """Per GPU (NVML's index order): the peaks of its used memory, of its use over the idle baseline and of
+    the engine's processes on it, and its size; [] without per-device samples."""
+    per = [s.gpu_per_device for s in samples if s.gpu_per_device]
+    if not per:
+        return []
+    out = []
+    for i in range(max(len(p) for p in per)):
+        at = [p[i] for p in per if i < len(p)]
+        out.append({"index": at[-1].get("index", i), "used_peak_bytes": _max_known(d.get("used_bytes") for d in at),
+                    "over_baseline_peak_bytes": _max_known(d.get("over_baseline_bytes") for d in at),
+                    "process_peak_bytes": _max_known(d.get("process_bytes") for d in at),
+                    "total_bytes": at[-1].get("total_bytes")})
+    return out
+
+
+def engaged_devices(devices: list[dict], gpus_used: int) -> list[dict]:
+    """The devices the engine ran on: the ``gpus_used`` with the most memory over the baseline (NVML lists
+    every GPU of the machine; CUDA_VISIBLE_DEVICES may have given the engine any of them)."""
+    def grown(d):
+        return d.get("over_baseline_peak_bytes") if d.get("over_baseline_peak_bytes") is not None \
+            else d.get("process_peak_bytes") or 0
+    return sorted(devices, key=grown, reverse=True)[:max(1, gpus_used)]
+
+
+def _per_gpu(row: CellRow, run: EngineRun, m: CellMeasurement) -> None:
+    """KV per GPU (in use, and the engine's rules for one GPU at this load) and memory besides KV per GPU:
+    the engine's weights, and the rest (device use over the idle baseline on the fullest GPU, minus the
+    weights' share and the KV pool on it)."""
+    gpus = max(1, row.gpus_used)
+    pool, peak = m.kv_pool, m.kv_peak
+    details = {**(pool.details if pool else {})}
+    per_gpu_in_use = (peak.details or {}).get("bytes_per_gpu") if peak is not None else None
+    if per_gpu_in_use is None and row.kv_in_use_peak_bytes is not None:
+        per_gpu_in_use = row.kv_in_use_peak_bytes / gpus
+    row.kv_in_use_peak_bytes_per_gpu = per_gpu_in_use
+    # where the rules' answer for a load is what the engine's in-use figure counts (vLLM's blocks held,
+    # transformers' cache); llama.cpp's answer is its whole allocation, checked by kvbench validate instead
+    if run.rules is not None and getattr(run.rules, "answer_is_in_use", False) and row.kv_tokens_peak_predicted:
+        from kvbench.backends.kvrules import KVQuestion
+
+        held = row.kv_tokens_peak_predicted // max(1, row.prompt_tokens + run.workload.output_tokens - 1)
+        q = KVQuestion(run.model.geometry, m.kv_dtype, row.prompt_tokens + run.workload.output_tokens - 1,
+                       max(1, held), gpus, details.get("block_size"), details.get("device", "gpu"),
+                       details.get("version"))
+        try:
+            row.kv_peak_bytes_per_gpu_predicted = run.rules.answer(q).bytes_per_gpu
+        except Exception:  # a split the rules refuse (e.g. heads not divisible): not predicted
+            row.kv_peak_bytes_per_gpu_predicted = None
+    weights = details.get("weights_bytes")
+    row.weights_bytes_engine, row.weights_source = weights, details.get("weights_source")
+    engaged = engaged_devices(row.gpu_devices, gpus) if row.gpu_devices else []
+    fullest = max((d.get("over_baseline_peak_bytes") for d in engaged
+                   if d.get("over_baseline_peak_bytes") is not None), default=None)
+    kv_per_gpu = details.get("bytes_per_gpu")
+    if kv_per_gpu is None and pool is not None and pool.bytes is not None:
+        kv_per_gpu = pool.bytes / gpus
+    if kv_per_gpu is None:  # no pool (transformers): the cache in use is the KV
+        kv_per_gpu = row.kv_allocator_bytes_peak / gpus if row.kv_allocator_bytes_peak else per_gpu_in_use
+    if fullest is not None and weights is not None and kv_per_gpu is not None:
+        weights_per_gpu = details.get("weights_bytes_per_gpu") or weights / gpus
+        row.gpu_overhead_bytes_per_gpu = fullest - weights_per_gpu - kv_per_gpu
 
 
 def _max_known(values):
@@ -283,8 +436,10 @@ def summary_line(row: CellRow) -> str:
             f"{queue}{lagged}")
 
 
-def timeline_frame(t0: float, memory, kv, queue=()) -> pd.DataFrame:
-    """Memory, KV and queue samples on one time axis (seconds since the cell started)."""
+def timeline_frame(t0: float, memory, kv, queue=(), replicas: dict | None = None) -> pd.DataFrame:
+    """Memory, KV and queue samples on one time axis (seconds since the cell started). A deployment's
+    ``replicas`` add each replica's own KV and queue samples, their ``replica`` its host:port (the
+    deployment's totals have replica "")."""
     rows = [{"t_s": s.t - t0, "series": "memory", "rss_bytes": s.rss_bytes, "n_processes": s.n_processes,
              "gpu_process_bytes": s.gpu_process_bytes, "gpu_device_used_bytes": s.gpu_device_used_bytes,
              "gpu_device_reserved_bytes": s.gpu_device_reserved_bytes,
@@ -293,9 +448,16 @@ def timeline_frame(t0: float, memory, kv, queue=()) -> pd.DataFrame:
               "kv_tokens_in_use": s.kv_tokens_in_use} for s in kv]
     rows += [{"t_s": s.t - t0, "series": "queue", "requests_waiting": s.waiting, "requests_running": s.running,
               "preemptions": s.preemptions} for s in queue]
-    return pd.DataFrame(rows, columns=TIMELINE_COLUMNS).sort_values("t_s")
+    for label, rp in (replicas or {}).items():
+        rows += [{"t_s": s.t - t0, "series": "kv", "kv_bytes_in_use": s.kv_bytes_in_use,
+                  "kv_tokens_in_use": s.kv_tokens_in_use, "replica": label} for s in rp.kv_samples]
+        rows += [{"t_s": s.t - t0, "series": "queue", "requests_waiting": s.waiting, "requests_running": s.running,
+                  "preemptions": s.preemptions, "replica": label} for s in rp.queue_samples]
+    frame = pd.DataFrame(rows, columns=TIMELINE_COLUMNS)
+    frame["replica"] = frame.replica.fillna("")
+    return frame.sort_values("t_s", kind="stable")
 
 
 TIMELINE_COLUMNS = ["t_s", "series", "rss_bytes", "n_processes", "gpu_process_bytes", "gpu_device_used_bytes",
                     "gpu_device_reserved_bytes", "gpu_device_over_baseline_bytes", "kv_bytes_in_use",
-                    "kv_tokens_in_use", "requests_waiting", "requests_running", "preemptions"]
+                    "kv_tokens_in_use", "requests_waiting", "requests_running", "preemptions", "replica"]

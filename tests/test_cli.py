@@ -124,7 +124,7 @@ def test_backend_options_are_checked_with_a_suggestion():
     with pytest.raises(ConfigError) as exc:
         BackendConfig.parse("llamacpp:thread=2")
     assert str(exc.value) == ("unknown option 'thread' for llamacpp; did you mean 'threads'? allowed: api_key_env, "
-                              "batch_threads, ca_bundle, extra_args, threads, url")
+                              "batch_threads, ca_bundle, engine_mode, extra_args, gguf, split_mode, tensor_split, threads, url")
     with pytest.raises(ConfigError, match="option 'threads' for llamacpp takes an integer, not 'two'"):
         BackendConfig.parse("llamacpp:threads=two")
     with pytest.raises(ConfigError, match="option 'enforce_eager' for vllm takes true or false, not 1"):

@@ -59,7 +59,8 @@ def check_common(run_dir, cells: pd.DataFrame, wl=None):
     # every request met the token contract and kept its chunk timestamps
     reqs = requests_of(run_dir)
     warmup = reqs[reqs.warmup]
-    assert len(warmup) == wl.warmup_requests and warmup.error.isna().all()  # recorded, not counted
+    # the workload's warm-up and the estimate's two calibration requests: recorded, not counted
+    assert len(warmup) == wl.warmup_requests + 2 and warmup.error.isna().all()
     reqs = reqs[~reqs.warmup]
     assert len(reqs) == sum(c * wl.rounds for c in wl.concurrency) * len(wl.prompt_tokens)
     assert (reqs.prompt_tokens_reported == reqs.prompt_tokens_sent).all()

@@ -34,6 +34,8 @@ def test_every_run_loads_with_identical_columns_and_dtypes(what, tmp_path):
         assert dtypes["gpu_process_peak_bytes"] == dtypes["rss_peak_bytes"] == "float64"
         assert dtypes["n_ok"] == dtypes["concurrency"] == "Int64"
         assert dtypes["status"] == dtypes["flags"] == "object"
+        assert dtypes["engine_mode"] == dtypes["gpu_devices"] == "object" and dtypes["gpus_used"] == "Int64"
+        assert dtypes["gpu_overhead_bytes_per_gpu"] == dtypes["kv_in_use_peak_bytes_per_gpu"] == "float64"
     else:
         assert dtypes["ok"] == dtypes["counted"] == "bool" and dtypes["tpot_s"] == "float64"
 
@@ -44,7 +46,7 @@ def test_a_v2_row_without_client_loop_lag_migrates():
     row["schema_version"] = 2
     del row["client_loop_lag_s_max"]
     out = migrate_row(row, CellRow)
-    assert out["schema_version"] == SCHEMA_VERSION == 3 and out["client_loop_lag_s_max"] is None
+    assert out["schema_version"] == SCHEMA_VERSION == 6 and out["client_loop_lag_s_max"] is None
 
 
 def test_every_field_has_a_dtype():

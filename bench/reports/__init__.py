@@ -209,6 +209,7 @@ def _build(run_dirs: list[Path], plots_dir: Path | None) -> Report:
                 code_blocks=[(f"log tail of {cid}", tail) for cid, tail in tables.log_tails(agg)]),
         *_validation(run_dirs, infos),
     ]
+    _gpu_sections(sections, agg, cap)  # GPU runs only: memory per GPU, the planner against the boundary
     if tables.deployments(agg):  # after the boundary: which replica of a deployment queued first
         lines = tables.queued_first_lines(agg)
         sections.insert(3, Section("Deployments: which replica queued first", DEPLOYMENT_INTRO,
@@ -216,6 +217,21 @@ def _build(run_dirs: list[Path], plots_dir: Path | None) -> Report:
     # the plots draw whole backends: a deployment's total, not its replicas beside it
     figures = make_plots(run_dirs, tables.totals(agg), plots_dir) if plots_dir is not None else []
     return Report(title, headers, sections, figures)
+
+
+def _gpu_sections(sections: list[Section], agg: pd.DataFrame, cap: str) -> None:
+    """After the KV boundary: memory per GPU and the planner's prediction beside the largest load served
+    (bench/reports/gpu.py; rows measured on a GPU only)."""
+    from . import gpu
+
+    at = next((i + 1 for i, s in enumerate(sections) if s.title == "The KV boundary"), len(sections))
+    memory = gpu.gpu_memory_table(agg)
+    if memory is not None:
+        sections.insert(at, Section("Memory per GPU: weights, KV and overhead", gpu.GPU_MEMORY_INTRO, memory,
+                                    gpu.GPU_MEMORY_RIGHT, cap))
+        planner = gpu.planner_table(agg)
+        sections.insert(at + 1, Section("The planner against the real boundary",
+                                        gpu.PLANNER_INTRO.format(margin=gpu.MARGIN), planner, gpu.PLANNER_RIGHT, cap))
 
 
 def write(run_dirs: list[Path], output: Path | None = None, html_file: Path | None = None,
