@@ -10,7 +10,7 @@ installed (:func:`kvbench.load.run_async`). Each read from the socket is stamped
 ``time.perf_counter()`` and its events are split out and handed to the adapter right there, in the
 protocol's callback: no task switch or buffer copy per token. (aiohttp, the first transport, spent
 1.6-2 us of Python per streamed chunk in its stream reader; ``selfcheck/client_bench.py`` measures this one,
-README: "How accurate and fast is the client".)
+docs/client.md.)
 
 A stream that ends early never looks complete: a connection closed before the response's end (by its
 Content-Length or chunked framing) raises :class:`StreamCutOff` (one of :data:`TRANSPORT_ERRORS`); a body
