@@ -176,7 +176,9 @@ def test_attach_to_a_running_llamacpp_with_an_open_loop(tmp_path_factory, smollm
         info = load_run_info(run_dir)
         assert "tokenize endpoint" in info["token_checks"][row.backend]
         reqs = requests_of(run_dir)
-        assert reqs.t_scheduled.notna().all() and (reqs.t_sent >= reqs.t_scheduled - 1e-3).all()
+        reqs = reqs[~reqs.warmup]  # the estimate's calibration requests are warm-ups, off the schedule
+        # uvloop rounds timers to whole milliseconds: a request may leave up to about 1 ms early
+        assert reqs.t_scheduled.notna().all() and (reqs.t_sent >= reqs.t_scheduled - 2e-3).all()
     finally:
         server.stop()
     assert not server.alive()
