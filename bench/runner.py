@@ -38,7 +38,7 @@ from kvbench.load.open_loop import schedule_seed
 from kvbench.metrics import RequestTimes
 from kvbench.redact import redact_text
 from kvbench.results import ResultsWriteError, RunMode, RunWriter, ensure_parquet, load_cells, load_run_info
-from kvbench.samplers import EnginePoller, ProcessTreeMemorySampler, tree_rss
+from kvbench.samplers import EnginePoller, ProcessTreeMemorySampler, busy_threads, tree_rss
 from kvbench.summary import (
     CellMeasurement,
     EngineRun,
@@ -111,6 +111,7 @@ class Runner:
         self.finished: dict[str, float | None] = {}
         self.engine_stops: dict[str, dict] = {}
         self.estimates: dict[str, dict] = {}
+        self.engine_threads: dict[str, dict] = {}
         if options.results_mode == "resume":
             done = load_cells(self.writer.root)
             self.finished = dict(zip(done.cell_id, done.requests_per_s))
@@ -121,6 +122,7 @@ class Runner:
             self.token_checks.update(earlier.get("token_checks") or {})
             self.gpu_baselines.update(earlier.get("gpu_baselines") or {})
             self.engine_stops.update(earlier.get("engine_stops") or {})
+            self.engine_threads.update(earlier.get("engine_threads") or {})
         self.nvml = NVML()
 
     @property
@@ -322,6 +324,9 @@ class _EngineSession:
                 self.estimated["took_s"] = round(time.monotonic() - self.estimated.pop("started"), 1)
                 r.estimates[self.key] = self.estimated
                 r.writer.update_run_info(estimates=r.estimates)
+            if backend.pid and (threads := busy_threads(backend.pid)):  # the threads the engine computed on
+                r.engine_threads[self.key] = threads
+                r.writer.update_run_info(engine_threads=r.engine_threads)
             self.progress.update(self.bar, description=f"{label}: stopping")
             survivors = backend.stop()
             if survivors:  # the stop could not end the engine's tree: its memory skews whatever runs next

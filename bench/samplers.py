@@ -50,6 +50,23 @@ def tree_rss(pid: int, tree: list[psutil.Process] | None = None) -> tuple[int, i
     return total, len(pids), pids
 
 
+def busy_threads(pid: int, share: float = 0.1, min_cpu_s: float = 0.5) -> dict | None:
+    """The threads of ``pid``'s process tree that computed: those whose CPU time (user + system) reached
+    ``share`` of the busiest thread's and at least ``min_cpu_s``. What an engine really used, whatever its
+    flags say (llama.cpp's -t/-tb, vLLM's OpenMP binding, torch's intra-op pool); None when unreadable."""
+    times = []
+    for p in process_tree(pid):
+        try:
+            times += [t.user_time + t.system_time for t in p.threads()]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    if not times:
+        return None
+    floor = max(min_cpu_s, share * max(times))
+    return {"busy_threads": sum(t >= floor for t in times), "threads": len(times),
+            "busiest_thread_cpu_s": round(max(times), 1)}
+
+
 class _Sampler(threading.Thread):
     def __init__(self, hz: float):
         super().__init__(daemon=True)

@@ -162,3 +162,22 @@ def test_the_log_excerpt_keeps_the_first_error_far_above_the_end(tmp_path):
     assert "worker 89 exiting" in info.value.log_tail
     server.stop()
     json.dumps(server.survivors)
+
+
+def test_busy_threads_counts_the_threads_that_computed():
+    from kvbench.samplers import busy_threads
+
+    # one thread spins for about a second, two others only sleep
+    code = ("import threading, time\n"
+            "for _ in range(2): threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+            "end = time.time() + 1.2\n"
+            "while time.time() < end: pass\n"
+            "print('done', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "done"
+        threads = busy_threads(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert threads["busy_threads"] == 1 and threads["threads"] == 3 and threads["busiest_thread_cpu_s"] >= 0.5

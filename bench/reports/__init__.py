@@ -76,8 +76,11 @@ def hardware(info: dict) -> str:
 
 
 def engines(info: dict) -> str:
+    """Each engine's version, and the threads it computed on where the run measured them."""
     versions = info.get("engine_versions") or {b["label"]: b["version"] for b in info.get("backends", [])}
-    return ", ".join(f"{k} ({v})" for k, v in versions.items()) or "-"
+    threads = {key.split(" ")[0]: t for key, t in (info.get("engine_threads") or {}).items()}
+    return ", ".join(f"{k} ({v}" + (f", {threads[k]['busy_threads']} busy threads" if k in threads else "") + ")"
+                     for k, v in versions.items()) or "-"
 
 
 def caption(infos: list[dict]) -> str:
