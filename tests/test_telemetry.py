@@ -422,6 +422,10 @@ def test_a_deployment_of_two_vllm_replicas_with_prometheus_and_dcgm(tmp_path, sm
     assert (cells.status == "ok").all(), cells[["cell_id", "status", "error", "flags"]].to_string()
     total, r0, r1 = (cells.iloc[i] for i in range(3))
     assert (r0.n_ok, r1.n_ok, total.n_ok) == (2, 2, 4)  # round-robin over both replicas, from two workers
+    # each replica's pool read from its own /metrics; the deployment's pool and KV boundary are their sums
+    assert r0.kv_pool_tokens_engine == r1.kv_pool_tokens_engine > 0
+    assert total.kv_pool_tokens_engine == r0.kv_pool_tokens_engine + r1.kv_pool_tokens_engine
+    assert total.kv_pool_sequences_predicted == r0.kv_pool_sequences_predicted + r1.kv_pool_sequences_predicted > 0
     assert total.prom_gpu_used_peak_bytes == 70_123 * MIB
     assert [(d["device"], d["used_peak_bytes"]) for d in total.prom_gpu_devices] == [
         (gpus[0].uuid, 70_123 * MIB), (gpus[1].uuid, 69_001 * MIB)]
