@@ -192,11 +192,6 @@ class Runner:
             return [(None, list(self.o.backends))]
         return [(r, list(self.o.backends) if r % 2 == 0 else list(reversed(self.o.backends))) for r in range(repeats)]
 
-    def record_stop(self, key: str, reason: str, survivors: list[dict]) -> None:
-        """Why an engine start ended, in run.json (and the processes that outlived its stop, if any)."""
-        self.engine_stops[key] = {"reason": reason, "survivors": survivors}
-        self.writer.update_run_info(engine_stops=self.engine_stops)
-
 
 class _EngineSession:
     """One engine start (or attachment) and the cells it runs: rows for every planned cell, failed ones
@@ -320,15 +315,15 @@ class _EngineSession:
             self.stop_reason = f"backend failed: {type(exc).__name__}: {exc}"
             self.fail_remaining(self.stop_reason, _traceback_tail(exc) + "\n" + backend.log_tail())
         finally:
+            # the engine is stopped first: nothing below (a full disk included) may leave it running
+            threads = busy_threads(backend.pid) if backend.pid else None  # the threads it computed on
+            self.progress.update(self.bar, description=f"{label}: stopping")
+            survivors = backend.stop()
             if self.estimated:  # the estimate beside what the cells took, so its error here can be read
                 self.estimated["took_s"] = round(time.monotonic() - self.estimated.pop("started"), 1)
                 r.estimates[self.key] = self.estimated
-                r.writer.update_run_info(estimates=r.estimates)
-            if backend.pid and (threads := busy_threads(backend.pid)):  # the threads the engine computed on
+            if threads:
                 r.engine_threads[self.key] = threads
-                r.writer.update_run_info(engine_threads=r.engine_threads)
-            self.progress.update(self.bar, description=f"{label}: stopping")
-            survivors = backend.stop()
             if survivors:  # the stop could not end the engine's tree: its memory skews whatever runs next
                 names = ", ".join(f"{p['pid']} ({p['name']})" for p in survivors)
                 row = failed_row(self.info, self.cells[max(0, self.done - 1)], "failed",
@@ -337,7 +332,10 @@ class _EngineSession:
                 r.writer.write_cell(row)
                 r.console.print(f"[red]{label}: processes of the engine survived its stop: {names}[/]")
             if not cfg.url:
-                r.record_stop(self.key, self.stop_reason, survivors)
+                r.engine_stops[self.key] = {"reason": self.stop_reason, "survivors": survivors}
+            if r.writer.failed is None:  # after a write error, the first one stands alone
+                r.writer.update_run_info(engine_stops=r.engine_stops, estimates=r.estimates,
+                                         engine_threads=r.engine_threads)
 
     def fail_remaining(self, error: str, log_tail: str = "", status: str = "failed") -> None:
         for cell in self.cells[self.done:]:
