@@ -19,15 +19,14 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
 import kvbench
+from kvbench.files import atomic_write_text
 from kvbench.metrics import RequestTimes, cell_metrics, request_verdict
 from kvbench.results import OK_STATUSES, SCHEMA_VERSION, CellRow, RequestRow, migrate_row
 
@@ -116,19 +115,6 @@ def changes_frame(result: Recompute) -> pd.DataFrame:
                         columns=["cell", "rep", "figure", "old", "new", "change"])
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write(result: Recompute) -> Path | None:
     """Replace cells.jsonl with the recomputed rows (keeping cells.jsonl.bak) and record the recompute in
     run.json; the backup's path, or None when nothing changed (then nothing is written)."""
@@ -138,7 +124,7 @@ def write(result: Recompute) -> Path | None:
     backup = run_dir / "cells.jsonl.bak"
     if not backup.exists():  # the first recompute keeps the record as the run wrote it
         shutil.copy2(run_dir / "cells.jsonl", backup)
-    _atomic_write(run_dir / "cells.jsonl", "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in result.rows))
+    atomic_write_text(run_dir / "cells.jsonl", "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in result.rows))
     info_path = run_dir / "run.json"
     info = json.loads(info_path.read_text())
     from kvbench.hardware import environment_info  # the commit of the kvbench that recomputed
@@ -150,7 +136,7 @@ def write(result: Recompute) -> Path | None:
         "cells_recomputed": result.cells_recomputed, "cells_changed": result.changed_cells,
         "figures_changed": len(result.changes), "backup": backup.name,
         "why": "figures rebuilt from requests.jsonl under the current definitions (docs/metrics.md)"})
-    _atomic_write(info_path, json.dumps(info, indent=2) + "\n")
+    atomic_write_text(info_path, json.dumps(info, indent=2) + "\n")
     if (run_dir / "cells.parquet").exists() or (run_dir / "requests.parquet").exists():
         from kvbench.results import write_parquet
 
