@@ -28,26 +28,9 @@ from kvbench.envs import Recipe
 from kvbench.redact import host_port
 
 from .base import Backend
-from .types import EngineStartError, EngineState, KVInUse, KVPool, RequestResult, ServerSpec
+from .types import EngineStartError, EngineState, KVInUse, KVPool, KVSample, QueueSample, RequestResult, ServerSpec
 
 GATEWAY = "gateway"  # engine_details["replica"] of a request sent through the gateway
-
-
-# One replica's polls, with the fields of kvbench.samplers' KVSample and QueueSample (which bench/summary.py
-# reads): the adapters import nothing of the orchestration above them.
-@dataclass
-class KVSample:
-    t: float  # time.perf_counter()
-    kv_bytes_in_use: float | None
-    kv_tokens_in_use: float | None
-
-
-@dataclass
-class QueueSample:
-    t: float
-    waiting: float | None
-    running: float | None
-    preemptions: float | None  # the engine's cumulative counter
 
 
 @dataclass

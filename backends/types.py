@@ -83,3 +83,22 @@ class EngineStartError(RuntimeError):
     def __init__(self, message: str, log_tail: str = ""):
         super().__init__(message)
         self.log_tail = log_tail
+
+
+@dataclass
+class KVSample:
+    """One poll of the engine's KV in use (kvbench.samplers.EnginePoller; a deployment's replicas)."""
+
+    t: float  # time.perf_counter()
+    kv_bytes_in_use: float | None
+    kv_tokens_in_use: float | None
+
+
+@dataclass
+class QueueSample:
+    """One poll of the engine's queue."""
+
+    t: float
+    waiting: float | None
+    running: float | None
+    preemptions: float | None  # the engine's cumulative counter

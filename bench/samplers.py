@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from kvbench.backends.types import KVSample, QueueSample  # the poller's samples, shared with deployments
 from kvbench.hardware import NVML, GPUBaseline
 
 
@@ -145,21 +146,6 @@ class ProcessTreeMemorySampler(_Sampler):
             if self.baseline is not None:
                 s.gpu_device_over_baseline_bytes = s.gpu_device_used_bytes - self.baseline.used_bytes
         self.samples.append(s)
-
-
-@dataclass
-class KVSample:
-    t: float
-    kv_bytes_in_use: float | None
-    kv_tokens_in_use: float | None
-
-
-@dataclass
-class QueueSample:
-    t: float
-    waiting: float | None
-    running: float | None
-    preemptions: float | None  # the engine's cumulative counter
 
 
 class EnginePoller(_Sampler):
