@@ -340,6 +340,8 @@ class _EngineSession:
     def fail_remaining(self, error: str, log_tail: str = "", status: str = "failed") -> None:
         for cell in self.cells[self.done:]:
             self.r.writer.write_cell(failed_row(self.info, cell, status, error, log_tail))
+            self.done += 1  # one row per cell, however many failures follow
+            self.progress.advance(self.bar)
         self.r.console.print(f"[red]{self.cfg.label}: {error}[/]" + (f"\n{log_tail}" if log_tail else ""))
 
     def token_contract(self, backend: Backend) -> str:

@@ -56,7 +56,11 @@ def busy_threads(pid: int, share: float = 0.1, min_cpu_s: float = 0.5) -> dict |
     ``share`` of the busiest thread's and at least ``min_cpu_s``. What an engine really used, whatever its
     flags say (llama.cpp's -t/-tb, vLLM's OpenMP binding, torch's intra-op pool); None when unreadable."""
     times = []
-    for p in process_tree(pid):
+    try:
+        tree = process_tree(pid)
+    except psutil.Error:  # the engine has ended (and been reaped)
+        return None
+    for p in tree:
         try:
             times += [t.user_time + t.system_time for t in p.threads()]
         except (psutil.NoSuchProcess, psutil.AccessDenied):

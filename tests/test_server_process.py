@@ -181,3 +181,12 @@ def test_busy_threads_counts_the_threads_that_computed():
         proc.kill()
         proc.wait()
     assert threads["busy_threads"] == 1 and threads["threads"] == 3 and threads["busiest_thread_cpu_s"] >= 0.5
+
+
+def test_busy_threads_of_an_engine_that_has_ended_is_unknown():
+    # asked of an engine that failed to start: it used to raise, and the backend's rows were written twice
+    from kvbench.samplers import busy_threads
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert busy_threads(proc.pid) is None
