@@ -28,7 +28,17 @@ from kvbench.envs import Recipe
 from kvbench.redact import host_port
 
 from .base import Backend
-from .types import EngineStartError, EngineState, KVInUse, KVPool, KVSample, QueueSample, RequestResult, ServerSpec
+from .types import (
+    EngineStartError,
+    EngineState,
+    KVInUse,
+    KVPool,
+    KVSample,
+    QueueSample,
+    RequestResult,
+    ServerSpec,
+    record_poll,
+)
 
 GATEWAY = "gateway"  # engine_details["replica"] of a request sent through the gateway
 
@@ -197,14 +207,7 @@ class Deployment(Backend):
                 failures.append(exc)
                 states.append(None)
                 continue
-            now = time.perf_counter()
-            if state.kv is not None:
-                polls.kv_source = state.kv.source
-                polls.kv_samples.append(KVSample(now, state.kv.bytes, state.kv.tokens))
-            if state.queue:
-                polls.queue_source = state.queue.get("source")
-                polls.queue_samples.append(QueueSample(now, state.queue.get("waiting"), state.queue.get("running"),
-                                                       state.queue.get("preemptions")))
+            record_poll(polls, state, time.perf_counter())
             states.append(state)
         if len(failures) == len(self.replicas):
             raise failures[0]

@@ -102,3 +102,15 @@ class QueueSample:
     waiting: float | None
     running: float | None
     preemptions: float | None  # the engine's cumulative counter
+
+
+def record_poll(target, state: EngineState, t: float) -> None:
+    """Append one poll's KV and queue samples, stamped ``t``, to ``target``'s ``kv_samples`` and
+    ``queue_samples`` and note their sources (the engine poller's and each replica's of a deployment)."""
+    if state.kv is not None:
+        target.kv_source = state.kv.source
+        target.kv_samples.append(KVSample(t, state.kv.bytes, state.kv.tokens))
+    if state.queue:
+        target.queue_source = state.queue.get("source")
+        target.queue_samples.append(QueueSample(t, state.queue.get("waiting"), state.queue.get("running"),
+                                                state.queue.get("preemptions")))

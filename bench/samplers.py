@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from kvbench.backends.types import KVSample, QueueSample  # the poller's samples, shared with deployments
+from kvbench.backends.types import KVSample, QueueSample, record_poll  # shared with deployments
 from kvbench.hardware import NVML, GPUBaseline
 
 
@@ -166,15 +166,7 @@ class EnginePoller(_Sampler):
         self.queue_source: str | None = None
 
     def sample(self):
-        state = self.backend.poll(self.client)
-        now = time.perf_counter()
-        if state.kv is not None:
-            self.kv_source = state.kv.source
-            self.kv_samples.append(KVSample(now, state.kv.bytes, state.kv.tokens))
-        if state.queue:
-            self.queue_source = state.queue.get("source")
-            self.queue_samples.append(QueueSample(now, state.queue.get("waiting"), state.queue.get("running"),
-                                                  state.queue.get("preemptions")))
+        record_poll(self, self.backend.poll(self.client), time.perf_counter())
 
     def stop(self):
         super().stop()
