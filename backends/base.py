@@ -15,12 +15,13 @@ from typing import ClassVar
 import httpx
 
 import kvbench.backends.streaming as streaming  # the module (its endpoint settings), not the package
-from kvbench.envs import Recipe
-from kvbench.kvmodel import kv_bytes_per_token
-from kvbench.models import ModelFiles
-from kvbench.redact import redact_url
+from kvbench.common.envs import Recipe
+from kvbench.common.models import ModelFiles
+from kvbench.common.redact import redact_url
+from kvbench.kv.geometry import kv_bytes_per_token
+from kvbench.kv.rules import KVCheck, KVQuestion, KVRules
 
-from .kvrules import KVCheck, KVQuestion, KVRules
+from .options import Option
 from .process import ServerProcess, free_port
 from .types import EngineStartError, EngineState, KVInUse, KVPool, RequestResult, ServerSpec
 
@@ -44,6 +45,17 @@ class Backend(ABC):
 
     #: Seconds an untimed call to the engine (version, tokenizer, pool, counters) may take.
     untimed_timeout_s: ClassVar[float] = 10.0
+    #: The options this adapter reads (-b ENGINE:KEY=VALUE): checked by BackendConfig.parse, listed by
+    #: `kvbench backends`. Each adapter declares its own.
+    option_specs: ClassVar[tuple[Option, ...]] = ()
+    #: The engine's own Prometheus metrics on /metrics, by what each says ("kv_usage", "requests_running",
+    #: "requests_waiting", "preemptions"): what `kvbench run --prometheus` reads of it through a cluster's Prometheus.
+    prometheus_metrics: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def gpus_used(cls, options: dict) -> int:
+        """GPUs one server started with ``options`` spans (tensor parallel, a layer split, a device map)."""
+        return 1
 
     def __init__(self, version: str, env_path: Path, options: dict | None = None):
         self.version = version
@@ -170,6 +182,11 @@ class Backend(ABC):
 
     def alive(self) -> bool:
         return bool(self.server and self.server.alive())
+
+    def replica_polls(self, results: list[RequestResult] = ()) -> dict | None:
+        """Each replica's KV and queue figures of the cell, for a deployment of several servers (None: one
+        server, whose figures are the row itself)."""
+        return None
 
     def log_tail(self, lines: int = 40) -> str:
         return self.server.log_tail(lines) if self.server else ""

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 
-from kvbench.envs import Recipe
-from kvbench.redact import host_port
+from kvbench.common.envs import Recipe
+from kvbench.common.redact import host_port
 
 from .base import Backend
 from .types import (

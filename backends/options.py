@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbench.suggest import hint
+from kvbench.common.suggest import hint
 
 
 class OptionError(ValueError):
@@ -47,7 +47,7 @@ EXTRA_ARGS = Option("extra_args", str, None, "more arguments for the server's co
 
 def specs_of(cls) -> dict[str, Option]:
     """Every option an adapter class takes: its own and the common ones."""
-    return {o.name: o for o in (*COMMON, *getattr(cls, "option_specs", ()))}
+    return {o.name: o for o in (*COMMON, *cls.option_specs)}
 
 
 def coerce(engine: str, spec: Option, value):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvbench.models import ModelFiles
+from kvbench.common.models import ModelFiles
 
 LOCALHOST = "127.0.0.1"
 
@@ -87,7 +87,7 @@ class EngineStartError(RuntimeError):
 
 @dataclass
 class KVSample:
-    """One poll of the engine's KV in use (kvbench.samplers.EnginePoller; a deployment's replicas)."""
+    """One poll of the engine's KV in use (kvbench.run.samplers.EnginePoller; a deployment's replicas)."""
 
     t: float  # time.perf_counter()
     kv_bytes_in_use: float | None

@@ -17,7 +17,7 @@ import inspect
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from kvbench.suggest import closest
+from kvbench.common.suggest import closest
 
 #: verb -> (module, function); the order of `kvbench --help`.
 COMMANDS = {

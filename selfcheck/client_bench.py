@@ -3,7 +3,7 @@
 ``python -m kvbench.selfcheck.client_bench --repeats 5`` starts :mod:`kvbench.selfcheck.mock_server` in a process of its own,
 pinned to one core, pins itself (the client) to another, and drives the mock with kvbench's own load
 generator (:mod:`kvbench.load.concurrent` on :func:`kvbench.load.run_async`, as ``kvbench run``
-drives it), its vLLM adapter and its metrics (:mod:`kvbench.metrics`):
+drives it), its vLLM adapter and its metrics (:mod:`kvbench.common.metrics`):
 
 (a) accuracy: the mock sends the first token ``--ttft-ms`` after it read the request and the next ones
     every ``--itl-ms``; the table shows reported TTFT and ITL percentiles minus the programmed values at
@@ -32,11 +32,11 @@ from rich.console import Console
 from rich.table import Table
 
 from kvbench.backends.types import LOCALHOST, ServerSpec
-from kvbench.backends.vllm import VLLMBackend
-from kvbench.kvmodel import KVGeometry
+from kvbench.backends.vllm.adapter import VLLMBackend
+from kvbench.common.metrics import RequestTimes, cell_metrics, request_verdict
+from kvbench.common.models import ModelFiles
+from kvbench.kv.geometry import KVGeometry
 from kvbench.load import LoadPoint, LoadSettings, run, run_async
-from kvbench.metrics import RequestTimes, cell_metrics, request_verdict
-from kvbench.models import ModelFiles
 from kvbench.workloads.prompts import Prompt
 
 from .common import Mock, median_finite, pct

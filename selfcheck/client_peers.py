@@ -1,6 +1,6 @@
 """Other benchmark clients against kvbench's mock server, for ``python -m kvbench.selfcheck.client_bench --peers``.
 
-Each peer is installed from PyPI into an environment of its own (:mod:`kvbench.envs`; ``vllm bench serve``
+Each peer is installed from PyPI into an environment of its own (:mod:`kvbench.common.envs`; ``vllm bench serve``
 uses kvbench's vLLM environment) and run as its users run it, on its own command line, against the same
 mock as kvbench's client; its figures are read from the result file it writes. A peer that cannot be
 installed or run becomes a "not run" row with the reason, never a number.
@@ -21,8 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvbench.backends.vllm import VLLMBackend
-from kvbench.envs import EnvInstallError, Recipe, ensure_env, env_python, kvbench_home, pip_install
+from kvbench.backends.vllm.adapter import VLLMBackend
+from kvbench.common.envs import EnvInstallError, Recipe, ensure_env, env_python, kvbench_home, pip_install
 from kvbench.selfcheck.common import Mock, median_finite, pct
 
 PROMPT_TOKENS = 16

@@ -7,7 +7,7 @@ a. the NVML sampler against a real allocation of known size (a CUDA torch proces
    sampler, against the bytes allocated);
 b. transformers on CUDA (the embedded SmolLM2 model and each ``--model`` HF folder): the KV cache of one
    ``generate`` call measured three ways (the cache tensors' bytes, the CUDA allocator's delta, NVML's
-   device delta) at several prompt lengths and batches, against kvbench.kvmodel's prediction;
+   device delta) at several prompt lengths and batches, against kvbench.kv.geometry's prediction;
 c. every engine whose environment is installed here, through ``kvbench run`` with the GPU default benchmark's
    workload, each time-boxed;
 d. the runtime overhead per model (CUDA context, allocator slack, activations: memory besides weights and KV)
@@ -36,10 +36,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from kvbench.units import GIB, MIB, fmt_bytes, fmt_gib
+from kvbench.kv.units import GIB, MIB, fmt_bytes, fmt_gib
 
 EXIT_NO_GPU = 3
-PROBE = Path(__file__).resolve().parent.parent / "backends" / "scripts" / "gpu_probe.py"
+PROBE = Path(__file__).resolve().parent.parent / "backends" / "hf" / "scripts" / "gpu_probe.py"
 ROOT = Path(__file__).resolve().parent.parent
 # (prompt tokens, batch) for transformers on CUDA; cells longer than the model's context are dropped.
 KV_CELLS = [(1024, 1), (4096, 1), (4096, 4), (16384, 1), (32768, 1), ("max", 1), ("max", 8)]
@@ -206,7 +206,7 @@ def render_markdown(result: dict) -> str:
     else:
         lines += ["not run", ""]
     lines += ["## (b) transformers on CUDA: the KV cache three ways", "",
-              f"One `generate` call per row ({NEW_TOKENS} new tokens): predicted = kvbench.kvmodel (hf rules) for "
+              f"One `generate` call per row ({NEW_TOKENS} new tokens): predicted = kvbench.kv.geometry (hf rules) for "
               "prompt + new - 1 tokens; cache = the cache tensors' numel x element_size; allocator = "
               "`torch.cuda.memory_allocated()` after - before (the cache is all that is left); NVML = device "
               "used after - before, with the allocator's cached blocks released on both sides.", "",
@@ -285,7 +285,7 @@ class Budget:
 
 
 class Probe:
-    """backends/scripts/gpu_probe.py in a CUDA torch interpreter, stepped through its events."""
+    """backends/hf/scripts/gpu_probe.py in a CUDA torch interpreter, stepped through its events."""
 
     def __init__(self, python: str, args: list[str], log: Path, script: Path = PROBE):
         self.log = log.open("w")
@@ -349,7 +349,7 @@ def nvml_snapshot(nvml, pids: set[int], settle_s: float = 0.2, readings: int = 3
 
 def find_torch_python(explicit: str | None) -> tuple[str | None, dict, list[str]]:
     """The first interpreter whose torch sees CUDA: --torch-python, the hf environments, this one, python3."""
-    from kvbench.envs import kvbench_home
+    from kvbench.common.envs import kvbench_home
 
     candidates = [explicit] if explicit else []
     candidates += sorted(str(p) for p in (kvbench_home() / "envs").glob("hf-*/bin/python"))
@@ -368,7 +368,7 @@ def find_torch_python(explicit: str | None) -> tuple[str | None, dict, list[str]
 
 
 def check_sampler(nvml, python: str, alloc_bytes: int, budget: Budget, logs: Path, script: Path = PROBE) -> dict:
-    from kvbench.samplers import ProcessTreeMemorySampler
+    from kvbench.run.samplers import ProcessTreeMemorySampler
 
     baseline = nvml.idle_baseline()
     probe = Probe(python, ["alloc", "--bytes", str(alloc_bytes)], logs / "probe_alloc.log", script)
@@ -412,9 +412,9 @@ def check_kv(nvml, python: str, model_dir: Path, name: str, budget: Budget, logs
              script: Path = PROBE, cells: list[tuple[int, int]] | None = None,
              overhead: list[dict] | None = None) -> list[dict]:
     """(b) for one model: a folder with weights, or a config.json file (a random-weight model built on the GPU)."""
-    from kvbench.backends.hf import HFBackend
-    from kvbench.backends.kvrules import KVQuestion
-    from kvbench.configs import geometry_from_hf
+    from kvbench.backends.hf.adapter import HFBackend
+    from kvbench.kv.model_config import geometry_from_hf
+    from kvbench.kv.rules import KVQuestion
 
     geom = geometry_from_hf(model_dir)
     limit = (geom.max_context or 2048) - NEW_TOKENS
@@ -463,7 +463,7 @@ def check_kv(nvml, python: str, model_dir: Path, name: str, budget: Budget, logs
 
 def check_engines(engines: list[str], model: str, run_args: list[str], out: Path, budget: Budget) -> tuple[list[dict], str]:
     from kvbench.backends import REGISTRY
-    from kvbench.envs import is_installed
+    from kvbench.common.envs import is_installed
 
     runs = out / "runs"
     base = [sys.executable, "-m", "kvbench.cli", "run", "--model", model, *run_args, "--results-dir", str(runs)]
@@ -576,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"{', '.join(DEFAULT_CONFIGS)})")
     parser.add_argument("--no-configs", action="store_true", help="(b) without the default configs")
     parser.add_argument("--llama-source", type=Path,
-                        help="(e) a llama.cpp source archive or folder (backends/scripts/pack_llama_source.sh "
+                        help="(e) a llama.cpp source archive or folder (backends/llamacpp/scripts/pack_llama_source.sh "
                              "makes one under 64 MiB): build its CUDA llama-server here if the time allows")
     parser.add_argument("--families", action="store_true",
                         help="(b) also on kvbench validate's families (random-weight models of bench/kv_families.toml)")
@@ -590,14 +590,15 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget(args.budget_s)
     command = shlex.join(["python", "-m", "kvbench.selfcheck.gpu_check", *(sys.argv[1:] if argv is None else argv)])
 
-    from kvbench.hardware import NVML
+    from kvbench.common.hardware import NVML
 
     nvml = NVML()
     if not nvml.available:
         print(no_gpu_message(nvml.error), file=sys.stderr)
         return EXIT_NO_GPU
 
-    from kvbench import default_bench, hardware
+    from kvbench.common import hardware
+    from kvbench.run import default_bench
 
     names = nvml.device_names()
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -631,8 +632,8 @@ def main(argv: list[str] | None = None) -> int:
             result["skipped"].append(f"(a) failed: {exc}")
         save()
         if info.get("transformers"):
-            from kvbench import models
-            from kvbench.backends.hf import HFBackend
+            from kvbench.backends.hf.adapter import HFBackend
+            from kvbench.common import models
 
             targets = []
             if not args.no_embedded:
@@ -646,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
             configs = args.config or ([] if args.no_configs else [CONFIG_DIR / c for c in DEFAULT_CONFIGS])
             targets += [(c.stem, c, CONFIG_CELLS) for c in configs]
             if args.families:
-                from kvbench.validate import families
+                from kvbench.run.validate import families
 
                 configs = out / "configs"
                 configs.mkdir(exist_ok=True)

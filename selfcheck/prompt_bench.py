@@ -27,8 +27,8 @@ from kvbench.selfcheck.common import Mock
 
 def model_folder(root: Path, context: int) -> Path:
     """The embedded model's tokenizer and config, the context raised to ``context`` tokens."""
-    from kvbench import models
     from kvbench.backends import gguf_converter
+    from kvbench.common import models
 
     source = models.resolve("smollm2", gguf_converter()).hf_dir
     folder = root / "smollm2-long"
@@ -57,8 +57,8 @@ def one_launch(folder: Path, workload: Path, mock: Mock, results: Path) -> dict:
 
 
 def in_process(folder: Path, n_requests: int, n_tokens: int) -> dict:
-    from kvbench.cells import CellPrompts, cells_for
     from kvbench.load import LoadPoint
+    from kvbench.run.cells import CellPrompts, cells_for
     from kvbench.workloads import Workload
     from kvbench.workloads.prompts import PromptBuilder
 

@@ -30,8 +30,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvbench.common.metrics import RequestTimes, cell_metrics
 from kvbench.load import LoadPoint, LoadSettings, run, run_async
-from kvbench.metrics import RequestTimes, cell_metrics
 
 from .client_bench import check_results, machine, make_prompts, mock_backend
 from .common import Mock, median_finite

@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from kvbench import models
 from kvbench.backends import REGISTRY, gguf_converter
-from kvbench.envs import ensure_env, is_installed
+from kvbench.common import models
+from kvbench.common.envs import ensure_env, is_installed
 
 
 def pytest_configure(config):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbench.results import CellRow, RequestRow, RunWriter
+from kvbench.store.results import CellRow, RequestRow, RunWriter
 
 CONTRACT = "token ids, ignore_eos"
 

@@ -1,8 +1,8 @@
 """Cells of a run and the prompts of each cell (shared prefix, multi-turn), from the embedded tokenizer."""
 import pytest
 
-from kvbench.cells import CellPrompts, cells_for, server_variants
 from kvbench.load import LoadPoint
+from kvbench.run.cells import CellPrompts, cells_for, server_variants
 from kvbench.workloads import WorkloadError, load
 from kvbench.workloads.prompts import PromptBuilder
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.results import load_cells
+from kvbench.store.results import load_cells
 
 from .conftest import engine_env
 
@@ -123,7 +123,7 @@ def test_each_adapter_declares_exactly_the_options_it_reads():
 
 
 def test_backend_options_are_checked_with_a_suggestion():
-    from kvbench.config import BackendConfig, ConfigError
+    from kvbench.run.backend_config import BackendConfig, ConfigError
     with pytest.raises(ConfigError) as exc:
         BackendConfig.parse("llamacpp:thread=2")
     assert str(exc.value) == ("unknown option 'thread' for llamacpp; did you mean 'threads'? allowed: api_key_env, "

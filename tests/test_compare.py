@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli import app
-from kvbench.compare import DEFAULT_MATCH, load_config
+from kvbench.compare.runs import DEFAULT_MATCH, load_config
 
 from .synth import make_run
 
@@ -182,12 +182,12 @@ def test_a_copy_of_a_run_compared_with_the_original_is_a_self_comparison(runs, t
 
 
 def test_single_run_itl_samples_are_the_metrics_own():
-    """The bootstrap's ITL samples are kvbench.metrics' per-gap samples: tokens read together count as one
+    """The bootstrap's ITL samples are kvbench.common.metrics' per-gap samples: tokens read together count as one
     chunk, tokens that came with the first chunk are TTFT's, and only ok requests count."""
     import pandas as pd
 
-    from kvbench.compare import Side, _samples
-    from kvbench.metrics import RequestTimes
+    from kvbench.common.metrics import RequestTimes
+    from kvbench.compare.runs import Side, _samples
 
     times, tokens = [1.0, 1.0, 1.2, 1.2, 1.5], [1, 1, 1, 1, 2]
     requests = pd.DataFrame([
@@ -295,7 +295,7 @@ def test_a_planted_10_percent_ttft_regression_is_caught_at_10_repeats_and_noise_
 
 
 def test_pairs_only_when_each_repeat_index_is_once_on_each_side():
-    from kvbench.compare import _pairs
+    from kvbench.compare.runs import _pairs
 
     assert _pairs([(0, 1.0), (1, 2.0)], [(1, 4.0), (0, 3.0)]) == ([1.0, 2.0], [3.0, 4.0])
     assert _pairs([(0, 1.0), (0, 2.0)], [(0, 3.0), (1, 4.0)]) is None  # two runs on a side: repeat 0 twice

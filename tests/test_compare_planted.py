@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvbench.config import BackendConfig
-from kvbench.runner import Runner, RunOptions
+from kvbench.run.backend_config import BackendConfig
+from kvbench.run.runner import Runner, RunOptions
 from kvbench.workloads import load
 
 from .fakes.openai_server import FakeOpenAI

@@ -2,8 +2,8 @@ import base64
 
 import pytest
 
-from kvbench.config import BackendConfig, ConfigError
-from kvbench.redact import redact_text, redact_url
+from kvbench.common.redact import redact_text, redact_url
+from kvbench.run.backend_config import BackendConfig, ConfigError
 
 
 def test_parse_engine_version_and_options():
@@ -13,7 +13,7 @@ def test_parse_engine_version_and_options():
 
 
 def test_default_version_comes_from_the_adapter():
-    from kvbench.backends.llamacpp import LlamaCppBackend
+    from kvbench.backends.llamacpp.adapter import LlamaCppBackend
     assert BackendConfig.parse("llamacpp").version == LlamaCppBackend.default_version
 
 

@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli import app
-from kvbench.configs import ConfigError, geometry_from_hf
-from kvbench.kvmodel import decompressed, kv_bytes_for_sequence, kv_bytes_per_token
+from kvbench.kv.geometry import decompressed, kv_bytes_for_sequence, kv_bytes_per_token
+from kvbench.kv.model_config import ConfigError, geometry_from_hf
 from kvbench.planner import resolve_model
 
 CORPUS_DIR = Path(__file__).parent / "data" / "configs"

@@ -13,11 +13,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from kvbench.backends.openai import OpenAIBackend
+from kvbench.backends.openai.adapter import OpenAIBackend
 from kvbench.backends.streaming import TRANSPORT_ERRORS, open_client, stream_sse
 from kvbench.backends.types import EngineStartError
-from kvbench.config import BackendConfig
 from kvbench.load import run_async
+from kvbench.run.backend_config import BackendConfig
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.testkit import prompt, run, spec
 

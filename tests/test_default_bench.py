@@ -3,16 +3,17 @@ from pathlib import Path
 
 import pytest
 
-from kvbench import default_bench, hardware
-from kvbench.backends.hf import HFBackend
-from kvbench.backends.llamacpp import LlamaCppBackend
+from kvbench.backends.hf.adapter import HFBackend
+from kvbench.backends.llamacpp.adapter import LlamaCppBackend
 from kvbench.backends.types import ServerSpec
-from kvbench.backends.vllm import VLLMBackend
-from kvbench.default_bench import DefaultBench, DefaultBenchError, choose_default_bench
-from kvbench.envs import Recipe, pip_install
-from kvbench.hardware import NVML, GPUInfo, detect_gpus
-from kvbench.kvmodel import KVGeometry
-from kvbench.models import ModelFiles
+from kvbench.backends.vllm.adapter import VLLMBackend
+from kvbench.common import hardware
+from kvbench.common.envs import Recipe, pip_install
+from kvbench.common.hardware import NVML, GPUInfo, detect_gpus
+from kvbench.common.models import ModelFiles
+from kvbench.kv.geometry import KVGeometry
+from kvbench.run import default_bench
+from kvbench.run.default_bench import DefaultBench, DefaultBenchError, choose_default_bench
 from kvbench.workloads import load
 from tests.fakes.fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, FakeDevice, FakeNVML
 
@@ -99,15 +100,15 @@ def test_cpu_recipes_are_unchanged(monkeypatch):
 
 def test_gpu_recipes(monkeypatch, tmp_path):
     monkeypatch.setenv("KVBENCH_GPU", "1")
-    monkeypatch.setattr("kvbench.hardware._gpu_detected", lambda: True)
-    monkeypatch.setattr("kvbench.hardware.detect_gpus", lambda nvml=None: [H200])
+    monkeypatch.setattr("kvbench.common.hardware._gpu_detected", lambda: True)
+    monkeypatch.setattr("kvbench.common.hardware.detect_gpus", lambda nvml=None: [H200])
     hf = HFBackend.recipe("5.24.0")
     assert "torch==2.13.0" in hf.steps[0].argv and "torch.cuda.is_available()" in hf.steps[1].argv[2]
     vllm = VLLMBackend.recipe("0.32.0")
     assert vllm.steps[0].argv[-1] == "vllm==0.32.0" and "--no-deps" not in vllm.steps[0].argv
-    monkeypatch.setattr("kvbench.backends.llamacpp.has_nvcc", lambda: False)
+    monkeypatch.setattr("kvbench.backends.llamacpp.adapter.has_nvcc", lambda: False)
     assert "-DGGML_CUDA" not in LlamaCppBackend.recipe("0.3.36").steps[0].argv[2]  # no nvcc: the CPU build
-    monkeypatch.setattr("kvbench.backends.llamacpp.has_nvcc", lambda: True)
+    monkeypatch.setattr("kvbench.backends.llamacpp.adapter.has_nvcc", lambda: True)
     llama = LlamaCppBackend.recipe("0.3.36")
     script = llama.steps[0].argv[2]
     assert '-DGGML_CUDA=ON -DGGML_NATIVE="${KVBENCH_GGML_NATIVE:-ON}"' in script

@@ -16,12 +16,12 @@ from rich.console import Console
 
 from kvbench import reports
 from kvbench.backends.deployment import Deployment
-from kvbench.backends.vllm import VLLMBackend
-from kvbench.compare import load_side
-from kvbench.config import BackendConfig, ConfigError
-from kvbench.redact import redact_text
-from kvbench.results import SCHEMA_VERSION, CellRow, column_dtypes, load, load_cells, migrate_row
-from kvbench.runner import Runner, RunOptions
+from kvbench.backends.vllm.adapter import VLLMBackend
+from kvbench.common.redact import redact_text
+from kvbench.compare.runs import load_side
+from kvbench.run.backend_config import BackendConfig, ConfigError
+from kvbench.run.runner import Runner, RunOptions
+from kvbench.store.results import SCHEMA_VERSION, CellRow, column_dtypes, load, load_cells, migrate_row
 from kvbench.workloads import Workload
 from tests.fakes.replica_server import FakeReplica
 from tests.fakes.testkit import prompt, run, spec
@@ -211,7 +211,7 @@ def test_one_set_of_credentials_reaches_every_replica_and_no_file(tmp_path, smol
 def test_recompute_rebuilds_the_total_and_keeps_the_replica_rows(round_robin):
     """The requests are under the total's cell id: a recompute rebuilds the total's figures from all of
     them (unchanged here) and keeps each replica row's, saying so."""
-    from kvbench.recompute import recompute
+    from kvbench.store.recompute import recompute
 
     run_dir, a, b = round_robin
     result = recompute(run_dir)
@@ -256,7 +256,7 @@ def test_two_real_llamacpp_replicas_as_one_deployment(tmp_path_factory, smollm2)
     deployment: requests alternate, each replica's KV in use comes from its own /slots, and the report shows
     each replica and the total. (An attached llama.cpp reports no pool: its pool is in a log kvbench does not
     read; the vLLM test below checks the pools' sum.)"""
-    from kvbench.backends.llamacpp import LlamaCppBackend
+    from kvbench.backends.llamacpp.adapter import LlamaCppBackend
     from kvbench.backends.types import ServerSpec
 
     from .conftest import engine_env

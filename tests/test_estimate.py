@@ -4,11 +4,11 @@ import io
 import pytest
 from rich.console import Console
 
-from kvbench import estimate
-from kvbench.config import BackendConfig
-from kvbench.estimate import Calibration, cell_seconds
-from kvbench.results import load_run_info
-from kvbench.runner import Runner, RunOptions
+from kvbench.run import estimate
+from kvbench.run.backend_config import BackendConfig
+from kvbench.run.estimate import Calibration, cell_seconds
+from kvbench.run.runner import Runner, RunOptions
+from kvbench.store.results import load_run_info
 from kvbench.workloads import load
 
 

@@ -12,9 +12,9 @@ import psutil
 import pytest
 from rich.console import Console
 
-from kvbench.config import BackendConfig
-from kvbench.results import load_cells, load_run_info
-from kvbench.runner import Runner, RunOptions
+from kvbench.run.backend_config import BackendConfig
+from kvbench.run.runner import Runner, RunOptions
+from kvbench.store.results import load_cells, load_run_info
 from kvbench.workloads import load
 
 from .conftest import engine_env
@@ -68,7 +68,7 @@ def test_start_timeout_kills_the_whole_tree(tmp_path):
 def test_install_failure_gives_failed_rows(tmp_path):
     engine_env("hf")  # prepares the model; the run below asks for a transformers release that does not exist
     from kvbench.backends import REGISTRY
-    from kvbench.envs import env_dir
+    from kvbench.common.envs import env_dir
 
     broken = env_dir(REGISTRY["hf"].recipe("0.0.0rc999"))
     try:
@@ -235,7 +235,7 @@ def test_engine_crash_mid_run_fails_the_remaining_cells(tmp_path):
 def test_engine_dead_at_a_cell_counter_reset_fails_the_remaining_cells(tmp_path, monkeypatch):
     # the harness's own call to the engine between cells (hf resets its peak counters) meets a dead engine
     hf_env = engine_env("hf")
-    from kvbench.backends.hf import HFBackend
+    from kvbench.backends.hf.adapter import HFBackend
 
     reset, calls = HFBackend.reset_cell, []
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.hardware import NVML
+from kvbench.common.hardware import NVML
 from kvbench.selfcheck import gpu_check as gc
 from tests.fakes.fake_nvml import FakeDevice, FakeNVML
 
@@ -181,7 +181,7 @@ def test_check_kv_measures_the_overhead_besides_weights_and_kv(fake_gpu):
 
 
 def test_the_default_configs_are_an_8b_gqa_a_hybrid_window_and_an_mla_geometry():
-    from kvbench.configs import geometry_from_hf
+    from kvbench.kv.model_config import geometry_from_hf
 
     geoms = [geometry_from_hf(gc.CONFIG_DIR / name) for name in gc.DEFAULT_CONFIGS]
     gqa, hybrid, mla = geoms
@@ -241,7 +241,7 @@ def test_the_packed_llama_source_fits_a_gpu_loan(tmp_path):
     sdists = sorted(Path("/tmp/llamacpp-src").glob("llama_cpp_python-*.tar.gz"))
     if not sdists:
         pytest.skip("no llama-cpp-python sdist on this machine (the script downloads one with pip otherwise)")
-    script = ROOT / "backends" / "scripts" / "pack_llama_source.sh"
+    script = ROOT / "backends" / "llamacpp" / "scripts" / "pack_llama_source.sh"
     out = subprocess.run(["bash", str(script), "0.3.36", str(tmp_path), str(sdists[-1])], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -263,11 +263,11 @@ def test_gpu_check_runs_from_a_checkout_that_is_not_installed(tmp_path):
     for folder in ("bench", "backends", "workloads", "selfcheck"):
         shutil.copytree(ROOT / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__"))
     code = ("import sys; sys.path.insert(0, 'selfcheck'); import uninstalled; uninstalled.register(); "
-            "import kvbench.selfcheck.gpu_check as g, kvbench.backends.vllm as v, kvbench.workloads as w; "
+            "import kvbench.selfcheck.gpu_check as g, kvbench.backends.vllm.adapter as v, kvbench.workloads as w; "
             "print(g.__file__); print(v.__file__); print(w.__file__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=copy, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(copy / "selfcheck" / "gpu_check.py"), str(copy / "backends" / "vllm.py"),
+    assert out.stdout.split() == [str(copy / "selfcheck" / "gpu_check.py"), str(copy / "backends" / "vllm" / "adapter.py"),
                                   str(copy / "workloads" / "__init__.py")]
     if not NVML().available:
         run = subprocess.run([sys.executable, "selfcheck/uninstalled.py", "kvbench.selfcheck.gpu_check"], cwd=copy,

@@ -1,8 +1,8 @@
 """run.json's environment record: CPU speed flags, threads, GPU driver and clocks; how two machines differ."""
 import types
 
-from kvbench import hardware
-from kvbench.hardware import NVML, gpu_info, hardware_differences, hardware_key, hardware_line
+from kvbench.common import hardware
+from kvbench.common.hardware import NVML, gpu_info, hardware_differences, hardware_key, hardware_line
 
 from .fakes.fake_nvml import FakeDevice, FakeNVML
 
@@ -41,7 +41,7 @@ def test_two_machines_that_differ_in_avx512_are_told_apart():
     assert "flags avx2 avx512f avx512_bf16" in hardware_line(a)
     assert "flags not recorded" in hardware_line(old)
     # a driver upgrade is not different hardware: compare warns about it instead
-    from kvbench.hardware import driver_differences
+    from kvbench.common.hardware import driver_differences
 
     h200 = {**a, "gpus": [{"name": "NVIDIA H200", "driver_version": "570.1"}]}
     newer = {**a, "gpus": [{"name": "NVIDIA H200", "driver_version": "575.2"}]}

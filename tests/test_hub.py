@@ -98,7 +98,7 @@ def test_a_cache_laid_out_by_hand(tmp_path):
 def test_run_resolves_a_hub_id_to_the_whole_model(hub, tmp_path):
     hub.repos["org/tiny"] = {"config.json": (CORPUS / "smollm2-135m-instruct.json").read_bytes(),
                              "tokenizer.json": b"{}", "model.safetensors": b"\0" * 16, "README.md": b"not fetched"}
-    code = ("from kvbench import models; m = models.resolve('org/tiny', None); "
+    code = ("from kvbench.common import models; m = models.resolve('org/tiny', None); "
             "print(m.name, sorted(p.name for p in m.hf_dir.iterdir()), m.geometry.num_layers)")
     env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "0",
            "HF_HUB_DISABLE_XET": "1"}
@@ -121,13 +121,13 @@ def test_llamacpp_makes_the_gguf_of_a_hub_model_once_with_llamas_converter(tmp_p
     """An HF folder (what a hub id resolves to) has no GGUF: llama.cpp's adapter converts it once with
     llama.cpp's own converter (gguf_from_hf, stubbed here), caches it by the folder's hash, and serves it;
     -b llamacpp:gguf=FILE serves the user's file instead."""
-    from kvbench.backends.llamacpp import LlamaCppBackend
+    from kvbench.backends.llamacpp.adapter import LlamaCppBackend
     from kvbench.backends.types import ServerSpec
-    from kvbench.configs import geometry_from_hf
-    from kvbench.models import ModelFiles
+    from kvbench.common.models import ModelFiles
+    from kvbench.kv.model_config import geometry_from_hf
 
     monkeypatch.setenv("KVBENCH_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr("kvbench.backends.llamacpp.ensure_env", lambda recipe, log=print: tmp_path / "hf-env")
+    monkeypatch.setattr("kvbench.backends.llamacpp.adapter.ensure_env", lambda recipe, log=print: tmp_path / "hf-env")
     calls = []
 
     def convert(cls, python, pairs, log=print, version=None, outtype="f16"):
@@ -158,14 +158,14 @@ def test_the_gpu_default_is_a_real_ungated_model_sized_from_the_hub(hub, tmp_pat
     """On a GPU machine `make bench` runs Qwen2.5-7B-Instruct (bench/default_bench.py GPU_MODEL; the
     Makefile names the same); its ladder is sized from the hub's config and safetensors index, with a token
     in the environment that is sent but written nowhere."""
-    from kvbench import default_bench
+    from kvbench.run import default_bench
 
     makefile = (ROOT / "Makefile").read_text()
     assert f"GPU_MODEL := {default_bench.GPU_MODEL}" in makefile
     config = QWEN25_7B_INSTRUCT.encode()
     index = json.dumps({"metadata": {"total_size": 15_231_233_024}, "weight_map": {}}).encode()
     hub.repos[default_bench.GPU_MODEL] = {"config.json": config, "model.safetensors.index.json": index}
-    code = ("from kvbench import default_bench as d; from kvbench.hardware import GPUInfo; import os; "
+    code = ("from kvbench.run import default_bench as d; from kvbench.common.hardware import GPUInfo; import os; "
             "os.environ['KVBENCH_GPU'] = '1'; assert d.default_model() == d.GPU_MODEL; "
             "p = d.gpu_default_bench(d.default_model(), [GPUInfo('NVIDIA H100 80GB HBM3', 81559 * 2**20)]); "
             "print(p.max_context, p.workload); print(p.note)")

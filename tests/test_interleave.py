@@ -4,9 +4,9 @@ import io
 
 from rich.console import Console
 
-from kvbench.config import BackendConfig
-from kvbench.results import load_cells, load_run_info
-from kvbench.runner import Runner, RunOptions
+from kvbench.run.backend_config import BackendConfig
+from kvbench.run.runner import Runner, RunOptions
+from kvbench.store.results import load_cells, load_run_info
 from kvbench.workloads import load
 
 from .fakes.openai_server import FakeOpenAI

@@ -4,11 +4,11 @@ attention family). The whole family x engine table is `kvbench validate --famili
 every family in transformers and llama.cpp, and the hybrid-window family in vLLM."""
 import pytest
 
-from kvbench.backends.hf import HFBackend
-from kvbench.backends.llamacpp import LlamaCppBackend
-from kvbench.backends.vllm import VLLMBackend
-from kvbench.models import ModelFiles
-from kvbench.validate import families, family_markdown, measure_families, verdict
+from kvbench.backends.hf.adapter import HFBackend
+from kvbench.backends.llamacpp.adapter import LlamaCppBackend
+from kvbench.backends.vllm.adapter import VLLMBackend
+from kvbench.common.models import ModelFiles
+from kvbench.run.validate import families, family_markdown, measure_families, verdict
 
 from .conftest import engine_env
 

@@ -3,8 +3,7 @@ import json
 
 import pytest
 
-from kvbench.configs import ConfigError, geometry_from_gguf, geometry_from_hf, geometry_from_hf_dict
-from kvbench.kvmodel import (
+from kvbench.kv.geometry import (
     KVGeometry,
     LayerKV,
     UnevenSplit,
@@ -15,6 +14,7 @@ from kvbench.kvmodel import (
     kv_bytes_per_token,
     plain_kv,
 )
+from kvbench.kv.model_config import ConfigError, geometry_from_gguf, geometry_from_hf, geometry_from_hf_dict
 
 LLAMA_31_8B = {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                "hidden_size": 4096, "max_position_embeddings": 131072}

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from kvbench.backends.openai import OpenAIBackend
+from kvbench.backends.openai.adapter import OpenAIBackend
 from kvbench.backends.types import RequestResult
 from kvbench.load import LoadPoint, LoadSettings, constant, run, run_async, workers
 from tests.fakes.openai_server import FakeOpenAI

@@ -1,7 +1,7 @@
 """Metrics against timelines computed by hand."""
 import pytest
 
-from kvbench.metrics import RequestTimes, cell_metrics, percentiles, request_verdict
+from kvbench.common.metrics import RequestTimes, cell_metrics, percentiles, request_verdict
 
 
 def test_single_token_chunks():
@@ -101,8 +101,8 @@ def test_chunks_arriving_together_count_as_one_chunk():
 
 
 def test_polled_kv_peak_is_not_measured_when_no_poll_saw_a_request_in_flight():
-    from kvbench.samplers import KVSample
-    from kvbench.summary import polled_kv_peak
+    from kvbench.run.rows import polled_kv_peak
+    from kvbench.run.samplers import KVSample
 
     windows = [(10.0, 10.8)]  # one request, sent at 10.0, done at 10.8
     idle = [KVSample(9.9, 0.0, 0.0), KVSample(11.0, 0.0, 0.0)]  # a poller that slept through it
@@ -117,8 +117,8 @@ def test_polled_kv_peak_is_not_measured_when_no_poll_saw_a_request_in_flight():
 
 
 def test_queue_peaks_not_measured_when_no_poll_saw_a_request_in_flight():
-    from kvbench.samplers import QueueSample
-    from kvbench.summary import queue_peaks
+    from kvbench.run.rows import queue_peaks
+    from kvbench.run.samplers import QueueSample
 
     windows = [(10.0, 10.8), (10.1, 11.2)]
     blind = [QueueSample(9.9, 0, 0, 3), QueueSample(11.5, 0, 0, 5)]  # before and after: preempted twice

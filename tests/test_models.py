@@ -1,7 +1,7 @@
 """Models by name or by local path."""
 import pytest
 
-from kvbench import models
+from kvbench.common import models
 
 
 def test_gguf_path_is_the_same_model_as_the_embedded_name(smollm2):

@@ -6,7 +6,7 @@ import time
 import psutil
 import pytest
 
-from kvbench.samplers import NVML, ProcessTreeMemorySampler
+from kvbench.run.samplers import NVML, ProcessTreeMemorySampler
 from tests.fakes.fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIBRARY_NOT_FOUND, FakeDevice, FakeNVML, GiB
 
 MiB = 1 << 20
@@ -49,7 +49,7 @@ def test_device_memory_v2_total_reserved_used():
     assert nvml.memory_api == "v2"
     assert nvml.device_used_bytes() == 10 * GiB
     assert nvml.devices()[0] == {"index": 0, "name": "NVIDIA H200", "memory_bytes": 80 * GiB, "reserved_bytes": GiB}
-    # what kvbench.hardware.environment_info reads directly
+    # what kvbench.common.hardware.environment_info reads directly
     assert nvml.nv.nvmlDeviceGetMemoryInfo(nvml.handles[0]).total == 80 * GiB
 
 

@@ -5,7 +5,7 @@ import gguf
 import psutil
 import pytest
 
-from kvbench.backends.ollama import OllamaBackend, last_load, model_tag, parse_slog_kv
+from kvbench.backends.ollama.adapter import OllamaBackend, last_load, model_tag, parse_slog_kv
 from kvbench.backends.types import EngineStartError
 from tests.fakes.ollama_server import FakeOllama
 from tests.fakes.testkit import BYTES_PER_TOKEN, listening, only_on_path, prompt, run, spec, stand_in

@@ -6,12 +6,12 @@ import httpx
 import pytest
 
 from kvbench.backends import REGISTRY
-from kvbench.backends.llamacpp import LlamaCppBackend
-from kvbench.backends.openai import OpenAIBackend
+from kvbench.backends.llamacpp.adapter import LlamaCppBackend
+from kvbench.backends.openai.adapter import OpenAIBackend
 from kvbench.backends.prometheus import metric_samples
 from kvbench.backends.types import EngineStartError
-from kvbench.backends.vllm import VLLMBackend
-from kvbench.config import BackendConfig
+from kvbench.backends.vllm.adapter import VLLMBackend
+from kvbench.run.backend_config import BackendConfig
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.testkit import prompt, run, spec
 

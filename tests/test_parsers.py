@@ -1,5 +1,5 @@
 """Readers of engine output, against lines in the engines' real formats."""
-from kvbench.backends.llamacpp import MIB, parse_kv_log
+from kvbench.backends.llamacpp.adapter import MIB, parse_kv_log
 from kvbench.backends.prometheus import metric_samples
 
 LLAMA_LOG = """\

@@ -7,12 +7,12 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.backends import REGISTRY
-from kvbench.backends.kvrules import KVQuestion, KVRuleError
 from kvbench.cli import app
-from kvbench.configs import geometry_from_hf_dict
-from kvbench.kvmodel import kv_bytes_per_token
+from kvbench.kv.geometry import kv_bytes_per_token
+from kvbench.kv.model_config import geometry_from_hf_dict
+from kvbench.kv.rules import KVQuestion, KVRuleError
+from kvbench.kv.units import GIB
 from kvbench.planner import PlanError, PlanInput, engines, gpu_memory, plan, resolve_model
-from kvbench.units import GIB
 
 runner = CliRunner()
 CORPUS = Path(__file__).parent / "data" / "configs"
@@ -324,7 +324,7 @@ def test_an_encoder_is_refused(tmp_path):
 
 def _overhead_run(tmp_path, rows: list[dict]) -> Path:
     """A run folder whose cells carry the per-GPU overhead figures a GPU run writes (no GPU needed)."""
-    from kvbench.results import CellRow
+    from kvbench.store.results import CellRow
 
     run = tmp_path / "gpu-run"
     run.mkdir()

@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvbench import recompute as rc
 from kvbench.cli import app
-from kvbench.metrics import RequestTimes, cell_metrics
-from kvbench.results import SCHEMA_VERSION, CellRow, RequestRow, RunWriter, load
+from kvbench.common.metrics import RequestTimes, cell_metrics
+from kvbench.store import recompute as rc
+from kvbench.store.results import SCHEMA_VERSION, CellRow, RequestRow, RunWriter, load
 
 ROOT = Path(__file__).resolve().parent.parent / "results"
 

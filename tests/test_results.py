@@ -5,7 +5,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvbench.reports import write
-from kvbench.results import SCHEMA_VERSION, CellRow, RunWriter, load_cells
+from kvbench.store.results import SCHEMA_VERSION, CellRow, RunWriter, load_cells
 
 
 def cell(**overrides) -> CellRow:

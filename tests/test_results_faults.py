@@ -19,8 +19,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli import app
-from kvbench.files import PlainNameError, append_line, atomic_write_text, check_plain_name
-from kvbench.results import (
+from kvbench.common.files import PlainNameError, append_line, atomic_write_text, check_plain_name
+from kvbench.store.results import (
     HARNESS_GONE,
     DamagedLinesWarning,
     ResultsReadError,
@@ -53,7 +53,7 @@ def kvbench(*args):
 
 
 def request(cell_id: str, i: int = 0, warmup: bool = False) -> "RequestRow":  # noqa: F821
-    from kvbench.results import RequestRow
+    from kvbench.store.results import RequestRow
 
     return RequestRow(run_id="r1", cell_id=cell_id, backend="vllm-0.32.0", request_id=f"q{i}", warmup=warmup,
                       prompt_tokens_sent=8, prompt_tokens_reported=8, output_tokens_requested=2,
@@ -173,7 +173,7 @@ def test_read_only_results_dir_is_one_clear_error(small_fs):
 def test_a_run_stopped_by_a_full_disk_prints_the_first_error_once(small_fs, tmp_path, monkeypatch):
     """Real tmpfs, full during the run; the run itself is monkeypatched (Runner.run writes a cell onto the
     full disk, then tries run.json as a runner's cleanup would): no engine, the command's handling only."""
-    from kvbench.runner import Runner
+    from kvbench.run.runner import Runner
 
     def run_onto_a_full_disk(self):
         self.writer.write_run_info(INFO)

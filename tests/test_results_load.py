@@ -1,4 +1,4 @@
-"""kvbench.results.load: tidy DataFrames from JSONL or Parquet, v1 runs migrated to the current schema."""
+"""kvbench.store.results.load: tidy DataFrames from JSONL or Parquet, v1 runs migrated to the current schema."""
 import json
 import os
 import shutil
@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from kvbench.results import (
+from kvbench.store.results import (
     SCHEMA_VERSION,
     CellRow,
     ensure_parquet,
@@ -98,11 +98,11 @@ def test_bad_input(tmp_path):
 
 
 def test_ok_column_is_the_cells_token_contract():
-    """`ok` is kvbench.metrics.request_verdict, as the cell's n_ok: a count the engine did not report falls
+    """`ok` is kvbench.common.metrics.request_verdict, as the cell's n_ok: a count the engine did not report falls
     back to the tokens received (Ollama or TGI without a prompt count) instead of failing the request."""
     import pandas as pd
 
-    from kvbench.results import _requests_derived
+    from kvbench.store.results import _requests_derived
 
     def req(**kw):
         base = dict(warmup=False, error=None, prompt_tokens_sent=8, prompt_tokens_reported=8,

@@ -4,7 +4,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvbench.results import SCHEMA_VERSION, CellRow, RequestRow, column_dtypes, load, migrate_row
+from kvbench.store.results import SCHEMA_VERSION, CellRow, RequestRow, column_dtypes, load, migrate_row
 
 from .synth import make_run
 
@@ -63,7 +63,7 @@ def test_a_parquet_copy_without_a_column_still_loads_it(tmp_path):
     (NaN) with the same dtype as everywhere else instead of raising."""
     import pyarrow.parquet as pq
 
-    from kvbench.results import parquet_is_current, write_parquet
+    from kvbench.store.results import parquet_is_current, write_parquet
 
     run = make_run(tmp_path, "old", repeats=1, prompts=(128,), concurrency=(1,))
     write_parquet(run)

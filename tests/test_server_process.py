@@ -165,7 +165,7 @@ def test_the_log_excerpt_keeps_the_first_error_far_above_the_end(tmp_path):
 
 
 def test_busy_threads_counts_the_threads_that_computed():
-    from kvbench.samplers import busy_threads
+    from kvbench.run.samplers import busy_threads
 
     # one thread spins for about a second, two others only sleep
     code = ("import threading, time\n"
@@ -185,7 +185,7 @@ def test_busy_threads_counts_the_threads_that_computed():
 
 def test_busy_threads_of_an_engine_that_has_ended_is_unknown():
     # asked of an engine that failed to start: it used to raise, and the backend's rows were written twice
-    from kvbench.samplers import busy_threads
+    from kvbench.run.samplers import busy_threads
 
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()

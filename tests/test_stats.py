@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from kvbench import stats
+from kvbench.common import stats
 
 
 @pytest.mark.parametrize("p, df, expected", [(0.975, 1, 12.7062), (0.975, 4, 2.7764), (0.975, 10, 2.2281),
@@ -114,7 +114,7 @@ def test_calibration_coverage_false_regressions_and_power():
     """A small run of bench/compare_calibration.py (fixed seed): the 95 % interval covers the truth about
     95 % of the time at 3, 5 and 10 repeats, an unchanged engine is called a regression at most 5 % of the
     time, and power for a planted 10 % regression grows with the repeats."""
-    from kvbench import compare_calibration as cal
+    from kvbench.compare.runs import calibration as cal
 
     rows = cal.table(sims=3000, seed=1, cvs=(0.03, 0.15))
     for r in rows:
@@ -131,7 +131,7 @@ def test_calibration_coverage_false_regressions_and_power():
 def test_calibration_shows_a_single_run_bootstrap_misses_run_to_run_noise():
     """One run per side at 7 % run-to-run noise: the bootstrap over the requests is too narrow (the script
     prints 79 % coverage over 1,000 comparisons); repeats are what fixes it."""
-    from kvbench import compare_calibration as cal
+    from kvbench.compare.runs import calibration as cal
 
     row = cal.simulate_single_run(0.07, sims=200, seed=3, n_boot=500)
     assert row.repeats == 1 and row.method.startswith("single run")

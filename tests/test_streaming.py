@@ -21,7 +21,7 @@ from kvbench.backends.streaming import (
     stream_sse,
 )
 from kvbench.backends.types import RequestResult
-from kvbench.backends.vllm import VLLMBackend
+from kvbench.backends.vllm.adapter import VLLMBackend
 from kvbench.load import run_async
 from kvbench.workloads.prompts import Prompt
 

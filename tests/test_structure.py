@@ -1,14 +1,20 @@
-"""The package's shape, read from the source: one installed name, no import circles, the adapters free of the
-harness's orchestration, and the self-checks out of the product's path."""
+"""The package's shape, read from the source: one installed name, layers that import only downwards, no
+import circles, an engine's name and facts in its own folder only, hooks declared rather than probed, and
+the self-checks out of the product's path."""
 import ast
+import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# What the adapters may use of the harness: the data and helpers below them, never the runner, the load
-# generator, the planner or the reports.
-BELOW_THE_ADAPTERS = {"kvbench", "kvbench.configs", "kvbench.envs", "kvbench.hardware", "kvbench.kvmodel", "kvbench.models",
-                      "kvbench.redact", "kvbench.suggest", "kvbench.units"}
+# The layers, bottom first: a module imports only from its own layer and those before it (data flows one
+# way: workload -> cells -> runner -> rows -> store -> reports). The package's own __init__ is below all.
+LAYERS = ["kvbench.kv", "kvbench.common", "kvbench.backends", "kvbench.load", "kvbench.workloads", "kvbench.store",
+          "kvbench.planner", "kvbench.run", "kvbench.reports", "kvbench.compare", "kvbench.commands", "kvbench.cli",
+          "kvbench.selfcheck"]
+ENGINE_DIRS = sorted(p.parent.name for p in (ROOT / "backends").glob("*/adapter.py"))
 
 
 def package_dirs() -> dict[str, Path]:
@@ -121,8 +127,8 @@ def test_one_installed_name():
 def test_the_graph_is_read():
     edges = graph()
     assert len(edges) > 50
-    assert "kvbench.backends.base" in edges["kvbench.backends.vllm"]
-    assert "kvbench.summary" in edges["kvbench.runner"]
+    assert "kvbench.backends.base" in edges["kvbench.backends.vllm.adapter"]
+    assert "kvbench.run.rows" in edges["kvbench.run.runner"]
 
 
 def test_no_import_circles():
@@ -133,14 +139,145 @@ def test_a_circle_would_be_found():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_adapters_import_nothing_of_the_orchestration():
+def layer(module: str) -> int:
+    if module == "kvbench":
+        return -1
+    return next(i for i, top in enumerate(LAYERS) if module == top or module.startswith(top + "."))
+
+
+def test_every_module_is_in_a_layer():
+    for name in modules():
+        layer(name)  # StopIteration: a module outside every layer
+
+
+def test_layers_import_only_downwards():
+    upward = sorted(f"{name} -> {t}" for name, targets in graph().items() for t in targets if layer(t) > layer(name))
+    assert upward == []
+
+
+def test_an_upward_import_would_be_found():
+    assert layer("kvbench.kv.geometry") < layer("kvbench.backends.vllm.adapter") < layer("kvbench.run.runner")
+
+
+def test_the_kv_layer_and_every_engines_rules_import_only_the_kv_layer():
     for name, targets in graph().items():
-        if name.startswith("kvbench.backends"):
-            upward = {t for t in targets if not t.startswith("kvbench.backends") and t not in BELOW_THE_ADAPTERS}
-            assert not upward, f"{name} imports {sorted(upward)}"
+        if name.startswith("kvbench.kv") or name.endswith(".kvrules"):
+            # an engine's rules may extend another engine's rules (Ollama runs llama.cpp)
+            others = {t for t in targets if not t.startswith("kvbench.kv") and not t.endswith(".kvrules")
+                      and t not in ("kvbench", "kvbench.backends") and not re.fullmatch(r"kvbench\.backends\.\w+", t)}
+            assert not others, f"{name} imports {sorted(others)}"
+
+
+def test_every_engine_is_one_folder_and_one_registry_line():
+    from kvbench.backends import ENGINES, REGISTRY, kv_rules
+
+    assert sorted(ENGINES) == ENGINE_DIRS
+    for engine in ENGINES:
+        assert REGISTRY[engine].engine == engine
+        assert REGISTRY[engine].__module__ == f"kvbench.backends.{engine}.adapter"
+        rules = kv_rules(engine)
+        assert rules is None or (type(rules).__module__ == f"kvbench.backends.{engine}.kvrules"
+                                 and type(REGISTRY[engine].kv_rules) is type(rules))
+
+
+def test_importing_the_planner_loads_no_adapter_streaming_client_or_guard():
+    code = ("import sys, kvbench.planner as p; p.engine_rules('vllm').answer; p.engine_rules('llamacpp');"
+            "print('\\n'.join(m for m in sys.modules if m.startswith('kvbench')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    loaded = set(out.split())
+    assert "kvbench.backends.vllm.kvrules" in loaded  # the check can see what it looks for
+    heavy = {m for m in loaded if m.endswith(".adapter") or m.rpartition(".")[2] in
+             ("streaming", "process", "guard", "base", "deployment", "prometheus")}
+    assert heavy == set()
+
+
+# Strings that name something else than an engine: the HF-format folder and config ("hf"), kept here so
+# that each exception is seen.
+NOT_ENGINE_NAMES = {("bench/common/models.py", "hf"), ("bench/kv/geometry.py", "hf"), ("bench/kv/model_config.py", "hf"),
+                    ("bench/run/runner.py", "hf_dir")}
+
+
+def engine_names_outside_their_folders(files: list[Path], engines: list[str]) -> list[str]:
+    """String constants (not docstrings) that are, or start with, an engine's name, and imports of an
+    engine's folder, in product code outside ``backends/<engine>/`` and the registry."""
+    named = re.compile(r"^(%s)([:@\-_.]|$)" % "|".join(map(re.escape, engines)))
+    found = []
+    for path in files:
+        rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+        tree = ast.parse(path.read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for n in ast.walk(tree):
+            if (isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+                    and named.match(n.value) and (rel, n.value) not in NOT_ENGINE_NAMES):
+                found.append(f"{rel}:{n.lineno}: {n.value!r}")
+            if isinstance(n, (ast.Import, ast.ImportFrom)):
+                for m in ([a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""]):
+                    if re.match(r"kvbench\.backends\.(%s)\b" % "|".join(engines), m):
+                        found.append(f"{rel}:{n.lineno}: import {m}")
+    return found
+
+
+def product_files_outside_the_engines() -> list[Path]:
+    files = [*ROOT.glob("bench/**/*.py"), *ROOT.glob("workloads/**/*.py"), *ROOT.glob("backends/*.py")]
+    return sorted(p for p in files if p != ROOT / "backends" / "__init__.py")
+
+
+def test_no_engine_name_outside_its_folder_and_the_registry():
+    assert engine_names_outside_their_folders(product_files_outside_the_engines(), ENGINE_DIRS) == []
+
+
+def test_an_engine_name_outside_its_folder_would_be_found(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text('"""vllm in a docstring is fine."""\nif engine == "vllm":\n    pass\n'
+                       "from kvbench.backends.llamacpp.kvrules import LlamaCppKV\n")
+    assert sorted(engine_names_outside_their_folders([planted], ENGINE_DIRS)) == [
+        "planted.py:2: 'vllm'", "planted.py:4: import kvbench.backends.llamacpp.kvrules"]
+
+
+def hook_probes(files: list[Path]) -> list[str]:
+    """getattr/hasattr of a Backend or KVRules hook name: a hook is declared on the base class instead."""
+    from kvbench.backends.base import Backend
+    from kvbench.kv.rules import KVRules
+
+    hooks = {n for cls in (Backend, KVRules) for n in dir(cls) if not n.startswith("__")}
+    found = []
+    for path in files:
+        for n in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "hasattr")
+                    and len(n.args) >= 2 and isinstance(n.args[1], ast.Constant) and n.args[1].value in hooks):
+                where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+                found.append(f"{where}:{n.lineno}: {n.func.id}(..., {n.args[1].value!r})")
+    return found
+
+
+def test_no_hook_is_probed_with_getattr():
+    files = [*ROOT.glob("bench/**/*.py"), *ROOT.glob("backends/**/*.py"), *ROOT.glob("workloads/**/*.py")]
+    assert hook_probes([p for p in files if "scripts" not in p.parts]) == []
+
+
+def test_a_probed_hook_would_be_found(tmp_path):
+    planted = tmp_path / "probe.py"
+    planted.write_text("count = getattr(cls, 'gpus_used', None)\nname = getattr(cls, 'something_else', None)\n")
+    assert hook_probes([planted]) == ["probe.py:1: getattr(..., 'gpus_used')"]
 
 
 def test_the_product_never_imports_the_self_checks():
     for name, targets in graph().items():
         if not name.startswith("kvbench.selfcheck"):
             assert not {t for t in targets if t.startswith("kvbench.selfcheck")}, name
+
+
+def test_the_editable_install_is_a_tree_static_readers_follow():
+    """make setup installs kvbench in strict editable mode: the .pth names a folder that holds the package
+    under its import names (links into the checkout), not an import hook only Python itself runs."""
+    import sysconfig
+
+    pth = sorted(Path(sysconfig.get_paths()["purelib"]).glob("__editable__.kvbench-*.pth"))
+    assert len(pth) == 1, pth
+    lines = [line for line in pth[0].read_text().splitlines() if line.strip()]
+    assert len(lines) == 1 and not lines[0].startswith("import"), lines
+    tree = Path(lines[0])
+    assert (tree / "kvbench" / "backends" / "vllm" / "adapter.py").resolve() == ROOT / "backends" / "vllm" / "adapter.py"
+    assert (tree / "kvbench" / "kv" / "geometry.py").resolve() == ROOT / "bench" / "kv" / "geometry.py"

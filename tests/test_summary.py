@@ -1,10 +1,10 @@
-"""kvbench.summary.summarize: a cell's row from a hand-made measurement, no engine and no I/O."""
+"""kvbench.run.rows.summarize: a cell's row from a hand-made measurement, no engine and no I/O."""
 from kvbench.backends import REGISTRY
 from kvbench.backends.types import KVInUse, KVPool, RequestResult
-from kvbench.cells import Cell
 from kvbench.load import LoadPoint, LoadResult
-from kvbench.samplers import KVSample, MemorySample, QueueSample
-from kvbench.summary import CellMeasurement, EngineRun, failed_row, request_verdicts, summarize
+from kvbench.run.cells import Cell
+from kvbench.run.rows import CellMeasurement, EngineRun, failed_row, request_verdicts, summarize
+from kvbench.run.samplers import KVSample, MemorySample, QueueSample
 from kvbench.workloads import Workload
 
 from .fakes.testkit import BYTES_PER_TOKEN, spec
@@ -96,8 +96,8 @@ def test_a_failed_row_carries_the_reason_and_no_figures(tmp_path):
 
 
 def test_the_console_line_says_undefined_for_a_cell_without_itl():
-    from kvbench.results import CellRow
-    from kvbench.summary import summary_line
+    from kvbench.run.rows import summary_line
+    from kvbench.store.results import CellRow
 
     row = CellRow(run_id="r", cell_id="c", backend="vllm-0.32.0", engine="vllm", engine_version="0.32.0", model="m",
                   workload="w", prompt_tokens=8, output_tokens=4, concurrency=1, kv_dtype="bf16", status="ok",

@@ -13,9 +13,9 @@ import httpx
 import pandas as pd
 import pytest
 
-from kvbench import telemetry
 from kvbench.backends.process import free_port
-from kvbench.telemetry import MIB, Prometheus, TelemetryError, cell_figures, parse_matrix, samples_frame
+from kvbench.run import telemetry
+from kvbench.run.telemetry import MIB, Prometheus, TelemetryError, cell_figures, parse_matrix, samples_frame
 from tests.fakes.dcgm_exporter import GPU, FakeDCGMExporter
 
 T0 = 1796064517.0  # a cell's start, Unix seconds
@@ -233,9 +233,9 @@ def run_kvbench(tmp_path, workload, backend: str, prom_url: str, selector: str, 
 
     from rich.console import Console
 
-    from kvbench.config import BackendConfig
-    from kvbench.results import load_cells
-    from kvbench.runner import Runner, RunOptions
+    from kvbench.run.backend_config import BackendConfig
+    from kvbench.run.runner import Runner, RunOptions
+    from kvbench.store.results import load_cells
 
     opts = RunOptions(model="smollm2", workload=workload, backends=[BackendConfig.parse(backend)],
                       results_dir=tmp_path / "runs", run_id="run", start_timeout_s=300, request_timeout_s=300,
@@ -247,7 +247,7 @@ def run_kvbench(tmp_path, workload, backend: str, prom_url: str, selector: str, 
 def test_kvbench_run_reads_prometheus_into_the_row_and_telemetry_csv(tmp_path):
     """The runner's integration without an engine: the fake OpenAI server, two load workers, a real
     Prometheus scraping the DCGM stand-in: the row's GPU figures, the samples file, and the Parquet copy."""
-    from kvbench.results import load
+    from kvbench.store.results import load
     from kvbench.workloads import Workload
     from tests.fakes.openai_server import FakeOpenAI
 
@@ -291,7 +291,7 @@ def test_vllm_through_prometheus_beside_kvbenchs_own_poll(tmp_path, smollm2):
     them back: the row's GPU figures are what the stand-in served, and vLLM's KV usage seen through
     Prometheus is above zero and agrees with kvbench's own 10 Hz poll of the same gauge."""
     from kvbench.backends.types import ServerSpec
-    from kvbench.backends.vllm import VLLMBackend
+    from kvbench.backends.vllm.adapter import VLLMBackend
     from kvbench.workloads import Workload
 
     from .conftest import engine_env
@@ -356,7 +356,7 @@ def test_the_cli_flags_reach_the_run(tmp_path):
     import subprocess
     import sys
 
-    from kvbench.results import load_cells
+    from kvbench.store.results import load_cells
     from tests.fakes.openai_server import FakeOpenAI
 
     def kvbench(*args):
@@ -388,8 +388,8 @@ def test_a_deployment_of_two_vllm_replicas_with_prometheus_and_dcgm(tmp_path, sm
     report's KV table per replica and in total."""
     from kvbench import reports
     from kvbench.backends.types import ServerSpec
-    from kvbench.backends.vllm import VLLMBackend
-    from kvbench.results import load
+    from kvbench.backends.vllm.adapter import VLLMBackend
+    from kvbench.store.results import load
     from kvbench.workloads import Workload
 
     from .conftest import engine_env

@@ -2,9 +2,9 @@
 import psutil
 import pytest
 
-from kvbench.backends.tgi import IMAGE, TGIBackend, parse_tgi_log
+from kvbench.backends.tgi.adapter import IMAGE, TGIBackend, parse_tgi_log
 from kvbench.backends.types import EngineStartError
-from kvbench.envs import ensure_env, is_installed
+from kvbench.common.envs import ensure_env, is_installed
 from tests.fakes.testkit import BYTES_PER_TOKEN, Poller, listening, only_on_path, prompt, run, spec, stand_in
 from tests.fakes.tgi_server import FakeTGI
 

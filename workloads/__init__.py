@@ -13,7 +13,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from kvbench.files import check_plain_name
+from kvbench.common.files import check_plain_name
 from kvbench.load.registry import PROFILES, profile_info
 
 WORKLOAD_DIR = Path(__file__).parent

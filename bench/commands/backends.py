@@ -3,10 +3,16 @@ import json
 import typer
 
 
-def backends(as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")):
+def backends(as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+             default_args: bool = typer.Option(False, "--default-args",
+                                               help="Print the -b flags of the default engines (what make bench runs).")):
     """List every engine, its default version and its options (-b ENGINE[@VERSION][:KEY=VALUE,...])."""
-    from kvbench.backends import REGISTRY
+    from kvbench.backends import DEFAULT_ENGINES, REGISTRY
     from kvbench.backends.options import COMMON, specs_of
+
+    if default_args:
+        print(" ".join(f"-b {name}" for name in DEFAULT_ENGINES))
+        return
 
     engines = {name: {"default_version": cls.default_version,
                       "options": {o.name: {"type": o.type_name, "default": o.default, "shown_default": o.shown_default,

@@ -3,9 +3,9 @@ from pathlib import Path
 
 import typer
 
-from kvbench.compare import CompareError, load_config, load_side, markdown, write_html, write_outputs
-from kvbench.compare import compare as run_compare
-from kvbench.results import ResultsReadError
+from kvbench.compare.runs import CompareError, load_config, load_side, markdown, write_html, write_outputs
+from kvbench.compare.runs import compare as run_compare
+from kvbench.store.results import ResultsReadError
 
 
 def compare(

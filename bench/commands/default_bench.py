@@ -2,11 +2,11 @@ import json
 
 import typer
 
-from kvbench import ui
-from kvbench.default_bench import DefaultBenchError, default_bench_for, default_model
-from kvbench.models import ModelError
+from kvbench.common import ui
+from kvbench.common.models import ModelError
+from kvbench.common.suggest import with_hint
 from kvbench.planner import PlanError, model_names
-from kvbench.suggest import with_hint
+from kvbench.run.default_bench import DefaultBenchError, default_bench_for, default_model
 
 
 def default_bench(

@@ -4,9 +4,10 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from kvbench import ui
-from kvbench.config import ConfigError, parse_options
-from kvbench.kvmodel import KV_DTYPE_BYTES
+from kvbench.common import ui
+from kvbench.common.suggest import hint, with_hint
+from kvbench.kv.geometry import KV_DTYPE_BYTES
+from kvbench.kv.units import GIB, fmt_gib
 from kvbench.planner import (
     PlanError,
     PlanInput,
@@ -17,8 +18,7 @@ from kvbench.planner import (
     plan,
     resolve_model,
 )
-from kvbench.suggest import hint, with_hint
-from kvbench.units import GIB, fmt_gib
+from kvbench.run.backend_config import ConfigError, parse_options
 
 
 def plan_command(
@@ -108,7 +108,7 @@ def _check_engine_options(engine: str | None, options: dict) -> None:
         return
     if engine is None:
         raise PlanError(f"--engine-option {', '.join(options)} needs --engine (the plain formula takes none)")
-    allowed = getattr(engine_rules(engine), "rule_options", ())
+    allowed = engine_rules(engine).rule_options
     for key in options:
         if key not in allowed:
             raise PlanError(f"unknown --engine-option {key!r} for {engine}; {hint(key, allowed)}"

@@ -5,8 +5,9 @@ from pathlib import Path
 import typer
 from rich.markdown import Markdown
 
-from kvbench import reports, ui
-from kvbench.results import ResultsReadError, ResultsWarning, ResultsWriteError, ensure_parquet, not_a_run_dir
+from kvbench import reports
+from kvbench.common import ui
+from kvbench.store.results import ResultsReadError, ResultsWarning, ResultsWriteError, ensure_parquet, not_a_run_dir
 
 
 def report(
@@ -30,7 +31,7 @@ def report(
         if problem := not_a_run_dir(run_dir):
             raise typer.BadParameter(problem, param_hint="RUN_DIR")
     if recompute:  # rebuild the figures first, so the report shows today's definitions
-        from kvbench.recompute import recompute_runs
+        from kvbench.store.recompute import recompute_runs
 
         if code := recompute_runs(run_dirs):
             raise typer.Exit(code)

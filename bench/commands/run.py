@@ -3,12 +3,16 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from kvbench import reports, ui
-from kvbench.backends import REGISTRY
-from kvbench.config import BackendConfig, ConfigError
-from kvbench.models import ModelError
+from kvbench import reports
+from kvbench.backends import DEFAULT_ENGINES, REGISTRY
+from kvbench.common import ui
+from kvbench.common.models import ModelError
+from kvbench.common.suggest import with_hint
 from kvbench.planner import model_names
-from kvbench.results import (
+from kvbench.run.backend_config import BackendConfig, ConfigError
+from kvbench.run.runner import Runner, RunOptions
+from kvbench.run.telemetry import Prometheus
+from kvbench.store.results import (
     PlainNameError,
     ResultsReadError,
     ResultsWriteError,
@@ -16,13 +20,10 @@ from kvbench.results import (
     check_plain_name,
     load_cells,
 )
-from kvbench.runner import Runner, RunOptions
-from kvbench.suggest import with_hint
-from kvbench.telemetry import Prometheus
 from kvbench.workloads import WorkloadError, available
 from kvbench.workloads import load as load_workload
 
-DEFAULT_BACKENDS = ["hf", "vllm", "llamacpp"]
+DEFAULT_BACKENDS = list(DEFAULT_ENGINES)
 
 
 def run(

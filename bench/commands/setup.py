@@ -1,16 +1,16 @@
 import typer
 from rich.markup import escape
 
-from kvbench import models, ui
-from kvbench.backends import REGISTRY, gguf_converter
-from kvbench.config import BackendConfig, ConfigError
-from kvbench.envs import EnvInstallError, ensure_env
+from kvbench.backends import DEFAULT_ENGINES, REGISTRY, gguf_converter
+from kvbench.common import models, ui
+from kvbench.common.envs import EnvInstallError, ensure_env
+from kvbench.common.suggest import with_hint
 from kvbench.planner import model_names
-from kvbench.suggest import with_hint
+from kvbench.run.backend_config import BackendConfig, ConfigError
 
 
 def setup(
-    backend: list[str] = typer.Option(["hf", "vllm", "llamacpp"], "--backend", "-b", metavar="BACKEND",
+    backend: list[str] = typer.Option(list(DEFAULT_ENGINES), "--backend", "-b", metavar="BACKEND",
                                       help="ENGINE[@VERSION][:KEY=VALUE,...]; repeat for several (kvbench backends lists them)."),
     model: str = typer.Option("smollm2", help="Also prepare this model's HF-format copy."),
 ):

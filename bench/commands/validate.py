@@ -7,12 +7,12 @@ from pathlib import Path
 import typer
 from rich.markdown import Markdown
 
-from kvbench import models, ui
-from kvbench.backends import REGISTRY, gguf_converter
-from kvbench.config import BackendConfig, ConfigError
-from kvbench.envs import EnvInstallError, ensure_env
-from kvbench.hardware import environment_info
-from kvbench.validate import families, family_markdown, markdown, measure_families, run_all
+from kvbench.backends import DEFAULT_ENGINES, REGISTRY, gguf_converter
+from kvbench.common import models, ui
+from kvbench.common.envs import EnvInstallError, ensure_env
+from kvbench.common.hardware import environment_info
+from kvbench.run.backend_config import BackendConfig, ConfigError
+from kvbench.run.validate import families, family_markdown, markdown, measure_families, run_all
 
 VALIDATION_FILE = "kv_validation.jsonl"
 FAMILIES_FILE = "kv_families.jsonl"
@@ -20,7 +20,7 @@ FAMILIES_TABLE = "kv_families.md"
 
 
 def validate(
-    backend: list[str] = typer.Option(["hf", "vllm", "llamacpp"], "--backend", "-b", metavar="BACKEND",
+    backend: list[str] = typer.Option(list(DEFAULT_ENGINES), "--backend", "-b", metavar="BACKEND",
                                       help="Engines to check: ENGINE[@VERSION]; repeat for several."),
     into: Path = typer.Option(None, help="A run folder to add the tables to (default: results/validation/)."),
     with_families: bool = typer.Option(False, "--families", help="Also measure the validation families (GQA, MQA, "

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvbench.results import OK_STATUSES
-from kvbench.units import GIB
+from kvbench.kv.units import GIB
+from kvbench.store.results import OK_STATUSES
 
 from .tables import _lead, _missing, fmt_bytes, fmt_int, fmt_ratio
 
@@ -86,7 +86,7 @@ def predicted_batch(r, context: int, overhead_bytes: float | None, resolve=None)
     if not _missing(r.weights_bytes_engine):
         from dataclasses import replace
 
-        from kvbench.weights import Weights
+        from kvbench.kv.weights import Weights
 
         model = replace(model, weights=Weights(float(r.weights_bytes_engine), "the engine's report", exact=True))
     devices = r.gpu_devices or []
@@ -104,7 +104,7 @@ def predicted_batch(r, context: int, overhead_bytes: float | None, resolve=None)
 
 
 def _resolve(name: str):
-    from kvbench import models
+    from kvbench.common import models
     from kvbench.planner import resolve_model
 
     return resolve_model(str(models.embedded_gguf(name)) if name in models.EMBEDDED else name)

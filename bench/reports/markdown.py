@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvbench.reports.tables import md_table
+from kvbench.common.markdown import md_table
 
 
 def render(report, base: Path) -> str:

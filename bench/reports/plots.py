@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from kvbench.units import MIB  # noqa: E402
+from kvbench.kv.units import MIB  # noqa: E402
 
 from .tables import sequences_fitting  # noqa: E402
 
@@ -265,7 +265,7 @@ def latency_cdfs(requests: pd.DataFrame, out: Path) -> Path | None:
     contract (all cells of the engine pooled; ITL per gap, as bench/metrics.py defines it)."""
     import numpy as np
 
-    from kvbench.metrics import RequestTimes
+    from kvbench.common.metrics import RequestTimes
 
     if requests.empty or "label" not in requests:
         return None
@@ -341,7 +341,7 @@ VERDICT_COLORS = {"regression": "#d62728", "improvement": "#2ca02c", "unchanged"
 def forest(result: dict, out: Path, where=lambda key: str(key)) -> Path | None:
     """``kvbench compare``'s forest plot: per cell and metric, the change (candidate / baseline, log axis)
     with its confidence interval, over the metric's tolerance band, coloured by verdict. ``where`` names a
-    cell from its key (kvbench.compare passes its own)."""
+    cell from its key (kvbench.compare.runs passes its own)."""
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter
 

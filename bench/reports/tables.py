@@ -1,6 +1,6 @@
 """The report's tables as pandas DataFrames of display strings, one function per question.
 
-Every function takes the tidy cells of :func:`kvbench.results.load` (one or more runs, repeats
+Every function takes the tidy cells of :func:`kvbench.store.results.load` (one or more runs, repeats
 included) and returns a frame whose columns are the table's headings; ``markdown.py`` and ``html.py``
 only lay them out. Repeats of one cell are averaged (the ``rep`` column says how many).
 """
@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvbench import units
-from kvbench.cells import load_label as _load_label
-from kvbench.results import CELL_CONFIG_FIELDS, OK_STATUSES
+from kvbench.backends import ENGINES, kv_rules
+from kvbench.kv import units
+from kvbench.kv.rules import KVRules
+from kvbench.run.cells import load_label as _load_label
+from kvbench.store.results import CELL_CONFIG_FIELDS, OK_STATUSES
 
 NOT_MEASURED = "not measured"
 
@@ -37,19 +39,6 @@ def fmt_int(x) -> str:
     return "-" if _missing(x) else f"{int(x):,}"
 
 
-def md_table(frame: pd.DataFrame, right: set[str] | None = None) -> str:
-    """A frame of strings as a Markdown table; columns in ``right`` are right-aligned."""
-    right = right or set()
-
-    def cell(v) -> str:
-        return str(v).replace("|", "\\|").replace("\n", " ")
-
-    lines = ["| " + " | ".join(map(str, frame.columns)) + " |",
-             "|" + "|".join("---:" if c in right else "---" for c in frame.columns) + "|"]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
-    return "\n".join(lines)
-
-
 # --- the cells, repeats averaged -----------------------------------------------------------------------
 
 def many_runs(cells: pd.DataFrame) -> bool:
@@ -57,7 +46,7 @@ def many_runs(cells: pd.DataFrame) -> bool:
 
 
 def load_label(r) -> str:
-    """The load column of a cell's row (:func:`kvbench.cells.load_label`)."""
+    """The load column of a cell's row (:func:`kvbench.run.cells.load_label`)."""
     return _load_label(r.load_profile, None if _missing(r.concurrency) else int(r.concurrency),
                        None if _missing(r.request_rate) else r.request_rate)
 
@@ -214,7 +203,8 @@ def pool_label(r) -> str:
         return fmt_bytes(r.kv_pool_bytes_engine)
     if isinstance(r.kv_pool_source, str):
         return r.kv_pool_source
-    return "no pool (static batching)" if r.engine == "hf" else "not reported"
+    rules = kv_rules(r.engine) if r.engine in ENGINES else None
+    return rules.no_pool_label if rules is not None else KVRules.no_pool_label
 
 
 def sequences_fitting(r) -> float | None:

@@ -2,8 +2,8 @@
 engine's KV rules answering for it, as ``kvbench plan`` and the planner's searches ask."""
 import pytest
 
-from kvbench.backends.kvrules import KVQuestion
-from kvbench.configs import parse_hf_dict, read_json
+from kvbench.kv.model_config import parse_hf_dict, read_json
+from kvbench.kv.rules import KVQuestion
 from kvbench.planner import CATALOG_DIR, catalog_names, engine_rules, engines
 
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from kvbench.metrics import RequestTimes, cell_metrics
+from kvbench.common.metrics import RequestTimes, cell_metrics
 
 N, TOKENS = 10_000, 256
 

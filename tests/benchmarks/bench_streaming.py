@@ -11,8 +11,8 @@ import json
 import pytest
 
 from kvbench.backends import streaming
-from kvbench.backends.ollama import OllamaBackend
-from kvbench.backends.tgi import TGIBackend
+from kvbench.backends.ollama.adapter import OllamaBackend
+from kvbench.backends.tgi.adapter import TGIBackend
 from kvbench.backends.types import RequestResult
 from kvbench.workloads.prompts import Prompt
 

@@ -1,4 +1,4 @@
-"""Stands in for backends/scripts/gpu_probe.py in tests: the same events, no torch. The bytes it "holds" on the
+"""Stands in for backends/hf/scripts/gpu_probe.py in tests: the same events, no torch. The bytes it "holds" on the
 GPU go to the file $FAKE_GPU_STATE ("pid bytes"), which the fake NVML of the test reads."""
 import json
 import os

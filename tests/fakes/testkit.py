@@ -14,9 +14,9 @@ import psutil
 
 from kvbench import load
 from kvbench.backends.types import ServerSpec
-from kvbench.kvmodel import KVGeometry
+from kvbench.common.models import ModelFiles, sha256_file
+from kvbench.kv.geometry import KVGeometry
 from kvbench.load import LoadPoint, LoadSettings, run_async
-from kvbench.models import ModelFiles, sha256_file
 from kvbench.workloads.prompts import Prompt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +27,7 @@ BYTES_PER_TOKEN = 23_040  # 2 x 30 x 3 x 64 x 2 bytes
 def spec(tmp_path: Path, max_context=4096, max_concurrency=2, kv_dtype="auto", gguf: Path | None = None) -> ServerSpec:
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir(exist_ok=True)
-    # as kvbench.models.resolve does: a GGUF model's digest is the file's
+    # as kvbench.common.models.resolve does: a GGUF model's digest is the file's
     model = ModelFiles("smollm2", hf_dir, gguf, sha256_file(gguf) if gguf and gguf.exists() else "ab" * 32, SMOLLM2)
     return ServerSpec(model, max_context, max_concurrency, kv_dtype)
 

@@ -1,0 +1,328 @@
+"""llama.cpp: the real C++ ``llama-server`` (the program Ollama runs inside), built from source.
+
+KV pool: llama.cpp's own ``llama_kv_cache: size = ...`` log line(s) (printed with ``-lv 4``; sliding-window
+models print one per cache). KV in use: /slots, per slot the prompt tokens plus the tokens decoded so far.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+
+from kvbench.common.envs import InstallStep, Recipe, ensure_env
+from kvbench.common.hardware import cpu_model, has_nvcc, has_nvidia_gpu
+from kvbench.common.models import ModelFiles
+from kvbench.kv.rules import KVCheck, KVQuestion, KVRules
+from kvbench.kv.units import MIB
+
+from ..base import Backend, extra_args
+from ..options import EXTRA_ARGS, Option
+from ..process import last_error_line
+from ..prometheus import gauge_sum, metric_samples
+from ..streaming import stream_sse
+from ..types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
+from .kvrules import EMBEDDED_CASES, FAMILY_CASE, LlamaCppKV
+
+SCRIPTS = Path(__file__).with_name("scripts")
+BUILD_SCRIPT = SCRIPTS / "build_llama_server.sh"
+CONVERTER_SCRIPT = SCRIPTS / "fetch_llama_converter.sh"
+CONVERT = SCRIPTS / "llamacpp_convert.py"
+_NATIVE_FLAG = '-DGGML_NATIVE="${KVBENCH_GGML_NATIVE:-ON}"'
+
+# llama_kv_cache: size =   90.00 MiB (  4096 cells,  30 layers,  1/1 seqs), K (f16):   45.00 MiB, V (f16):   45.00 MiB
+# (older builds prefix the line with llama_kv_cache_unified: and use the same fields)
+KV_LINE = re.compile(
+    r"llama_kv_cache(?:_unified)?: size =\s*(?P<mib>[\d.]+) MiB \(\s*(?P<cells>\d+) cells,\s*(?P<layers>\d+) layers,"
+    r"\s*(?P<streams>\d+)/(?P<seqs_max>\d+) seqs\), K \((?P<type_k>\w+)\):\s*(?P<k_mib>[\d.]+) MiB, "
+    r"V \((?P<type_v>\w+)\):\s*(?P<v_mib>[\d.]+) MiB")
+
+
+# load_tensors:        CUDA0 model buffer size =  4403.49 MiB   /   llama_kv_cache:      CUDA0 KV buffer size =   720.00 MiB
+BUFFER_LINE = re.compile(r"(?P<what>load_tensors|llama_kv_cache(?:_unified)?):\s+(?P<device>\S+) (?P<kind>model|KV) "
+                         r"buffer size =\s*(?P<mib>[\d.]+) MiB")
+
+
+def parse_buffers(text: str) -> dict:
+    """The model and KV buffers per device as llama.cpp logs them at load ({"model": {dev: bytes}, "kv": ...};
+    the last load in the log)."""
+    out: dict = {"model": {}, "kv": {}}
+    for m in BUFFER_LINE.finditer(text):
+        kind = "model" if m["kind"] == "model" else "kv"
+        if kind == "model" and m["device"] in out["model"]:  # a second load: start again
+            out = {"model": {}, "kv": {}}
+        out[kind][m["device"]] = out[kind].get(m["device"], 0) + round(float(m["mib"]) * MIB)
+    return out
+
+
+def parse_kv_log(text: str) -> list[dict]:
+    """Every KV cache the server allocated, as logged (one entry per cache; SWA models have two)."""
+    caches = []
+    for m in KV_LINE.finditer(text):
+        caches.append({"mib": float(m["mib"]), "cells": int(m["cells"]), "layers": int(m["layers"]),
+                       "streams": int(m["streams"]), "seqs": int(m["seqs_max"]), "type_k": m["type_k"], "type_v": m["type_v"],
+                       "k_mib": float(m["k_mib"]), "v_mib": float(m["v_mib"])})
+    return caches
+
+
+class LlamaCppBackend(Backend):
+    engine = "llamacpp"
+    supports_prefix_caching = True
+    default_version = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp is built
+    #: The options this adapter reads (-b llamacpp:KEY=VALUE); checked by BackendConfig.parse, listed by `kvbench backends`.
+    option_specs = (
+        Option("engine_mode", str, "sized", "sized: -c and -np set by kvbench for the workload; deployed: "
+               "llama-server's own context and slots, every layer on the GPU (-ngl 999)",
+               choices=("sized", "deployed")),
+        Option("gguf", str, None, "a GGUF file to serve instead of the model's own",
+               default_text="the model's GGUF, or one llama.cpp's converter makes from its HF folder"),
+        Option("threads", int, None, "generation threads (-t)", default_text="1 on <= 2 cores, else cores/2"),
+        Option("batch_threads", int, None, "prompt-processing threads (-tb)", default_text="all cores"),
+        Option("split_mode", str, None, "how several GPUs share the model (--split-mode)",
+               choices=("none", "layer", "row"), default_text="llama.cpp's own: layer, over every visible GPU"),
+        Option("tensor_split", str, None, "share of the model per GPU, e.g. 3/1 (-ts; llama.cpp reads / like a "
+               "comma, which would end the option here)", default_text="by free memory"),
+        EXTRA_ARGS,
+    )
+    kv_rules = LlamaCppKV()
+    prometheus_metrics = {"llamacpp:kv_cache_usage_ratio": "kv_usage", "llamacpp:requests_processing": "requests_running",
+                          "llamacpp:requests_deferred": "requests_waiting"}
+
+    @classmethod
+    def recipe(cls, version: str) -> Recipe:
+        native = "OFF" if platform.machine() not in ("x86_64", "AMD64") else "ON"
+        if has_nvidia_gpu() and has_nvcc():
+            return cls._cuda_recipe(version, native)
+        return Recipe("llamacpp", version, (
+            InstallStep(("bash", "-c", BUILD_SCRIPT.read_text(), "build_llama_server", version, "{env}"),
+                        env=(("KVBENCH_GGML_NATIVE", native),)),),
+            venv=False, extra_key=(platform.machine(), cpu_model()))  # -march=native: rebuild on another CPU
+
+    @classmethod
+    def _cuda_recipe(cls, version: str, native: str) -> Recipe:
+        """The CUDA build (a GPU and nvcc here): the same script with -DGGML_CUDA=ON (with GGML_NATIVE, for
+        this machine's GPU architecture), and a CUDA_BUILD marker that tells command() to offload."""
+        script = BUILD_SCRIPT.read_text()
+        if script.count(_NATIVE_FLAG) != 1:
+            raise RuntimeError(f"{BUILD_SCRIPT.name} no longer has one {_NATIVE_FLAG}: update the CUDA recipe")
+        nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+        from kvbench.common.hardware import detect_gpus
+
+        return Recipe("llamacpp", version, (
+            InstallStep(("bash", "-c", script.replace(_NATIVE_FLAG, "-DGGML_CUDA=ON " + _NATIVE_FLAG),
+                         "build_llama_server", version, "{env}"),
+                        env=(("KVBENCH_GGML_NATIVE", native), ("CUDACXX", nvcc))),
+            InstallStep(("bash", "-c", 'echo "-DGGML_CUDA=ON" > "$1/CUDA_BUILD"', "mark", "{env}")),),
+            venv=False, extra_key=(platform.machine(), cpu_model(), "cuda", *(g.name for g in detect_gpus())))
+
+    @classmethod
+    def recipes(cls, version: str) -> list[Recipe]:
+        return [cls.recipe(version), cls.converter_recipe(version)]
+
+    @classmethod
+    def converter_recipe(cls, version: str) -> Recipe:
+        """llama.cpp's own HF -> GGUF converter, from the sources the server is built from (Python only; it
+        runs with an interpreter that has torch and transformers, the hf environment's)."""
+        return Recipe("llamacpp-convert", version, (
+            InstallStep(("bash", "-c", CONVERTER_SCRIPT.read_text(), "fetch_llama_converter", version, "{env}")),),
+            venv=False)
+
+    @classmethod
+    def gguf_from_hf(cls, python: Path, models: list[tuple[Path, Path]], log=print,
+                     version: str | None = None, outtype: str = "f16") -> list[str]:
+        """Convert HF folders to GGUF files with llama.cpp's converter: per (folder, gguf) "ok" or the error."""
+        env = ensure_env(cls.converter_recipe(version or cls.default_version), log=log)
+        argv = [str(python), str(CONVERT), str(env / "convert"), outtype]
+        for folder, gguf in models:
+            argv += [str(folder), str(gguf)]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=1800,
+                             env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "HF_HUB_OFFLINE": "1"})
+        try:
+            return json.loads(out.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            return [f"the converter failed: {out.stderr.strip()[-500:]}"] * len(models)
+
+    @classmethod
+    def _pool_check(cls, env: Path, model: ModelFiles, cache_type: str, context: int, slots: int, log_dir: Path,
+                    case: str, family: str = "") -> KVCheck:
+        """Start llama-server for ``slots`` x ``context`` and compare its logged KV buffer with the rules."""
+        q = KVQuestion(model.geometry, cache_type, context, slots)
+        predicted, formula = cls.kv_rules.answer(q).bytes_per_gpu, KVRules().answer(q).bytes_per_gpu
+        if model.gguf_path is None:
+            return KVCheck("llamacpp", case, "KV buffer bytes", predicted, None, None, 0, family=family,
+                           note="cannot load here: no GGUF file", formula=formula)
+        spec = ServerSpec(model=model, max_context=context, max_concurrency=slots, kv_dtype=cache_type)
+        log = log_dir / f"llamacpp-{family or model.name}-{cache_type}-{context}x{slots}.log"
+        try:
+            pool = cls.pool_at_start(env, spec, log, 120)
+        except EngineStartError as exc:
+            return KVCheck("llamacpp", case, "KV buffer bytes", predicted, None, None, 0, family=family,
+                           note=f"cannot load here: {exc}: {last_error_line(exc.log_tail)}", formula=formula)
+        caches = pool.details["caches"] if pool else []
+        return KVCheck("llamacpp", case, "KV buffer bytes", predicted, pool.bytes if pool else None, None,
+                       tolerance=(0.005 * MIB + 1) * max(1, len(caches)), family=family, formula=formula,
+                       note=("log gives MiB to 2 decimals; caches: " + ", ".join(
+                           f"{c['layers']} layers x {c['cells']} cells" for c in caches)) if pool else
+                       "no llama_kv_cache line in the log")
+
+    @classmethod
+    def kv_checks(cls, env: Path, model: ModelFiles, log_dir: Path) -> list[KVCheck]:
+        return [cls._pool_check(env, model, cache_type, context, slots, log_dir,
+                                f"{cache_type}, {slots} slot(s) x {context} tokens")
+                for cache_type, context, slots in EMBEDDED_CASES]
+
+    @classmethod
+    def measure_kv(cls, env: Path, models: list[ModelFiles], log_dir: Path, python: Path | None = None) -> list[KVCheck]:
+        context, slots = FAMILY_CASE
+        return [cls._pool_check(env, m, "f16", context, slots, log_dir, f"{slots} slots x {context} tokens, f16",
+                                family=m.name) for m in models]
+
+    def cuda_build(self) -> bool:
+        return self.env_path is not None and (Path(self.env_path) / "CUDA_BUILD").exists()
+
+    @classmethod
+    def gpus_used(cls, options: dict) -> int:
+        """GPUs the layers are split over: the non-zero shares of tensor_split, 1 with split_mode=none, else
+        every GPU found (llama.cpp's default splits layers over all visible GPUs; 1 without one)."""
+        if options.get("split_mode") == "none":
+            return 1
+        if options.get("tensor_split"):
+            return max(1, sum(1 for x in str(options["tensor_split"]).replace("/", ",").split(",")
+                              if x.strip() and float(x) > 0))
+        if not has_nvidia_gpu():
+            return 1
+        from kvbench.common.hardware import detect_gpus
+
+        return max(1, len(detect_gpus()))
+
+    def gguf_for(self, model: ModelFiles, log=print) -> Path:
+        """The model's GGUF: the one given, else one made once from its HF folder (a hub download) with
+        llama.cpp's own converter (convert_hf_to_gguf.py of the sources the server is built from, run by the
+        hf environment's interpreter), f16/bf16 as the weights are, cached beside kvbench's other models."""
+        if model.gguf_path is not None:
+            return model.gguf_path
+        from kvbench.backends.hf.adapter import HFBackend
+        from kvbench.common.envs import env_python, kvbench_home
+
+        out = kvbench_home() / "models" / model.sha256[:16] / f"{Path(model.name).name}.gguf"
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = out.with_name(out.name + ".partial")
+        python = env_python(ensure_env(HFBackend.recipe(HFBackend.default_version), log=log))
+        log(f"converting {model.name} to GGUF with llama.cpp's convert_hf_to_gguf.py into {out} (once)")
+        result = self.gguf_from_hf(python, [(model.hf_dir, partial)], log=log, version=self.version, outtype="auto")
+        if result != ["ok"] or not partial.exists():
+            raise EngineStartError(f"llama.cpp's converter could not make a GGUF of {model.name}: {result[0]}")
+        partial.rename(out)  # only a whole file has the final name
+        return out
+
+    def command(self, spec: ServerSpec):
+        gguf = self.options.get("gguf") or spec.model.gguf_path
+        if gguf is None:  # an HF folder (a hub id): llama.cpp's converter makes the GGUF from the same weights
+            gguf = self.gguf_for(spec.model)
+        deployed = self.options.get("engine_mode", "sized") == "deployed"
+        cache_type = self.kv_rules.resolve_dtype(KVQuestion(spec.model.geometry, spec.kv_dtype))
+        cores = os.cpu_count() or 1
+        # Generation: on 2 cores -t 2 was 4-12x slower per token than -t 1 (the harness needs a core).
+        # Prompt processing (-tb) uses every core: on 2 cores that nearly doubled prefill speed.
+        threads = self.options.get("threads", 1 if cores <= 2 else cores // 2)
+        batch_threads = self.options.get("batch_threads", cores)
+        argv = [str(self.env_path / "bin" / "llama-server"), "-m", str(gguf),
+                "--host", spec.host, "--port", str(spec.port)]
+        if not deployed:  # deployed: llama-server's own context and slots
+            # n_ctx is the total over all slots: each of the -np slots gets max_context cells.
+            argv += ["-c", str(spec.max_context * spec.pool_sequences), "-np", str(spec.pool_sequences)]
+        argv += ["-t", str(threads), "-tb", str(batch_threads), "--metrics", "--slots", "--no-webui",
+                 "--cache-type-k", cache_type, "--cache-type-v", cache_type,
+                 "-lv", "4"]  # the llama_kv_cache lines are printed at this verbosity only
+        if cache_type not in ("f16", "f32", "bf16"):
+            argv += ["-fa", "on"]  # quantised V cache needs flash attention
+        if self.options.get("split_mode"):
+            argv += ["--split-mode", str(self.options["split_mode"])]
+        if self.options.get("tensor_split"):
+            argv += ["-ts", str(self.options["tensor_split"])]
+        extra = extra_args(self.options)
+        if self.cuda_build() and not {"-ngl", "--n-gpu-layers", "--gpu-layers"} & set(extra):
+            argv += ["-ngl", "999"]  # every layer, and so its KV cache, on the GPU
+        argv += extra
+        return argv, {}
+
+    def kv_dtype_name(self) -> str:
+        return self.kv_rules.resolve_dtype(KVQuestion(self.spec.model.geometry, self.spec.kv_dtype))
+
+    def reported_version(self) -> str:
+        try:
+            props = self.http.get(self.base_url + "/props").json()
+            build = props.get("build_info")
+            return f"{self.version} ({build})" if build else self.version
+        except (httpx.HTTPError, ValueError):
+            return self.version
+
+    def tokenize(self, text: str) -> list[int] | None:
+        response = self.http.post(self.base_url + "/tokenize", json={"content": text, "add_special": False})
+        return response.json()["tokens"] if response.status_code == 200 else None
+
+    async def stream(self, client, prompt) -> RequestResult:
+        body = {"prompt": list(prompt.token_ids), "n_predict": prompt.output_tokens, "ignore_eos": True,
+                "temperature": 0.0, "stream": True, "return_tokens": True,
+                # reuse of a slot's cached prompt prefix: off unless the workload switches it on
+                "cache_prompt": bool(self.spec.prefix_caching)}
+        return await stream_sse(client, self.base_url + "/completion", body, prompt, self._read_event)
+
+    @staticmethod
+    def _read_event(event: dict, now: float, result: RequestResult) -> None:
+        if "error" in event:
+            result.error = str(event["error"])[:500]
+            return
+        result.add_chunk(now, len(event.get("tokens") or []))
+        if event.get("stop"):
+            result.prompt_tokens_reported = event.get("tokens_evaluated")
+            result.output_tokens_reported = event.get("tokens_predicted")
+            result.engine_details = {"timings": event.get("timings"), "stop_type": event.get("stop_type"),
+                                     "tokens_cached": event.get("tokens_cached")}
+
+    def kv_pool(self) -> KVPool | None:
+        caches = parse_kv_log(self.server.log_path.read_text(errors="replace")) if self.server else []
+        if not caches:
+            return None
+        # "cells" is per stream: without a unified cache every slot has a stream of its own.
+        # MiB with two decimals is all the log gives: the bytes are exact to 0.005 MiB.
+        # A sliding-window model logs a second, smaller cache; the token capacity is the full-attention one.
+        buffers = parse_buffers(self.server.log_path.read_text(errors="replace"))
+        gpu_kv = [b for dev, b in buffers["kv"].items() if not dev.upper().startswith("CPU")]
+        gpu_model = [b for dev, b in buffers["model"].items() if not dev.upper().startswith("CPU")]
+        weights = sum(buffers["model"].values()) or None
+        return KVPool(bytes=round(sum(c["mib"] for c in caches) * MIB),
+                      tokens=max(c["cells"] * c["streams"] for c in caches),
+                      source="llama_kv_cache log line",
+                      details={"caches": caches, "kv_buffers": buffers["kv"], "model_buffers": buffers["model"],
+                               # the fullest GPU's KV buffers (layers split over GPUs: not an even share)
+                               "bytes_per_gpu": max(gpu_kv) if gpu_kv else None, "weights_bytes": weights,
+                               "weights_bytes_per_gpu": max(gpu_model) if gpu_model else None,
+                               "weights_source": "llama.cpp log: model buffer size" if weights else None})
+
+    def kv_in_use(self, client: httpx.Client) -> KVInUse | None:
+        slots = client.get(self.base_url + "/slots").json()
+        # A slot's n_prompt_tokens is the length of its cached token list, which grows as generated
+        # tokens are fed back (so n_decoded must not be added on top).
+        tokens = sum(slot.get("n_prompt_tokens", 0) for slot in slots if slot.get("is_processing"))
+        return KVInUse(bytes=tokens * self.kv_bytes_per_token(), tokens=tokens,
+                       source="/slots n_prompt_tokens x bytes/token")
+
+    def queue_state(self, client: httpx.Client) -> dict | None:
+        """Deferred requests (no free slot) from /metrics; /slots lists slots only, so it cannot show them."""
+        response = client.get(self.base_url + "/metrics")
+        if response.status_code != 200:  # started without --metrics
+            return None
+        samples = metric_samples(response.text, ("llamacpp:requests_deferred", "llamacpp:requests_processing"))
+        waiting = gauge_sum(samples, "llamacpp:requests_deferred")
+        if waiting is None:
+            return None
+        return {"waiting": waiting, "running": gauge_sum(samples, "llamacpp:requests_processing"),
+                "source": "llamacpp:requests_deferred/requests_processing (/metrics)"}

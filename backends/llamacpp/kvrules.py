@@ -1,0 +1,111 @@
+"""llama.cpp's KV rules: how it sizes, stores and rounds its cache. Imports only kvbench.kv."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvbench.kv.geometry import KVGeometry, LayerKV, decompressed, round_up
+from kvbench.kv.rules import KVAnswer, KVQuestion, KVRules
+
+# HF model types whose llama.cpp architecture keeps a window (src/models/*.cpp set swa_type): the others'
+# windows are sized full (Mistral, Qwen2: the converter writes no window, the architecture reads none).
+SWA_MODEL_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text", "gpt_oss", "cohere2",
+                             "exaone4", "llama4", "llama4_text"})
+LLAMA4_CHUNK = 8192  # llama.cpp sets Llama 4's n_swa to 8192 whatever the file says (src/models/llama4.cpp)
+# HF model types converted to an MLA architecture (conversion/deepseek.py, glm.py, kimi_linear.py write
+# key_length_mla): the cache holds the latent, K only. MiniCPM3 is converted decompressed.
+MLA_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe_lite", "glm_moe_dsa",
+                             "kimi_linear"})
+PAD = 256  # llama.cpp pads n_ctx and every cache's cells to 256
+# The embedded model's cases: (cache type, context, slots)
+EMBEDDED_CASES = (("f16", 512, 1), ("f16", 4096, 2), ("q8_0", 1000, 1), ("q8_0", 4096, 1), ("q4_0", 2048, 1),
+                  ("q4_0", 8192, 1))
+FAMILY_CASE = (2048, 2)  # context per slot, slots: windows of 64 leave a window cache smaller than the slot
+UBATCH = 512  # llama-server's default n_ubatch
+
+
+class LlamaCppKV(KVRules):
+    """llama.cpp's KV cache (the llama.cpp vendored in llama-cpp-python 0.3.36 read: src/llama-context.cpp,
+    src/llama-kv-cache*.cpp, src/models/*.cpp, conversion/*.py), as llama-server allocates it at start:
+
+    - n_ctx = batch x context padded to 256; with one stream per slot (-np batch, no unified cache) each
+      slot has n_ctx / slots cells, padded to 256; the whole pool is allocated up front;
+    - a layer with a window (only in :data:`SWA_MODEL_TYPES`) is in a second cache of
+      min(cells, window x (slots if unified else 1) + n_ubatch) cells, padded to 256 (Llama 4's chunks: 8192);
+    - MLA (:data:`MLA_MODEL_TYPES`): the latent, K only; MiniCPM3 decompressed (V of hidden / heads, which
+      is its v_head_dim);
+    - quantised types with their block scales (q8_0: 34 bytes per 32 values);
+    - several GPUs split the layers (--split-mode layer), not the heads: a GPU holds whole layers.
+    A GGUF's own metadata already says what llama.cpp caches, so its geometry is taken as it is.
+    """
+
+    engine = "llamacpp"
+    version = "0.3.36"
+    rule_options = ("unified",)  # what `kvbench plan --engine-option` takes (KVQuestion.options)
+    dtypes = {"f16": "f16", "fp16": "f16", "float16": "f16", "bf16": "bf16", "bfloat16": "bf16", "f32": "f32",
+              "fp32": "f32", "float32": "f32", "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0",
+              "q5_1": "q5_1", "iq4_nl": "iq4_nl"}
+
+    def auto_dtype(self, q: KVQuestion) -> str:
+        return "f16"  # llama.cpp's --cache-type-k/-v default
+
+    def stored(self, q: KVQuestion) -> KVGeometry:
+        g = q.geometry
+        if g.source == "gguf":
+            return g
+        if g.mla and g.model_type not in MLA_MODEL_TYPES:
+            g = decompressed(g)
+        layers = []
+        for layer in g.layers:
+            if layer.kind in ("sliding", "chunked") and g.model_type not in SWA_MODEL_TYPES:
+                layer = LayerKV("full", layer.kv_heads, layer.head_dim_k, layer.head_dim_v)
+            elif layer.kind == "chunked":
+                layer = LayerKV("chunked", layer.kv_heads, layer.head_dim_k, layer.head_dim_v, LLAMA4_CHUNK)
+            layers.append(layer)
+        return replace(g, layers=tuple(layers))
+
+    def replicated(self, stored: KVGeometry) -> bool:
+        return True  # a GPU holds whole layers
+
+    def check_split(self, q: KVQuestion) -> None:
+        pass  # layers are split over GPUs, not heads: any number of GPUs works
+
+    def gpu_layers(self, stored: KVGeometry, tp: int) -> tuple[LayerKV, ...]:
+        """The layers of the GPU with the most KV: llama.cpp gives each GPU an even run of layers."""
+        if tp <= 1:
+            return stored.layers
+        n = len(stored.layers)
+        bounds = [round(i * n / tp) for i in range(tp + 1)]
+        runs = [stored.layers[a:b] for a, b in zip(bounds, bounds[1:])]
+        return max(runs, key=lambda run: sum(layer.elements_per_token for layer in run))
+
+    def cells(self, q: KVQuestion) -> tuple[int, int, int]:
+        """(streams, cells per stream, window cells per stream) llama-server allocates for the question."""
+        unified = bool(q.options.get("unified"))
+        n_ctx = round_up(q.context * q.batch, PAD)
+        streams = 1 if unified else q.batch
+        cells = round_up(n_ctx // streams, PAD)
+        ubatch = min(q.context * q.batch, UBATCH)
+        windows = [layer.span for layer in self.stored(q).kv_layers if layer.kind != "full" and layer.span]
+        swa = round_up(min(cells, max(windows) * (q.batch if unified else 1) + ubatch), PAD) if windows else 0
+        return streams, cells, swa
+
+    def answer(self, q: KVQuestion) -> KVAnswer:
+        self.check(q)
+        stored, dtype = self.stored(q), self.resolve_dtype(q)
+        streams, cells, swa = self.cells(q)
+        total = sum(self.layer_bytes_per_token(stored, layer, dtype, q.tp) * streams * (cells if layer.kind == "full" else swa)
+                    for layer in self.gpu_layers(stored, q.tp) if layer.stores)
+        note = f"{streams} stream(s) of {cells} cells (n_ctx padded to 256)"
+        if swa:
+            note += f", window cache of {swa} cells"
+        if stored.mla:
+            note += "; MLA latent, K only"
+        elif q.geometry.mla:
+            note += "; MLA decompressed"
+        if q.tp > 1:
+            note += f"; layers split over {q.tp} GPUs (the GPU with the most KV)"
+        return KVAnswer(self.engine, dtype, total, streams * cells, streams * swa, self.bytes_per_token(q), note)
+
+    def sequences_in_pool(self, geometry: KVGeometry, pool_tokens: int, context: int, details: dict) -> int | None:
+        """One slot of n_ctx / slots cells (padded to 256) per sequence."""
+        return pool_tokens // round_up(context, PAD)

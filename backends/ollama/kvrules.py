@@ -1,0 +1,13 @@
+"""Ollama's KV rules: how it sizes, stores and rounds its cache. Imports only kvbench.kv."""
+from __future__ import annotations
+
+from ..llamacpp.kvrules import LlamaCppKV
+
+
+class OllamaKV(LlamaCppKV):
+    """Ollama runs llama.cpp's llama-server (since v0.30) with -np OLLAMA_NUM_PARALLEL and the cache type
+    OLLAMA_KV_CACHE_TYPE, which takes f16, q8_0 or q4_0: llama.cpp's rules with those three types."""
+
+    engine = "ollama"
+    version = "0.30.0"
+    dtypes = {"f16": "f16", "fp16": "f16", "float16": "f16", "q8_0": "q8_0", "q4_0": "q4_0"}

@@ -1,0 +1,3 @@
+"""any OpenAI-compatible server (attach only): the adapter (adapter.py).
+
+Empty on purpose: importing the rules must not load the adapter."""

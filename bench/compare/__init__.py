@@ -1,0 +1,1 @@
+"""Comparing two runs: the statistics of a regression gate and its calibration."""

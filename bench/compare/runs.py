@@ -1,0 +1,591 @@
+"""``kvbench compare``: the cells of a baseline and a candidate matched by configuration, and every headline
+metric's change with a confidence interval, judged against a tolerance.
+
+- **Matching**: two cells are the same measurement when they agree on the match fields (default:
+  :data:`bench.results.CELL_CONFIG_FIELDS` minus ``engine_version``, the thing being upgraded; configurable
+  with ``[match] fields`` in the tolerances file or ``--match-on``). The repeats of a cell (``repeat``)
+  are its samples. A cell on one side only, or whose ``token_contract`` differs between the sides, is
+  listed and not compared. A cell that failed on the candidate but ran on the baseline counts as a
+  regression; one that failed on the baseline only is listed.
+- **Intervals** (``bench/stats.py``, all on the log of the ratio, so none crosses -100 %): >= 2 repeats per
+  side: a Welch t-interval; **paired** when both sides hold the same repeat indices of one run, or of
+  runs that record ``interleaved: true`` in run.json (``kvbench run --interleave``: baseline and
+  candidate repeats alternate, so a drift of the machine hits both); otherwise, for latency percentiles:
+  a bootstrap over the requests of the single run ("single run: interval from requests", not run-to-run
+  noise); otherwise, for KV in use (deterministic up to the engine's rounding): the two values as they
+  are; otherwise the metric is not compared (run with ``--repeats 2`` or more). From the repeats'
+  noise, each metric says how many repeats its tolerance needs here (:func:`kvbench.common.stats.repeats_needed`).
+- **Verdict**: a regression only when the whole interval lies beyond the tolerance on the worse side.
+- **Checks**: comparing a run (and backend) with itself is bad input; the same engine version on both
+  sides is warned about; runs from different hardware (CPU model, its AVX-512/AMX flags, cores, GPUs:
+  :func:`kvbench.common.hardware.hardware_differences`) are refused unless ``allow_different_hardware``, then
+  loudly warned about; a different GPU driver is warned about.
+- **Exit code**: 0 no regression; 1 a regression (or a cell that failed only on the candidate); 2 bad input:
+  unreadable runs, a bad tolerances file, a self-comparison, different hardware, or nothing comparable
+  (no cell matched, or every match was set aside).
+"""
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from kvbench.common import stats
+from kvbench.common.hardware import driver_differences, hardware_differences, hardware_line
+from kvbench.common.metrics import RequestTimes
+from kvbench.kv.units import fmt_bytes
+from kvbench.run.cells import load_label
+from kvbench.store.results import CELL_CONFIG_FIELDS, OK_STATUSES, load, load_run_info, not_a_run_dir
+
+JSON_SCHEMA = "kvbench.compare/2"
+DEFAULT_TOLERANCES = Path(__file__).with_name("compare_tolerances.toml")
+DEFAULT_MATCH = tuple(f for f in CELL_CONFIG_FIELDS if f != "engine_version")
+
+
+class CompareError(Exception):
+    """Bad input: the command exits 2."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    higher_is_worse: bool
+    unit: str  # "s", "1/s" (rate), "B"
+    requests: str | None = None  # per-request samples for a single-run interval: ttft_s, itl, tpot_s, e2e_s
+    percentile: float | None = None
+    deterministic: bool = False  # one value per side may be compared as it is
+
+
+def _latency(name: str) -> Metric:
+    base, _, pct = name.rpartition("_p")
+    source = {"itl_s": "itl"}.get(base, base)
+    return Metric(name, True, "s", source, float(pct))
+
+
+METRICS: dict[str, Metric] = {m.name: m for m in [
+    *(_latency(n) for n in ("ttft_s_p50", "ttft_s_p90", "ttft_s_p99", "itl_s_p50", "itl_s_p90", "itl_s_p99",
+                            "tpot_s_p50", "tpot_s_p90", "tpot_s_p99", "e2e_s_p50", "e2e_s_p90", "e2e_s_p99")),
+    *(Metric(n, True, "s") for n in ("ttft_s_mean", "itl_s_mean", "tpot_s_mean", "e2e_s_mean")),
+    *(Metric(n, False, "1/s") for n in ("output_tokens_per_s", "total_tokens_per_s", "requests_per_s",
+                                        "goodput_requests_per_s")),
+    Metric("kv_in_use_peak_bytes", True, "B", deterministic=True),
+    Metric("kv_pool_bytes_engine", True, "B", deterministic=True),
+    Metric("rss_peak_bytes", True, "B"),
+    Metric("gpu_process_peak_bytes", True, "B"),
+    Metric("gpu_device_peak_bytes", True, "B"),
+]}
+
+
+@dataclass
+class CompareConfig:
+    tolerances: dict[str, float]
+    confidence: float = 0.95
+    match_on: tuple[str, ...] = DEFAULT_MATCH
+
+
+def load_config(path: Path | None = None, match_on: list[str] | None = None) -> CompareConfig:
+    """The default tolerances, with ``path``'s keys laid over them; ``match_on`` overrides the file's."""
+    def read(p: Path) -> dict:
+        try:
+            return tomllib.loads(Path(p).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise CompareError(f"tolerances file {p}: {exc}") from None
+
+    data = read(DEFAULT_TOLERANCES)
+    tolerances = dict(data.get("tolerance", {}))
+    confidence = data.get("confidence", 0.95)
+    fields = None
+    if path is not None:
+        user = read(path)
+        unknown = set(user) - {"tolerance", "confidence", "match"}
+        if unknown:
+            raise CompareError(f"tolerances file {path}: unknown key(s) {', '.join(sorted(unknown))} "
+                               "(allowed: confidence, [tolerance], [match])")
+        tolerances.update(user.get("tolerance", {}))
+        confidence = user.get("confidence", confidence)
+        fields = user.get("match", {}).get("fields")
+    bad = [k for k in tolerances if k not in METRICS]
+    if bad:
+        raise CompareError(f"unknown metric(s) in the tolerances: {', '.join(bad)} (known: {', '.join(METRICS)})")
+    for k, v in tolerances.items():
+        if v is not False and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+            raise CompareError(f"tolerance of {k} must be a number >= 0 (0.05 = 5 %) or false, not {v!r}")
+    if not 0 < confidence < 1:
+        raise CompareError(f"confidence must be between 0 and 1, not {confidence}")
+    fields = match_on or fields or list(DEFAULT_MATCH)
+    unknown = [f for f in fields if f not in CELL_CONFIG_FIELDS and f not in ("backend", "token_contract", "attached")]
+    if unknown:
+        raise CompareError(f"unknown match field(s) {', '.join(unknown)} (known: {', '.join(CELL_CONFIG_FIELDS)})")
+    return CompareConfig({k: float(v) for k, v in tolerances.items() if v is not False}, float(confidence),
+                         tuple(fields))
+
+
+# --- the two sides ---------------------------------------------------------------------------------------
+
+@dataclass
+class Side:
+    name: str  # "baseline" / "candidate"
+    cells: pd.DataFrame
+    requests: pd.DataFrame
+    runs: list[str] = field(default_factory=list)
+    backend: str | None = None
+    infos: list[dict] = field(default_factory=list)  # each run's run.json
+    _samples: dict = field(default_factory=dict, repr=False)  # (cells, source) -> per-request samples
+    _ok_by_cell: dict | None = field(default=None, repr=False)  # (run_id, cell_id, repeat) -> ok requests
+
+    def ok_requests(self, keys) -> pd.DataFrame:
+        """The measured requests (not warm-ups) of these (run_id, cell_id, repeat) cells that met the token
+        contract."""
+        if self._ok_by_cell is None:
+            r = self.requests
+            counted = r.counted.to_numpy(dtype=bool)
+            ok = r[r.ok.to_numpy(dtype=bool) & counted] if not r.empty else r
+            self._ok_by_cell = {k: g for k, g in ok.groupby(["run_id", "cell_id", "repeat"], sort=False)}
+        parts = [self._ok_by_cell[k] for k in keys if k in self._ok_by_cell]
+        return pd.concat(parts) if parts else self.requests.iloc[0:0]
+
+
+def load_side(name: str, run_dirs: list[Path], backend: str | None = None) -> Side:
+    for d in run_dirs:
+        if problem := not_a_run_dir(d):
+            raise CompareError(problem)
+    cells = load(run_dirs, what="cells")
+    # a deployment is compared by its total rows; its rows per replica (a part of the same cell) stay out
+    if "replica" in cells:
+        cells = cells[cells.replica.fillna("") == ""]
+    if backend is not None:
+        if backend not in set(cells.backend):
+            raise CompareError(f"{name}: no backend {backend!r} in {', '.join(map(str, run_dirs))} "
+                               f"(there: {', '.join(sorted(set(cells.backend))) or 'no cells'})")
+        cells = cells[cells.backend == backend]
+    requests = load(run_dirs, what="requests")
+    try:
+        infos = [load_run_info(d) for d in run_dirs]
+    except (OSError, ValueError) as exc:
+        raise CompareError(f"{name}: run.json unreadable: {exc}") from None
+    return Side(name, cells.reset_index(drop=True), requests, [str(d) for d in run_dirs], backend, infos)
+
+
+@dataclass(frozen=True)
+class Interleaving:
+    """Whether the repeats of the two sides may be paired by index: the same run, or runs that recorded an
+    interleaved A/B order."""
+
+    pairable: bool
+    why: str
+
+
+def interleaving(baseline: Side, candidate: Side) -> Interleaving:
+    same_run = [Path(r).resolve() for r in baseline.runs] == [Path(r).resolve() for r in candidate.runs]
+    interleaved = all(i.get("interleaved") for i in baseline.infos + candidate.infos) and \
+        bool(baseline.infos and candidate.infos)
+    if interleaved:
+        return Interleaving(True, "interleaved run (run.json: interleaved)")
+    if same_run:
+        return Interleaving(True, "one run: repeats paired by index")
+    return Interleaving(False, "separate runs: repeats not paired")
+
+
+def _norm(v):
+    """A key value as plain JSON (NaN and None alike)."""
+    if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
+        return None
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (np.floating,)):
+        return float(v)
+    if isinstance(v, np.bool_):
+        return bool(v)
+    return v
+
+
+def _groups(side: Side, fields: tuple[str, ...]) -> dict[tuple, pd.DataFrame]:
+    out: dict[tuple, list[int]] = {}
+    for i, row in side.cells.iterrows():
+        out.setdefault(tuple(_norm(row[f]) for f in fields), []).append(i)
+    groups = {k: side.cells.loc[idx] for k, idx in out.items()}
+    for key, g in groups.items():
+        if g.backend.nunique() > 1:
+            raise CompareError(
+                f"the {side.name} holds several backends for one cell ({', '.join(sorted(set(g.backend)))} at "
+                f"{dict(zip(fields, key))}): pick one with --{side.name}-backend")
+    return groups
+
+
+def _samples(side: Side, rows: pd.DataFrame, source: str) -> list[float]:
+    """The per-request samples of a metric over the requests of these cells that met the token contract
+    (ITL: kvbench.common.metrics' per-gap samples), worked out once per cell and source."""
+    keys = tuple(sorted(set(zip(rows.run_id, rows.cell_id, rows.repeat))))
+    if (keys, source) not in side._samples:
+        mine = side.ok_requests(keys)
+        if source != "itl":
+            samples = [float(v) for v in mine[source] if v is not None and not pd.isna(v)]
+        else:
+            samples = [gap for times, tokens in zip(mine.chunk_times, mine.chunk_tokens)
+                       for gap in RequestTimes(0.0, tuple(times), tuple(tokens)).itl_samples()]
+        side._samples[(keys, source)] = samples
+    return side._samples[(keys, source)]
+
+
+def _values(rows: pd.DataFrame, name: str) -> list[tuple[int, float]]:
+    """(repeat, the metric's value) of the rows that measured it."""
+    return [(int(r), float(v)) for r, v in zip(rows["repeat"], rows[name]) if not pd.isna(v)]
+
+
+def _pairs(vb: list[tuple[int, float]], vc: list[tuple[int, float]]):
+    """The values as pairs by repeat index ([b], [c]), or None when the sides do not pair up: a repeat index
+    twice on a side (several runs), or not the same repeats measured on both sides."""
+    db, dc = dict(vb), dict(vc)
+    if len(db) != len(vb) or len(dc) != len(vc) or set(db) != set(dc):
+        return None
+    keys = sorted(db)
+    return [db[k] for k in keys], [dc[k] for k in keys]
+
+
+def _noise(b: list[float], c: list[float], paired: bool) -> float | None:
+    """The sd of one repeat's log value (pooled over the sides), or of one pair's log ratio when paired."""
+    lb, lc = np.log(b), np.log(c)
+    if paired:
+        return float(np.std(lc - lb, ddof=1)) if lb.size >= 2 else None
+    if lb.size < 2 or lc.size < 2:
+        return None
+    return float(math.sqrt(((lb.size - 1) * lb.var(ddof=1) + (lc.size - 1) * lc.var(ddof=1))
+                           / (lb.size + lc.size - 2)))
+
+
+def _interval(metric: Metric, b_rows, c_rows, baseline: Side, candidate: Side, confidence: float, seed: int,
+              pairable: bool = False):
+    """(interval or None, note, noise: the log-scale sd of a repeat or pair or None, paired)."""
+    vb, vc = _values(b_rows, metric.name), _values(c_rows, metric.name)
+    b, c = [v for _, v in vb], [v for _, v in vc]
+    if not b or not c:
+        return None, "not measured on " + ("either side" if not b and not c else
+                                           "the baseline" if not b else "the candidate"), None, False
+    if min(b) <= 0 or min(c) <= 0:
+        return None, "a value is 0: no relative change", None, False
+    if len(b) >= 2 and len(c) >= 2:
+        pairs = _pairs(vb, vc) if pairable else None
+        if pairs is not None:
+            b, c = pairs
+            interval = stats.paired_relative_change(b, c, confidence)
+        else:
+            interval = stats.welch_relative_change(b, c, confidence)
+        return interval, "", _noise(b, c, pairs is not None), pairs is not None
+    if metric.requests:
+        sb = _samples(baseline, b_rows, metric.requests)
+        sc = _samples(candidate, c_rows, metric.requests)
+        try:
+            return stats.bootstrap_relative_change(sb, sc, stats.percentile_stat(metric.percentile), confidence,
+                                                   seed=seed), "", None, False
+        except ValueError as exc:
+            if min(len(sb), len(sc)) >= stats.MIN_BOOTSTRAP_SAMPLES:
+                return None, f"{exc}; run with --repeats 2 or more", None, False
+            return None, (f"one repeat and {min(len(sb), len(sc))} request samples on the smaller side: too few for "
+                          f"an interval (>= {stats.MIN_BOOTSTRAP_SAMPLES}); run with --repeats 2 or more"), None, False
+    if metric.deterministic:
+        change = float(np.mean(c) / np.mean(b) - 1)
+        return stats.Interval(change, change, change, "one value per side: deterministic metric, compared as is",
+                              len(b), len(c), confidence), "", None, False
+    return None, "one repeat per side: no interval (run with --repeats 2 or more)", None, False
+
+
+def checks(baseline: Side, candidate: Side, allow_different_hardware: bool = False) -> list[str]:
+    """Warnings about the pair of sides (printed before everything else); CompareError where the pair is
+    bad input: a run compared with itself, or runs from different hardware (unless allowed)."""
+    warnings = []
+    ids_b = sorted(i.get("run_id") or "" for i in baseline.infos)
+    same_runs = [Path(r).resolve() for r in baseline.runs] == [Path(r).resolve() for r in candidate.runs] or \
+        (all(ids_b) and ids_b == sorted(i.get("run_id") or "" for i in candidate.infos))  # a copy of the run
+    if same_runs and (baseline.backend == candidate.backend or
+                      set(baseline.cells.backend) == set(candidate.cells.backend)):
+        raise CompareError(
+            f"SELF-COMPARISON: the baseline and the candidate are the same run{'s' if len(baseline.runs) > 1 else ''} "
+            f"({', '.join(baseline.runs)}) and the same backends: every change would be 0 and the verdict "
+            "meaningless. Give two runs, or one run with --baseline-backend and --candidate-backend")
+    versions_b = set(baseline.cells.engine_version.dropna()) if not baseline.cells.empty else set()
+    versions_c = set(candidate.cells.engine_version.dropna()) if not candidate.cells.empty else set()
+    if versions_b and versions_b == versions_c:
+        warnings.append(f"SAME ENGINE VERSION: both sides ran {', '.join(sorted(versions_b))}: the changes below "
+                        "are run-to-run noise (or a change other than the engine: driver, settings, machine)")
+    envs_b = [i.get("environment") or {} for i in baseline.infos]
+    envs_c = [i.get("environment") or {} for i in candidate.infos]
+    diffs = sorted({d for eb in envs_b for ec in envs_c for d in hardware_differences(eb, ec)})
+    if diffs:
+        text = (f"DIFFERENT HARDWARE: the baseline ran on {hardware_line(envs_b[0])}; the candidate on "
+                f"{hardware_line(envs_c[0])} ({'; '.join(diffs)}). A change of machine moves every figure (an AVX2-"
+                "only CPU ran bf16 prefill 10x slower than one with AVX-512)")
+        if not allow_different_hardware:
+            raise CompareError(text + ": refused; rerun both on one machine, or pass --allow-different-hardware")
+        warnings.append(text + ": compared anyway (--allow-different-hardware)")
+    drivers = sorted({d for eb in envs_b for ec in envs_c for d in driver_differences(eb, ec)})
+    if drivers:
+        warnings.append(f"DIFFERENT GPU DRIVER ({'; '.join(drivers)}): the changes below include the driver's")
+    return warnings
+
+
+def compare(baseline: Side, candidate: Side, config: CompareConfig, allow_different_hardware: bool = False) -> dict:
+    """Everything ``kvbench compare`` reports, as one JSON-ready dict (schema ``kvbench.compare/2``).
+    Raises CompareError for bad input (a self-comparison, different hardware unless allowed)."""
+    fields = config.match_on
+    warnings = checks(baseline, candidate, allow_different_hardware)
+    pairing = interleaving(baseline, candidate)
+    gb, gc = _groups(baseline, fields), _groups(candidate, fields)
+    result = {"schema": JSON_SCHEMA, "warnings": warnings, "pairing": pairing.why,
+              "match_on": list(fields), "confidence": config.confidence,
+              "tolerances": config.tolerances,
+              "baseline": {"runs": baseline.runs, "backend": baseline.backend,
+                           "backends": sorted(set(baseline.cells.backend))},
+              "candidate": {"runs": candidate.runs, "backend": candidate.backend,
+                            "backends": sorted(set(candidate.cells.backend))},
+              "cells": [], "only_in_baseline": [], "only_in_candidate": [], "contract_mismatch": [], "failed": []}
+
+    def ident(key, rows_b=None, rows_c=None) -> dict:
+        out = {"key": dict(zip(fields, key))}
+        if rows_b is not None:
+            out["baseline_backend"] = rows_b.backend.iloc[0]
+        if rows_c is not None:
+            out["candidate_backend"] = rows_c.backend.iloc[0]
+        return out
+
+    order = list(gb) + [k for k in gc if k not in gb]
+    for key in order:
+        rb, rc = gb.get(key), gc.get(key)
+        if rc is None:
+            result["only_in_baseline"].append(ident(key, rb))
+            continue
+        if rb is None:
+            result["only_in_candidate"].append(ident(key, rows_c=rc))
+            continue
+        ub, uc = rb[rb.status.isin(OK_STATUSES)], rc[rc.status.isin(OK_STATUSES)]
+        if ub.empty or uc.empty:
+            side = "both" if ub.empty and uc.empty else "baseline" if ub.empty else "candidate"
+            errors = [e for e in pd.concat([rb, rc]).error if isinstance(e, str) and e]
+            result["failed"].append({**ident(key, rb, rc), "failed_on": side, "errors": errors[:3],
+                                     "regression": side == "candidate"})
+            continue
+        contracts_b, contracts_c = sorted(set(ub.token_contract)), sorted(set(uc.token_contract))
+        if contracts_b != contracts_c:
+            result["contract_mismatch"].append({**ident(key, rb, rc), "baseline_contract": contracts_b,
+                                                "candidate_contract": contracts_c})
+            continue
+        metrics = []
+        for name, tol in config.tolerances.items():
+            metric = METRICS[name]
+            seed = zlib.crc32(repr((key, name)).encode())
+            interval, note, noise, paired = _interval(metric, ub, uc, baseline, candidate, config.confidence, seed,
+                                                      pairing.pairable)
+            verdict = stats.decide(interval, tol, metric.higher_is_worse)
+            vb, vc = ub[name].dropna(), uc[name].dropna()
+            metrics.append({
+                "metric": name, "unit": metric.unit, "worse": "higher" if metric.higher_is_worse else "lower",
+                "tolerance": tol, "baseline": _center(vb), "candidate": _center(vc),
+                "change": interval.change if interval else None, "ci_low": interval.low if interval else None,
+                "ci_high": interval.high if interval else None, "method": interval.method if interval else None,
+                "n_baseline": interval.n_baseline if interval else len(vb),
+                "n_candidate": interval.n_candidate if interval else len(vc),
+                "verdict": verdict, "note": note, "paired": paired, "noise_log_sd": noise,
+                "repeats_needed": stats.repeats_needed(noise, tol, config.confidence, paired)
+                if noise is not None else None})
+        result["cells"].append({**ident(key, rb, rc), "repeats": [len(ub), len(uc)],
+                                "token_contract": contracts_b, "metrics": metrics})
+
+    verdicts = [m["verdict"] for c in result["cells"] for m in c["metrics"]]
+    failed_candidate = sum(f["regression"] for f in result["failed"])
+    summary = {"compared_cells": len(result["cells"]),
+               **{v.replace(" ", "_"): verdicts.count(v) for v in
+                  ("regression", "improvement", "unchanged", "inconclusive", "not compared")},
+               "failed_on_candidate": failed_candidate,
+               "only_in_baseline": len(result["only_in_baseline"]),
+               "only_in_candidate": len(result["only_in_candidate"]),
+               "contract_mismatch": len(result["contract_mismatch"])}
+    result["summary"] = summary
+    result["regression_found"] = bool(summary["regression"] or failed_candidate)
+    result["exit_code"] = 1 if result["regression_found"] else 2 if not result["cells"] else 0
+    result["verdict"] = ("REGRESSION" if result["regression_found"] else
+                         "nothing to compare" if result["exit_code"] == 2 else
+                         "no regression" if summary["inconclusive"] == 0 else "no regression found")
+    result["repeats_needed"] = repeats_needed_summary(result)
+    single = [m for c in result["cells"] for m in c["metrics"]
+              if m["verdict"] in ("regression", "improvement") and (m["method"] or "").startswith(stats.SINGLE_RUN)]
+    if single:
+        result["warnings"].append(
+            f"SINGLE RUN: {len(single)} regression/improvement verdict(s) rest on one run per side (intervals from "
+            "the requests, blind to run-to-run noise: at 7 % run-to-run noise they call an unchanged engine a "
+            "regression about 5 % of the time, python -m kvbench.compare.calibration); confirm with --repeats")
+    first = ("schema", "verdict", "exit_code", "regression_found", "summary", "warnings")
+    return {**{k: result[k] for k in first}, **{k: v for k, v in result.items() if k not in first}}
+
+
+def _center(values: pd.Series) -> float | None:
+    """A side's value of a metric over its repeats: the geometric mean (what the change is the ratio of)
+    when every value is positive, else the mean."""
+    arr = np.asarray(values, dtype=float)
+    if not arr.size:
+        return None
+    return float(np.exp(np.log(arr).mean())) if (arr > 0).all() else float(arr.mean())
+
+
+def repeats_needed_summary(result: dict) -> list[dict]:
+    """Per metric, from the noise of its repeats: the repeats per side its tolerance needs here (the
+    median cell's and the noisiest cell's), for "5 % on TTFT p50 needs about N repeats here"."""
+    by_metric: dict[str, list] = {}
+    for c in result["cells"]:
+        for m in c["metrics"]:
+            if m["noise_log_sd"] is not None:
+                by_metric.setdefault(m["metric"], []).append(m)
+    out = []
+    for name, ms in by_metric.items():
+        needed = [m["repeats_needed"] for m in ms]
+        known = sorted(n for n in needed if n is not None)
+        out.append({"metric": name, "tolerance": ms[0]["tolerance"], "paired": all(m["paired"] for m in ms),
+                    "cells": len(ms), "repeats_now": min(min(m["n_baseline"], m["n_candidate"]) for m in ms),
+                    "median": known[len(known) // 2] if known else None,
+                    "worst": None if len(known) < len(needed) else (known[-1] if known else None)})
+    return out
+
+
+# --- as a table ------------------------------------------------------------------------------------------
+
+def _fmt_value(v, unit: str) -> str:
+    if v is None:
+        return "-"
+    if unit == "B":
+        return fmt_bytes(v)
+    if unit == "s":
+        return f"{v:,.4f} s"
+    return f"{v:,.3f}/s"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x * 100:+.1f}%"
+
+
+def _where(key: dict) -> str:
+    parts = [f"{key.get('engine', '')}"]
+    if key.get("variant"):
+        parts.append(key["variant"])
+    if "prompt_tokens" in key:
+        parts.append(f"p{key['prompt_tokens']}")
+    parts.append(load_label(key.get("load_profile", "concurrent"), key.get("concurrency"), key.get("request_rate")))
+    return " ".join(str(p) for p in parts if p != "")
+
+
+def results_frame(result: dict) -> pd.DataFrame:
+    """One row per (cell, metric): the table ``kvbench compare`` prints."""
+    rows = []
+    for c in result["cells"]:
+        for m in c["metrics"]:
+            rows.append({
+                "cell": _where(c["key"]),
+                "backends": f"{c['baseline_backend']} -> {c['candidate_backend']}",
+                "metric": m["metric"], "baseline": _fmt_value(m["baseline"], m["unit"]),
+                "candidate": _fmt_value(m["candidate"], m["unit"]), "change": _pct(m["change"]),
+                f"{result['confidence']:.0%} CI": "-" if m["ci_low"] is None else
+                f"[{_pct(m['ci_low'])}, {_pct(m['ci_high'])}]",
+                "tolerance": _tol(m["tolerance"]),
+                "verdict": m["verdict"].upper() if m["verdict"] == "regression" else m["verdict"],
+                "how": m["method"] or m["note"]})
+    return pd.DataFrame(rows)
+
+
+def _tol(t: float) -> str:
+    return f"{t:.0%}" if t * 100 == round(t * 100) else f"{t:.1%}"
+
+
+def verdict_line(result: dict) -> str:
+    s = result["summary"]
+    return (f"**{result['verdict']}**: {s['regression']} regressions, {s['improvement']} improvements, "
+            f"{s['inconclusive']} inconclusive, {s['unchanged']} unchanged, {s['not_compared']} not compared "
+            f"(metrics over {s['compared_cells']} cells compared); {s['failed_on_candidate']} cells failed on the "
+            f"candidate; {s['only_in_baseline']} only in the baseline, {s['only_in_candidate']} only in the "
+            f"candidate, {s['contract_mismatch']} with different token contracts.")
+
+
+def repeats_lines(result: dict) -> list[str]:
+    """ "5 % on TTFT p50 needs about N repeats here" per metric, from the noise of the repeats."""
+    out = []
+    for r in result.get("repeats_needed", []):
+        how = "pairs" if r["paired"] else "repeats per side"
+        if r["median"] is None:
+            out.append(f"{_tol(r['tolerance'])} on {r['metric']} needs more than 1000 {how} at the noise seen here")
+            continue
+        worst = (f", {r['worst']} in the noisiest of its {r['cells']} cells" if r["worst"] not in (None, r["median"])
+                 else "" if r["worst"] is not None else ", more than 1000 in the noisiest cell")
+        out.append(f"{_tol(r['tolerance'])} on {r['metric']} needs about {r['median']} {how} here{worst} "
+                   f"(this run has {r['repeats_now']})")
+    return out
+
+
+def markdown(result: dict) -> str:
+    """The verdict and its summary first, then any warning, then the table and the lists."""
+    from kvbench.common.markdown import md_table
+
+    ci = f"{result['confidence']:.0%} CI"
+    out = [f"# kvbench compare: {', '.join(result['baseline']['runs'])}"
+           + (f" [{result['baseline']['backend']}]" if result['baseline']['backend'] else "")
+           + f" -> {', '.join(result['candidate']['runs'])}"
+           + (f" [{result['candidate']['backend']}]" if result['candidate']['backend'] else ""),
+           verdict_line(result)]
+    for w in result.get("warnings", []):
+        out.append(f"> **WARNING** {w}")
+    frame = results_frame(result)
+    methods = {m["method"] or "" for c in result["cells"] for m in c["metrics"]}
+    notes = [f"Cells matched on: {', '.join(result['match_on'])}. Change = candidate / baseline - 1 (ratio of "
+             f"geometric means); intervals on the log of the ratio; a regression only when the whole {ci} lies "
+             f"beyond the tolerance on the worse side. Repeats: {result.get('pairing', '')}."]
+    if any(m.startswith(stats.SINGLE_RUN) for m in methods):
+        notes.append(f"Intervals marked \"{stats.SINGLE_RUN}\" come from the requests of one run per side: they "
+                     "show how requests vary, not how a repeated run would, and are narrower than the truth when "
+                     "runs differ; run with --repeats 3 or more for a verdict on runs.")
+    needed = repeats_lines(result)
+    if needed:
+        notes.append("Repeats needed for the interval to be as narrow as the tolerance, at the noise of these "
+                     "repeats:\n\n" + "\n".join(f"- {line}" for line in needed))
+    out += notes
+    if not frame.empty:
+        out.append(md_table(frame, {"baseline", "candidate", "change", ci, "tolerance"}))
+    for title, items, fmt in (
+            ("Failed cells (on the candidate: counted as regressions)", result["failed"],
+             lambda f: f"{_where(f['key'])}: failed on the {f['failed_on']}"
+                       + (f" ({f['errors'][0]})" if f["errors"] else "")),
+            ("Different token contracts (not compared)", result["contract_mismatch"],
+             lambda f: f"{_where(f['key'])}: baseline {f['baseline_contract'] or ['not recorded']}, "
+                       f"candidate {f['candidate_contract'] or ['not recorded']}"),
+            ("Only in the baseline (not compared)", result["only_in_baseline"],
+             lambda f: f"{_where(f['key'])} ({f['baseline_backend']})"),
+            ("Only in the candidate (not compared)", result["only_in_candidate"],
+             lambda f: f"{_where(f['key'])} ({f['candidate_backend']})")):
+        if items:
+            out.append(f"## {title}\n\n" + "\n".join(f"- {fmt(i)}" for i in items))
+    return "\n\n".join(out) + "\n"
+
+
+# --- files: Markdown, JSON and an HTML page with the forest plot ----------------------------------------
+
+def write_html(result: dict, path: Path, plot: Path | None = None) -> Path:
+    """compare.html: the verdict, warnings, the forest plot (embedded) and the table, self-contained."""
+    from kvbench.reports import html, plots
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plot = plot or path.with_name(path.stem + "_forest.png")
+    made = plots.forest(result, plot, _where)
+    path.write_text(html.render_compare(result, results_frame(result), made, repeats_lines(result),
+                                        verdict_line(result)))
+    return path
+
+
+def write_outputs(result: dict, text: str, folder: Path) -> list[Path]:
+    """compare.md, compare.json, compare_forest.png and compare.html in ``folder``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "compare.md").write_text(text)
+    (folder / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_html(result, folder / "compare.html", folder / "compare_forest.png")
+    return [folder / n for n in ("compare.md", "compare.json", "compare.html", "compare_forest.png")]

@@ -1,0 +1,393 @@
+"""A model's KV geometry from its files: an HF ``config.json`` read through transformers' own config classes,
+or GGUF metadata (a GGUF file's keys, or Ollama's ``/api/show`` ``model_info``).
+
+transformers is the source of truth for an HF config: its class for the ``model_type`` fills the fields a
+file leaves to class defaults (Gemma 3's ``head_dim`` 256, ``num_key_value_heads``), maps other names for the
+same thing (GPT-2's ``n_layer``/``n_head``/``n_embd``), resolves a multimodal wrapper's ``text_config`` the way
+the model class does, derives per-layer attention types (``layer_types``: sliding, chunked, linear), and
+validates types. A ``model_type`` transformers does not know is read as written, with the usual aliases, and
+the geometry says so. Quirks no class attribute states are handled here, each with its source:
+
+- Falcon: ``multi_query`` without ``new_decoder_architecture`` is one KV head (``num_kv_heads`` reads 71);
+- MLA (``kv_lora_rank``): the layers hold the latent; the decompressed shape is kept beside it (engines
+  differ in which they cache);
+- Gemma 3n's last ``num_kv_shared_layers`` reuse earlier layers' KV; Mllama's ``cross_attention_layers`` cache
+  the image, not the text; linear-attention / state-space layers cache a state of constant size.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+from kvbench.kv.geometry import KVGeometry, LayerKV, MLAShape
+
+
+class ConfigError(ValueError):
+    """A config kvbench cannot read, or a model whose KV question has no answer: one line, naming the file."""
+
+
+# layer_types strings (transformers' ALLOWED_LAYER_TYPES and the legacy names it remaps) -> kvbench's kinds
+LAYER_TYPES = {
+    "full_attention": "full", "attention": "full", "hybrid": "full", "indexed_attention": "full",
+    "sliding_attention": "sliding", "hybrid_sliding": "sliding", "reference_sliding_attention": "sliding",
+    "window_attention": "sliding",
+    "chunked_attention": "chunked",
+    "linear_attention": "none", "mamba": "none", "conv": "none", "recurrent": "none", "mlp": "none", "moe": "none",
+}
+WHY_NONE = {"linear_attention": "linear attention / state space: a state of constant size",
+            "mamba": "linear attention / state space: a state of constant size",
+            "conv": "convolution: a state of constant size", "recurrent": "recurrent: a state of constant size",
+            "mlp": "no attention", "moe": "no attention"}
+MLP_LAYER_TYPES = {"dense", "sparse"}  # some configs describe their MLPs in layer_types: not attention
+DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "half": "fp16", "float": "fp32"}
+
+# Field names for the same thing, for model types transformers does not know (its classes map their own).
+ALIASES = {
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "n_layers", "num_layers"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "n_heads", "num_heads"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model", "dim"),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
+                                "n_ctx", "model_max_length"),
+}
+KV_HEAD_FIELDS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num", "num_attention_groups")
+
+
+def transformers_version() -> str:
+    return _transformers().__version__
+
+
+def _transformers():
+    # without torch, transformers prints an advisory at import; kvbench reads configs only
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # its deprecation notes on old config fields are not the user's concern
+    return transformers
+
+
+# --- HF configs ---------------------------------------------------------------------------------------
+
+def config_file(path: str | Path) -> Path:
+    path = Path(path)
+    return path / "config.json" if path.is_dir() else path
+
+
+def read_json(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a config.json holds one JSON object, not a {type(raw).__name__}")
+    return raw
+
+
+class RawConfig(SimpleNamespace):
+    """A config of a model type transformers does not know, read as written (no class defaults, no post-init)."""
+
+
+def hf_config(raw: dict, source: str):
+    """The transformers config object for ``raw`` (its class for the model_type, else a :class:`RawConfig`)
+    and notes on how it was read."""
+    transformers = _transformers()
+    from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
+
+    mapping = transformers.models.auto.configuration_auto.CONFIG_MAPPING
+    model_type = raw.get("model_type")
+    notes = []
+    try:
+        if isinstance(model_type, str) and model_type in mapping:
+            config = mapping[model_type].from_dict(raw)
+        else:
+            notes.append(f"model_type {model_type!r} is not one transformers {transformers.__version__} knows: "
+                         "fields read as written (no class defaults)")
+            config = RawConfig(**raw)
+    except (StrictDataclassFieldValidationError, StrictDataclassClassValidationError, TypeError, ValueError) as exc:
+        first = str(exc).strip().splitlines()
+        raise ConfigError(f"{source}: {' '.join(line.strip() for line in first[:2])}") from None
+    return config, notes
+
+
+def text_config(config, source: str):
+    """The language model's config, resolved as the model class does (``get_text_config(decoder=True)``)."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(f"{source}: {getattr(config, 'model_type', 'this model')} is an encoder-decoder model; "
+                          "kvbench plans decoder-only generation (its cross-attention cache depends on the input, "
+                          "not the context)")
+    if isinstance(config, RawConfig):
+        sub = getattr(config, "text_config", None)
+        if isinstance(sub, dict):  # a wrapper transformers does not know: its text_config, as transformers would
+            inner, _ = hf_config(sub, f"{source} (text_config)")
+            return text_config(inner, source)
+        return config
+    try:
+        text = config.get_text_config(decoder=True)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    _transformers()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as masked_lm
+    if text.model_type in masked_lm and not getattr(text, "is_decoder", False):
+        raise ConfigError(f"{source}: {text.model_type} is an encoder (a masked language model): it caches no KV "
+                          "for generation (unless its config sets is_decoder)")
+    return text
+
+
+def geometry_from_hf(path: str | Path) -> KVGeometry:
+    """The KV geometry of a config.json (or a model folder holding one)."""
+    file = config_file(path)
+    return geometry_from_hf_dict(read_json(file), str(file))
+
+
+def geometry_from_hf_dict(raw: dict, source: str = "config.json") -> KVGeometry:
+    return parse_hf_dict(raw, source)[2]
+
+
+def parse_hf_dict(raw: dict, source: str = "config.json") -> tuple[object, object, KVGeometry]:
+    """(the config object, its language model's config, the KV geometry) of a config.json's contents."""
+    config, notes = hf_config(raw, source)
+    text = text_config(config, source)
+    raw_text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    return config, text, _geometry(text, raw_text, config, source, notes)
+
+
+def _get(config, name: str, known: bool):
+    """A field by its name, or (for a model type transformers does not know) by one of its aliases."""
+    for key in (ALIASES.get(name, (name,)) if not known else (name,)):
+        value = getattr(config, key, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _positive_int(value, field: str, source: str, allow_list: bool = False) -> int | list[int]:
+    if allow_list and isinstance(value, (list, tuple)):
+        return [_positive_int(v, field, source) for v in value]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{source}: {field} must be a non-negative integer, not {value!r}")
+    return value
+
+
+def _per_layer(value, n: int, field: str, source: str) -> list[int]:
+    values = value if isinstance(value, list) else [value] * n
+    if len(values) != n:
+        raise ConfigError(f"{source}: {field} lists {len(values)} values for {n} layers")
+    return values
+
+
+def _geometry(text, raw: dict, config, source: str, notes: list[str]) -> KVGeometry:
+    known = not isinstance(text, RawConfig)
+    model_type = str(getattr(text, "model_type", "") or getattr(config, "model_type", "") or "")
+
+    def field(name, required=True, allow_list=False):
+        value = _get(text, name, known)
+        if value is None:
+            if required:
+                names = " or ".join(ALIASES.get(name, (name,)))
+                raise ConfigError(f"{source}: {names} is missing: the KV geometry needs it")
+            return None
+        return _positive_int(value, name, source, allow_list)
+
+    n_layers = field("num_hidden_layers")
+    if n_layers == 0:
+        raise ConfigError(f"{source}: num_hidden_layers is 0")
+    kinds, why = _layer_kinds(text, raw, n_layers, model_type, source)
+    if all(kind == "none" for kind, _ in kinds):
+        raise ConfigError(f"{source}: {model_type or 'this model'} has no attention layer that caches KV "
+                          f"({'; '.join(sorted(set(why)))}): there is no KV cache to plan")
+    heads = field("num_attention_heads", allow_list=True)
+    heads_per_layer = _per_layer(heads, n_layers, "num_attention_heads", source)
+    flags = []
+    if not all(h for h, (kind, _) in zip(heads_per_layer, kinds) if kind != "none"):
+        raise ConfigError(f"{source}: num_attention_heads is 0 on an attention layer")
+
+    # --- MLA: the latent is what the layers hold; the decompressed shape goes beside it ---------------
+    rank = getattr(text, "kv_lora_rank", None)
+    if rank:
+        rope = getattr(text, "qk_rope_head_dim", None)
+        if rope is None:
+            raise ConfigError(f"{source}: kv_lora_rank without qk_rope_head_dim: the MLA latent's size is unknown")
+        rank, rope = _positive_int(rank, "kv_lora_rank", source), _positive_int(rope, "qk_rope_head_dim", source)
+        nope, v = getattr(text, "qk_nope_head_dim", None), getattr(text, "v_head_dim", None)
+        mla = MLAShape(rank, rope, nope, v, max(heads_per_layer))
+        layers = tuple(LayerKV(k, 1, rank + rope, 0, span) if k != "none" else LayerKV("none", why_none=w)
+                       for (k, span), w in zip(kinds, why))
+        return KVGeometry(layers, max(heads_per_layer), _max_context(text, known, source), mla, model_type,
+                          _dtype(text, config), "hf", tuple(flags), tuple(notes))
+
+    # --- KV heads -----------------------------------------------------------------------------------
+    if model_type in ("falcon", "RefinedWeb", "RefinedWebModel"):
+        # transformers' FalconAttention: new_decoder_architecture uses num_kv_heads; else multi_query is one
+        # KV head, whatever num_kv_heads says (its class default is num_attention_heads)
+        if getattr(text, "new_decoder_architecture", False):
+            flags.append("new_decoder_architecture")
+            kv = _positive_int(getattr(text, "num_kv_heads", None) or heads, "num_kv_heads", source)
+        elif getattr(text, "multi_query", False):
+            kv, note = 1, "multi_query without new_decoder_architecture: one KV head"
+            notes.append(note)
+        else:
+            kv = heads
+    else:
+        kv = None
+        for name in KV_HEAD_FIELDS:
+            value = getattr(text, name, None)
+            if value is not None:
+                kv = _positive_int(value, name, source, allow_list=True)
+                break
+        attn = getattr(text, "attn_config", None)  # MPT, DBRX
+        if kv is None and attn is not None:
+            value = attn.get("kv_n_heads") if isinstance(attn, dict) else getattr(attn, "kv_n_heads", None)
+            kv = _positive_int(value, "attn_config.kv_n_heads", source) if value is not None else None
+        if kv is None:
+            kv = heads
+            notes.append("no KV-head field: one KV head per attention head (MHA)")
+    kv_per_layer = _per_layer(kv, n_layers, "KV heads", source)
+
+    # --- head dims ------------------------------------------------------------------------------------
+    head_dim = getattr(text, "head_dim", None)
+    if head_dim is not None:
+        head_dim = _positive_int(head_dim, "head_dim", source)
+    if not head_dim:
+        head_dim = getattr(text, "kv_channels", None) or getattr(text, "hidden_size_per_head", None)
+    if not head_dim:
+        hidden = field("hidden_size")
+        if not isinstance(heads, int) or not heads:
+            raise ConfigError(f"{source}: head_dim is missing and hidden_size / num_attention_heads has no single value")
+        head_dim = hidden // heads
+    head_dim_v = getattr(text, "v_head_dim", None) or head_dim
+    if known:
+        for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv), ("head_dim", head_dim),
+                            ("sliding_window", getattr(text, "sliding_window", None))):
+            default = getattr(type(text), name, None)
+            if value is not None and not _in_file(text, raw, name) and isinstance(default, int):
+                notes.append(f"{name} {value} from the {type(text).__name__} class default (not in the file)")
+    if "head_dim" not in raw and not isinstance(getattr(type(text), "head_dim", None), int):
+        notes.append(f"head_dim = hidden_size / num_attention_heads = {head_dim}")
+
+    layers = tuple(LayerKV(k, kvh, head_dim, head_dim_v, span) if k != "none" else LayerKV("none", why_none=w)
+                   for (k, span), w, kvh in zip(kinds, why, kv_per_layer))
+    return KVGeometry(layers, max(heads_per_layer), _max_context(text, known, source), None, model_type,
+                      _dtype(text, config), "hf", tuple(flags), tuple(notes))
+
+
+def _in_file(config, raw: dict, name: str) -> bool:
+    """Whether the file gives ``name``, itself or as the field its class reads for it (GPT-2's n_head)."""
+    return name in raw or getattr(type(config), "attribute_map", {}).get(name) in raw
+
+
+def _layer_kinds(text, raw: dict, n: int, model_type: str, source: str) -> tuple[list[tuple[str, int | None]], list[str]]:
+    """Per layer (kind, span) and why a layer caches nothing."""
+    window = getattr(text, "sliding_window", None)
+    chunk = getattr(text, "attention_chunk_size", None)
+    types = getattr(text, "layer_types", None)
+    if types is not None and (not isinstance(types, (list, tuple)) or set(types) <= MLP_LAYER_TYPES):
+        types = None
+    if types is not None:
+        if len(types) != n:
+            raise ConfigError(f"{source}: layer_types has {len(types)} entries for {n} layers")
+        unknown = sorted({t for t in types if t not in LAYER_TYPES})
+        if unknown:
+            raise ConfigError(f"{source}: layer_types {', '.join(map(repr, unknown))}: kvbench does not model this "
+                              f"attention; it knows {', '.join(sorted(LAYER_TYPES))}")
+    elif window and getattr(text, "use_sliding_window", True) is not False:
+        types = ["sliding_attention"] * n  # transformers: sliding_window without layer_types windows every layer
+    elif chunk:
+        types = ["chunked_attention"] * n
+    else:
+        types = ["full_attention"] * n
+    kinds, why = [], []
+    for t in types:
+        kind = LAYER_TYPES[t]
+        span = window if kind == "sliding" else chunk if kind == "chunked" else None
+        if kind in ("sliding", "chunked") and not span:
+            raise ConfigError(f"{source}: a {t} layer without {'sliding_window' if kind == 'sliding' else 'attention_chunk_size'}")
+        kinds.append((kind, span))
+        why.append(WHY_NONE.get(t, ""))
+    shared = getattr(text, "num_kv_shared_layers", None) or 0  # Gemma 3n: the last layers reuse earlier KV
+    for i in range(n - shared, n):
+        kinds[i], why[i] = ("none", None), "reuses an earlier layer's KV"
+    for i in getattr(text, "cross_attention_layers", None) or ():  # Mllama
+        if 0 <= i < n:
+            kinds[i], why[i] = ("none", None), "cross-attention: caches the image, not the text"
+    return kinds, why
+
+
+def _max_context(text, known: bool, source: str) -> int | None:
+    value = _get(text, "max_position_embeddings", known)
+    return _positive_int(value, "max_position_embeddings", source) if value is not None else None
+
+
+def _dtype(text, config) -> str | None:
+    for c in (text, config):
+        value = getattr(c, "dtype", None) or getattr(c, "torch_dtype", None)
+        if value is not None:
+            return DTYPES.get(str(value).replace("torch.", ""), str(value).replace("torch.", ""))
+    return None
+
+
+# --- GGUF metadata ----------------------------------------------------------------------------------
+
+def geometry_from_gguf_keys(keys: dict, source: str = "GGUF") -> KVGeometry:
+    """From GGUF metadata keys: a GGUF file's fields or Ollama's /api/show ``model_info``. A GGUF already
+    says what llama.cpp caches (its converter writes llama.cpp's view: MLA heads, windows, patterns)."""
+    arch = keys.get("general.architecture")
+    if not arch:
+        raise ConfigError(f"{source}: general.architecture is missing")
+
+    def key(name):
+        return keys.get(f"{arch}.{name}")
+    n, heads = key("block_count"), key("attention.head_count")
+    missing = [f"{arch}.{k}" for k, v in [("block_count", n), ("attention.head_count", heads)] if v is None]
+    if missing:
+        raise ConfigError(f"{source}: {', '.join(missing)} missing: the KV geometry needs it")
+    heads_l = _per_layer(heads, n, f"{arch}.attention.head_count", source)
+    kv = key("attention.head_count_kv")
+    kv_l = _per_layer(kv if kv is not None else heads, n, f"{arch}.attention.head_count_kv", source)
+    embd = key("embedding_length")
+    head_k, head_v = key("attention.key_length"), key("attention.value_length")
+    kv_lora = key("attention.kv_lora_rank")
+    if head_k is None and (embd is None or not max(heads_l)):
+        raise ConfigError(f"{source}: {arch}.attention.key_length or {arch}.embedding_length missing")
+    head_k = head_k or embd // max(heads_l)
+    head_v = head_v if head_v is not None else head_k
+    window = key("attention.sliding_window")
+    pattern = key("attention.sliding_window_pattern")
+    if window:
+        if isinstance(pattern, list):
+            sliding = [bool(x) for x in pattern]
+        else:
+            p = pattern if pattern is not None else {"gemma2": 2, "gemma3": 6, "gpt-oss": 2, "cohere2": 4}.get(arch, 0)
+            # llama.cpp's set_swa_pattern: layer il is sliding when il % p < p - 1 (p = 0: every layer)
+            sliding = [p == 0 or (i % p) < p - 1 for i in range(n)]
+    else:
+        sliding = [False] * n
+    mla = None
+    if kv_lora and key("attention.key_length_mla") is not None:
+        # llama.cpp's MLA: one latent of kv_lora_rank + rope, K only (deepseek2)
+        rope = key("rope.dimension_count")
+        mla = MLAShape(kv_lora, rope, (key("attention.key_length_mla") or 0) - (rope or 0),
+                       key("attention.value_length_mla"), max(heads_l))
+        head_k, head_v, kv_l = kv_lora + rope, 0, [1] * n
+    layers = tuple(LayerKV("sliding" if s else "full", k, head_k, head_v, window if s else None) if k else
+                   LayerKV("none", why_none="recurrent: a state of constant size")
+                   for s, k in zip(sliding, kv_l))
+    return KVGeometry(layers, max(heads_l), key("context_length"), mla, arch, None, "gguf")
+
+
+def gguf_keys(path: str | Path) -> dict:
+    """A GGUF file's metadata as {key: value} (arrays as lists), without the tokenizer's vocabulary."""
+    from gguf import GGUFReader  # heavy import only when a GGUF is read
+
+    out = {}
+    for name, f in GGUFReader(str(path)).fields.items():
+        if name.startswith("tokenizer.ggml.") and name not in ("tokenizer.ggml.model",):
+            continue
+        out[name] = f.contents()
+    return out
+
+
+def geometry_from_gguf(path: str | Path) -> KVGeometry:
+    return geometry_from_gguf_keys(gguf_keys(path), str(path))

@@ -1,0 +1,212 @@
+"""How an engine stores and rounds KV: the base every engine's rules extend (each adapter module holds its
+engine's subclass, as ``kv_rules`` of its adapter class).
+
+A :class:`KVQuestion` asks for ``batch`` sequences of ``context`` cached tokens on one GPU (one
+tensor-parallel rank); :meth:`KVRules.answer` says how many bytes the engine holds for them and why.
+The engine decides: which KV dtypes it accepts and what "auto" means, what it caches of each layer
+(:meth:`KVRules.stored`: an MLA latent or decompressed heads, a window kept or the whole sequence, heads
+broadcast or not), how a tensor-parallel split divides it, how it rounds (blocks, cells), what its pool
+holds beside the sequences, and how many sequences a pool it reports holds. The planner, the runner's
+summary, the reports and ``kvbench validate`` ask these methods and never switch on an engine's name.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import ClassVar
+
+from kvbench.kv.geometry import (
+    KVGeometry,
+    LayerKV,
+    UnknownKVDtype,
+    check_split,
+    dtype_bytes,
+    layer_bytes_per_token,
+    tokens_kept,
+)
+
+
+class KVRuleError(ValueError):
+    """A question the engine refuses (a KV dtype it lacks, a split it rejects, a block size it has not)."""
+
+
+@dataclass(frozen=True)
+class KVQuestion:
+    geometry: KVGeometry
+    dtype: str = "auto"  # as the user wrote it; "auto": the engine's default for this model
+    context: int = 1  # cached tokens per sequence (prompt + output - 1 at the end of a request)
+    batch: int = 1  # sequences held at once
+    tp: int = 1  # GPUs the model is split over
+    block_size: int | None = None  # None: the engine's default
+    device: str = "gpu"  # "gpu" or "cpu": some engines size differently per device
+    version: str | None = None  # None: the rules' own version
+    options: dict = field(default_factory=dict)  # engine-specific switches, e.g. vLLM's hybrid_kv_cache
+
+
+@dataclass(frozen=True)
+class KVAnswer:
+    engine: str
+    dtype: str  # the engine's KV dtype, "auto" resolved
+    bytes_per_gpu: float  # the sequences' KV on one GPU, as the engine holds it
+    tokens_full: int  # tokens (cells, slots) one full-attention layer holds, all sequences
+    tokens_windowed: int  # the same for a sliding-window or chunked layer (0: none)
+    bytes_per_token: float  # per GPU, every caching layer, as stored (windows not applied)
+    note: str  # how the engine stores and rounds it
+    pool_extra_bytes: float = 0.0  # what a pool holds beside the sequences (vLLM's null block)
+
+
+def parse_version(version: str | None) -> tuple[int, ...]:
+    out = []
+    for part in (version or "").split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+class KVRules:
+    """The plain formula, and the hooks an engine overrides. ``dtypes`` maps the KV dtype names the engine
+    accepts (kvbench's names) to its own; ``auto`` resolves through :meth:`auto_dtype`."""
+
+    engine: ClassVar[str] = "exact"
+    version: ClassVar[str] = ""
+    dtypes: ClassVar[dict[str, str]] = {}  # {} accepts every dtype kvbench knows
+    has_blocks: ClassVar[bool] = False
+    mla_latent: ClassVar[bool] = True  # the plain formula counts an MLA model's latent
+    #: True where :meth:`answer` for a load is what the engine's own in-use figure counts (blocks held, a
+    #: cache's tensors), so the row sets the two side by side; False where the answer is a whole allocation.
+    answer_is_in_use: ClassVar[bool] = False
+    #: The engine-specific switches the rules read from ``KVQuestion.options`` (`kvbench plan --engine-option`).
+    rule_options: ClassVar[tuple[str, ...]] = ()
+    #: What a report says of the engine's KV pool where the engine reported none.
+    no_pool_label: ClassVar[str] = "not reported"
+
+    # --- the questions an engine refuses -----------------------------------------------------------
+    def resolve_dtype(self, q: KVQuestion) -> str:
+        name = q.dtype.lower()
+        if name == "auto":
+            return self.auto_dtype(q)
+        if self.dtypes:
+            if name not in self.dtypes:
+                allowed = ", ".join(["auto", *sorted(self.dtypes)])
+                raise KVRuleError(f"{self.engine} has no KV dtype {q.dtype!r}; it takes: {allowed}")
+            return self.dtypes[name]
+        try:
+            dtype_bytes(name)
+        except UnknownKVDtype as exc:
+            raise KVRuleError(str(exc)) from None
+        return name
+
+    def auto_dtype(self, q: KVQuestion) -> str:
+        """The KV dtype an engine uses when not told: the model's own dtype (bf16 when the config names none)."""
+        return {"fp32": "fp32", "fp16": "fp16"}.get(q.geometry.dtype or "", "bf16")
+
+    def check(self, q: KVQuestion) -> None:
+        if q.context < 1 or q.batch < 1:
+            raise KVRuleError("the context and the batch must be >= 1")
+        if q.block_size is not None:
+            if not self.has_blocks:
+                raise KVRuleError(f"{self.engine} has no KV block size to set")
+            if q.block_size < 1:
+                raise KVRuleError(f"the block size must be >= 1, not {q.block_size}")
+        self.check_split(q)
+
+    def check_split(self, q: KVQuestion) -> None:
+        """Tensor parallelism divides each layer's heads: the split must be even (engines refuse others)."""
+        try:
+            check_split(self.stored(q), q.tp)
+        except ValueError as exc:
+            raise KVRuleError(str(exc)) from None
+
+    # --- what the engine holds ---------------------------------------------------------------------
+    def stored(self, q: KVQuestion) -> KVGeometry:
+        """The model's layers as the engine caches them (the plain formula: as the files say)."""
+        return q.geometry
+
+    def replicated(self, stored: KVGeometry) -> bool:
+        """Whether every rank holds all of a layer's KV (an MLA latent) rather than its share of the heads."""
+        return stored.mla is not None
+
+    def layer_bytes_per_token(self, stored: KVGeometry, layer: LayerKV, dtype: str, tp: int) -> float:
+        return layer_bytes_per_token(layer, dtype, tp, self.replicated(stored))
+
+    def bytes_per_token(self, q: KVQuestion) -> float:
+        """Per GPU, every caching layer, as stored, windows not applied."""
+        stored, dtype = self.stored(q), self.resolve_dtype(q)
+        return sum(self.layer_bytes_per_token(stored, layer, dtype, q.tp) for layer in self.gpu_layers(stored, q.tp))
+
+    def gpu_layers(self, stored: KVGeometry, tp: int) -> tuple[LayerKV, ...]:
+        """The layers whose KV one GPU holds (tensor parallelism: every layer, a share of its heads)."""
+        return stored.layers
+
+    def tokens_kept(self, layer: LayerKV, tokens: int, q: KVQuestion) -> int:
+        """Tokens of one sequence the engine holds for ``layer`` before any rounding."""
+        return tokens_kept(layer, tokens)
+
+    def answer(self, q: KVQuestion) -> KVAnswer:
+        self.check(q)
+        stored, dtype = self.stored(q), self.resolve_dtype(q)
+        layers = self.gpu_layers(stored, q.tp)
+        total = q.batch * sum(self.layer_bytes_per_token(stored, layer, dtype, q.tp) * self.tokens_kept(layer, q.context, q)
+                              for layer in layers)
+        full = [layer for layer in layers if layer.kind == "full"]
+        windowed = [layer for layer in layers if layer.kind in ("sliding", "chunked")]
+        return KVAnswer(self.engine, dtype, total,
+                        q.batch * (self.tokens_kept(full[0], q.context, q) if full else q.context),
+                        q.batch * self.tokens_kept(windowed[0], q.context, q) if windowed else 0,
+                        self.bytes_per_token(q), self.note(q, stored))
+
+    def note(self, q: KVQuestion, stored: KVGeometry) -> str:
+        return "formula: tokens x bytes per token, windows and chunks applied"
+
+    # --- a pool the engine reports -----------------------------------------------------------------
+    def sequences_in_pool(self, geometry: KVGeometry, pool_tokens: int, context: int, details: dict) -> int | None:
+        """How many sequences of ``context`` tokens the engine's reported pool holds at once (None: the
+        engine has no pool, or the rule is unknown)."""
+        return None
+
+    def pool_bytes_per_token(self, geometry: KVGeometry, dtype: str, details: dict) -> float:
+        """Bytes per token of the pool the engine reports in tokens (to compare with a byte figure)."""
+        return self.bytes_per_token(KVQuestion(geometry, dtype))
+
+
+def with_kinds(geom: KVGeometry, kinds: dict[str, str]) -> KVGeometry:
+    """``geom`` with layers of one kind stored as another (e.g. {"sliding": "full"}: windows not kept)."""
+    return replace(geom, layers=tuple(replace(layer, kind=kinds.get(layer.kind, layer.kind),
+                                              span=None if kinds.get(layer.kind) == "full" else layer.span)
+                                      for layer in geom.layers))
+
+
+@dataclass
+class KVCheck:
+    """One comparison of the rules with what an engine allocated: equal within the engine's own rounding,
+    or not (and why)."""
+
+    engine: str
+    case: str
+    quantity: str
+    predicted: float | None
+    engine_reported: float | None  # the engine's own figure (its log, its metrics)
+    measured: float | None  # measured by kvbench (cache tensors, block counts)
+    tolerance: float  # bytes: what the engine's rounding, or its log's precision, allows
+    note: str = ""
+    family: str = ""  # the validation family's name; "" for the embedded model
+    formula: float | None = None  # the plain formula's answer to the same question, for contrast
+
+    @property
+    def observed(self) -> float | None:
+        return self.measured if self.measured is not None else self.engine_reported
+
+    @property
+    def error_pct(self) -> float | None:
+        if self.observed is None or not self.predicted:
+            return None
+        return (self.observed - self.predicted) / self.predicted * 100
+
+    @property
+    def ok(self) -> bool:
+        return (self.observed is not None and self.predicted is not None
+                and abs(self.observed - self.predicted) <= self.tolerance)
+
+    def row(self) -> dict:
+        return {**asdict(self), "error_pct": self.error_pct, "ok": self.ok}

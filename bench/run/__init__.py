@@ -1,0 +1,1 @@
+"""Running a benchmark: cells, the runner, the row builder, samplers, telemetry, the estimate, validation."""

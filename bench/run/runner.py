@@ -1,0 +1,461 @@
+"""Runs a workload on every backend, one cell at a time, and writes results as it goes.
+
+Data flows one way: the workload and the model give a :class:`~kvbench.run.cells.RunPlan` (its cells); for
+each backend (and each server variant the workload asks for, e.g. prefix caching on and off) the runner
+installs its environment (once), starts the server (or attaches to a running one), sends warm-up
+requests, then measures each cell (the load, with memory, KV in use and the engine's queue sampled
+alongside) into a raw :class:`~kvbench.run.rows.CellMeasurement`, which the pure
+:func:`~kvbench.run.rows.summarize` turns into the cell's row. Anything that goes wrong with one backend
+(install, start, crash, timeout) becomes failed rows with the engine's log tail; the other backends still
+run; a server kvbench started is always stopped, also on Ctrl-C.
+"""
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from kvbench.backends import REGISTRY, gguf_converter, kv_rules
+from kvbench.backends.base import Backend
+from kvbench.backends.deployment import Deployment
+from kvbench.backends.types import EngineStartError, ServerSpec
+from kvbench.common import models
+from kvbench.common.envs import EnvInstallError, ensure_env
+from kvbench.common.hardware import NVML, GPUBaseline, environment_info
+from kvbench.common.metrics import RequestTimes
+from kvbench.common.redact import redact_text
+from kvbench.load import LoadPoint, LoadSettings, TimeoutStreak, frozen_heap, run, run_async
+from kvbench.load.open_loop import schedule_seed
+from kvbench.run import estimate
+from kvbench.run.backend_config import BackendConfig
+from kvbench.run.cells import Cell, CellPrompts, NothingFits, RunPlan
+from kvbench.run.rows import (
+    CellMeasurement,
+    EngineRun,
+    engine_setup,
+    failed_row,
+    replica_rows,
+    request_row,
+    request_verdicts,
+    summarize,
+    summary_line,
+    timeline_frame,
+)
+from kvbench.run.samplers import EnginePoller, ProcessTreeMemorySampler, busy_threads, tree_rss
+from kvbench.run.telemetry import Prometheus, measure_cell
+from kvbench.store.results import ResultsWriteError, RunMode, RunWriter, ensure_parquet, load_cells, load_run_info
+from kvbench.workloads import Workload
+from kvbench.workloads.prompts import PromptBuilder
+
+ENGINE_EXIT_WAIT_S = 2.0  # how long a cell with failed requests waits to learn whether the engine died
+WARMUP_POINT = LoadPoint("concurrent", 1)  # warm-up requests go one at a time
+
+
+@dataclass
+class RunOptions:
+    model: str
+    workload: Workload
+    backends: list[BackendConfig]
+    results_dir: Path = Path("results/runs")
+    run_id: str | None = None
+    repeats: int | None = None  # overrides the workload's
+    kv_dtype: str = "auto"
+    max_context: int | None = None  # cap below the model's own limit
+    start_timeout_s: float = 600.0
+    request_timeout_s: float = 900.0
+    memory_hz: float = 20.0
+    kv_poll_hz: float = 10.0
+    command: list[str] = field(default_factory=lambda: list(sys.argv))
+    results_mode: RunMode = "new"  # an existing run folder: refused ("new"), finished ("resume") or replaced
+    max_consecutive_timeouts: int | None = 3  # an engine whose requests time out this often in a row is wedged
+    # A/B on a noisy machine: each repeat runs on every backend in turn (one engine at a time, restarted per
+    # repeat), the order reversed on odd repeats (AB BA AB ...), so that drift of the machine hits every
+    # side alike; compare then pairs the repeats by index
+    interleave: bool = False
+    estimate: bool = True  # one calibration request per engine start, to say how long its cells will take
+    load_workers: int = 1  # load generator processes (bench/load/workers.py)
+    prometheus: Prometheus | None = None  # read after each cell: GPU memory (DCGM) and engine metrics
+
+
+def new_run_id(workload: str) -> str:
+    return f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{workload}-{socket.gethostname()[:12]}"
+
+
+def _sigterm_as_interrupt(signum, frame):
+    """SIGTERM ends the run as Ctrl-C does, so that `finally` blocks stop the servers. Re-sent as SIGINT:
+    inside the load's event loop asyncio then cancels the load cleanly, where a KeyboardInterrupt raised
+    in a protocol callback was taken by uvloop for a connection error and the run went on."""
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):  # e.g. started with & by a shell
+        raise KeyboardInterrupt
+    signal.raise_signal(signal.SIGINT)
+
+
+class Runner:
+    def __init__(self, options: RunOptions, console: Console | None = None):
+        self.o = options
+        self.console = console or Console()
+        self.run_id = options.run_id or new_run_id(options.workload.name)
+        self.writer = RunWriter(options.results_dir / self.run_id, mode=options.results_mode)
+        self.reported_versions: dict[str, str] = {}
+        self.token_checks: dict[str, str] = {}
+        self.gpu_baselines: dict[str, dict | None] = {}
+        # resuming: the cells that have rows already (any status) are kept, not run again
+        self.finished: dict[str, float | None] = {}
+        self.engine_stops: dict[str, dict] = {}
+        self.estimates: dict[str, dict] = {}
+        self.engine_threads: dict[str, dict] = {}
+        if options.results_mode == "resume":
+            done = load_cells(self.writer.root)
+            self.finished = dict(zip(done.cell_id, done.requests_per_s))
+            self.writer.discard_unfinished_requests()
+            # what the earlier invocations recorded per engine stays, beside this one's
+            earlier = load_run_info(self.writer.root)
+            self.reported_versions.update(earlier.get("engine_versions") or {})
+            self.token_checks.update(earlier.get("token_checks") or {})
+            self.gpu_baselines.update(earlier.get("gpu_baselines") or {})
+            self.engine_stops.update(earlier.get("engine_stops") or {})
+            self.engine_threads.update(earlier.get("engine_threads") or {})
+        self.nvml = NVML()
+
+    @property
+    def run_dir(self) -> Path:
+        return self.writer.root
+
+    # --- the whole run ---------------------------------------------------------------------------
+    def run(self) -> Path:
+        previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+        try:
+            return self._run()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _run(self) -> Path:
+        o, w = self.o, self.o.workload
+        repeats = o.repeats or w.repeats
+        self.writer.write_run_info({
+            "run_id": self.run_id, "command": redact_text(" ".join(o.command)), "started_at": datetime.now(timezone.utc).isoformat(),
+            "status": "running", "environment": environment_info(), "workload": w.model_dump(), "repeats": repeats,
+            "kv_dtype": o.kv_dtype, "backends": [b.model_dump() | {"label": b.label} for b in o.backends],
+            "interleaved": o.interleave})
+        self.console.print(f"[bold]kvbench run[/] {self.run_id} -> {self.run_dir}")
+        try:
+            model = models.resolve(o.model, gguf_converter(self.console.print), log=self.console.print)
+            plan = RunPlan.make(w, model.geometry.max_context, o.max_context, repeats)
+        except (models.ModelError, NothingFits) as exc:
+            self.writer.update_run_info(status="failed", error=str(exc))
+            raise models.ModelError(str(exc)) from None
+        if plan.skipped:
+            self.console.print(f"[yellow]prompt lengths {list(plan.skipped)} skipped: they do not fit the context "
+                               f"limit {plan.max_context} with {w.output_tokens} output tokens[/]")
+        self.writer.update_run_info(model={"name": model.name, "sha256": model.sha256,
+                                           "gguf": str(model.gguf_path) if model.gguf_path else None,
+                                           "hf_dir": str(model.hf_dir), "geometry": asdict(model.geometry),
+                                           "max_context": plan.max_context},
+                                    skipped_prompt_lengths=list(plan.skipped), prompt_lengths=list(plan.lengths),
+                                    load_points=[asdict(p) for p in plan.points])
+        prompts = CellPrompts(PromptBuilder(model.hf_dir / "tokenizer.json"), w)
+        spec = ServerSpec(model=model, max_context=plan.server_context, max_concurrency=plan.server_concurrency,
+                          kv_dtype=o.kv_dtype, kv_pool_sequences=w.kv_pool_sequences)
+        status = "interrupted"
+        columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("cells"),
+                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+        try:
+            with Progress(*columns, console=self.console) as progress:
+                bar = progress.add_task("cells", total=plan.cells_per_start * len(plan.variants) * len(o.backends))
+                for repeat, backends in self.schedule(plan.repeats):
+                    for cfg in backends:
+                        for prefix_caching in plan.variants:
+                            variant = replace(spec, prefix_caching=prefix_caching)
+                            _EngineSession(self, cfg, variant, plan, prompts, progress, bar, repeat).run()
+            status = "finished"
+        except ResultsWriteError:
+            status = "stopped: results folder not writable"
+            raise
+        finally:
+            if self.writer.failed is None:  # else the first error stands alone, not buried under a second
+                self.writer.update_run_info(status=status, finished_at=datetime.now(timezone.utc).isoformat())
+                if (self.run_dir / "cells.jsonl").exists():
+                    ensure_parquet(self.run_dir)  # the columnar copy beside the JSONL record
+        return self.run_dir
+
+    def schedule(self, repeats: int) -> list[tuple[int | None, list[BackendConfig]]]:
+        """Which repeat (None: all of them) each round of engine starts runs, and on which backends in order."""
+        if not self.o.interleave:
+            return [(None, list(self.o.backends))]
+        return [(r, list(self.o.backends) if r % 2 == 0 else list(reversed(self.o.backends))) for r in range(repeats)]
+
+
+class _EngineSession:
+    """One engine start (or attachment) and the cells it runs: rows for every planned cell, failed ones
+    with the reason when the engine cannot install, start or keep running."""
+
+    def __init__(self, runner: Runner, cfg: BackendConfig, spec: ServerSpec, plan: RunPlan, prompts: CellPrompts,
+                 progress: Progress, bar, repeat: int | None = None):
+        self.r, self.cfg, self.spec, self.plan, self.prompts = runner, cfg, spec, plan, prompts
+        self.progress, self.bar = progress, bar
+        # grows as a saturation sweep finds its rates; one repeat only when the run is interleaved
+        self.cells = [c for c in plan.cells(spec.prefix_caching) if repeat is None or c.repeat == repeat]
+        self.expected = plan.cells_per_start // (1 if repeat is None else plan.repeats)  # its share of the bar
+        self.done = 0  # cells[:done] have their rows written
+        self.info = EngineRun(runner.run_id, cfg.label, cfg.engine, cfg.version, spec.model, plan.workload,
+                              spec.kv_dtype, attached=bool(cfg.url), rules=kv_rules(cfg.engine),
+                              **engine_setup(REGISTRY[cfg.engine], cfg.options, bool(cfg.url)))
+        self.gpu_baseline: GPUBaseline | None = None
+        self.streak = TimeoutStreak(runner.o.max_consecutive_timeouts)
+        self.stop_reason = "interrupted"  # until the session says otherwise
+        self.estimated: dict | None = None  # how long its cells were expected to take (bench/estimate.py)
+        variant = {None: "", True: " (prefix caching on)", False: " (prefix caching off)"}[spec.prefix_caching]
+        self.key = cfg.label + variant + ("" if repeat is None else f" repeat {repeat}")  # in run.json's engine_stops
+
+    def skip_finished(self) -> None:
+        """Resuming: pass over the cells that have rows (a saturation sweep's rates come from its row)."""
+        while self.done < len(self.cells) and (cell_id := self.cells[self.done].cell_id(self.cfg.label)) \
+                in self.r.finished:
+            self.done += 1
+            self.progress.advance(self.bar)
+            self.cells[self.done:self.done] = self.plan.saturation_cells(self.cells[self.done - 1],
+                                                                         self.r.finished[cell_id] or 0)
+
+    def run(self) -> None:
+        cls = REGISTRY[self.cfg.engine]
+        try:
+            self.skip_finished()
+            if self.done == len(self.cells):
+                return
+            if self.spec.prefix_caching is not None and not cls.supports_prefix_caching:
+                return self.fail_remaining(f"the {self.cfg.engine} adapter cannot switch prefix caching "
+                                           f"{'on' if self.spec.prefix_caching else 'off'}", status="not run")
+            backend = self.make_backend(cls)
+            if backend is not None:
+                backend.auth_headers = self.cfg.auth_headers()
+                self.run_cells(backend)
+        except (ResultsWriteError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever goes wrong with one backend fails that backend only
+            self.fail_remaining(f"backend failed: {type(exc).__name__}: {exc}", _traceback_tail(exc))
+        finally:
+            # this start's share of the bar, whatever ran: failed cells, and sweep rates never found
+            self.progress.advance(self.bar, max(0, self.expected - self.done))
+
+    def make_backend(self, cls) -> Backend | None:
+        if self.cfg.deployment:  # several replicas (or a gateway): one adapter attached to each
+            return Deployment.of(cls, self.cfg.version, self.cfg.options, self.cfg.urls, self.cfg.gateway)
+        if self.cfg.url:
+            return cls(self.cfg.version, None, self.cfg.options)
+        self.progress.update(self.bar, description=f"{self.cfg.label}: installing")
+        try:
+            env_path = ensure_env(cls.recipe(self.cfg.version), log=self.r.console.print)
+        except EnvInstallError as exc:
+            self.fail_remaining(f"install failed: {exc}", exc.log_tail)
+            self.stop_reason = "install failed"
+            return None
+        return cls(self.cfg.version, env_path, self.cfg.options)
+
+    def run_cells(self, backend: Backend) -> None:
+        r, cfg, label = self.r, self.cfg, self.cfg.label
+        self.progress.update(self.bar, description=f"{label}: {'attaching' if cfg.url else 'starting'}")
+        started = False
+        try:
+            if cfg.url:
+                backend.attach(self.spec, cfg.url, timeout_s=min(r.o.start_timeout_s, 60))
+            else:
+                # GPU memory before the engine exists: its figures are measured against this
+                self.gpu_baseline = r.nvml.idle_baseline()  # None without a GPU
+                r.gpu_baselines[label] = self.gpu_baseline.to_dict() if self.gpu_baseline else None
+                r.writer.update_run_info(gpu_baselines=r.gpu_baselines)
+                backend.start(self.spec, r.writer.log_path(label), r.o.start_timeout_s)
+            started = True
+            version = backend.reported_version()
+            r.reported_versions[label] = version
+            r.writer.update_run_info(engine_versions=r.reported_versions)
+            self.info = replace(self.info, engine_version_reported=version, token_contract=self.token_contract(backend))
+            self.warm_up(backend)
+            while self.done < len(self.cells):
+                self.skip_finished()
+                if self.done == len(self.cells):
+                    break
+                cell = self.cells[self.done]
+                if died := backend.exit_description():
+                    self.stop_reason = f"engine {died} during the run"
+                    return self.fail_remaining(self.stop_reason, backend.log_tail())
+                if self.streak.tripped:
+                    self.stop_reason = f"wedged: {self.streak.describe()}"
+                    return self.fail_remaining(self.stop_reason, backend.log_tail())
+                self.progress.update(self.bar, description=f"{label}: {cell.describe()}")
+                m = self.measure(backend, cell)
+                row = summarize(self.info, m)
+                r.writer.write_cell(row)
+                for part in replica_rows(self.info, m, row):  # a deployment's rows per replica
+                    r.writer.write_cell(part)
+                self.done += 1
+                self.progress.advance(self.bar)
+                r.console.print(summary_line(row))
+                # a saturation sweep's closed loop found the rate: the open-loop rates follow it
+                self.cells[self.done:self.done] = self.plan.saturation_cells(cell, row.requests_per_s or 0)
+            self.stop_reason = "finished"
+        except (EngineStartError, ValueError, httpx.HTTPError) as exc:
+            # an HTTP error here is one of the harness's own calls (e.g. a cell's counter reset)
+            detail = f"{type(exc).__name__}: {exc}" if isinstance(exc, httpx.HTTPError) else str(exc)
+            died = backend.exit_description(wait_s=ENGINE_EXIT_WAIT_S) if started else ""
+            what = f"engine {died} during the run" if died else ("engine failed" if started else
+                                                                  "engine failed to start")
+            self.stop_reason = f"{what}: {detail}"
+            self.fail_remaining(self.stop_reason, (exc.log_tail if isinstance(exc, EngineStartError) else "")
+                                or backend.log_tail())
+        except (ResultsWriteError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug or an engine answer the adapter cannot read
+            self.stop_reason = f"backend failed: {type(exc).__name__}: {exc}"
+            self.fail_remaining(self.stop_reason, _traceback_tail(exc) + "\n" + backend.log_tail())
+        finally:
+            # the engine is stopped first: nothing below (a full disk included) may leave it running
+            threads = busy_threads(backend.pid) if backend.pid else None  # the threads it computed on
+            self.progress.update(self.bar, description=f"{label}: stopping")
+            survivors = backend.stop()
+            if self.estimated:  # the estimate beside what the cells took, so its error here can be read
+                self.estimated["took_s"] = round(time.monotonic() - self.estimated.pop("started"), 1)
+                r.estimates[self.key] = self.estimated
+            if threads:
+                r.engine_threads[self.key] = threads
+            if survivors:  # the stop could not end the engine's tree: its memory skews whatever runs next
+                names = ", ".join(f"{p['pid']} ({p['name']})" for p in survivors)
+                row = failed_row(self.info, self.cells[max(0, self.done - 1)], "failed",
+                                 f"{len(survivors)} process(es) of the engine survived its stop: {names}", "")
+                row.cell_id, row.variant = f"{row.cell_id}_stop", "engine stop"  # a row of its own, never a cell's
+                r.writer.write_cell(row)
+                r.console.print(f"[red]{label}: processes of the engine survived its stop: {names}[/]")
+            if not cfg.url:
+                r.engine_stops[self.key] = {"reason": self.stop_reason, "survivors": survivors}
+            if r.writer.failed is None:  # after a write error, the first one stands alone
+                r.writer.update_run_info(engine_stops=r.engine_stops, estimates=r.estimates,
+                                         engine_threads=r.engine_threads)
+
+    def fail_remaining(self, error: str, log_tail: str = "", status: str = "failed") -> None:
+        for cell in self.cells[self.done:]:
+            self.r.writer.write_cell(failed_row(self.info, cell, status, error, log_tail))
+            self.done += 1  # one row per cell, however many failures follow
+            self.progress.advance(self.bar)
+        self.r.console.print(f"[red]{self.cfg.label}: {error}[/]" + (f"\n{log_tail}" if log_tail else ""))
+
+    def token_contract(self, backend: Backend) -> str:
+        """How prompts reach the engine and how output length is forced, plus a check of the prompt
+        tokens against the engine's own tokenizer where it has a tokenize endpoint."""
+        parts = ["token ids" if backend.accepts_token_ids else "text",
+                 "output forced" if backend.forces_output_length else "output as generated"]
+        probe = self.prompts.builder.build(64, self.plan.workload.seed, "tokenizer-check", 1)
+        try:
+            ids = backend.tokenize(probe.text)
+        except httpx.HTTPError as exc:
+            ids, note = None, f"tokenize endpoint failed ({type(exc).__name__})"
+        else:
+            note = "no tokenize endpoint: checked per request by the engine's usage report"
+        if ids is not None:
+            if list(ids) != list(probe.token_ids):
+                raise ValueError(f"the engine's tokenizer disagrees with the model's tokenizer.json: 64 prompt "
+                                 f"tokens became {len(ids)} ({list(ids)[:8]}... vs {list(probe.token_ids)[:8]}...)")
+            note = "tokenizer checked against the engine's tokenize endpoint"
+        self.r.token_checks[self.cfg.label] = note
+        self.r.writer.update_run_info(token_checks=self.r.token_checks)
+        return ", ".join(parts)
+
+    def warm_up(self, backend: Backend) -> None:
+        """The workload's warm-up requests, then (for the estimate, once the engine is warm) a short and a
+        long calibration request; all are recorded as warm-up requests and count in no figure."""
+        w = self.plan.workload
+        warmup = self.prompts.warmup()
+        longest = max((w.prompt_tokens_sent(c.prompt_tokens, c.turn) for c in self.cells[self.done:]), default=0)
+        calibration = [self.prompts.builder.build(n, w.seed, f"calibration-{n}", 8)
+                       for n in sorted({min(32, longest), longest})] if self.r.o.estimate and longest else []
+        prompts = warmup + calibration
+        if not prompts:
+            return
+        self.progress.update(self.bar, description=f"{self.cfg.label}: warm-up")
+        load = run_async(run(backend, prompts, WARMUP_POINT, LoadSettings(self.r.o.request_timeout_s,
+                                                                          streak=self.streak)))
+        for result in load.results:
+            self.r.writer.write_request(request_row(self.r.run_id, f"{self.cfg.label}_warmup", self.cfg.label, result,
+                                                    warmup=True))
+        measured = [r for r in load.results[len(warmup):] if not r.error]
+        if calibration and measured:
+            self.estimate_cells([RequestTimes.of(r) for r in measured], [r.prompt_tokens_sent for r in measured])
+
+    def estimate_cells(self, times: list[RequestTimes], prompt_tokens: list[int]) -> None:
+        """Say how long this engine's cells will take here (bench/estimate.py), and record it."""
+        points = [(p, t.ttft) for p, t in zip(prompt_tokens, times) if t.ttft is not None]
+        itls = sorted(x for t in times for x in t.itl_samples())
+        if not points or not itls:
+            return
+        cal = estimate.Calibration.from_points(min(points), max(points), itls[len(itls) // 2])
+        w, cells = self.plan.workload, self.cells[self.done:]
+        seconds = sum(estimate.cell_seconds(cal, w.prompt_tokens_sent(c.prompt_tokens, c.turn), w.output_tokens,
+                                            w.requests_per_cell(c.load.concurrency, c.load.request_rate),
+                                            c.load.concurrency, c.load.request_rate) for c in cells)
+        self.estimated = {"estimated_s": round(seconds, 1), "cells": len(cells), "started": time.monotonic(),
+                          "prefill_tokens_per_s": round(1 / cal.prefill_s_per_token) if cal.prefill_s_per_token else None,
+                          "decode_tokens_per_s": round(1 / cal.decode_s_per_token) if cal.decode_s_per_token else None}
+        self.r.console.print(f"{self.cfg.label}: about {estimate.describe(seconds)} for its {len(cells)} cells on "
+                             f"this machine (from its {min(points)[0]}- and {max(points)[0]}-token calibration "
+                             f"prompts; rough, see bench/estimate.py)")
+
+    def measure(self, backend: Backend, cell: Cell) -> CellMeasurement:
+        """One cell: the load with the samplers running alongside, and the engine's figures around it."""
+        r, w = self.r, self.plan.workload
+        prompts = self.prompts.for_cell(cell, w.requests_per_cell(cell.load.concurrency, cell.load.request_rate))
+        settings = LoadSettings(r.o.request_timeout_s, w.duration_s,
+                                schedule_seed(w.seed, cell.prompt_tokens, cell.repeat, cell.load.slug), self.streak,
+                                workers=r.o.load_workers)
+        backend.reset_cell()
+        memory, rss_baseline = None, None
+        if backend.pid:
+            rss_baseline = tree_rss(backend.pid)[0]
+            memory = ProcessTreeMemorySampler(backend.pid, r.o.memory_hz, r.nvml, baseline=self.gpu_baseline)
+        engine = EnginePoller(backend, r.o.kv_poll_hz)
+        samplers = [s for s in (memory, engine) if s]
+        with frozen_heap():  # no full garbage collection while the client and samplers measure
+            t0 = time.perf_counter()
+            for s in samplers:
+                s.start()
+            try:
+                load = run_async(run(backend, prompts, cell.load, settings))
+            finally:
+                for s in samplers:
+                    s.stop()
+        label = self.cfg.label
+        prom = measure_cell(r.o.prometheus, t0, load.t_end, r.run_dir, cell.cell_id(label))
+        # a deployment: each replica's polls and the requests it served (each marked with its replica)
+        replicas = backend.replica_polls(load.results)
+        for result in load.results:
+            r.writer.write_request(request_row(r.run_id, cell.cell_id(label), label, result, repeat=cell.repeat))
+        # A killed engine closes its sockets a moment before its exit can be read: wait for it briefly,
+        # so that requests cut off by a dead engine are put down to the engine.
+        verdicts = request_verdicts(load.results)
+        died = backend.exit_description(wait_s=ENGINE_EXIT_WAIT_S) if "failed" in verdicts else ""
+        try:
+            kv_peak = backend.kv_peak()
+        except httpx.HTTPError:
+            kv_peak = None
+        m = CellMeasurement(cell, load, t0, backend.kv_dtype_name(), engine_exit=died,
+                            log_tail=backend.log_tail() if "ok" not in verdicts else "",
+                            kv_pool=backend.kv_pool(), kv_peak=kv_peak,
+                            kv_samples=engine.kv_samples, kv_source=engine.kv_source,
+                            queue_samples=engine.queue_samples, queue_source=engine.queue_source,
+                            memory_samples=memory.samples if memory else None, rss_baseline_bytes=rss_baseline,
+                            gpu_baseline_used_bytes=self.gpu_baseline.used_bytes if self.gpu_baseline else None,
+                            replicas=replicas, telemetry=prom)
+        r.writer.write_timeline(cell.cell_id(label), timeline_frame(t0, m.memory_samples or [], engine.kv_samples,
+                                                                     engine.queue_samples, replicas))
+        return m
+
+
+def _traceback_tail(exc: BaseException, lines: int = 12) -> str:
+    """The last lines of an exception's traceback: where a backend failed, for its failed rows."""
+    return "\n".join("".join(traceback.format_exception(exc)).rstrip().splitlines()[-lines:])

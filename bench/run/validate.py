@@ -1,0 +1,171 @@
+"""The engines' KV rules checked against what the real engines allocate, to the byte where they report bytes.
+
+Two sets of checks, both asked of the engines' adapters (the rules and their measurement are the engine's):
+
+- the embedded model, each engine's own cases (``kv_checks``): llama.cpp's KV buffer for several cache types,
+  context sizes and slot counts; vLLM's bytes per block for two dtypes; transformers' cache tensors;
+- the validation families (``kv_families.toml``): one small random-weight model per attention family (GQA,
+  MQA, MHA, windows on every layer or on a pattern, sinks, chunks, MLA, MoE), built here with transformers,
+  converted with llama.cpp's own converter, and measured in every engine that can load it (``measure_kv``):
+  one row per family and engine, equal to the engine's allocation within its own rounding, or why not.
+
+Each check is a row: predicted, engine-reported, measured, error %, within the engine's rounding.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvbench.backends import GGUF_TOOLS_ENGINE, HF_TOOLS_ENGINE, REGISTRY
+from kvbench.backends.types import EngineStartError
+from kvbench.common.envs import EnvInstallError, ensure_env, env_python, kvbench_home
+from kvbench.common.models import HF_FOLDER, ModelFiles
+from kvbench.kv.model_config import ConfigError, geometry_from_hf
+from kvbench.kv.rules import KVCheck
+
+FAMILIES_FILE = Path(__file__).with_name("kv_families.toml")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    family: str  # the attention family, for people
+    shrunk_from: str  # the public model whose config gave the layout
+    config: dict
+
+
+def families(names: list[str] | None = None) -> list[Family]:
+    table = tomllib.loads(FAMILIES_FILE.read_text())
+    unknown = sorted(set(names or ()) - set(table))
+    if unknown:
+        raise ValueError(f"unknown validation families {', '.join(unknown)}; known: {', '.join(table)}")
+    return [Family(name, t["family"], t["shrunk_from"], t["config"]) for name, t in table.items()
+            if not names or name in names]
+
+
+def _digest(family: Family, tokenizer_dir: Path) -> str:
+    h = hashlib.sha256(json.dumps(family.config, sort_keys=True).encode())
+    h.update((tokenizer_dir / "tokenizer.json").read_bytes())
+    h.update(REGISTRY[HF_TOOLS_ENGINE].BUILDER.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def prepare(chosen: list[Family], tokenizer_dir: Path, log=print) -> tuple[list[ModelFiles], dict[str, str]]:
+    """Build the families' models (once: cached under $KVBENCH_HOME/families/) and their GGUF copies.
+    Returns the models (gguf_path None where conversion failed) and, per family, why it could not be built."""
+    hf_python = env_python(_env(HF_TOOLS_ENGINE, log))
+    root = kvbench_home() / "families"
+    folders = {f.name: root / f"{f.name}-{_digest(f, tokenizer_dir)}" / HF_FOLDER for f in chosen}
+    errors: dict[str, str] = {}
+    missing = [f for f in chosen if not (folders[f.name] / "config.json").exists()]
+    if missing:
+        log(f"building {len(missing)} validation models ({', '.join(f.name for f in missing)})")
+        for folder in folders.values():
+            folder.parent.mkdir(parents=True, exist_ok=True)
+        results = REGISTRY[HF_TOOLS_ENGINE].build_models(hf_python, tokenizer_dir,
+                                         [{"config": f.config, "out": str(folders[f.name])} for f in missing])
+        errors |= {f.name: f"not built: {r['error']}" for f, r in zip(missing, results) if "error" in r}
+    ggufs = {name: folder.parent / f"{name}.f16.gguf" for name, folder in folders.items()}
+    to_convert = [f for f in chosen if f.name not in errors and not ggufs[f.name].exists()]
+    convert_errors: dict[str, str] = {}
+    if to_convert:
+        log(f"converting {len(to_convert)} validation models to GGUF with llama.cpp's converter")
+        outcome = REGISTRY[GGUF_TOOLS_ENGINE].gguf_from_hf(hf_python, [(folders[f.name], ggufs[f.name]) for f in to_convert], log)
+        convert_errors = {f.name: r for f, r in zip(to_convert, outcome) if r != "ok"}
+    models = []
+    for f in chosen:
+        if f.name in errors:
+            continue
+        try:
+            geometry = geometry_from_hf(folders[f.name])
+        except ConfigError as exc:
+            errors[f.name] = f"config not read: {exc}"
+            continue
+        gguf = ggufs[f.name] if ggufs[f.name].exists() and f.name not in convert_errors else None
+        models.append(ModelFiles(f.name, folders[f.name], gguf, "", geometry))
+        if f.name in convert_errors:
+            errors[f.name] = f"no GGUF: llama.cpp's converter said {convert_errors[f.name]}"
+    return models, errors
+
+
+def _env(engine: str, log) -> Path:
+    cls = REGISTRY[engine]
+    return ensure_env(cls.recipe(cls.default_version), log=log)
+
+
+def measure_families(envs: dict[str, Path], chosen: list[Family], tokenizer_dir: Path, log_dir: Path,
+                     log=print) -> list[dict]:
+    """One row per family and engine: the engine's rules against what the engine allocates."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    models, errors = prepare(chosen, tokenizer_dir, log)
+    by_name = {f.name: f for f in chosen}
+    rows = []
+    for engine, env in envs.items():
+        log(f"measuring {len(models)} validation models in {engine}")
+        try:
+            checks = REGISTRY[engine].measure_kv(env, models, log_dir)
+        except (EngineStartError, RuntimeError, OSError) as exc:
+            checks = [KVCheck(engine, "-", "-", None, None, None, 0, f"failed: {exc}", family=m.name) for m in models]
+        measured = {c.family for c in checks}
+        checks += [KVCheck(engine, "-", "-", None, None, None, 0, errors.get(f.name, "not measured"), family=f.name)
+                   for f in chosen if f.name not in measured]
+        for c in checks:
+            if c.observed is None and c.family in errors and errors[c.family] not in c.note:
+                c.note = f"{c.note}; {errors[c.family]}"  # why the engine had nothing to load
+            f = by_name[c.family]
+            rows.append({**c.row(), "attention": f.family, "shrunk_from": f.shrunk_from})
+    order = {f.name: i for i, f in enumerate(chosen)}
+    return sorted(rows, key=lambda r: (order[r["family"]], r["engine"]))
+
+
+def run_all(envs: dict[str, Path], model: ModelFiles, log_dir: Path, log=print) -> list[dict]:
+    """Every engine's own cases on the embedded model; an engine that fails becomes one failed row."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for engine, env in envs.items():
+        log(f"validating the KV rules against {engine}")
+        try:
+            rows += [c.row() for c in REGISTRY[engine].kv_checks(env, model, log_dir)]
+        except (EngineStartError, RuntimeError, OSError, EnvInstallError) as exc:
+            rows.append(KVCheck(engine, "all", "-", None, None, None, 0, f"failed: {exc}").row())
+    return rows
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def verdict(row: dict) -> str:
+    if row["ok"]:
+        return "equal" + (" (within the log's 0.01 MiB)" if row["tolerance"] else "")
+    if row["predicted"] is not None and (row["measured"] is not None or row["engine_reported"] is not None):
+        return "DIFFERS"
+    return "not measured"
+
+
+def markdown(checks: list[dict]) -> str:
+    lines = ["| engine | case | quantity | predicted | engine-reported | measured | error % | within engine rounding |",
+             "|---|---|---|---:|---:|---:|---:|---|"]
+    for c in checks:
+        err = "-" if c["error_pct"] is None else f"{c['error_pct']:+.4f}"
+        lines.append(f"| {c['engine']} | {c['case']} | {c['quantity']} | {_fmt(c['predicted'])} "
+                     f"| {_fmt(c['engine_reported'])} | {_fmt(c['measured'])} | {err} "
+                     f"| {'yes' if c['ok'] else 'NO'} {('(' + c['note'] + ')') if c['note'] else ''} |")
+    return "\n".join(lines)
+
+
+def family_markdown(rows: list[dict]) -> str:
+    """The family x engine table: one row per family and engine."""
+    lines = ["| family | attention | engine | what is compared | plain formula (B) | engine's rules (B) "
+             "| engine's own (B) | verdict | note |",
+             "|---|---|---|---|---:|---:|---:|---|---|"]
+    for r in rows:
+        observed = r["measured"] if r["measured"] is not None else r["engine_reported"]
+        what = f"{r['quantity']}: {r['case']}" if r["quantity"] != "-" else "-"
+        note = str(r["note"]).replace("|", "/").replace("\n", " ")
+        lines.append(f"| {r['family']} | {r['attention']} | {r['engine']} | {what} | {_fmt(r.get('formula'))} "
+                     f"| {_fmt(r['predicted'])} | {_fmt(observed)} | {verdict(r)} | {note} |")
+    return "\n".join(lines)

@@ -1,0 +1,173 @@
+"""``kvbench report --recompute RUN``: rebuild every cell's latency and throughput figures from the raw
+chunk times in requests.jsonl under today's definitions (bench/metrics.py), and say what changed.
+
+A run's cells.jsonl holds the figures its kvbench computed when it ran; when a definition changes since
+(ITL counting the tokens of one socket read as one chunk, TPOT undefined where ITL is), those figures mean
+something other than today's. The raw record (every request's send time and chunk arrival times and
+token counts) is unchanged, so the figures can be made again:
+
+- each cell's measured requests (not warm-ups, same ``cell_id`` and ``repeat``) that met the token contract
+  (:func:`kvbench.common.metrics.request_verdict`) go through :func:`kvbench.common.metrics.cell_metrics` with the cell's
+  SLO; the resulting fields replace the row's (cells that failed keep their row);
+- the old cells.jsonl is kept as ``cells.jsonl.bak`` (the first one: a second recompute keeps the
+  original), the new one replaces it atomically (written beside it, fsynced, renamed), every row migrated
+  to the current schema; run.json gets a ``recomputed`` entry (when, which kvbench, what changed); stale
+  Parquet copies are rewritten.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+import kvbench
+from kvbench.common.files import atomic_write_text
+from kvbench.common.metrics import RequestTimes, cell_metrics, request_verdict
+from kvbench.store.results import OK_STATUSES, SCHEMA_VERSION, CellRow, RequestRow, migrate_row
+
+#: the fields of a cell row that :func:`kvbench.common.metrics.cell_metrics` makes
+RECOMPUTED_FIELDS = tuple(cell_metrics([], []))
+REL_TOL = 1e-9  # figures closer than this (relative) are the same
+
+
+@dataclass
+class Recompute:
+    run_dir: Path
+    rows: list[dict]  # the new rows (current schema)
+    changes: list[dict] = field(default_factory=list)  # {cell_id, repeat, field, old, new}
+    warnings: list[str] = field(default_factory=list)
+    cells_recomputed: int = 0
+
+    @property
+    def changed_cells(self) -> int:
+        return len({(c["cell_id"], c["repeat"]) for c in self.changes})
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    return math.isclose(float(a), float(b), rel_tol=REL_TOL, abs_tol=0.0)
+
+
+def recompute(run_dir: str | Path) -> Recompute:
+    """The run's cells with their figures rebuilt from requests.jsonl (nothing written)."""
+    run_dir = Path(run_dir)
+    cells = [migrate_row(r, CellRow) for r in _read(run_dir / "cells.jsonl")]
+    requests = [migrate_row(r, RequestRow) for r in _read(run_dir / "requests.jsonl")]
+    if not requests:
+        raise ValueError(f"{run_dir} has no requests.jsonl: nothing to recompute from")
+    by_cell: dict[tuple[str, int], list[dict]] = {}
+    for r in requests:
+        if not r["warmup"]:
+            by_cell.setdefault((r["cell_id"], r["repeat"]), []).append(r)
+    result = Recompute(run_dir, [])
+    for row in cells:
+        new = dict(row)
+        key = (row["cell_id"], row["repeat"])
+        mine = by_cell.get(key, [])
+        if row["status"] in OK_STATUSES:
+            if not mine:
+                result.warnings.append(f"{row['cell_id']} (repeat {row['repeat']}): no requests in requests.jsonl; "
+                                       "figures kept")
+            else:
+                good = [r for r in mine if request_verdict(
+                    r["error"], r["prompt_tokens_sent"], r["prompt_tokens_reported"], r["output_tokens_requested"],
+                    r["output_tokens_reported"], sum(r["chunk_tokens"])) == "ok"]
+                if len(good) != row["n_ok"]:
+                    result.warnings.append(f"{row['cell_id']} (repeat {row['repeat']}): {len(good)} requests meet "
+                                           f"the token contract today, the row counted {row['n_ok']}")
+                figures = cell_metrics([RequestTimes(r["t_sent"], tuple(r["chunk_times"]), tuple(r["chunk_tokens"]),
+                                                     r["t_done"]) for r in good],
+                                       [r["prompt_tokens_sent"] for r in good], row["slo_ttft_s"], row["slo_tpot_s"])
+                result.cells_recomputed += 1
+                for name, value in figures.items():
+                    if not _same(row.get(name), value):
+                        result.changes.append({"cell_id": row["cell_id"], "repeat": row["repeat"], "field": name,
+                                               "old": row.get(name), "new": value})
+                    new[name] = value
+        result.rows.append(CellRow.model_validate(new).model_dump(mode="json"))
+    return result
+
+
+def changes_frame(result: Recompute) -> pd.DataFrame:
+    """Old against new for every figure that differs (times in s, rates per s)."""
+    def fmt(v):
+        return "undefined" if v is None else f"{v:.6g}"
+
+    def change(old, new):
+        if old is None or new is None or old == 0:
+            return "-"
+        return f"{(new / old - 1) * 100:+.1f}%"
+
+    return pd.DataFrame([{"cell": c["cell_id"], "rep": c["repeat"], "figure": c["field"], "old": fmt(c["old"]),
+                          "new": fmt(c["new"]), "change": change(c["old"], c["new"])} for c in result.changes],
+                        columns=["cell", "rep", "figure", "old", "new", "change"])
+
+
+def write(result: Recompute) -> Path | None:
+    """Replace cells.jsonl with the recomputed rows (keeping cells.jsonl.bak) and record the recompute in
+    run.json; the backup's path, or None when nothing changed (then nothing is written)."""
+    run_dir = result.run_dir
+    if not result.changes:
+        return None
+    backup = run_dir / "cells.jsonl.bak"
+    if not backup.exists():  # the first recompute keeps the record as the run wrote it
+        shutil.copy2(run_dir / "cells.jsonl", backup)
+    atomic_write_text(run_dir / "cells.jsonl", "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in result.rows))
+    info_path = run_dir / "run.json"
+    info = json.loads(info_path.read_text())
+    from kvbench.common.hardware import environment_info  # the commit of the kvbench that recomputed
+
+    info.setdefault("recomputed", []).append({
+        "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "kvbench_version": kvbench.__version__, "kvbench_commit": environment_info().get("kvbench_commit"),
+        "schema_version": SCHEMA_VERSION, "fields": list(RECOMPUTED_FIELDS),
+        "cells_recomputed": result.cells_recomputed, "cells_changed": result.changed_cells,
+        "figures_changed": len(result.changes), "backup": backup.name,
+        "why": "figures rebuilt from requests.jsonl under the current definitions (docs/metrics.md)"})
+    atomic_write_text(info_path, json.dumps(info, indent=2) + "\n")
+    if (run_dir / "cells.parquet").exists() or (run_dir / "requests.parquet").exists():
+        from kvbench.store.results import write_parquet
+
+        write_parquet(run_dir)
+    return backup
+
+
+def summary(result: Recompute) -> str:
+    """What ``kvbench report --recompute`` prints: how many figures changed, then old against new."""
+    from kvbench.common.markdown import md_table
+
+    head = (f"recomputed {result.cells_recomputed} cells of {result.run_dir} from requests.jsonl: "
+            + (f"{len(result.changes)} figures in {result.changed_cells} cells changed"
+               if result.changes else "every figure matches"))
+    out = [head, *[f"warning: {w}" for w in result.warnings]]
+    if result.changes:
+        out.append(md_table(changes_frame(result), {"rep", "old", "new", "change"}))
+    return "\n\n".join(out)
+
+
+def recompute_runs(run_dirs, echo=print) -> int:
+    """``kvbench report --recompute``: recompute and rewrite each run, printing what changed; 0, or 2 when a
+    run cannot be recomputed (no requests.jsonl), before any is written."""
+    results = []
+    for run_dir in run_dirs:
+        try:
+            results.append(recompute(run_dir))
+        except (ValueError, OSError) as exc:
+            echo(f"error: cannot recompute {run_dir}: {exc}")
+            return 2
+    for result in results:
+        backup = write(result)
+        echo(summary(result) + (f"\n\nold record kept as {backup}; run.json records the recompute" if backup else ""))
+    return 0
