@@ -13,12 +13,12 @@ ENGINES ?= $(shell $(KVBENCH) backends --default-args)
 # A machine where nvidia-smi lists a GPU gets the GPU default benchmark (CUDA builds of the engines, the
 # gpu_long_context ladder sized for the card by `kvbench default-bench`); DEVICE=cpu forces the CPU default.
 DEVICE ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo gpu || echo cpu)
-# The model: on a GPU a real ungated 7B instruct model from the hub (bench/default_bench.py GPU_MODEL says
+# The model: on a GPU a real ungated 7B instruct model from the hub (bench/run/default_bench.py GPU_MODEL says
 # why; downloaded once into the hub cache, HF_TOKEN read from the environment if set), its GGUF for llama.cpp
 # made by llama.cpp's own converter; on a CPU the embedded SmolLM2-135M. MODEL=org/name or a path overrides.
 GPU_MODEL := Qwen/Qwen2.5-7B-Instruct
 MODEL ?= $(if $(filter gpu,$(DEVICE)),$(GPU_MODEL),smollm2)
-# The engines' recipes read this to choose their CUDA builds (bench/hardware.py).
+# The engines' recipes read this to choose their CUDA builds (bench/common/hardware.py).
 export KVBENCH_GPU := $(if $(filter gpu,$(DEVICE)),1,0)
 ifeq ($(DEVICE),gpu)
 # Expanded when the bench recipe runs, after setup: the workload and the context cap for this card and model.
@@ -66,7 +66,7 @@ browser:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
 
-# Prometheus for the tests that read GPU and engine metrics through it (bench/telemetry.py): Debian's
+# Prometheus for the tests that read GPU and engine metrics through it (bench/run/telemetry.py): Debian's
 # package, installed only when missing (its service is not started: each test starts its own on 127.0.0.1).
 # Where it cannot be installed, those tests skip and say why; the rest of `make test` runs.
 prometheus:

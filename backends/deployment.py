@@ -13,7 +13,7 @@ the runner uses:
 - :meth:`Deployment.kv_pool` is the sum of the replicas' pools; each replica's own is kept beside it.
 
 The runner turns the total into the cell's row and :meth:`Deployment.replica_polls` into one row per
-replica (bench/summary.py ``replica_rows``). A deployment is attached, never started: its replicas'
+replica (bench/run/rows.py ``replica_rows``). A deployment is attached, never started: its replicas'
 processes are not kvbench's, so their memory is "not measured", as for any attached server.
 """
 from __future__ import annotations

@@ -579,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="(e) a llama.cpp source archive or folder (backends/llamacpp/scripts/pack_llama_source.sh "
                              "makes one under 64 MiB): build its CUDA llama-server here if the time allows")
     parser.add_argument("--families", action="store_true",
-                        help="(b) also on kvbench validate's families (random-weight models of bench/kv_families.toml)")
+                        help="(b) also on kvbench validate's families (random-weight models of bench/run/kv_families.toml)")
     parser.add_argument("--no-embedded", action="store_true", help="(b) without the embedded model")
     parser.add_argument("--budget-s", type=float, default=540, help="the whole check's time budget (default 540)")
     parser.add_argument("--alloc-gib", type=float, default=4.0, help="size of check (a)'s allocation")

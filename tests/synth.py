@@ -5,7 +5,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbench.store.results import CellRow, RequestRow, RunWriter
+from kvbench.store.schema import CellRow, RequestRow
+from kvbench.store.writer import RunWriter
 
 CONTRACT = "token ids, ignore_eos"
 

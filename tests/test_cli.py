@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.store.results import load_cells
+from kvbench.store.readers import load_cells
 
 from .conftest import engine_env
 

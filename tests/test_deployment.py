@@ -21,7 +21,8 @@ from kvbench.common.redact import redact_text
 from kvbench.compare.runs import load_side
 from kvbench.run.backend_config import BackendConfig, ConfigError
 from kvbench.run.runner import Runner, RunOptions
-from kvbench.store.results import SCHEMA_VERSION, CellRow, column_dtypes, load, load_cells, migrate_row
+from kvbench.store.readers import column_dtypes, load, load_cells
+from kvbench.store.schema import SCHEMA_VERSION, CellRow, migrate_row
 from kvbench.workloads import Workload
 from tests.fakes.replica_server import FakeReplica
 from tests.fakes.testkit import prompt, run, spec

@@ -342,7 +342,7 @@ def test_a_real_run_writes_per_gpu_rows_through_a_two_gpu_fake_nvml(tmp_path, mo
 
     from kvbench.run.backend_config import BackendConfig
     from kvbench.run.runner import Runner, RunOptions
-    from kvbench.store.results import load_cells
+    from kvbench.store.readers import load_cells
     from kvbench.workloads import load
 
     from .conftest import engine_env

@@ -10,7 +10,8 @@ from rich.console import Console
 from kvbench.kv.geometry import round_up
 from kvbench.run.backend_config import BackendConfig
 from kvbench.run.runner import Runner, RunOptions
-from kvbench.store.results import SCHEMA_VERSION, load_cells, load_run_info
+from kvbench.store.readers import load_cells, load_run_info
+from kvbench.store.schema import SCHEMA_VERSION
 from kvbench.workloads import load
 
 from .conftest import engine_env

@@ -1,4 +1,4 @@
-"""The run-time estimate (bench/estimate.py): its model, and that a run says it and records it."""
+"""The run-time estimate (bench/run/estimate.py): its model, and that a run says it and records it."""
 import io
 
 import pytest
@@ -8,7 +8,7 @@ from kvbench.run import estimate
 from kvbench.run.backend_config import BackendConfig
 from kvbench.run.estimate import Calibration, cell_seconds
 from kvbench.run.runner import Runner, RunOptions
-from kvbench.store.results import load_run_info
+from kvbench.store.readers import load_run_info
 from kvbench.workloads import load
 
 

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from kvbench.run.backend_config import BackendConfig
 from kvbench.run.runner import Runner, RunOptions
-from kvbench.store.results import load_cells, load_run_info
+from kvbench.store.readers import load_cells, load_run_info
 from kvbench.workloads import load
 
 from .conftest import engine_env

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from kvbench.run.backend_config import BackendConfig
 from kvbench.run.runner import Runner, RunOptions
-from kvbench.store.results import load_cells, load_run_info
+from kvbench.store.readers import load_cells, load_run_info
 from kvbench.workloads import load
 
 from .fakes.misbehaving_server import FakeMisbehaving
@@ -100,7 +100,8 @@ def test_a_server_refusing_connections_fails_the_backend_in_seconds(tmp_path, sm
 # --- reused run ids and resume (the results folder's own faults: tests/test_results_faults.py) -------------
 
 def test_a_reused_run_id_is_refused_and_resume_finishes_only_the_missing_cells(tmp_path, smollm2):
-    from kvbench.store.results import RunExistsError, load
+    from kvbench.store.errors import RunExistsError
+    from kvbench.store.readers import load
 
     with FakeOpenAI() as server:
         run_dir, cells, _ = run(tmp_path, server.url)

@@ -9,7 +9,7 @@ from kvbench.planner import resolve_model
 from kvbench.reports import build
 from kvbench.reports import gpu as g
 from kvbench.reports.tables import aggregate
-from kvbench.store.results import load
+from kvbench.store.readers import load
 
 from .synth import make_run
 

@@ -155,7 +155,7 @@ def test_llamacpp_makes_the_gguf_of_a_hub_model_once_with_llamas_converter(tmp_p
 
 
 def test_the_gpu_default_is_a_real_ungated_model_sized_from_the_hub(hub, tmp_path):
-    """On a GPU machine `make bench` runs Qwen2.5-7B-Instruct (bench/default_bench.py GPU_MODEL; the
+    """On a GPU machine `make bench` runs Qwen2.5-7B-Instruct (bench/run/default_bench.py GPU_MODEL; the
     Makefile names the same); its ladder is sized from the hub's config and safetensors index, with a token
     in the environment that is sent but written nowhere."""
     from kvbench.run import default_bench

@@ -6,7 +6,7 @@ from rich.console import Console
 
 from kvbench.run.backend_config import BackendConfig
 from kvbench.run.runner import Runner, RunOptions
-from kvbench.store.results import load_cells, load_run_info
+from kvbench.store.readers import load_cells, load_run_info
 from kvbench.workloads import load
 
 from .fakes.openai_server import FakeOpenAI

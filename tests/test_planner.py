@@ -324,7 +324,7 @@ def test_an_encoder_is_refused(tmp_path):
 
 def _overhead_run(tmp_path, rows: list[dict]) -> Path:
     """A run folder whose cells carry the per-GPU overhead figures a GPU run writes (no GPU needed)."""
-    from kvbench.store.results import CellRow
+    from kvbench.store.schema import CellRow
 
     run = tmp_path / "gpu-run"
     run.mkdir()

@@ -8,7 +8,9 @@ from typer.testing import CliRunner
 from kvbench.cli import app
 from kvbench.common.metrics import RequestTimes, cell_metrics
 from kvbench.store import recompute as rc
-from kvbench.store.results import SCHEMA_VERSION, CellRow, RequestRow, RunWriter, load
+from kvbench.store.readers import load
+from kvbench.store.schema import SCHEMA_VERSION, CellRow, RequestRow
+from kvbench.store.writer import RunWriter
 
 ROOT = Path(__file__).resolve().parent.parent / "results"
 

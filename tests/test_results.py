@@ -5,7 +5,9 @@ import pytest
 from pydantic import ValidationError
 
 from kvbench.reports import write
-from kvbench.store.results import SCHEMA_VERSION, CellRow, RunWriter, load_cells
+from kvbench.store.readers import load_cells
+from kvbench.store.schema import SCHEMA_VERSION, CellRow
+from kvbench.store.writer import RunWriter
 
 
 def cell(**overrides) -> CellRow:

@@ -20,22 +20,16 @@ from typer.testing import CliRunner
 
 from kvbench.cli import app
 from kvbench.common.files import PlainNameError, append_line, atomic_write_text, check_plain_name
-from kvbench.store.results import (
-    HARNESS_GONE,
+from kvbench.store.errors import (
     DamagedLinesWarning,
     ResultsReadError,
     ResultsWarning,
     ResultsWriteError,
     RunExistsError,
     RunFolderError,
-    RunWriter,
-    load,
-    load_cells,
-    load_run_info,
-    parquet_is_current,
-    run_status,
-    write_parquet,
 )
+from kvbench.store.readers import load, load_cells, load_run_info, parquet_is_current, write_parquet
+from kvbench.store.writer import HARNESS_GONE, RunWriter, run_status
 from kvbench.workloads import WorkloadError
 from kvbench.workloads import load as load_workload
 
@@ -53,7 +47,7 @@ def kvbench(*args):
 
 
 def request(cell_id: str, i: int = 0, warmup: bool = False) -> "RequestRow":  # noqa: F821
-    from kvbench.store.results import RequestRow
+    from kvbench.store.schema import RequestRow
 
     return RequestRow(run_id="r1", cell_id=cell_id, backend="vllm-0.32.0", request_id=f"q{i}", warmup=warmup,
                       prompt_tokens_sent=8, prompt_tokens_reported=8, output_tokens_requested=2,

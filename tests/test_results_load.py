@@ -1,4 +1,4 @@
-"""kvbench.store.results.load: tidy DataFrames from JSONL or Parquet, v1 runs migrated to the current schema."""
+"""kvbench.store.readers.load: tidy DataFrames from JSONL or Parquet, v1 runs migrated to the current schema."""
 import json
 import os
 import shutil
@@ -7,15 +7,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from kvbench.store.results import (
-    SCHEMA_VERSION,
-    CellRow,
-    ensure_parquet,
-    load,
-    migrate_row,
-    parquet_is_current,
-    write_parquet,
-)
+from kvbench.store.readers import ensure_parquet, load, parquet_is_current, write_parquet
+from kvbench.store.schema import SCHEMA_VERSION, CellRow, migrate_row
 
 from .synth import make_run
 
@@ -102,7 +95,7 @@ def test_ok_column_is_the_cells_token_contract():
     back to the tokens received (Ollama or TGI without a prompt count) instead of failing the request."""
     import pandas as pd
 
-    from kvbench.store.results import _requests_derived
+    from kvbench.store.readers import _requests_derived
 
     def req(**kw):
         base = dict(warmup=False, error=None, prompt_tokens_sent=8, prompt_tokens_reported=8,

@@ -4,7 +4,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvbench.store.results import SCHEMA_VERSION, CellRow, RequestRow, column_dtypes, load, migrate_row
+from kvbench.store.readers import column_dtypes, load
+from kvbench.store.schema import SCHEMA_VERSION, CellRow, RequestRow, migrate_row
 
 from .synth import make_run
 
@@ -63,7 +64,7 @@ def test_a_parquet_copy_without_a_column_still_loads_it(tmp_path):
     (NaN) with the same dtype as everywhere else instead of raising."""
     import pyarrow.parquet as pq
 
-    from kvbench.store.results import parquet_is_current, write_parquet
+    from kvbench.store.readers import parquet_is_current, write_parquet
 
     run = make_run(tmp_path, "old", repeats=1, prompts=(128,), concurrency=(1,))
     write_parquet(run)

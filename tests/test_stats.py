@@ -1,4 +1,4 @@
-"""bench/stats.py on known distributions: a real 10 % regression is caught, noise within tolerance is not."""
+"""bench/common/stats.py on known distributions: a real 10 % regression is caught, noise within tolerance is not."""
 import numpy as np
 import pytest
 
@@ -111,10 +111,10 @@ def test_repeats_needed_grows_with_noise_and_shrinks_with_tolerance():
 
 
 def test_calibration_coverage_false_regressions_and_power():
-    """A small run of bench/compare_calibration.py (fixed seed): the 95 % interval covers the truth about
+    """A small run of bench/compare/calibration.py (fixed seed): the 95 % interval covers the truth about
     95 % of the time at 3, 5 and 10 repeats, an unchanged engine is called a regression at most 5 % of the
     time, and power for a planted 10 % regression grows with the repeats."""
-    from kvbench.compare.runs import calibration as cal
+    from kvbench.compare import calibration as cal
 
     rows = cal.table(sims=3000, seed=1, cvs=(0.03, 0.15))
     for r in rows:
@@ -131,7 +131,7 @@ def test_calibration_coverage_false_regressions_and_power():
 def test_calibration_shows_a_single_run_bootstrap_misses_run_to_run_noise():
     """One run per side at 7 % run-to-run noise: the bootstrap over the requests is too narrow (the script
     prints 79 % coverage over 1,000 comparisons); repeats are what fixes it."""
-    from kvbench.compare.runs import calibration as cal
+    from kvbench.compare import calibration as cal
 
     row = cal.simulate_single_run(0.07, sims=200, seed=3, n_boot=500)
     assert row.repeats == 1 and row.method.startswith("single run")

@@ -281,3 +281,21 @@ def test_the_editable_install_is_a_tree_static_readers_follow():
     tree = Path(lines[0])
     assert (tree / "kvbench" / "backends" / "vllm" / "adapter.py").resolve() == ROOT / "backends" / "vllm" / "adapter.py"
     assert (tree / "kvbench" / "kv" / "geometry.py").resolve() == ROOT / "bench" / "kv" / "geometry.py"
+
+
+def long_functions(path: Path, limit: int) -> list[str]:
+    return [f"{n.name}: {n.end_lineno - n.lineno + 1} lines" for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > limit]
+
+
+def test_no_function_of_the_runner_is_longer_than_a_screen():
+    assert long_functions(ROOT / "bench" / "run" / "runner.py", 60) == []
+
+
+def test_no_product_module_over_500_lines_without_a_reason():
+    """A module over 500 lines says why in its docstring (a line starting "Long because")."""
+    files = [*ROOT.glob("bench/**/*.py"), *ROOT.glob("backends/**/*.py"), *ROOT.glob("workloads/**/*.py")]
+    long = [p.relative_to(ROOT).as_posix() for p in files if "scripts" not in p.parts
+            and len(p.read_text().splitlines()) > 500
+            and "Long because" not in (ast.get_docstring(ast.parse(p.read_text())) or "")]
+    assert long == []

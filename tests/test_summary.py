@@ -97,7 +97,7 @@ def test_a_failed_row_carries_the_reason_and_no_figures(tmp_path):
 
 def test_the_console_line_says_undefined_for_a_cell_without_itl():
     from kvbench.run.rows import summary_line
-    from kvbench.store.results import CellRow
+    from kvbench.store.schema import CellRow
 
     row = CellRow(run_id="r", cell_id="c", backend="vllm-0.32.0", engine="vllm", engine_version="0.32.0", model="m",
                   workload="w", prompt_tokens=8, output_tokens=4, concurrency=1, kv_dtype="bf16", status="ok",

@@ -1,4 +1,4 @@
-"""Telemetry from Prometheus (bench/telemetry.py): parsing and alignment on canned API answers (in the shape a
+"""Telemetry from Prometheus (bench/run/telemetry.py): parsing and alignment on canned API answers (in the shape a
 real Prometheus 2.42 returned for the DCGM stand-in), a real Prometheus (Debian's package) scraping the DCGM
 stand-in, and (engine) a real vLLM CPU server attached by `kvbench run --prometheus`."""
 from __future__ import annotations
@@ -235,7 +235,7 @@ def run_kvbench(tmp_path, workload, backend: str, prom_url: str, selector: str, 
 
     from kvbench.run.backend_config import BackendConfig
     from kvbench.run.runner import Runner, RunOptions
-    from kvbench.store.results import load_cells
+    from kvbench.store.readers import load_cells
 
     opts = RunOptions(model="smollm2", workload=workload, backends=[BackendConfig.parse(backend)],
                       results_dir=tmp_path / "runs", run_id="run", start_timeout_s=300, request_timeout_s=300,
@@ -247,7 +247,7 @@ def run_kvbench(tmp_path, workload, backend: str, prom_url: str, selector: str, 
 def test_kvbench_run_reads_prometheus_into_the_row_and_telemetry_csv(tmp_path):
     """The runner's integration without an engine: the fake OpenAI server, two load workers, a real
     Prometheus scraping the DCGM stand-in: the row's GPU figures, the samples file, and the Parquet copy."""
-    from kvbench.store.results import load
+    from kvbench.store.readers import load
     from kvbench.workloads import Workload
     from tests.fakes.openai_server import FakeOpenAI
 
@@ -356,7 +356,7 @@ def test_the_cli_flags_reach_the_run(tmp_path):
     import subprocess
     import sys
 
-    from kvbench.store.results import load_cells
+    from kvbench.store.readers import load_cells
     from tests.fakes.openai_server import FakeOpenAI
 
     def kvbench(*args):
@@ -389,7 +389,7 @@ def test_a_deployment_of_two_vllm_replicas_with_prometheus_and_dcgm(tmp_path, sm
     from kvbench import reports
     from kvbench.backends.types import ServerSpec
     from kvbench.backends.vllm.adapter import VLLMBackend
-    from kvbench.store.results import load
+    from kvbench.store.readers import load
     from kvbench.workloads import Workload
 
     from .conftest import engine_env

@@ -3,9 +3,10 @@ from pathlib import Path
 
 import typer
 
-from kvbench.compare.runs import CompareError, load_config, load_side, markdown, write_html, write_outputs
+from kvbench.compare.render import markdown, write_html, write_outputs
+from kvbench.compare.runs import CompareError, load_config, load_side
 from kvbench.compare.runs import compare as run_compare
-from kvbench.store.results import ResultsReadError
+from kvbench.store.errors import ResultsReadError
 
 
 def compare(
@@ -13,7 +14,7 @@ def compare(
                                                 "(with --baseline-backend and --candidate-backend)."),
     baseline_backend: str = typer.Option(None, "--baseline-backend", help="Backend label of the baseline, e.g. vllm-0.31.0."),
     candidate_backend: str = typer.Option(None, "--candidate-backend", help="Backend label of the candidate, e.g. vllm-0.32.0."),
-    tolerances: Path = typer.Option(None, "--tolerances", help="TOML file laid over bench/compare_tolerances.toml."),
+    tolerances: Path = typer.Option(None, "--tolerances", help="TOML file laid over bench/compare/compare_tolerances.toml."),
     match_on: str = typer.Option(None, "--match-on", help="Comma-separated cell fields that must agree "
                                                           "(default: the cell configuration minus engine_version)."),
     json_file: Path = typer.Option(None, "--json", help="Also write the result as JSON to this file."),

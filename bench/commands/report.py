@@ -7,7 +7,8 @@ from rich.markdown import Markdown
 
 from kvbench import reports
 from kvbench.common import ui
-from kvbench.store.results import ResultsReadError, ResultsWarning, ResultsWriteError, ensure_parquet, not_a_run_dir
+from kvbench.store.errors import ResultsReadError, ResultsWarning, ResultsWriteError
+from kvbench.store.readers import ensure_parquet, not_a_run_dir
 
 
 def report(

@@ -6,20 +6,15 @@ from rich.markup import escape
 from kvbench import reports
 from kvbench.backends import DEFAULT_ENGINES, REGISTRY
 from kvbench.common import ui
+from kvbench.common.files import PlainNameError, check_plain_name
 from kvbench.common.models import ModelError
 from kvbench.common.suggest import with_hint
 from kvbench.planner import model_names
 from kvbench.run.backend_config import BackendConfig, ConfigError
 from kvbench.run.runner import Runner, RunOptions
 from kvbench.run.telemetry import Prometheus
-from kvbench.store.results import (
-    PlainNameError,
-    ResultsReadError,
-    ResultsWriteError,
-    RunFolderError,
-    check_plain_name,
-    load_cells,
-)
+from kvbench.store.errors import ResultsReadError, ResultsWriteError, RunFolderError
+from kvbench.store.readers import load_cells
 from kvbench.workloads import WorkloadError, available
 from kvbench.workloads import load as load_workload
 

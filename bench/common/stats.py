@@ -21,7 +21,7 @@ Every interval is on the **log of the ratio** ``candidate / baseline`` and repor
 
 ``decide`` turns an interval into a verdict against a tolerance: a regression only when the whole interval
 lies beyond the tolerance on the worse side. ``repeats_needed`` says how many repeats a tolerance needs at
-the noise observed. ``bench/compare_calibration.py`` measures the coverage, false-regression rate and
+the noise observed. ``bench/compare/calibration.py`` measures the coverage, false-regression rate and
 power of these intervals on simulated comparisons of known truth.
 """
 from __future__ import annotations
@@ -146,7 +146,7 @@ def repeats_needed(log_sd: float, tolerance: float, confidence: float = 0.95, pa
 # --- a single run: the requests ------------------------------------------------------------------------
 
 def percentile_stat(q: float) -> Callable[[np.ndarray], np.ndarray]:
-    """A statistic for :func:`bootstrap_relative_change`: the q-th percentile (linear, as bench/metrics.py)
+    """A statistic for :func:`bootstrap_relative_change`: the q-th percentile (linear, as bench/common/metrics.py)
     along the last axis."""
     return lambda a, axis=-1: np.percentile(a, q, axis=axis)
 

@@ -2,7 +2,7 @@
 
 ``python -m kvbench.compare.calibration`` draws many baseline/candidate pairs of repeated runs, each repeat's
 value the true value times lognormal noise at a coefficient of variation (CV) seen in real runs, and passes
-them through the same interval and verdict code ``kvbench compare`` uses (bench/stats.py). It prints, per
+them through the same interval and verdict code ``kvbench compare`` uses (bench/common/stats.py). It prints, per
 noise level, repeats per side and method:
 
 - **coverage**: how often the 95 % interval holds the true change (should be about 95 %), with no change

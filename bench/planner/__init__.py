@@ -266,7 +266,8 @@ def measured_overhead(run_dir: str | Path, engine: str | None = None, model: str
     over the idle baseline on the fullest GPU, minus the weights and the KV pool the engine reported), over
     its ok cells of ``engine`` (and ``model``) where given: the largest, since a plan must hold at every load
     the run measured. A run with no such cell is a PlanError saying why."""
-    from kvbench.store.results import OK_STATUSES, load_cells
+    from kvbench.store.readers import load_cells
+    from kvbench.store.schema import OK_STATUSES
 
     path = Path(run_dir).expanduser()
     if not (path / "cells.jsonl").exists():

@@ -1,6 +1,6 @@
 """``kvbench report``: one or more runs as Markdown tables, PNG plots and one self-contained HTML page.
 
-``build`` loads the runs (``kvbench.store.results.load``), makes the tables (``tables.py``: one pandas frame per
+``build`` loads the runs (``kvbench.store.readers.load``), makes the tables (``tables.py``: one pandas frame per
 question) and the plots (``plots.py``), and returns a :class:`Report`; ``markdown.py`` and ``html.py``
 lay it out. Each table carries a caption with the run id, hardware, model and engine versions, so it can
 be quoted alone.
@@ -16,16 +16,9 @@ import pandas as pd
 
 from kvbench.common.files import atomic_write_text
 from kvbench.reports import plots, tables
-from kvbench.store.results import (
-    DamagedLinesWarning,
-    ResultsReadError,
-    ResultsWarning,
-    ResultsWriteError,
-    load,
-    load_run_info,
-    read_jsonl_rows,
-    run_status,
-)
+from kvbench.store.errors import DamagedLinesWarning, ResultsReadError, ResultsWarning, ResultsWriteError
+from kvbench.store.readers import load, load_run_info, read_jsonl_rows
+from kvbench.store.writer import run_status
 
 
 @dataclass
@@ -164,7 +157,7 @@ def _run_info(run_dir: Path) -> dict:
 
 def build(run_dirs: list[str | Path], plots_dir: Path | None = None) -> Report:
     """The report of one or more runs; plots are written into ``plots_dir`` (None: no plots). Damaged
-    records the loaders worked around (:class:`kvbench.store.results.ResultsWarning`, e.g. a torn last line)
+    records the loaders worked around (:class:`kvbench.store.errors.ResultsWarning`, e.g. a torn last line)
     are named in the run's header and in ``notes``, and warned again for the caller."""
     run_dirs = [Path(d) for d in run_dirs]
     with warnings.catch_warnings(record=True) as caught:

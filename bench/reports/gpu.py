@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from kvbench.kv.units import GIB
-from kvbench.store.results import OK_STATUSES
+from kvbench.store.schema import OK_STATUSES
 
 from .tables import _lead, _missing, fmt_bytes, fmt_int, fmt_ratio
 

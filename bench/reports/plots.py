@@ -262,7 +262,7 @@ def latency_throughput(cells: pd.DataFrame, out: Path) -> Path | None:
 
 def latency_cdfs(requests: pd.DataFrame, out: Path) -> Path | None:
     """The distribution (CDF) of TTFT and of ITL per engine, over every measured request that met the token
-    contract (all cells of the engine pooled; ITL per gap, as bench/metrics.py defines it)."""
+    contract (all cells of the engine pooled; ITL per gap, as bench/common/metrics.py defines it)."""
     import numpy as np
 
     from kvbench.common.metrics import RequestTimes

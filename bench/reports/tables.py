@@ -1,6 +1,6 @@
 """The report's tables as pandas DataFrames of display strings, one function per question.
 
-Every function takes the tidy cells of :func:`kvbench.store.results.load` (one or more runs, repeats
+Every function takes the tidy cells of :func:`kvbench.store.readers.load` (one or more runs, repeats
 included) and returns a frame whose columns are the table's headings; ``markdown.py`` and ``html.py``
 only lay them out. Repeats of one cell are averaged (the ``rep`` column says how many).
 """
@@ -12,7 +12,7 @@ from kvbench.backends import ENGINES, kv_rules
 from kvbench.kv import units
 from kvbench.kv.rules import KVRules
 from kvbench.run.cells import load_label as _load_label
-from kvbench.store.results import CELL_CONFIG_FIELDS, OK_STATUSES
+from kvbench.store.schema import CELL_CONFIG_FIELDS, OK_STATUSES
 
 NOT_MEASURED = "not measured"
 

@@ -1,8 +1,8 @@
 """A cell's row from what the runner measured: pure functions, no I/O.
 
 The runner drives the engine and the samplers and hands back a :class:`CellMeasurement` (the raw record
-of one cell); :func:`summarize` turns it into the cell's :class:`~kvbench.store.results.CellRow`: the token
-contract, latency and throughput (bench/metrics.py), the KV prediction, the engine's KV and queue peaks,
+of one cell); :func:`summarize` turns it into the cell's :class:`~kvbench.store.schema.CellRow`: the token
+contract, latency and throughput (bench/common/metrics.py), the KV prediction, the engine's KV and queue peaks,
 and the memory peaks. :func:`failed_row` is the row of a cell that could not run.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kvbench.kv.units import fmt_bytes
 from kvbench.load import LoadResult
 from kvbench.run.cells import Cell, load_label
 from kvbench.run.samplers import KVSample, MemorySample, QueueSample
-from kvbench.store.results import CellRow, RequestRow
+from kvbench.store.schema import CellRow, RequestRow
 from kvbench.workloads import Workload
 
 CLIENT_LAG_WARN_S = 0.05  # docs/metrics.md, "Client lag"
@@ -81,7 +81,7 @@ class CellMeasurement:
     # a deployment (backends/deployment.py): each replica's own pool, polls and requests, by host:port; the
     # fields above are then the deployment's totals (KV and queue summed over the replicas at each poll)
     replicas: dict | None = None
-    telemetry: dict | None = None  # t_cell_start_unix and the prom_* figures (--prometheus; bench/telemetry.py)
+    telemetry: dict | None = None  # t_cell_start_unix and the prom_* figures (--prometheus; bench/run/telemetry.py)
 
 
 def failed_row(run: EngineRun, cell: Cell, status: str, error: str | None, log_tail: str | None) -> CellRow:

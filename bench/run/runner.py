@@ -52,7 +52,10 @@ from kvbench.run.rows import (
 )
 from kvbench.run.samplers import EnginePoller, ProcessTreeMemorySampler, busy_threads, tree_rss
 from kvbench.run.telemetry import Prometheus, measure_cell
-from kvbench.store.results import ResultsWriteError, RunMode, RunWriter, ensure_parquet, load_cells, load_run_info
+from kvbench.store.errors import ResultsWriteError
+from kvbench.store.readers import ensure_parquet, load_cells
+from kvbench.store.run_record import RunRecord
+from kvbench.store.writer import RunMode, RunWriter
 from kvbench.workloads import Workload
 from kvbench.workloads.prompts import PromptBuilder
 
@@ -105,25 +108,16 @@ class Runner:
         self.console = console or Console()
         self.run_id = options.run_id or new_run_id(options.workload.name)
         self.writer = RunWriter(options.results_dir / self.run_id, mode=options.results_mode)
-        self.reported_versions: dict[str, str] = {}
-        self.token_checks: dict[str, str] = {}
-        self.gpu_baselines: dict[str, dict | None] = {}
+        self.record = RunRecord()
         # resuming: the cells that have rows already (any status) are kept, not run again
         self.finished: dict[str, float | None] = {}
-        self.engine_stops: dict[str, dict] = {}
-        self.estimates: dict[str, dict] = {}
-        self.engine_threads: dict[str, dict] = {}
         if options.results_mode == "resume":
             done = load_cells(self.writer.root)
             self.finished = dict(zip(done.cell_id, done.requests_per_s))
             self.writer.discard_unfinished_requests()
             # what the earlier invocations recorded per engine stays, beside this one's
-            earlier = load_run_info(self.writer.root)
-            self.reported_versions.update(earlier.get("engine_versions") or {})
-            self.token_checks.update(earlier.get("token_checks") or {})
-            self.gpu_baselines.update(earlier.get("gpu_baselines") or {})
-            self.engine_stops.update(earlier.get("engine_stops") or {})
-            self.engine_threads.update(earlier.get("engine_threads") or {})
+            self.record = RunRecord.of_run(self.writer.root)
+            self.record.estimates.clear()  # an estimate belongs to the invocation that made it
         self.nvml = NVML()
 
     @property
@@ -212,7 +206,7 @@ class _EngineSession:
         self.gpu_baseline: GPUBaseline | None = None
         self.streak = TimeoutStreak(runner.o.max_consecutive_timeouts)
         self.stop_reason = "interrupted"  # until the session says otherwise
-        self.estimated: dict | None = None  # how long its cells were expected to take (bench/estimate.py)
+        self.estimated: dict | None = None  # how long its cells were expected to take (bench/run/estimate.py)
         variant = {None: "", True: " (prefix caching on)", False: " (prefix caching off)"}[spec.prefix_caching]
         self.key = cfg.label + variant + ("" if repeat is None else f" repeat {repeat}")  # in run.json's engine_stops
 
@@ -261,83 +255,102 @@ class _EngineSession:
         return cls(self.cfg.version, env_path, self.cfg.options)
 
     def run_cells(self, backend: Backend) -> None:
-        r, cfg, label = self.r, self.cfg, self.cfg.label
-        self.progress.update(self.bar, description=f"{label}: {'attaching' if cfg.url else 'starting'}")
+        """Start or attach, check, warm up (and calibrate), measure the cells, stop and record: an engine
+        that fails at any step fails the cells it has not run, with the reason and its log."""
         started = False
         try:
-            if cfg.url:
-                backend.attach(self.spec, cfg.url, timeout_s=min(r.o.start_timeout_s, 60))
-            else:
-                # GPU memory before the engine exists: its figures are measured against this
-                self.gpu_baseline = r.nvml.idle_baseline()  # None without a GPU
-                r.gpu_baselines[label] = self.gpu_baseline.to_dict() if self.gpu_baseline else None
-                r.writer.update_run_info(gpu_baselines=r.gpu_baselines)
-                backend.start(self.spec, r.writer.log_path(label), r.o.start_timeout_s)
+            self.start_or_attach(backend)
             started = True
-            version = backend.reported_version()
-            r.reported_versions[label] = version
-            r.writer.update_run_info(engine_versions=r.reported_versions)
-            self.info = replace(self.info, engine_version_reported=version, token_contract=self.token_contract(backend))
+            self.check(backend)
             self.warm_up(backend)
-            while self.done < len(self.cells):
-                self.skip_finished()
-                if self.done == len(self.cells):
-                    break
-                cell = self.cells[self.done]
-                if died := backend.exit_description():
-                    self.stop_reason = f"engine {died} during the run"
-                    return self.fail_remaining(self.stop_reason, backend.log_tail())
-                if self.streak.tripped:
-                    self.stop_reason = f"wedged: {self.streak.describe()}"
-                    return self.fail_remaining(self.stop_reason, backend.log_tail())
-                self.progress.update(self.bar, description=f"{label}: {cell.describe()}")
-                m = self.measure(backend, cell)
-                row = summarize(self.info, m)
-                r.writer.write_cell(row)
-                for part in replica_rows(self.info, m, row):  # a deployment's rows per replica
-                    r.writer.write_cell(part)
-                self.done += 1
-                self.progress.advance(self.bar)
-                r.console.print(summary_line(row))
-                # a saturation sweep's closed loop found the rate: the open-loop rates follow it
-                self.cells[self.done:self.done] = self.plan.saturation_cells(cell, row.requests_per_s or 0)
-            self.stop_reason = "finished"
+            self.measure_cells(backend)
         except (EngineStartError, ValueError, httpx.HTTPError) as exc:
-            # an HTTP error here is one of the harness's own calls (e.g. a cell's counter reset)
-            detail = f"{type(exc).__name__}: {exc}" if isinstance(exc, httpx.HTTPError) else str(exc)
-            died = backend.exit_description(wait_s=ENGINE_EXIT_WAIT_S) if started else ""
-            what = f"engine {died} during the run" if died else ("engine failed" if started else
-                                                                  "engine failed to start")
-            self.stop_reason = f"{what}: {detail}"
-            self.fail_remaining(self.stop_reason, (exc.log_tail if isinstance(exc, EngineStartError) else "")
-                                or backend.log_tail())
+            self.fail_engine(backend, exc, started)
         except (ResultsWriteError, KeyboardInterrupt):
             raise
         except Exception as exc:  # noqa: BLE001 - a bug or an engine answer the adapter cannot read
             self.stop_reason = f"backend failed: {type(exc).__name__}: {exc}"
             self.fail_remaining(self.stop_reason, _traceback_tail(exc) + "\n" + backend.log_tail())
         finally:
-            # the engine is stopped first: nothing below (a full disk included) may leave it running
-            threads = busy_threads(backend.pid) if backend.pid else None  # the threads it computed on
-            self.progress.update(self.bar, description=f"{label}: stopping")
-            survivors = backend.stop()
-            if self.estimated:  # the estimate beside what the cells took, so its error here can be read
-                self.estimated["took_s"] = round(time.monotonic() - self.estimated.pop("started"), 1)
-                r.estimates[self.key] = self.estimated
-            if threads:
-                r.engine_threads[self.key] = threads
-            if survivors:  # the stop could not end the engine's tree: its memory skews whatever runs next
-                names = ", ".join(f"{p['pid']} ({p['name']})" for p in survivors)
-                row = failed_row(self.info, self.cells[max(0, self.done - 1)], "failed",
-                                 f"{len(survivors)} process(es) of the engine survived its stop: {names}", "")
-                row.cell_id, row.variant = f"{row.cell_id}_stop", "engine stop"  # a row of its own, never a cell's
-                r.writer.write_cell(row)
-                r.console.print(f"[red]{label}: processes of the engine survived its stop: {names}[/]")
-            if not cfg.url:
-                r.engine_stops[self.key] = {"reason": self.stop_reason, "survivors": survivors}
-            if r.writer.failed is None:  # after a write error, the first one stands alone
-                r.writer.update_run_info(engine_stops=r.engine_stops, estimates=r.estimates,
-                                         engine_threads=r.engine_threads)
+            self.stop_and_record(backend)
+
+    def start_or_attach(self, backend: Backend) -> None:
+        r, cfg = self.r, self.cfg
+        self.progress.update(self.bar, description=f"{cfg.label}: {'attaching' if cfg.url else 'starting'}")
+        if cfg.url:
+            backend.attach(self.spec, cfg.url, timeout_s=min(r.o.start_timeout_s, 60))
+            return
+        # GPU memory before the engine exists: its figures are measured against this
+        self.gpu_baseline = r.nvml.idle_baseline()  # None without a GPU
+        r.record.gpu_baselines[cfg.label] = self.gpu_baseline.to_dict() if self.gpu_baseline else None
+        r.record.save(r.writer)
+        backend.start(self.spec, r.writer.log_path(cfg.label), r.o.start_timeout_s)
+
+    def check(self, backend: Backend) -> None:
+        """The version the engine reports and how its prompts and tokenizer were checked, recorded."""
+        version = backend.reported_version()
+        self.r.record.engine_versions[self.cfg.label] = version
+        self.info = replace(self.info, engine_version_reported=version, token_contract=self.token_contract(backend))
+        self.r.record.save(self.r.writer)
+
+    def measure_cells(self, backend: Backend) -> None:
+        r, label = self.r, self.cfg.label
+        while self.done < len(self.cells):
+            self.skip_finished()
+            if self.done == len(self.cells):
+                break
+            cell = self.cells[self.done]
+            if died := backend.exit_description():
+                self.stop_reason = f"engine {died} during the run"
+                return self.fail_remaining(self.stop_reason, backend.log_tail())
+            if self.streak.tripped:
+                self.stop_reason = f"wedged: {self.streak.describe()}"
+                return self.fail_remaining(self.stop_reason, backend.log_tail())
+            self.progress.update(self.bar, description=f"{label}: {cell.describe()}")
+            m = self.measure(backend, cell)
+            row = summarize(self.info, m)
+            r.writer.write_cell(row)
+            for part in replica_rows(self.info, m, row):  # a deployment's rows per replica
+                r.writer.write_cell(part)
+            self.done += 1
+            self.progress.advance(self.bar)
+            r.console.print(summary_line(row))
+            # a saturation sweep's closed loop found the rate: the open-loop rates follow it
+            self.cells[self.done:self.done] = self.plan.saturation_cells(cell, row.requests_per_s or 0)
+        self.stop_reason = "finished"
+
+    def fail_engine(self, backend: Backend, exc: Exception, started: bool) -> None:
+        """The engine failed to start or during the run (an HTTP error here is one of the harness's own
+        calls, e.g. a cell's counter reset): the rest of its cells fail with why, and whether it died."""
+        detail = f"{type(exc).__name__}: {exc}" if isinstance(exc, httpx.HTTPError) else str(exc)
+        died = backend.exit_description(wait_s=ENGINE_EXIT_WAIT_S) if started else ""
+        what = f"engine {died} during the run" if died else ("engine failed" if started else "engine failed to start")
+        self.stop_reason = f"{what}: {detail}"
+        self.fail_remaining(self.stop_reason, (exc.log_tail if isinstance(exc, EngineStartError) else "")
+                            or backend.log_tail())
+
+    def stop_and_record(self, backend: Backend) -> None:
+        """Stop the engine first (nothing after it, a full disk included, may leave it running), then record
+        the threads it computed on, its estimate against what the cells took, why it stopped and what survived."""
+        r, label = self.r, self.cfg.label
+        threads = busy_threads(backend.pid) if backend.pid else None
+        self.progress.update(self.bar, description=f"{label}: stopping")
+        survivors = backend.stop()
+        if self.estimated:  # the estimate beside what the cells took, so its error here can be read
+            self.estimated["took_s"] = round(time.monotonic() - self.estimated.pop("started"), 1)
+            r.record.estimates[self.key] = self.estimated
+        if threads:
+            r.record.engine_threads[self.key] = threads
+        if survivors:  # the stop could not end the engine's tree: its memory skews whatever runs next
+            names = ", ".join(f"{p['pid']} ({p['name']})" for p in survivors)
+            row = failed_row(self.info, self.cells[max(0, self.done - 1)], "failed",
+                             f"{len(survivors)} process(es) of the engine survived its stop: {names}", "")
+            row.cell_id, row.variant = f"{row.cell_id}_stop", "engine stop"  # a row of its own, never a cell's
+            r.writer.write_cell(row)
+            r.console.print(f"[red]{label}: processes of the engine survived its stop: {names}[/]")
+        if not self.cfg.url:
+            r.record.engine_stops[self.key] = {"reason": self.stop_reason, "survivors": survivors}
+        r.record.save(r.writer)
 
     def fail_remaining(self, error: str, log_tail: str = "", status: str = "failed") -> None:
         for cell in self.cells[self.done:]:
@@ -363,8 +376,7 @@ class _EngineSession:
                 raise ValueError(f"the engine's tokenizer disagrees with the model's tokenizer.json: 64 prompt "
                                  f"tokens became {len(ids)} ({list(ids)[:8]}... vs {list(probe.token_ids)[:8]}...)")
             note = "tokenizer checked against the engine's tokenize endpoint"
-        self.r.token_checks[self.cfg.label] = note
-        self.r.writer.update_run_info(token_checks=self.r.token_checks)
+        self.r.record.token_checks[self.cfg.label] = note
         return ", ".join(parts)
 
     def warm_up(self, backend: Backend) -> None:
@@ -389,7 +401,7 @@ class _EngineSession:
             self.estimate_cells([RequestTimes.of(r) for r in measured], [r.prompt_tokens_sent for r in measured])
 
     def estimate_cells(self, times: list[RequestTimes], prompt_tokens: list[int]) -> None:
-        """Say how long this engine's cells will take here (bench/estimate.py), and record it."""
+        """Say how long this engine's cells will take here (bench/run/estimate.py), and record it."""
         points = [(p, t.ttft) for p, t in zip(prompt_tokens, times) if t.ttft is not None]
         itls = sorted(x for t in times for x in t.itl_samples())
         if not points or not itls:
@@ -404,7 +416,7 @@ class _EngineSession:
                           "decode_tokens_per_s": round(1 / cal.decode_s_per_token) if cal.decode_s_per_token else None}
         self.r.console.print(f"{self.cfg.label}: about {estimate.describe(seconds)} for its {len(cells)} cells on "
                              f"this machine (from its {min(points)[0]}- and {max(points)[0]}-token calibration "
-                             f"prompts; rough, see bench/estimate.py)")
+                             f"prompts; rough, see bench/run/estimate.py)")
 
     def measure(self, backend: Backend, cell: Cell) -> CellMeasurement:
         """One cell: the load with the samplers running alongside, and the engine's figures around it."""

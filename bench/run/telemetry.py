@@ -359,9 +359,9 @@ class Prometheus:
 
 def write_samples(run_dir: str | Path, cell_id: str, telemetry: CellTelemetry) -> Path | None:
     """``telemetry/<cell_id>.csv`` in the run folder (replaced atomically); nothing when there is no sample.
-    A write error is the run's :class:`~kvbench.store.results.ResultsWriteError`."""
+    A write error is the run's :class:`~kvbench.store.errors.ResultsWriteError`."""
     from kvbench.common.files import atomic_write_text
-    from kvbench.store.results import ResultsWriteError
+    from kvbench.store.errors import ResultsWriteError
 
     if telemetry.samples.empty:
         return None

@@ -1,5 +1,5 @@
 """``kvbench report --recompute RUN``: rebuild every cell's latency and throughput figures from the raw
-chunk times in requests.jsonl under today's definitions (bench/metrics.py), and say what changed.
+chunk times in requests.jsonl under today's definitions (bench/common/metrics.py), and say what changed.
 
 A run's cells.jsonl holds the figures its kvbench computed when it ran; when a definition changes since
 (ITL counting the tokens of one socket read as one chunk, TPOT undefined where ITL is), those figures mean
@@ -28,7 +28,7 @@ import pandas as pd
 import kvbench
 from kvbench.common.files import atomic_write_text
 from kvbench.common.metrics import RequestTimes, cell_metrics, request_verdict
-from kvbench.store.results import OK_STATUSES, SCHEMA_VERSION, CellRow, RequestRow, migrate_row
+from kvbench.store.schema import OK_STATUSES, SCHEMA_VERSION, CellRow, RequestRow, migrate_row
 
 #: the fields of a cell row that :func:`kvbench.common.metrics.cell_metrics` makes
 RECOMPUTED_FIELDS = tuple(cell_metrics([], []))
@@ -138,7 +138,7 @@ def write(result: Recompute) -> Path | None:
         "why": "figures rebuilt from requests.jsonl under the current definitions (docs/metrics.md)"})
     atomic_write_text(info_path, json.dumps(info, indent=2) + "\n")
     if (run_dir / "cells.parquet").exists() or (run_dir / "requests.parquet").exists():
-        from kvbench.store.results import write_parquet
+        from kvbench.store.readers import write_parquet
 
         write_parquet(run_dir)
     return backup

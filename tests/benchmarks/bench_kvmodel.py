@@ -1,4 +1,4 @@
-"""The KV model over the catalog (bench/catalog): every model's config read into its geometry, and every
+"""The KV model over the catalog (bench/planner/catalog): every model's config read into its geometry, and every
 engine's KV rules answering for it, as ``kvbench plan`` and the planner's searches ask."""
 import pytest
 

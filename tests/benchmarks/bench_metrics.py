@@ -1,4 +1,4 @@
-"""A cell's metrics over 10,000 requests of 256 streamed tokens each (bench/metrics.py)."""
+"""A cell's metrics over 10,000 requests of 256 streamed tokens each (bench/common/metrics.py)."""
 import numpy as np
 import pytest
 

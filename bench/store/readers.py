@@ -1,0 +1,322 @@
+"""Reading runs back: the JSONL records (a torn line skipped and counted), run.json, the Parquet copy
+beside them (rebuilt when stale) and :func:`load`, the one public loader of tidy frames.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Literal
+
+import pandas as pd
+from pydantic import BaseModel, ValidationError
+
+from kvbench.common.files import atomic_write_bytes
+from kvbench.common.metrics import RequestTimes, request_verdict
+from kvbench.store.errors import DamagedLinesWarning, ResultsReadError, ResultsWarning, ResultsWriteError
+from kvbench.store.schema import SCHEMA_VERSION, CellRow, RequestRow, migrate_row
+
+
+def _decode_row(line: bytes) -> dict | None:
+    """One JSONL line as a row, or None when it is not a whole JSON object (a torn or garbled line)."""
+    try:
+        row = json.loads(line)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        return None
+    return row if isinstance(row, dict) else None
+
+
+def read_jsonl_rows(path: Path) -> tuple[list[dict], list[int]]:
+    """The rows of a JSONL record and the (1-based) numbers of the damaged lines skipped: a line that is
+    not a whole JSON object, typically the last one a crash cut short. A missing file has no rows."""
+    numbered, damaged = _numbered_rows(path)
+    return [row for _, row in numbered], damaged
+
+
+def _numbered_rows(path: Path) -> tuple[list[tuple[int, dict]], list[int]]:
+    if not path.exists():
+        return [], []
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ResultsReadError(f"{path}: cannot be read: {(exc.strerror or str(exc)).lower()}") from None
+    rows, damaged = [], []
+    for number, line in enumerate(data.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        row = _decode_row(line)
+        if row is None:
+            damaged.append(number)
+        else:
+            rows.append((number, row))
+    return rows, damaged
+
+
+def _read_jsonl(path: Path, model: type[BaseModel]) -> pd.DataFrame:
+    """A JSONL record as a DataFrame of the current schema. Damaged lines are skipped with a
+    :class:`DamagedLinesWarning` and counted in ``frame.attrs["damaged_lines"]`` ({path: [line numbers]});
+    a whole row of the wrong shape is a :class:`ResultsReadError` naming the line and field."""
+    numbered, damaged = _numbered_rows(path)
+    rows = []
+    for number, row in numbered:
+        try:
+            rows.append(migrate_row(row, model))
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'row'}: {e['msg']}" for e in exc.errors())
+            raise ResultsReadError(f"{path} line {number}: {problems}") from None
+        except ValueError as exc:
+            raise ResultsReadError(f"{path} line {number}: {exc}") from None
+    if damaged:
+        warnings.warn(DamagedLinesWarning(path, damaged), stacklevel=2)
+    frame = pd.DataFrame(rows, columns=list(model.model_fields))
+    frame.attrs["damaged_lines"] = {str(path): damaged} if damaged else {}
+    return frame
+
+
+def load_cells(run_dir: str | Path) -> pd.DataFrame:
+    """The cells of a run as a DataFrame (one row per cell), migrated to the current schema; a torn line
+    is skipped and counted (see :func:`_read_jsonl`)."""
+    return _read_jsonl(Path(run_dir) / "cells.jsonl", CellRow)
+
+
+def load_run_info(run_dir: str | Path) -> dict:
+    """run.json as a dict; :class:`ResultsReadError` (naming the file) when it is not a JSON object."""
+    path = Path(run_dir) / "run.json"
+    try:
+        info = json.loads(path.read_bytes())
+    except ValueError as exc:
+        raise ResultsReadError(f"{path}: not valid JSON ({exc})") from None
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ResultsReadError(f"{path}: cannot be read: {(exc.strerror or str(exc)).lower()}") from None
+    if not isinstance(info, dict):
+        raise ResultsReadError(f"{path}: not a JSON object")
+    return info
+
+
+# --- the columnar copy (Parquet) and the one public loader ---------------------------------------------
+
+PARQUET_FILES = {"cells": ("cells.jsonl", "cells.parquet", CellRow),
+                 "requests": ("requests.jsonl", "requests.parquet", RequestRow)}
+PARQUET_META_KEY = b"kvbench_schema_version"
+
+
+def _requests_derived(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per-request figures the cell's percentiles are made of (bench/common/metrics.py), as columns: ``tpot_s``;
+    ``ok``, the request met the token contract (warm-ups too); ``counted``, it was measured, not a warm-up.
+    A cell's headline figures are made of the requests that are both ``ok`` and ``counted``."""
+    frame = frame.copy()
+    frame["tpot_s"] = [RequestTimes(0.0, tuple(t), tuple(k)).tpot
+                       for t, k in zip(frame.chunk_times, frame.chunk_tokens)]
+
+    def count(x):  # a count the engine did not report reads back as NaN
+        return None if pd.isna(x) else int(x)
+
+    frame["ok"] = [request_verdict(None if pd.isna(error) else error, sent, count(p_reported),
+                                   asked, count(o_reported), int(received)) == "ok"
+                   for error, sent, p_reported, asked, o_reported, received in zip(
+                       frame.error, frame.prompt_tokens_sent, frame.prompt_tokens_reported,
+                       frame.output_tokens_requested, frame.output_tokens_reported, frame.output_tokens_received)]
+    frame["counted"] = [not bool(w) for w in frame.warmup]
+    return frame
+
+
+#: dtypes of the columns load() adds to a model's fields
+DERIVED_DTYPES = {"tpot_s": "float64", "ok": "bool", "counted": "bool", "run_dir": "object"}
+
+
+def column_dtypes(model: type[BaseModel]) -> dict[str, str]:
+    """One pandas dtype per field of ``model``, whatever a run holds: floats (None as NaN) float64; byte
+    figures (ints named ``*bytes*``, read as sizes) float64; other ints (counts, lengths) Int64, with
+    <NA> where not measured; bools bool (boolean where optional); strings, lists and dicts object."""
+    import types
+    import typing
+
+    out = {}
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        args = [a for a in typing.get_args(ann) if a is not type(None)] \
+            if typing.get_origin(ann) in (typing.Union, types.UnionType) else [ann]
+        optional = len(args) < len(typing.get_args(ann)) if typing.get_origin(ann) in (typing.Union,
+                                                                                       types.UnionType) else False
+        base = args[0] if len(args) == 1 else None
+        if base is float or (base is int and "bytes" in name):
+            out[name] = "float64"
+        elif base is int:
+            out[name] = "Int64"
+        elif base is bool:
+            out[name] = "boolean" if optional else "bool"
+        else:
+            out[name] = "object"
+    return out
+
+
+def normalize_dtypes(frame: pd.DataFrame, model: type[BaseModel]) -> pd.DataFrame:
+    """``frame`` with the same columns in the same dtypes for every run, old or new (:func:`column_dtypes`
+    for the model's fields, :data:`DERIVED_DTYPES` for the derived ones); a missing field is added empty."""
+    dtypes = {**column_dtypes(model), **{k: v for k, v in DERIVED_DTYPES.items()
+                                         if k in frame.columns or (k == "run_dir")}}
+    import typing
+
+    lists = {name for name, info in model.model_fields.items()
+             if list in (typing.get_origin(info.annotation), info.annotation)}
+    frame = frame.copy()
+    for col, dtype in dtypes.items():
+        if col not in frame.columns:
+            frame[col] = pd.Series([None] * len(frame), index=frame.index, dtype="object")
+        series = frame[col]
+        if col in lists:  # a Parquet copy gives numpy arrays where the JSONL record has lists
+            frame[col] = series.map(lambda v: v.tolist() if hasattr(v, "tolist") and not isinstance(v, str) else v)
+        elif dtype == "object":
+            frame[col] = series.astype(object).where(series.notna(), None) if len(series) else series.astype(object)
+        elif dtype in ("float64", "Int64", "boolean"):
+            frame[col] = pd.to_numeric(series.astype(object).where(series.notna(), None), errors="coerce") \
+                .astype(dtype) if dtype != "boolean" else series.astype("boolean")
+        else:
+            frame[col] = series.astype(dtype)
+    first = [c for c in dtypes if c in model.model_fields]
+    return frame[first + [c for c in frame.columns if c not in model.model_fields]]
+
+
+def not_a_run_dir(run_dir: str | Path) -> str | None:
+    """Why ``run_dir`` is not a kvbench run folder (the message for the user), or None when it is one."""
+    if not (Path(run_dir) / "run.json").exists() or not (Path(run_dir) / "cells.jsonl").exists():
+        return f"{run_dir} has no run.json/cells.jsonl: not a kvbench run folder"
+    return None
+
+
+PARQUET_DAMAGED_KEY = b"kvbench_damaged_lines"  # the JSONL's skipped line numbers, so load() still says so
+PARQUET_SOURCE_KEY = b"kvbench_source_bytes"  # the JSONL's size the copy was made from
+
+
+def write_parquet(run_dir: str | Path) -> list[Path]:
+    """Write cells.parquet and requests.parquet beside the JSONL files (migrated to the current schema;
+    the schema version is in each file's metadata under ``kvbench_schema_version``). The JSONL files stay
+    the crash-safe record; the Parquet files are a derived copy that :func:`load` prefers when current.
+    Each copy replaces the old one atomically; a write error is a :class:`ResultsWriteError`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    run_dir = Path(run_dir)
+    written = []
+    for jsonl, parquet, model in PARQUET_FILES.values():
+        if not (run_dir / jsonl).exists():
+            continue
+        source_bytes = (run_dir / jsonl).stat().st_size
+        frame = _read_jsonl(run_dir / jsonl, model)
+        damaged = frame.attrs.get("damaged_lines", {}).get(str(run_dir / jsonl), [])
+        if model is RequestRow:
+            # engine_details is free-form per engine: kept as JSON text so every run has one column type
+            frame["engine_details"] = frame.engine_details.map(json.dumps)
+        table = pa.Table.from_pandas(frame, preserve_index=False)
+        meta = dict(table.schema.metadata or {})
+        meta[PARQUET_META_KEY] = str(SCHEMA_VERSION).encode()
+        meta[PARQUET_SOURCE_KEY] = str(source_bytes).encode()
+        if damaged:
+            meta[PARQUET_DAMAGED_KEY] = json.dumps(damaged).encode()
+        buffer = pa.BufferOutputStream()
+        # page checksums: a copy damaged on disk fails to read (and load() falls back to the JSONL)
+        # instead of reading back as wrong numbers
+        pq.write_table(table.replace_schema_metadata(meta), buffer, write_page_checksum=True)
+        try:
+            atomic_write_bytes(run_dir / parquet, buffer.getvalue().to_pybytes())
+        except OSError as exc:
+            raise ResultsWriteError(run_dir, f"writing {parquet}", exc) from exc
+        written.append(run_dir / parquet)
+    return written
+
+
+def parquet_is_current(run_dir: str | Path) -> bool:
+    """True when every Parquet copy exists, is readable, has the current schema version and was made from
+    its JSONL as it is now (not older than it, and from as many bytes where the copy records that)."""
+    import pyarrow.parquet as pq
+
+    run_dir = Path(run_dir)
+    for jsonl, parquet, _ in PARQUET_FILES.values():
+        src, dst = run_dir / jsonl, run_dir / parquet
+        if not src.exists():
+            continue
+        if not dst.exists() or dst.stat().st_mtime < src.stat().st_mtime:
+            return False
+        try:
+            meta = pq.read_schema(dst).metadata or {}
+        except Exception:  # a corrupt copy (pyarrow raises ArrowInvalid, OSError, ...) is never current
+            return False
+        if meta.get(PARQUET_META_KEY) != str(SCHEMA_VERSION).encode():
+            return False
+        if PARQUET_SOURCE_KEY in meta and meta[PARQUET_SOURCE_KEY] != str(src.stat().st_size).encode():
+            return False
+    return True
+
+
+def ensure_parquet(run_dir: str | Path) -> bool:
+    """Write the Parquet copies unless they are current; True when they were (re)written."""
+    if parquet_is_current(run_dir):
+        return False
+    write_parquet(run_dir)
+    return True
+
+
+def _read_parquet(path: Path, model: type[BaseModel]) -> pd.DataFrame:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path, page_checksum_verification=True)
+    frame = table.to_pandas()
+    if model is RequestRow:
+        frame["engine_details"] = frame.engine_details.map(json.loads)
+    for col in ("flags", "chunk_times", "chunk_tokens"):  # numpy arrays back to lists
+        if col in frame:
+            frame[col] = frame[col].map(list)
+    damaged = (table.schema.metadata or {}).get(PARQUET_DAMAGED_KEY)
+    if damaged:  # the JSONL the copy was made from had damaged lines: say so as the JSONL reader would
+        source = path.parent / PARQUET_FILES["cells" if model is CellRow else "requests"][0]
+        lines = json.loads(damaged)
+        warnings.warn(DamagedLinesWarning(source, lines), stacklevel=3)
+        frame.attrs["damaged_lines"] = {str(source): lines}
+    return frame
+
+
+def load(*run_dirs: str | Path, what: Literal["cells", "requests"] = "cells") -> pd.DataFrame:
+    """One or more runs as one tidy DataFrame: one row per cell (``what="cells"``) or per request
+    (``what="requests"``), every run migrated to the current schema, with ``run_id`` and ``run_dir``
+    columns. Reads the Parquet copy when it is current and readable, else the JSONL record (never writes).
+    Damaged JSONL lines are skipped with a :class:`DamagedLinesWarning` and listed in
+    ``frame.attrs["damaged_lines"]``.
+
+    Requests get three derived columns: ``tpot_s`` (bench/common/metrics.py's definition), ``ok`` (a measured
+    request that met the token contract: the only kind in the cells' figures) and ``engine_details``
+    as a dict. ``load(a, b)`` and ``load([a, b])`` are the same.
+    """
+    if len(run_dirs) == 1 and isinstance(run_dirs[0], (list, tuple)):
+        run_dirs = tuple(run_dirs[0])
+    if what not in PARQUET_FILES:
+        raise ValueError(f"what must be one of {', '.join(PARQUET_FILES)}, not {what!r}")
+    jsonl, parquet, model = PARQUET_FILES[what]
+    frames, damaged = [], {}
+    for run_dir in map(Path, run_dirs):
+        if not (run_dir / "run.json").exists():
+            raise FileNotFoundError(f"{run_dir} has no run.json: not a kvbench run folder")
+        frame = None
+        if (run_dir / parquet).exists() and parquet_is_current(run_dir):
+            try:
+                frame = _read_parquet(run_dir / parquet, model)
+            except Exception as exc:  # a damaged copy: the JSONL is the record
+                why = " ".join(str(exc).split())  # pyarrow's messages span lines
+                warnings.warn(ResultsWarning(run_dir / parquet, f"{parquet}: unreadable ({type(exc).__name__}: "
+                                                                f"{why}); read {jsonl} instead"), stacklevel=2)
+        if frame is None:
+            frame = _read_jsonl(run_dir / jsonl, model)
+        damaged.update(frame.attrs.get("damaged_lines", {}))
+        if frame.empty:
+            continue
+        if model is RequestRow:
+            frame = _requests_derived(frame)
+        frame["run_dir"] = str(run_dir)
+        frames.append(frame)
+    if not frames:
+        out = pd.DataFrame(columns=[*model.model_fields, "run_dir"])
+    else:
+        out = normalize_dtypes(pd.concat(frames, ignore_index=True), model)
+    out.attrs = {"damaged_lines": damaged}  # {JSONL path: skipped line numbers}, as warned
+    return out

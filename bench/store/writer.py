@@ -1,0 +1,240 @@
+"""The files of a run and the writer that owns them.
+
+A run is a folder ``results/runs/<run_id>/``:
+
+- ``run.json``: run id, command, schema version, environment (harness, CPU/GPU, engines and their
+  versions, model file hash) and the exact workload;
+- ``cells.jsonl``: one :class:`CellRow` per (backend, prompt length, concurrency), appended as each cell
+  finishes, so an interrupted run keeps what it finished;
+- ``requests.jsonl``: one :class:`RequestRow` per request with every chunk's timestamp;
+- ``timelines/<cell_id>.csv``: memory and KV-in-use samples of the cell on one time axis;
+- ``logs/<backend>.log``: each engine's own log.
+
+Rewritten files (run.json, timelines, the Parquet copies) are replaced atomically and appends are whole
+fsynced lines (``kvbench.common.files``), so a crash or a full disk leaves every finished row readable; the
+readers skip (and count, in a :class:`DamagedLinesWarning`) a torn line a crash left behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Literal
+
+import pandas as pd
+import psutil
+from pydantic import BaseModel
+
+from kvbench.common.files import append_line, atomic_write_bytes, atomic_write_text
+from kvbench.store.errors import ResultsWriteError, RunExistsError, RunFolderError
+from kvbench.store.readers import _decode_row, load_run_info, read_jsonl_rows
+from kvbench.store.schema import SCHEMA_VERSION, CellRow, RequestRow
+
+RunMode = Literal["new", "resume", "overwrite"]
+RUN_MODES = ("new", "resume", "overwrite")
+RUN_RECORDS = ("run.json", "cells.jsonl", "requests.jsonl")  # a folder holding one of these holds a run
+HARNESS_GONE = "interrupted (harness gone)"
+
+
+def harness_identity() -> dict:
+    """Who is writing the run: pid, host and the process's start time (to tell a reused pid apart)."""
+    return {"harness_pid": os.getpid(), "harness_host": socket.gethostname(),
+            "harness_started_at": psutil.Process().create_time()}
+
+
+def run_status(info: dict) -> str:
+    """The run's status as recorded, except that a "running" run whose harness process is gone (same
+    host, pid not alive or reused by another process) is ``"interrupted (harness gone)"``. A run recorded
+    on another host, or without a harness pid (older runs), keeps its recorded status."""
+    status = info.get("status") or "unknown"
+    pid, host = info.get("harness_pid"), info.get("harness_host")
+    if status != "running" or not pid or host != socket.gethostname():
+        return status
+    try:
+        proc = psutil.Process(int(pid))
+        started = info.get("harness_started_at")
+        if started is not None and abs(proc.create_time() - float(started)) > 1.0:
+            return HARNESS_GONE  # the pid now belongs to another process
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return HARNESS_GONE
+    except psutil.NoSuchProcess:
+        return HARNESS_GONE
+    except psutil.Error:  # e.g. access denied: it exists, so assume it runs
+        return status
+    return status
+
+
+class RunWriter:
+    """The files of one run, written so that a crash or a full disk loses nothing finished: rows are
+    appended as whole fsynced lines, rewritten files are replaced atomically, and any write error is a
+    :class:`ResultsWriteError` (the first one is kept in ``failed``).
+
+    ``mode``: "new" refuses a folder that already holds a run (:class:`RunExistsError`); "overwrite"
+    empties a run folder first (and refuses a non-empty folder that is not a run folder); "resume" keeps
+    everything: :meth:`finished_cell_ids` says which cells to skip, :meth:`discard_unfinished_requests`
+    drops the requests of a cell that was cut off, and :meth:`write_run_info` records the new invocation
+    beside the earlier ones in run.json's ``invocations``.
+    """
+
+    def __init__(self, root: Path, mode: RunMode = "new"):
+        if mode not in RUN_MODES:
+            raise ValueError(f"mode must be one of {', '.join(RUN_MODES)}, not {mode!r}")
+        self.root = Path(root)
+        self.mode = mode
+        self.failed: ResultsWriteError | None = None
+        self._info: dict | None = None
+        root, name, where = self.root, self.root.name, self.root.parent
+        has_run = any((root / f).exists() for f in RUN_RECORDS)
+        if mode == "new" and has_run:
+            raise RunExistsError(f"run {name} already exists in {where}: use --resume to finish its missing cells "
+                                 "or --overwrite to replace it")
+        if mode == "resume":
+            if not (root / "run.json").exists():
+                raise RunFolderError(f"run {name} not found in {where} (no run.json): nothing to resume; "
+                                     "leave out --resume to start it")
+            self._read_info()  # a damaged run.json is refused now, before any engine starts
+        if mode == "overwrite" and root.is_dir():
+            if not (root / "run.json").exists() and any(root.iterdir()):
+                raise RunFolderError(f"{root} is not a kvbench run folder (no run.json): refusing to overwrite it")
+            with self._writing("removing the old run", intact=False):
+                for child in list(root.iterdir()):
+                    if child.is_dir() and not child.is_symlink():
+                        shutil.rmtree(child)
+                    else:
+                        child.unlink()
+        with self._writing("creating the run folder", intact=False):
+            (root / "timelines").mkdir(parents=True, exist_ok=True)
+            (root / "logs").mkdir(exist_ok=True)
+
+    @contextmanager
+    def _writing(self, doing: str, intact: bool = True):
+        """Turn an OSError of the block into the run's one :class:`ResultsWriteError` type."""
+        try:
+            yield
+        except ResultsWriteError as exc:
+            self.failed = self.failed or exc
+            raise
+        except OSError as exc:
+            error = ResultsWriteError(self.root, doing, exc, intact)
+            self.failed = self.failed or error
+            raise error from exc
+
+    # --- run.json ----------------------------------------------------------------------------------
+    def _read_info(self) -> dict:
+        if self._info is None:
+            with self._writing("reading run.json"):
+                self._info = load_run_info(self.root)
+        return self._info
+
+    def _write_info(self, info: dict) -> None:
+        with self._writing("writing run.json"):
+            atomic_write_text(self.root / "run.json", json.dumps(info, indent=2))
+        self._info = info
+
+    def write_run_info(self, info: dict) -> None:
+        """Write run.json at the start of an invocation, with ``harness_pid``, ``harness_host`` and
+        ``harness_started_at`` (so :func:`run_status` can tell a killed harness) and this invocation in
+        ``invocations``. In "resume" mode the earlier run.json is kept underneath: its ``started_at`` and
+        invocations stay, the new fields win, and an earlier ``finished_at``/``error`` is dropped."""
+        harness = harness_identity()
+        if self.mode == "resume":
+            old = self._read_info()
+            earlier = old.get("invocations") or [_invocation_of(old)]
+            merged = {k: v for k, v in old.items() if k not in ("finished_at", "error")}
+            merged.update({"schema_version": SCHEMA_VERSION, **info, **harness,
+                           "started_at": old.get("started_at", info.get("started_at"))})
+            merged["invocations"] = list(earlier)
+        else:
+            merged = {"schema_version": SCHEMA_VERSION, **info, **harness, "invocations": []}
+        merged["invocations"].append(_invocation_of({**info, **harness}) | {"mode": self.mode})
+        self._write_info(merged)
+
+    def record_invocation(self, info: dict) -> None:
+        """Add this process's invocation (``info``, e.g. command and started_at, with the harness identity)
+        to run.json's ``invocations``; if the last entry is already this process's (write_run_info
+        recorded it), ``info`` is merged into it instead of adding a duplicate."""
+        current = self._read_info()
+        harness = harness_identity()
+        invocations = list(current.get("invocations") or [])
+        same = invocations and all(invocations[-1].get(k) == v for k, v in harness.items())
+        entry = {**(invocations.pop() if same else {"mode": self.mode}), **info, **harness}
+        self._write_info({**current, "invocations": [*invocations, entry]})
+
+    def update_run_info(self, **fields) -> None:
+        """Set fields of run.json (atomically); ``status``, ``finished_at`` and ``error`` also go to the
+        current invocation's entry, so each invocation's outcome stays recorded."""
+        info = dict(self._read_info())
+        info.update(fields)
+        invocations = list(info.get("invocations") or [])
+        if invocations:
+            outcome = {k: fields[k] for k in ("status", "finished_at", "error") if k in fields}
+            invocations[-1] = {**invocations[-1], **outcome}
+            info["invocations"] = invocations
+        self._write_info(info)
+
+    # --- rows --------------------------------------------------------------------------------------
+    def _append(self, name: str, row: BaseModel) -> None:
+        with self._writing(f"writing {name}"):
+            append_line(self.root / name, row.model_dump_json())
+
+    def write_cell(self, row: CellRow) -> None:
+        self._append("cells.jsonl", row)
+
+    def write_request(self, row: RequestRow) -> None:
+        self._append("requests.jsonl", row)
+
+    def finished_cell_ids(self) -> set[str]:
+        """cell_id of every row in cells.jsonl, whatever its status: the cells a resumed run skips."""
+        rows, _ = read_jsonl_rows(self.root / "cells.jsonl")
+        return {row["cell_id"] for row in rows if isinstance(row.get("cell_id"), str)}
+
+    def discard_unfinished_requests(self) -> int:
+        """Rewrite requests.jsonl (atomically) keeping only warm-up rows and rows of finished cells (those
+        with a cells.jsonl row): a cell that was cut off mid-way is rerun whole on resume and its old
+        requests must not mix with the new ones. Damaged lines go too. Returns the lines removed."""
+        path = self.root / "requests.jsonl"
+        if not path.exists():
+            return 0
+        finished = self.finished_cell_ids()
+        kept, removed = [], 0
+        with self._writing("reading requests.jsonl"):
+            lines = path.read_bytes().splitlines()
+        for line in lines:
+            if not line.strip():
+                continue
+            row = _decode_row(line)
+            if row is not None and (row.get("warmup") or row.get("cell_id") in finished):
+                kept.append(line)
+            else:
+                removed += 1
+        if removed:
+            with self._writing("rewriting requests.jsonl"):
+                atomic_write_bytes(path, b"".join(line + b"\n" for line in kept))
+        return removed
+
+    # --- other files -------------------------------------------------------------------------------
+    def write_timeline(self, cell_id: str, frame: pd.DataFrame) -> None:
+        path = self.root / "timelines" / f"{_file_name(cell_id, 'cell id')}.csv"
+        with self._writing(f"writing timelines/{path.name}"):
+            atomic_write_text(path, frame.to_csv(index=False))
+
+    def log_path(self, backend: str) -> Path:
+        return self.root / "logs" / f"{_file_name(backend, 'backend label')}.log"
+
+
+def _file_name(name: str, what: str) -> str:
+    """``name`` when it is one file name (no folder part, not '.' or '..'), else ValueError: a label made
+    from user input must not write outside the run folder."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ValueError(f"{what} {name!r} cannot be a file name in the run folder")
+    return name
+
+
+def _invocation_of(info: dict) -> dict:
+    """One entry of run.json's ``invocations``: who ran it, when, and how it ended."""
+    keys = ("command", "started_at", "harness_pid", "harness_host", "harness_started_at", "mode", "status",
+            "finished_at", "error")
+    return {k: info[k] for k in keys if k in info}
