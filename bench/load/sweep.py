@@ -31,6 +31,19 @@ def saturation_points(workload: Workload, saturation_rate: float) -> list[LoadPo
     return [LoadPoint(workload.load_profile, cap, round(saturation_rate * i / steps, 4)) for i in range(1, steps + 1)]
 
 
+def points_after(workload: Workload, finder: LoadPoint, measured_rate: float) -> list[LoadPoint]:
+    """The points that follow a cell run at ``finder`` that achieved ``measured_rate`` (requests/s): a
+    saturation sweep's open-loop rates after its closed loop; none for any other point or workload."""
+    if workload.request_rates != "saturation" or finder.open_loop:
+        return []
+    return saturation_points(workload, measured_rate)
+
+
+def points_found_later(workload: Workload) -> int:
+    """How many points per prompt length are known only once a cell has run (a saturation sweep's rates)."""
+    return workload.saturation_steps if workload.request_rates == "saturation" else 0
+
+
 def max_in_flight(workload: Workload) -> int:
     """The most requests a workload can have outstanding at once: the engine is started with room for it
     (vLLM's max-num-seqs, llama.cpp's slots), unless the KV boundary sizes the pool smaller on purpose."""

@@ -23,6 +23,7 @@ from kvbench.store.writer import run_status
 
 @dataclass
 class Section:
+    id: str  # what the code finds it by ("kv", "boundary", ...): titles are for people and may change
     title: str
     intro: str
     table: pd.DataFrame | None = None
@@ -36,7 +37,7 @@ class Section:
 class Figure:
     title: str
     path: Path  # the PNG on disk
-    section: str = ""  # the start of the title of the section whose table it illustrates ("": none)
+    section: str = ""  # the id of the section whose table it illustrates ("": none)
 
 
 @dataclass
@@ -118,7 +119,7 @@ def _validation(run_dirs: list[Path], infos: list[dict]) -> list[Section]:
         if damaged:
             warnings.warn(DamagedLinesWarning(path, damaged), stacklevel=2)
         title = "The KV model against the engines' own allocations"
-        out.append(Section(title + (f" ({info['run_id']})" if len(run_dirs) > 1 else ""),
+        out.append(Section("validation", title + (f" ({info['run_id']})" if len(run_dirs) > 1 else ""),
                            "Predicted by each engine's KV rules (its adapter in `backends/`, `kvbench plan --engine ...`); "
                            "engine-reported from the engine's log or metrics; measured from transformers' cache "
                            "tensors. `kvbench validate` made this table.",
@@ -186,18 +187,18 @@ def _build(run_dirs: list[Path], plots_dir: Path | None) -> Report:
     headers = [run_header(i) for i in infos]
     cells = load(run_dirs, what="cells")
     if cells.empty:
-        return Report(title, headers, [Section("No cells", "", note="(no cells finished)")], [])
+        return Report(title, headers, [Section("none", "No cells", "", note="(no cells finished)")], [])
     agg = tables.aggregate(cells)
     agg["label"] = agg.backend if len(infos) == 1 else agg.run_id + ": " + agg.backend
     cap = caption(infos)
     repeats = REPEATS_NOTE if (agg.repeats > 1).any() else ""
     problems = tables.problems_table(agg)
     sections = [
-        Section("KV cache: predicted from the config vs reported by the engine", KV_INTRO + repeats,
+        Section("kv", "KV cache: predicted from the config vs reported by the engine", KV_INTRO + repeats,
                 tables.kv_table(agg), tables.KV_RIGHT, cap),
-        Section("Latency and throughput", PERF_INTRO + repeats, tables.performance_table(agg), tables.PERF_RIGHT, cap),
-        Section("The KV boundary", BOUNDARY_INTRO, tables.boundary_table(agg), tables.BOUNDARY_RIGHT, cap),
-        Section("Failed and flagged cells", "Cells whose engine failed, or whose requests broke the token contract "
+        Section("performance", "Latency and throughput", PERF_INTRO + repeats, tables.performance_table(agg), tables.PERF_RIGHT, cap),
+        Section("boundary", "The KV boundary", BOUNDARY_INTRO, tables.boundary_table(agg), tables.BOUNDARY_RIGHT, cap),
+        Section("problems", "Failed and flagged cells", "Cells whose engine failed, or whose requests broke the token contract "
                 "(the reason is the error, then the flags).",
                 problems if not problems.empty else None, tables.LEAD_RIGHT, cap if not problems.empty else "",
                 note="" if not problems.empty else
@@ -208,11 +209,17 @@ def _build(run_dirs: list[Path], plots_dir: Path | None) -> Report:
     _gpu_sections(sections, agg, cap)  # GPU runs only: memory per GPU, the planner against the boundary
     if tables.deployments(agg):  # after the boundary: which replica of a deployment queued first
         lines = tables.queued_first_lines(agg)
-        sections.insert(3, Section("Deployments: which replica queued first", DEPLOYMENT_INTRO,
-                                   note="\n".join(f"- {line}" for line in lines) or "(no finished deployment cells)"))
+        note = "\n".join(f"- {line}" for line in lines) or "(no finished deployment cells)"
+        sections.insert(_after(sections, "boundary"),
+                        Section("deployments", "Deployments: which replica queued first", DEPLOYMENT_INTRO, note=note))
     # the plots draw whole backends: a deployment's total, not its replicas beside it
     figures = make_plots(run_dirs, tables.totals(agg), plots_dir) if plots_dir is not None else []
     return Report(title, headers, sections, figures)
+
+
+def _after(sections: list[Section], section_id: str) -> int:
+    """Where a section goes that follows the one with ``section_id`` (at the end where there is none)."""
+    return next((i + 1 for i, s in enumerate(sections) if s.id == section_id), len(sections))
 
 
 def _gpu_sections(sections: list[Section], agg: pd.DataFrame, cap: str) -> None:
@@ -220,13 +227,13 @@ def _gpu_sections(sections: list[Section], agg: pd.DataFrame, cap: str) -> None:
     (bench/reports/gpu.py; rows measured on a GPU only)."""
     from . import gpu
 
-    at = next((i + 1 for i, s in enumerate(sections) if s.title == "The KV boundary"), len(sections))
+    at = _after(sections, "boundary")
     memory = gpu.gpu_memory_table(agg)
     if memory is not None:
-        sections.insert(at, Section("Memory per GPU: weights, KV and overhead", gpu.GPU_MEMORY_INTRO, memory,
+        sections.insert(at, Section("gpu_memory", "Memory per GPU: weights, KV and overhead", gpu.GPU_MEMORY_INTRO, memory,
                                     gpu.GPU_MEMORY_RIGHT, cap))
         planner = gpu.planner_table(agg)
-        sections.insert(at + 1, Section("The planner against the real boundary",
+        sections.insert(at + 1, Section("gpu_planner", "The planner against the real boundary",
                                         gpu.PLANNER_INTRO.format(margin=gpu.MARGIN), planner, gpu.PLANNER_RIGHT, cap))
 
 

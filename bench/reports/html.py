@@ -47,13 +47,12 @@ def data_uri(path) -> str:
 
 
 def place(report) -> tuple[dict[int, list], list]:
-    """Each figure under the section whose table it illustrates (its ``section`` starts that section's
-    title; the first such section), the rest apart: ({id(section): figures}, rest)."""
+    """Each figure under the section whose table it illustrates (its ``section`` is that section's id; the
+    first such section), the rest apart: ({id(section): figures}, rest)."""
     placed: dict[int, list] = {}
     rest = []
     for f in report.figures:
-        where = getattr(f, "section", "")
-        home = next((s for s in report.sections if where and s.title.startswith(where)), None)
+        home = next((s for s in report.sections if f.section and s.id == f.section), None)
         if home is None:
             rest.append(f)
         else:

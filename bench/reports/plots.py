@@ -21,8 +21,8 @@ MARKERS = "osd^v<>PX*"
 DPI = 110
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
           "tab:cyan", "tab:gray")
-# the sections a plot can illustrate (the report's section titles start with these)
-KV_SECTION, PERF_SECTION, BOUNDARY_SECTION = "KV cache", "Latency and throughput", "The KV boundary"
+# the sections a plot can illustrate, by their ids (bench/reports/__init__.py)
+KV_SECTION, PERF_SECTION, BOUNDARY_SECTION = "kv", "performance", "boundary"
 
 _palette: dict[str, str] = {}
 

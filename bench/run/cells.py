@@ -118,18 +118,13 @@ class RunPlan:
 
     def saturation_cells(self, finder: Cell, saturation_rate: float) -> list[Cell]:
         """The open-loop cells that follow ``finder``, a saturation sweep's closed loop, at the rate it found."""
-        if self.workload.request_rates != "saturation" or finder.load.open_loop:
-            return []
-        return [replace(finder, load=p) for p in sweep.saturation_points(self.workload, saturation_rate)]
+        return [replace(finder, load=p) for p in sweep.points_after(self.workload, finder.load, saturation_rate)]
 
     @property
     def cells_per_start(self) -> int:
         """Cells one engine start runs, the open-loop rates of a saturation sweep included (for the progress bar)."""
-        n = len(self.cells(None))
-        if self.workload.request_rates == "saturation":
-            turns = self.workload.turns if self.workload.family == "multi_turn" else 1
-            n += self.repeats * len(self.lengths) * self.workload.saturation_steps * turns
-        return n
+        turns = self.workload.turns if self.workload.family == "multi_turn" else 1
+        return len(self.cells(None)) + self.repeats * len(self.lengths) * sweep.points_found_later(self.workload) * turns
 
 
 class CellPrompts:
