@@ -1,24 +1,38 @@
 """What a model's weights take: exact where its files say it, an estimate from its config where they do not.
 
 Exact: the tensor bytes of every ``*.safetensors`` file (their headers), the ``total_size`` of
-``model.safetensors.index.json`` (a hub download of the config and the index is enough), or a GGUF's
-tensors. Estimate: parameters counted from the config, experts included (routed and shared, with the dense
-layers an MoE keeps before or between its MoE layers), times the weights dtype; labelled an estimate, and
-"unknown" (with the reason) when the config lacks what the count needs. The text model only: a
-multimodal model's vision tower is not counted, and the label says so.
+``model.safetensors.index.json`` (a hub download of the config and the index is enough), a GGUF's tensors, or
+a hub repository's safetensors headers read through ``huggingface_hub.get_safetensors_metadata`` (range
+requests, no download). Estimate: parameters counted from the config, split by module kind (embeddings,
+lm_head, attention, MLA projections, dense MLP, routed and shared experts, routers, norms, Mamba mixers), each
+kind at the width the checkpoint stores it: a quantised checkpoint's ``quantization_config`` (AWQ, GPTQ,
+bitsandbytes, FP8, compressed-tensors, MXFP4, ModelOpt NVFP4/FP8: :mod:`kvbench.kv.quantized`) gives its
+linear layers' bits and their scales/zeros, the rest stays at the checkpoint dtype; a plain checkpoint is its
+parameter count times the weights dtype. Every figure is labelled with where it comes from, and "unknown"
+(with the reason) when the config lacks what the count needs or names a quantisation kvbench cannot price.
+The text model only: a multimodal model's vision tower is not counted, and the label says so.
 """
 from __future__ import annotations
 
 import json
+import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 WEIGHT_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+# what for_model(weights_dtype=...) accepts: "auto" (the checkpoint's own width), the plain widths above, and
+# the quantised formats an engine can load a 16-bit checkpoint into (linear layers only, with their scales)
+WEIGHT_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8", "int8", "int4", "nf4", "mxfp4", "nvfp4")
 # architectures whose MLP has two matrices (up, down) rather than three (gate, up, down)
 UNGATED_MLP = {"gpt2", "opt", "falcon", "RefinedWeb", "RefinedWebModel", "gpt_neox", "gptj", "bloom", "gpt_bigcode",
                "mpt", "phi", "starcoder2", "stablelm_epoch"}
 FALCON = ("falcon", "RefinedWeb", "RefinedWebModel")
+# bytes per element of each safetensors dtype (F4 / F6 packed formats are fractions)
+SAFETENSORS_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                           "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1,
+                           "I8": 1, "U8": 1, "BOOL": 1, "F6_E2M3": 0.75, "F6_E3M2": 0.75, "F4": 0.5}
+CONFIG_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4, "float64": 8}
 
 
 @dataclass(frozen=True)
@@ -26,8 +40,16 @@ class Weights:
     bytes: float | None  # None: unknown
     source: str  # where the figure comes from, or why it is unknown
     exact: bool = False
-    parameters: float | None = None
+    parameters: float | None = None  # the model's parameters (main model, as published: MTP layers not counted)
+    # kind -> bytes ("embeddings", "lm_head", "attention", "mla", "dense_mlp", "experts", "shared_experts",
+    # "router", "norms", "mamba", "mtp"); empty when the figure is exact or unknown
+    breakdown: dict = field(default_factory=dict, compare=False, hash=False)
+    # how the figure was found: "user", "safetensors", "gguf", "index", "catalog", "hub", "quantization_config",
+    # "override", "estimate", "published", "unknown"
+    method: str = ""
 
+
+# --- exact: files, the index, the hub ------------------------------------------------------------------
 
 def safetensors_bytes(folder: Path) -> int:
     """Exact tensor bytes of every *.safetensors file, read from their headers."""
@@ -58,17 +80,114 @@ def gguf_tensor_bytes(path: Path) -> int:
     return int(sum(t.n_bytes for t in GGUFReader(str(path)).tensors))
 
 
-def of_folder(folder: Path, config_estimate: "Weights") -> Weights:
+def _tensor_bytes(tensor) -> float:
+    """One tensor's bytes from a TensorInfo (or its dict form): its data offsets, else dtype x shape."""
+    get = tensor.get if isinstance(tensor, dict) else (lambda name: getattr(tensor, name, None))
+    offsets = get("data_offsets")
+    if offsets and len(offsets) == 2:
+        return offsets[1] - offsets[0]
+    dtype = str(get("dtype"))
+    if dtype not in SAFETENSORS_DTYPE_BYTES:
+        raise ValueError(f"unknown safetensors dtype {dtype!r}")
+    return math.prod(get("shape") or ()) * SAFETENSORS_DTYPE_BYTES[dtype]
+
+
+def metadata_tensor_bytes(metadata) -> int:
+    """The tensor bytes of a ``SafetensorsRepoMetadata`` (huggingface_hub's answer): every file's tensors."""
+    files = metadata.files_metadata if not isinstance(metadata, dict) else metadata["files_metadata"]
+    total = 0.0
+    for file in files.values():
+        tensors = file.tensors if not isinstance(file, dict) else file["tensors"]
+        total += sum(_tensor_bytes(t) for t in tensors.values())
+    return int(total)
+
+
+def hub_safetensors_bytes(repo_id: str, api=None, revision: str | None = None) -> Weights:
+    """A hub repository's exact tensor bytes from its safetensors headers (``get_safetensors_metadata`` reads
+    them with range requests: no weights are downloaded). ``api``: an ``HfApi``-like object (tests give a fake).
+    Unknown, with the reason, when the hub cannot be asked or the repository has no safetensors."""
+    try:
+        if api is None:
+            from huggingface_hub import HfApi
+
+            api = HfApi()
+        metadata = api.get_safetensors_metadata(repo_id, revision=revision)
+        total = metadata_tensor_bytes(metadata)
+    except Exception as exc:  # noqa: BLE001 - offline, gated, not a safetensors repo, an unknown dtype: say which
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return Weights(None, f"unknown: the hub's safetensors metadata of {repo_id} could not be read "
+                             f"({type(exc).__name__}{': ' + first[:160] if first else ''})", method="unknown")
+    if total <= 0:
+        return Weights(None, f"unknown: the hub's safetensors metadata of {repo_id} lists no tensors", method="unknown")
+    files = metadata.files_metadata if not isinstance(metadata, dict) else metadata["files_metadata"]
+    return Weights(total, f"hub safetensors metadata of {repo_id} ({len(files)} file{'s' * (len(files) != 1)}, "
+                          "tensor bytes from their headers)", exact=True, method="hub")
+
+
+def of_folder(folder: Path, config_estimate: Weights) -> Weights:
     """A model folder's weights: its safetensors, else its index's total_size, else the config estimate."""
+    exact = _folder_exact(folder)
+    return exact if exact is not None else config_estimate
+
+
+def _folder_exact(folder: Path) -> Weights | None:
     if list(folder.glob("*.safetensors")):
-        return Weights(safetensors_bytes(folder), "safetensors tensor bytes", exact=True)
+        return Weights(safetensors_bytes(folder), "safetensors tensor bytes", exact=True, method="safetensors")
     total = index_total_size(folder)
     if total:
-        return Weights(total, "model.safetensors.index.json total_size", exact=True)
-    return config_estimate
+        return Weights(total, "model.safetensors.index.json total_size", exact=True, method="index")
+    return None
 
 
-# --- the estimate -----------------------------------------------------------------------------------
+# --- the parameter breakdown: one list of parts, shared by the plain and the quantised estimate -----------
+
+@dataclass(frozen=True)
+class Part:
+    """One kind of tensor in the checkpoint: ``rows`` x ``cols`` (a vector has cols 1), ``copies`` per layer
+    (the routed experts), on each of ``layers`` (None: once). ``role``: "linear" (a Linear layer's weight, what
+    quantisation replaces), "vector" (norms, biases, conv kernels, A/D), "router", "embedding", "lm_head"."""
+    kind: str
+    name: str  # the module's canonical HF name, "{i}" for the layer index
+    rows: int
+    cols: int = 1
+    role: str = "vector"
+    layers: tuple[int, ...] | None = None
+    copies: int = 1
+
+    @property
+    def per_layer(self) -> int:
+        return self.rows * self.cols * self.copies
+
+    @property
+    def parameters(self) -> int:
+        return self.per_layer * (len(self.layers) if self.layers is not None else 1)
+
+    def names(self):
+        """(layer index or None, module name) for each place the part is."""
+        if self.layers is None:
+            yield None, self.name
+        else:
+            for i in self.layers:
+                yield i, self.name.format(i=i)
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    parts: tuple[Part, ...]
+    how: str  # the counting, in words
+    vision: bool = False  # a multimodal wrapper: the vision tower is not counted
+
+    @property
+    def parameters(self) -> float:
+        """The model's parameters (the MTP layers a checkpoint may carry are not counted)."""
+        return float(sum(p.parameters for p in self.parts if p.kind != "mtp"))
+
+    def by_kind(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for p in self.parts:
+            out[p.kind] = out.get(p.kind, 0) + p.parameters
+        return out
+
 
 def _first(config, *names):
     for name in names:
@@ -89,8 +208,9 @@ def _need(config, *names):
     return value
 
 
-def estimate_parameters(text, wrapper=None) -> tuple[float, str]:
-    """(parameters, how counted) of the text model a transformers config object describes."""
+def parameter_breakdown(text, wrapper=None) -> Breakdown:
+    """The checkpoint's tensors, by module kind, of the text model a transformers config object describes.
+    Raises _Unknown (what is missing) or TypeError/ValueError (sizes that do not count)."""
     model_type = str(getattr(text, "model_type", ""))
     h = _need(text, "hidden_size", "n_embd", "d_model")
     layers = _need(text, "num_hidden_layers", "n_layer", "num_layers")
@@ -103,103 +223,370 @@ def estimate_parameters(text, wrapper=None) -> tuple[float, str]:
     kv = max(kv) if isinstance(kv, list) else kv
     if model_type in FALCON and getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
         kv = 1
+    gpt_oss = model_type == "gpt_oss"
 
-    # attention
-    if getattr(text, "kv_lora_rank", None):
-        rank, rope = text.kv_lora_rank, text.qk_rope_head_dim
-        nope, v = _need(text, "qk_nope_head_dim"), _need(text, "v_head_dim")
-        q_rank = getattr(text, "q_lora_rank", None)
-        q = (h * q_rank + q_rank + q_rank * heads * (nope + rope)) if q_rank else h * heads * (nope + rope)
-        attn = q + h * (rank + rope) + rank + rank * heads * (nope + v) + heads * v * h
-    else:
-        attn = h * heads * hd * 2 + h * kv * hd * 2
-        if getattr(text, "attention_bias", False) or model_type.startswith("qwen2"):
-            attn += heads * hd + 2 * kv * hd
+    def attention(on, kind_override=None):
+        at = "model.layers.{i}.self_attn."
+        if getattr(text, "kv_lora_rank", None):
+            rank, rope = text.kv_lora_rank, text.qk_rope_head_dim
+            nope, v = _need(text, "qk_nope_head_dim"), _need(text, "v_head_dim")
+            q_rank = getattr(text, "q_lora_rank", None)
+            if q_rank:
+                out = [Part("mla", at + "q_a_proj", q_rank, h, "linear", on),
+                       Part("norms", at + "q_a_layernorm", q_rank, 1, "vector", on),
+                       Part("mla", at + "q_b_proj", heads * (nope + rope), q_rank, "linear", on)]
+            else:
+                out = [Part("mla", at + "q_proj", heads * (nope + rope), h, "linear", on)]
+            out += [Part("mla", at + "kv_a_proj_with_mqa", rank + rope, h, "linear", on),
+                    Part("norms", at + "kv_a_layernorm", rank, 1, "vector", on),
+                    Part("mla", at + "kv_b_proj", heads * (nope + v), rank, "linear", on),
+                    Part("attention", at + "o_proj", h, heads * v, "linear", on)]
+        else:
+            out = [Part("attention", at + "q_proj", heads * hd, h, "linear", on),
+                   Part("attention", at + "k_proj", kv * hd, h, "linear", on),
+                   Part("attention", at + "v_proj", kv * hd, h, "linear", on),
+                   Part("attention", at + "o_proj", h, heads * hd, "linear", on)]
+            if getattr(text, "attention_bias", False) or model_type.startswith("qwen2"):
+                out += [Part("attention", at + "q_proj.bias", heads * hd, 1, "vector", on),
+                        Part("attention", at + "k_proj.bias", kv * hd, 1, "vector", on),
+                        Part("attention", at + "v_proj.bias", kv * hd, 1, "vector", on)]
+            if gpt_oss:  # its o_proj has a bias too, and each head a learned attention sink
+                out += [Part("attention", at + "o_proj.bias", h, 1, "vector", on),
+                        Part("attention", at + "sinks", heads, 1, "vector", on)]
+        return [_kind(p, kind_override) for p in out]
 
-    # MLP: dense or experts
     gated = model_type not in UNGATED_MLP
-    mats = 3 if gated else 2
+    projections = ("gate_proj", "up_proj", "down_proj") if gated else ("up_proj", "down_proj")
+
+    def mlp(prefix, kind, inter, on, copies=1):
+        return [Part(kind, prefix + name, h if name == "down_proj" else inter, inter if name == "down_proj" else h,
+                     "linear", on, copies) for name in projections]
+
     dense_inter = _first(text, "intermediate_size_mlp", "intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size")
     if dense_inter is None and not gated:
         dense_inter = 4 * h  # GPT-2, Falcon, BLOOM: the MLP is 4 x hidden
     experts = _first(text, "n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")
+    mtp_layers = _first(text, "num_nextn_predict_layers") or 0
+    mtp_layers = mtp_layers if isinstance(mtp_layers, int) and mtp_layers > 0 else 0
+    moe_set = set(_moe_layer_indices(text, layers + mtp_layers, model_type)) if experts else set()
+    moe_on = tuple(i for i in range(layers) if i in moe_set)
+    dense_on = tuple(i for i in range(layers) if i not in moe_set)
+    shared_name = "shared_experts" if model_type.startswith(("deepseek", "kimi")) else "shared_expert"
+
+    expert_inter = shared = 0
     if experts:
         expert_inter = _need(text, "moe_intermediate_size", "intermediate_size")
         shared = (_first(text, "n_shared_experts") or 0) * expert_inter
         shared = shared or _first(text, "shared_expert_intermediate_size") or 0
         if model_type.startswith("llama4"):
             shared = _need(text, "intermediate_size")  # one shared expert beside the routed ones
-        moe_mlp = mats * h * (experts * expert_inter + shared) + h * experts  # + the router
-        moe_layers = _moe_layers(text, layers, model_type)
-        dense_layers = layers - moe_layers
-        if dense_layers and dense_inter is None:
-            raise _Unknown("intermediate_size")
-        mlp_total = moe_layers * moe_mlp + dense_layers * mats * h * (dense_inter or 0)
-        how = (f"{experts} routed experts of {expert_inter}" + (f" + shared {shared}" if shared else "")
-               + f" on {moe_layers} of {layers} layers")
-    else:
-        if dense_inter is None:
-            raise _Unknown("intermediate_size")
-        mlp_total = layers * mats * h * dense_inter
-        how = "dense"
+
+    def ffn(moe_idx, dense_idx, kind_override=None):
+        out = []
+        if moe_idx:
+            out += mlp("model.layers.{i}.mlp.experts.", "experts", expert_inter, moe_idx, experts)
+            if shared:
+                out += mlp(f"model.layers.{{i}}.mlp.{shared_name}.", "shared_experts", shared, moe_idx)
+            router = "model.layers.{i}.mlp.router" if gpt_oss else "model.layers.{i}.mlp.gate"
+            out.append(Part("router", router, experts, h, "router", moe_idx))
+            if gpt_oss:  # the experts' and the router's biases
+                out += [Part("experts", "model.layers.{i}.mlp.experts.gate_up_proj_bias", 2 * expert_inter, 1,
+                             "vector", moe_idx, experts),
+                        Part("experts", "model.layers.{i}.mlp.experts.down_proj_bias", h, 1, "vector", moe_idx,
+                             experts),
+                        Part("router", router + ".bias", experts, 1, "vector", moe_idx)]
+        if dense_idx:
+            if dense_inter is None:
+                raise _Unknown("intermediate_size")
+            out += mlp("model.layers.{i}.mlp.", "dense_mlp", dense_inter, dense_idx)
+        return [_kind(p, kind_override) for p in out]
+
+    mamba_on = _mamba_layer_indices(text, layers)
+    attn_on = tuple(i for i in range(layers) if i not in set(mamba_on))
+    parts = [Part("embeddings", "model.embed_tokens", vocab, h, "embedding")]
+    parts += attention(attn_on)
+    if mamba_on:
+        parts += _mamba_mixer_parts(text, h, mamba_on)
+    parts += ffn(moe_on, dense_on)
+    parts.append(Part("norms", "model.layers.{i}.input_layernorm", h, 1, "vector", tuple(range(layers))))
+    parts.append(Part("norms", "model.layers.{i}.post_attention_layernorm", h, 1, "vector", tuple(range(layers))))
+    parts.append(Part("norms", "model.norm", h))
     tied = bool(getattr(text, "tie_word_embeddings", False) or getattr(wrapper, "tie_word_embeddings", False))
-    mamba = _mamba_layers(text, layers)
-    if mamba:  # Jamba, Bamba ...: those layers hold a Mamba mixer instead of attention
-        attn_total = (layers - mamba) * attn + mamba * _mamba_mixer(text, h)
-        how += f"; {mamba} Mamba layers"
+    if not tied:
+        parts.append(Part("lm_head", "lm_head", vocab, h, "lm_head"))
+
+    if experts:
+        how = (f"{experts} routed experts of {expert_inter}" + (f" + shared {shared}" if shared else "")
+               + f" on {len(moe_on)} of {layers} layers")
     else:
-        attn_total = layers * attn
-    total = vocab * h * (1 if tied else 2) + attn_total + layers * 2 * h + mlp_total + h
-    return float(total), how
+        how = "dense"
+    if mamba_on:
+        how += f"; {len(mamba_on)} Mamba layers"
+    if mtp_layers:  # DeepSeek's multi-token-prediction layers: in the checkpoint, loaded only to speculate
+        on = tuple(range(layers, layers + mtp_layers))
+        parts += attention(on, "mtp")
+        parts += ffn(tuple(i for i in on if i in moe_set), tuple(i for i in on if i not in moe_set), "mtp")
+        for name, rows, cols, role in (("model.layers.{i}.eh_proj", h, 2 * h, "vector"),
+                                       ("model.layers.{i}.enorm", h, 1, "vector"),
+                                       ("model.layers.{i}.hnorm", h, 1, "vector"),
+                                       ("model.layers.{i}.input_layernorm", h, 1, "vector"),
+                                       ("model.layers.{i}.post_attention_layernorm", h, 1, "vector"),
+                                       ("model.layers.{i}.embed_tokens", vocab, h, "embedding"),
+                                       ("model.layers.{i}.shared_head.norm", h, 1, "vector"),
+                                       ("model.layers.{i}.shared_head.head", vocab, h, "lm_head")):
+            parts.append(Part("mtp", name, rows, cols, role, on))
+        how += f"; the checkpoint also holds {mtp_layers} MTP layer{'s' * (mtp_layers > 1)}"
+    return Breakdown(tuple(parts), how, vision=wrapper is not None and wrapper is not text)
 
 
-def _moe_layers(text, layers: int, model_type: str) -> int:
-    """How many layers have experts: DeepSeek's first_k_dense_replace and moe_layer_freq, Qwen's
+def _kind(part: Part, kind: str | None) -> Part:
+    return part if kind is None else replace(part, kind=kind)
+
+
+def estimate_parameters(text, wrapper=None) -> tuple[float, str]:
+    """(parameters, how counted) of the text model a transformers config object describes."""
+    b = parameter_breakdown(text, wrapper)
+    how = b.how.split("; the checkpoint also holds")[0]
+    return b.parameters, how
+
+
+def _moe_layer_indices(text, layers: int, model_type: str) -> list[int]:
+    """Which layers have experts: DeepSeek's first_k_dense_replace and moe_layer_freq, Qwen's
     mlp_only_layers and decoder_sparse_step, Llama 4's interleave_moe_layer_step / moe_layers."""
     listed = getattr(text, "moe_layers", None)
     if isinstance(listed, (list, tuple)):
-        return len(listed)
+        return [int(i) for i in listed]
     first_dense = getattr(text, "first_k_dense_replace", None) or 0
     freq = getattr(text, "moe_layer_freq", None) or 1
     if getattr(text, "first_k_dense_replace", None) is not None:
-        return sum(1 for i in range(layers) if i >= first_dense and (i - first_dense) % freq == 0)
+        return [i for i in range(layers) if i >= first_dense and (i - first_dense) % freq == 0]
     step = getattr(text, "interleave_moe_layer_step", None)
     if step:
-        return sum(1 for i in range(layers) if (i + 1) % step == 0)
+        return [i for i in range(layers) if (i + 1) % step == 0]
     period = getattr(text, "expert_layer_period", None)  # Jamba: experts every period-th layer from the offset
     if period:
         offset = getattr(text, "expert_layer_offset", None) or 0
-        return sum(1 for i in range(layers) if i % period == offset)
+        return [i for i in range(layers) if i % period == offset]
     mlp_only = set(getattr(text, "mlp_only_layers", None) or ())
     sparse_step = getattr(text, "decoder_sparse_step", None) or 1
-    return sum(1 for i in range(layers) if i not in mlp_only and (i + 1) % sparse_step == 0)
+    return [i for i in range(layers) if i not in mlp_only and (i + 1) % sparse_step == 0]
+
+
+def _moe_layers(text, layers: int, model_type: str) -> int:
+    return len(_moe_layer_indices(text, layers, model_type))
+
+
+def _mamba_layer_indices(text, layers: int) -> tuple[int, ...]:
+    types = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None) or ()
+    if len(types) != layers:
+        return ()
+    return tuple(i for i, t in enumerate(types) if t in ("linear_attention", "mamba"))
 
 
 def _mamba_layers(text, layers: int) -> int:
-    types = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None) or ()
-    return sum(1 for t in types if t in ("linear_attention", "mamba")) if len(types) == layers else 0
+    return len(_mamba_layer_indices(text, layers))
 
 
-def _mamba_mixer(text, h: int) -> int:
-    """A Mamba mixer's parameters (in/out projections, conv, x/dt projections, A, D)."""
+def _mamba_mixer_parts(text, h: int, on: tuple[int, ...]) -> list[Part]:
+    """A Mamba mixer's tensors (in/out projections, conv, x/dt projections, A, D)."""
     d_state = _first(text, "mamba_d_state", "state_size", "ssm_state_size") or 16
     d_conv = _first(text, "mamba_d_conv", "conv_kernel") or 4
     d_inner = (_first(text, "mamba_expand", "expand") or 2) * h
     dt_rank = _first(text, "mamba_dt_rank", "time_step_rank")
     dt_rank = dt_rank if isinstance(dt_rank, int) else -(-h // 16)
-    return (h * 2 * d_inner + d_inner * d_conv + d_inner * (dt_rank + 2 * d_state) + dt_rank * d_inner
-            + d_inner * d_state + d_inner + d_inner * h)
+    m = "model.layers.{i}.mamba."
+    return [Part("mamba", m + "in_proj", 2 * d_inner, h, "linear", on),
+            Part("mamba", m + "conv1d", d_inner, d_conv, "vector", on),
+            Part("mamba", m + "x_proj", dt_rank + 2 * d_state, d_inner, "linear", on),
+            Part("mamba", m + "dt_proj", d_inner, dt_rank, "linear", on),
+            Part("mamba", m + "A_log", d_inner, d_state, "vector", on),
+            Part("mamba", m + "D", d_inner, 1, "vector", on),
+            Part("mamba", m + "out_proj", h, d_inner, "linear", on)]
 
 
-def estimate(text, wrapper, weights_dtype: str) -> Weights:
-    """The config estimate, or "unknown" with what is missing."""
+def _mamba_mixer(text, h: int) -> int:
+    """A Mamba mixer's parameters (one layer's)."""
+    return sum(p.per_layer for p in _mamba_mixer_parts(text, h, (0,)))
+
+
+# --- the estimate ----------------------------------------------------------------------------------------
+
+def checkpoint_dtype(text, wrapper=None) -> tuple[str, float, bool]:
+    """(name, bytes per value, stated) of the dtype the checkpoint keeps its unquantised tensors in: the
+    config's torch_dtype / dtype; bf16 (stated False) when the config names none."""
+    for c in (text, wrapper):
+        value = getattr(c, "dtype", None) or getattr(c, "torch_dtype", None) if c is not None else None
+        if value is not None:
+            name = str(value).replace("torch.", "")
+            if name in CONFIG_DTYPE_BYTES:
+                return name, CONFIG_DTYPE_BYTES[name], True
+    return "bfloat16", 2, False
+
+
+def quantization_config(text, wrapper=None) -> dict | None:
+    """The checkpoint's quantization_config (a dict), from the text config or the multimodal wrapper."""
+    for c in (text, wrapper):
+        qc = getattr(c, "quantization_config", None) if c is not None else None
+        if qc is not None:
+            return qc if isinstance(qc, dict) else (qc.to_dict() if hasattr(qc, "to_dict") else vars(qc))
+    return None
+
+
+def _vision(b: Breakdown) -> str:
+    return " (text model only: the vision tower is not counted)" if b.vision else ""
+
+
+def estimate(text, wrapper, weights_dtype: str, hf_quant_config: dict | None = None) -> Weights:
+    """The config estimate, or "unknown" with what is missing. A quantised checkpoint (its config has a
+    quantization_config, or ModelOpt's hf_quant_config.json is given) is priced at its stored widths and the
+    weights dtype is not used; otherwise its parameters times ``weights_dtype``."""
     try:
-        params, how = estimate_parameters(text, wrapper)
+        b = parameter_breakdown(text, wrapper)
     except _Unknown as exc:
-        return Weights(None, f"unknown: the config has no {exc} (give a folder with safetensors or a GGUF file)")
+        return Weights(None, f"unknown: the config has no {exc} (give a folder with safetensors or a GGUF file)",
+                       method="unknown")
     except (TypeError, ValueError) as exc:
-        return Weights(None, f"unknown: the config's sizes could not be counted ({exc})")
+        return Weights(None, f"unknown: the config's sizes could not be counted ({exc})", method="unknown")
+    qc = quantization_config(text, wrapper)
+    hf_quant_config = hf_quant_config or getattr(wrapper, "kvbench_hf_quant_config", None) or \
+        getattr(text, "kvbench_hf_quant_config", None)
+    if qc is not None or hf_quant_config:
+        from kvbench.kv import quantized
+
+        return quantized.estimate(b, qc, hf_quant_config, checkpoint_dtype(text, wrapper))
+    return _plain(b, weights_dtype)
+
+
+def _plain(b: Breakdown, weights_dtype: str) -> Weights:
+    params = b.parameters
     per = WEIGHT_DTYPE_BYTES[weights_dtype]
-    vision = " (text model only: the vision tower is not counted)" if wrapper is not None and wrapper is not text else ""
-    return Weights(params * per, f"estimate: {params / 1e9:.2f} B parameters from the config ({how}) x {per} B{vision}",
-                   parameters=params)
+    how = b.how.split("; the checkpoint also holds")[0]
+    kinds = {k: v * per for k, v in b.by_kind().items() if k != "mtp"}
+    return Weights(params * per, f"estimate: {params / 1e9:.2f} B parameters from the config ({how}) x {per} B"
+                                 f"{_vision(b)}", parameters=params, breakdown=kinds, method="estimate")
+
+
+def for_model(source=None, config=None, text=None, *, raw: dict | None = None, weights_dtype: str | None = None,
+              weights_bytes: float | None = None, hub_id: str | None = None, api=None,
+              revision: str | None = None, hf_quant_config: dict | None = None) -> Weights:
+    """The weights of one model, from the best source there is.
+
+    ``source``: the model's folder, its config.json or a GGUF file (None: none on disk). ``config``/``text``:
+    the transformers config objects of ``model_config.parse_hf_dict`` (the wrapper and its language model;
+    ``text`` defaults to ``config``). ``raw``: the config.json's dict (a catalog entry's ``kvbench_total_size``,
+    ``kvbench_num_parameters`` and ``kvbench_hf_quant_config`` are read from it). ``weights_dtype``: None or
+    "auto" for the checkpoint's own widths; one of WEIGHT_DTYPES for the width an engine loads it at (it
+    replaces an exact figure whose width differs). ``weights_bytes``: the user's own figure, which wins.
+    ``hub_id``: ask the hub's safetensors headers when nothing on disk is exact (``api``: an HfApi-like object).
+
+    Precedence: the user's bytes > local safetensors / GGUF > the index's total_size > a catalog's recorded
+    total_size > the hub's safetensors metadata > the quantization_config estimate > the plain estimate."""
+    if weights_bytes is not None:
+        if weights_bytes <= 0:
+            return Weights(None, f"unknown: a weights size must be positive, not {weights_bytes}", method="unknown")
+        return Weights(float(weights_bytes), f"given: {weights_bytes / 2**30:.2f} GiB", method="user")
+    if weights_dtype == "auto":
+        weights_dtype = None
+    if weights_dtype is not None and weights_dtype not in WEIGHT_DTYPES:
+        return Weights(None, f"unknown: weights dtype {weights_dtype!r} (known: {', '.join(WEIGHT_DTYPES)})",
+                       method="unknown")
+    raw = raw or {}
+    path = Path(source).expanduser() if source is not None else None
+    if path is not None and path.suffix == ".gguf" and path.exists():
+        return Weights(gguf_tensor_bytes(path), "GGUF tensor bytes", exact=True, method="gguf")
+    folder = (path if path.is_dir() else path.parent) if path is not None else None
+    if hf_quant_config is None and folder is not None and (folder / "hf_quant_config.json").exists():
+        try:
+            hf_quant_config = json.loads((folder / "hf_quant_config.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            hf_quant_config = None
+    hf_quant_config = hf_quant_config or raw.get("kvbench_hf_quant_config")
+    text = text if text is not None else config
+
+    if weights_dtype is not None and not _same_width(weights_dtype, text, config, hf_quant_config):
+        exact = _exact(folder, raw, None, None, None)  # named beside the override; the hub is not asked
+        over = _override(text, config, weights_dtype)
+        if exact is not None and exact.bytes is not None and over.bytes is not None:
+            over = Weights(over.bytes, f"{over.source}; the checkpoint itself: {exact.bytes / 2**30:.2f} GiB "
+                                       f"({exact.source})", parameters=over.parameters, breakdown=over.breakdown,
+                           method=over.method)
+        return over
+    exact = _exact(folder, raw, hub_id, api, revision)
+    if exact is not None and exact.bytes is not None:
+        return _with_mtp(exact, text, config, hf_quant_config)
+    if config is None:
+        return exact or Weights(None, "unknown: no config and no exact source", method="unknown")
+    published = raw.get("kvbench_num_parameters")
+    if published and quantization_config(text, config) is None and not hf_quant_config:
+        per = WEIGHT_DTYPE_BYTES[weights_dtype or _dtype_name(text, config)]
+        return Weights(published * per, f"{published / 1e9:.1f} B published parameters x {per} B",
+                       parameters=published, method="published")
+    found = estimate(text, config, weights_dtype or _dtype_name(text, config), hf_quant_config)
+    if exact is not None and exact.method == "unknown" and found.bytes is not None:  # the hub could not be read
+        found = Weights(found.bytes, f"{found.source} [{exact.source}]", parameters=found.parameters,
+                        breakdown=found.breakdown, method=found.method)
+    return found
+
+
+def _with_mtp(exact: Weights, text, config, hf_quant_config) -> Weights:
+    """An exact figure of a checkpoint that carries MTP layers says how much of it they are (estimated:
+    engines load them only to speculate); its breakdown is then {"mtp": bytes}."""
+    if config is None or not _first(text, "num_nextn_predict_layers"):
+        return exact
+    mtp = estimate(text, config, _dtype_name(text, config), hf_quant_config).breakdown.get("mtp")
+    if not mtp:
+        return exact
+    return Weights(exact.bytes, f"{exact.source}; of which about {mtp / 2**30:.2f} GiB are MTP layers (loaded "
+                                "only to speculate)", exact=True, parameters=exact.parameters,
+                   breakdown={"mtp": mtp}, method=exact.method)
+
+
+def _dtype_name(text, config) -> str:
+    name = checkpoint_dtype(text, config)[0]
+    return {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16"}.get(name, "bf16")
+
+
+def _same_width(weights_dtype: str, text, config, hf_quant_config) -> bool:
+    """Whether the dtype asked for is what the checkpoint stores (then its exact figure stands)."""
+    if config is None:
+        return False
+    if quantization_config(text, config) is not None or hf_quant_config:
+        return False
+    return WEIGHT_DTYPE_BYTES.get(weights_dtype) == checkpoint_dtype(text, config)[1]
+
+
+def _exact(folder: Path | None, raw: dict, hub_id: str | None, api, revision) -> Weights | None:
+    if folder is not None and folder.exists():
+        found = _folder_exact(folder)
+        if found is not None:
+            return found
+    recorded = raw.get("kvbench_total_size")
+    if isinstance(recorded, (int, float)) and recorded > 0:
+        where = raw.get("kvbench_total_size_source") or "the catalog"
+        return Weights(int(recorded), f"the checkpoint's published tensor bytes (recorded in the catalog from {where})",
+                       exact=True, method="catalog")
+    if hub_id:
+        return hub_safetensors_bytes(hub_id, api, revision)
+    return None
+
+
+def _override(text, config, weights_dtype: str) -> Weights:
+    """The weights at a width the user names: 16/32-bit is every parameter at it; a quantised width is the
+    linear layers at it (with the format's scales), the rest at the checkpoint's 16-bit dtype."""
+    try:
+        b = parameter_breakdown(text, config)
+    except _Unknown as exc:
+        return Weights(None, f"unknown: the config has no {exc} (give a folder with safetensors or a GGUF file)",
+                       method="unknown")
+    except (TypeError, ValueError) as exc:
+        return Weights(None, f"unknown: the config's sizes could not be counted ({exc})", method="unknown")
+    if weights_dtype in ("fp32", "bf16", "fp16"):
+        w = _plain(b, weights_dtype)
+        return Weights(w.bytes, w.source.replace("estimate:", f"--weights-dtype {weights_dtype}:", 1),
+                       parameters=w.parameters, breakdown=w.breakdown, method="override")
+    from kvbench.kv import quantized
+
+    name, per, _ = checkpoint_dtype(text, config)
+    if per > 2:  # a 32-bit checkpoint an engine quantises keeps the rest at 16 bits
+        name, per = "bfloat16", 2
+    return quantized.override(b, weights_dtype, (name, per, True))
