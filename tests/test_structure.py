@@ -191,10 +191,10 @@ def test_importing_the_planner_loads_no_adapter_streaming_client_or_guard():
     assert heavy == set()
 
 
-# Strings that name something else than an engine: the HF-format folder and config ("hf"), kept here so
-# that each exception is seen.
+# Strings that name something else than an engine: the HF-format folder and config ("hf"), ModelOpt's
+# hf_quant_config.json; kept here so that each exception is seen.
 NOT_ENGINE_NAMES = {("bench/common/models.py", "hf"), ("bench/kv/geometry.py", "hf"), ("bench/kv/model_config.py", "hf"),
-                    ("bench/run/runner.py", "hf_dir")}
+                    ("bench/run/runner.py", "hf_dir"), ("bench/kv/weights.py", "hf_quant_config.json")}
 
 
 def engine_names_outside_their_folders(files: list[Path], engines: list[str]) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.kv import quantized, weights
+from kvbench.kv import checkpoint, quantized, weights
 from kvbench.kv.model_config import parse_hf_dict, read_json
 
 HERE = Path(__file__).parent / "data" / "quantized"
@@ -70,7 +70,7 @@ def test_gpt_oss_120b_is_65_gb_not_217_gib():
     w = weights.estimate(text, config, "bf16")
     assert 60 < w.bytes / GIB < 62  # 60.77 GiB, the listing's sum to the byte
     k = w.breakdown
-    attention_params = sum(p.parameters for p in weights.parameter_breakdown(text, config).parts
+    attention_params = sum(p.parameters for p in checkpoint.parameter_breakdown(text, config).parts
                            if p.kind == "attention")
     assert k["attention"] == attention_params * 2  # modules_to_not_convert: model.layers.*.self_attn stays bf16
     assert k["experts"] > 0.9 * w.bytes and "assumed: the config names no dtype" in w.source
@@ -372,7 +372,7 @@ def test_a_width_other_than_the_checkpoints_replaces_its_exact_figure(tmp_path):
 
 def test_unquantised_configs_keep_their_plain_estimate():
     config, text = parsed(QWEN7B)
-    params, _ = weights.estimate_parameters(text, config)
+    params, _ = checkpoint.estimate_parameters(text, config)
     for dtype, per in weights.WEIGHT_DTYPE_BYTES.items():
         w = weights.estimate(text, config, dtype)
         assert (w.bytes, w.parameters, w.method) == (params * per, params, "estimate")

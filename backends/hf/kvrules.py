@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import ClassVar
 
 from kvbench.kv.geometry import KVGeometry, LayerKV, decompressed
 from kvbench.kv.rules import KVQuestion, KVRules, parse_version
@@ -24,6 +25,33 @@ class TransformersKV(KVRules):
     answer_is_in_use = True  # the cache tensors a load holds: what the worker measures
     dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "f16": "fp16",
               "fp32": "fp32", "float32": "fp32", "f32": "fp32"}
+
+    def serving_dtype(self, geometry: KVGeometry, capability: tuple[int, int] | None = None) -> str:
+        """from_pretrained's dtype defaults to "auto" in transformers 5 (modeling_utils.py): the config's
+        dtype, float32 included; a config naming none takes its weights' dtype (bf16 assumed here)."""
+        return {"fp32": "fp32", "fp16": "fp16"}.get(geometry.dtype or "", "bf16")
+
+    def serving_note(self, geometry: KVGeometry, capability: tuple[int, int] | None = None) -> str:
+        if geometry.dtype:
+            return f"transformers dtype=\"auto\": the config's {geometry.dtype}"
+        return "transformers dtype=\"auto\": the config names none (the weights' dtype; bf16 assumed)"
+
+    weight_formats: ClassVar[dict[str, float]] = {"int8": 1.0, "int4": 0.5}  # bitsandbytes load_in_8bit / load_in_4bit
+
+    def kv_dtype_flag(self, dtype: str) -> str:
+        return f"dtype={dtype}"
+
+    def weights_flag(self, fmt: str) -> str:
+        return {"int8": "BitsAndBytesConfig(load_in_8bit=True)", "int4": "BitsAndBytesConfig(load_in_4bit=True)"}.get(fmt, fmt)
+
+    def limit_flag(self, limit: int, batch: int) -> str:
+        return f"max_length={limit}"
+
+    def concurrency_flag(self, batch: int) -> str:
+        return f"a batch of {batch}"
+
+    def tp_flag(self, tp: int) -> str:
+        return f"tp_plan=\"auto\" over {tp} GPUs"
 
     def stored(self, q: KVQuestion) -> KVGeometry:
         g = q.geometry

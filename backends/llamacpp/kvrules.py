@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import ClassVar
 
 from kvbench.kv.geometry import KVGeometry, LayerKV, decompressed, round_up
 from kvbench.kv.rules import KVAnswer, KVQuestion, KVRules
@@ -78,21 +79,23 @@ class LlamaCppKV(KVRules):
         runs = [stored.layers[a:b] for a, b in zip(bounds, bounds[1:])]
         return max(runs, key=lambda run: sum(layer.elements_per_token for layer in run))
 
-    def cells(self, q: KVQuestion) -> tuple[int, int, int]:
-        """(streams, cells per stream, window cells per stream) llama-server allocates for the question."""
+    def cells(self, q: KVQuestion, n_ctx: int | None = None) -> tuple[int, int, int]:
+        """(streams, cells per stream, window cells per stream) llama-server allocates for the question:
+        ``-c`` of ``n_ctx`` (default batch x context) and ``-np`` of ``q.batch``."""
         unified = bool(q.options.get("unified"))
-        n_ctx = round_up(q.context * q.batch, PAD)
+        asked = n_ctx or q.context * q.batch
+        n_ctx = round_up(asked, PAD)
         streams = 1 if unified else q.batch
         cells = round_up(n_ctx // streams, PAD)
-        ubatch = min(q.context * q.batch, UBATCH)
+        ubatch = min(asked, UBATCH)
         windows = [layer.span for layer in self.stored(q).kv_layers if layer.kind != "full" and layer.span]
         swa = round_up(min(cells, max(windows) * (q.batch if unified else 1) + ubatch), PAD) if windows else 0
         return streams, cells, swa
 
-    def answer(self, q: KVQuestion) -> KVAnswer:
+    def answer(self, q: KVQuestion, n_ctx: int | None = None) -> KVAnswer:
         self.check(q)
         stored, dtype = self.stored(q), self.resolve_dtype(q)
-        streams, cells, swa = self.cells(q)
+        streams, cells, swa = self.cells(q, n_ctx)
         total = sum(self.layer_bytes_per_token(stored, layer, dtype, q.tp) * streams * (cells if layer.kind == "full" else swa)
                     for layer in self.gpu_layers(stored, q.tp) if layer.stores)
         note = f"{streams} stream(s) of {cells} cells (n_ctx padded to 256)"
@@ -105,6 +108,51 @@ class LlamaCppKV(KVRules):
         if q.tp > 1:
             note += f"; layers split over {q.tp} GPUs (the GPU with the most KV)"
         return KVAnswer(self.engine, dtype, total, streams * cells, streams * swa, self.bytes_per_token(q), note)
+
+    def deployment(self, q: KVQuestion, limit: int) -> KVAnswer:
+        """llama-server allocates its whole cache at start: ``-c limit x slots -np slots`` gives every slot
+        the limit, whatever the requests' typical length; with a unified cache (``-kvu``) the slots share
+        n_ctx cells, which must hold one request at the limit and the slots at their typical length."""
+        limit = max(limit, q.context)
+        if q.options.get("unified"):
+            a = self.answer(q, n_ctx=max(limit, q.context * q.batch))
+            return a if limit <= q.context * q.batch else \
+                KVAnswer(a.engine, a.dtype, a.bytes_per_gpu, a.tokens_full, a.tokens_windowed, a.bytes_per_token,
+                         f"{a.note}; unified: one request at the {limit:,}-token limit")
+        a = self.answer(replace(q, context=limit))
+        if limit == q.context:
+            return a
+        return KVAnswer(a.engine, a.dtype, a.bytes_per_gpu, a.tokens_full, a.tokens_windowed, a.bytes_per_token,
+                        f"{a.note}; every one of the {q.batch} slot(s) allocated at the {limit:,}-token limit "
+                        f"(-c {limit * q.batch} -np {q.batch}), not the typical {q.context:,}")
+
+    def serving_dtype(self, geometry: KVGeometry, capability: tuple[int, int] | None = None) -> str:
+        """The weights of the GGUF llama.cpp's converter makes from an HF checkpoint (convert_hf_to_gguf.py
+        --outtype auto: bf16 for a bf16 checkpoint, f16 otherwise). The KV is :meth:`auto_dtype`'s f16."""
+        return "bf16" if geometry.dtype == "bf16" else "fp16"
+
+    def serving_note(self, geometry: KVGeometry, capability: tuple[int, int] | None = None) -> str:
+        return (f"llama.cpp: the GGUF's own tensors (converted from the config's {geometry.dtype or 'none'} with "
+                f"--outtype auto: {self.serving_dtype(geometry)}); KV --cache-type-k/-v f16")
+
+    kv_lever_dtypes = ("q8_0", "q4_0")
+    # GGUF weight types with their block scales (ggml: Q8_0 34 bytes per 32 weights, Q4_0 18 per 32)
+    weight_formats: ClassVar[dict[str, float]] = {"q8_0": 34 / 32, "q4_0": 18 / 32}
+
+    def kv_dtype_flag(self, dtype: str) -> str:
+        return f"-ctk {dtype} -ctv {dtype}"
+
+    def weights_flag(self, fmt: str) -> str:
+        return f"a {fmt.upper()} GGUF (llama-quantize)"
+
+    def limit_flag(self, limit: int, batch: int) -> str:
+        return f"-c {limit * batch} -np {batch}"
+
+    def concurrency_flag(self, batch: int) -> str:
+        return f"-np {batch}"
+
+    def tp_flag(self, tp: int) -> str:
+        return f"{tp} GPUs (--split-mode layer)"
 
     def sequences_in_pool(self, geometry: KVGeometry, pool_tokens: int, context: int, details: dict) -> int | None:
         """One slot of n_ctx / slots cells (padded to 256) per sequence."""

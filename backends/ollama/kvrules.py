@@ -11,3 +11,18 @@ class OllamaKV(LlamaCppKV):
     engine = "ollama"
     version = "0.30.0"
     dtypes = {"f16": "f16", "fp16": "f16", "float16": "f16", "q8_0": "q8_0", "q4_0": "q4_0"}
+
+    def kv_dtype_flag(self, dtype: str) -> str:
+        return f"OLLAMA_KV_CACHE_TYPE={dtype} (with OLLAMA_FLASH_ATTENTION=1)"
+
+    def weights_flag(self, fmt: str) -> str:
+        return f"a {fmt} tag of the model"
+
+    def limit_flag(self, limit: int, batch: int) -> str:
+        return f"num_ctx {limit} with OLLAMA_NUM_PARALLEL={batch}"
+
+    def concurrency_flag(self, batch: int) -> str:
+        return f"OLLAMA_NUM_PARALLEL={batch}"
+
+    def tp_flag(self, tp: int) -> str:
+        return f"{tp} GPUs"

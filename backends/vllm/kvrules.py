@@ -11,6 +11,9 @@ MLA_MODEL_TYPES = frozenset({
     "k3_dspark", "glm5_next", "glm5_next_text", "glm_moe_dsa", "glm4_moe_lite", "glm4_moe_lite_mtp", "kimi_k2",
     "kimi_linear", "longcat_flash", "pangu_ultra_moe", "pangu_ultra_moe_mtp", "bailing_hybrid", "bailing_hybrid_mtp",
     "bailing_hybrid_v3_mtp", "hy_v4", "hy_v4_mtp"})
+# config/model.py _FLOAT16_NOT_SUPPORTED_MODELS: `--dtype auto` never picks float16 for these ("numerical
+# instability"), so on a GPU without bf16 they run in float32
+FLOAT16_NOT_SUPPORTED = frozenset({"gemma2", "gemma3", "gemma3_text", "plamo2", "glm4"})
 
 
 class VLLMKV(KVRules):
@@ -40,6 +43,55 @@ class VLLMKV(KVRules):
     rule_options = ("hybrid_kv_cache",)  # what `kvbench plan --engine-option` takes (KVQuestion.options)
     dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32",
               "float32": "fp32", "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+    def supported_dtypes(self, geometry: KVGeometry, capability: tuple[int, int] | None) -> list[str]:
+        """platforms/cuda.py supported_dtypes (compute capability 8.0 and later: bf16, fp16, fp32; 6.x-7.x:
+        fp16, fp32), less float16 for :data:`FLOAT16_NOT_SUPPORTED` (config/model.py _is_valid_dtype)."""
+        cc = capability or (8, 0)
+        dtypes = ["bf16", "fp16", "fp32"] if cc >= (8, 0) else ["fp16", "fp32"] if cc >= (6, 0) else ["fp32"]
+        return [d for d in dtypes if not (d == "fp16" and geometry.model_type in FLOAT16_NOT_SUPPORTED)]
+
+    def serving_dtype(self, geometry: KVGeometry, capability: tuple[int, int] | None = None) -> str:
+        """config/model.py _resolve_auto_dtype: a float32 config (or one naming no dtype: _find_dtype falls
+        back to float32) is served in the GPU's first supported dtype; a 16-bit config in its own dtype
+        where the GPU supports it, else in that first dtype."""
+        supported = self.supported_dtypes(geometry, capability)
+        config = geometry.dtype or "fp32"
+        if config == "fp32":
+            config = supported[0]
+        return config if config in supported else supported[0]
+
+    def serving_note(self, geometry: KVGeometry, capability: tuple[int, int] | None = None) -> str:
+        named = geometry.dtype or "none (float32 assumed)"
+        served = self.serving_dtype(geometry, capability)
+        if named == served:
+            return f"vLLM --dtype auto: the config's {served}"
+        return f"vLLM --dtype auto: the config's {named} served in {served}, the GPU's first supported dtype"
+
+    def checkpoint_kv_dtype(self, geometry: KVGeometry) -> str | None:
+        """utils/torch_utils.py resolve_kv_cache_dtype_string: with --kv-cache-dtype auto, only a ModelOpt
+        checkpoint whose kv_cache_quant_algo is FP8 picks fp8 (fp8_e4m3); any other checkpoint (DeepSeek's
+        FP8 weights, compressed-tensors) keeps the model dtype unless --kv-cache-dtype says fp8."""
+        method = next((f.split("=", 1)[1] for f in geometry.flags if f.startswith("quant_method=")), "")
+        return "fp8_e4m3" if method.startswith("modelopt") and "kv_cache_fp8" in geometry.flags else None
+
+    kv_lever_dtypes = ("fp8",)
+
+    def kv_dtype_flag(self, dtype: str) -> str:
+        return f"--kv-cache-dtype {dtype}"
+
+    def weights_flag(self, fmt: str) -> str:
+        return {"fp8": "an FP8 checkpoint (or --quantization fp8)", "int8": "an int8 W8A8 checkpoint",
+                "int4": "an int4 AWQ/GPTQ checkpoint"}.get(fmt, f"{fmt} weights")
+
+    def limit_flag(self, limit: int, batch: int) -> str:
+        return f"--max-model-len {limit}"
+
+    def concurrency_flag(self, batch: int) -> str:
+        return f"--max-num-seqs {batch}"
+
+    def tp_flag(self, tp: int) -> str:
+        return f"--tensor-parallel-size {tp}"
 
     def hybrid_manager(self, q: KVQuestion) -> bool:
         option = q.options.get("hybrid_kv_cache")

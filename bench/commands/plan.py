@@ -1,3 +1,5 @@
+"""`kvbench plan`: will a deployment fit, and what should change (the verdict line first, then the ledger per
+GPU and the levers, best first). Every numeric option is read here, so that bad input is one line, exit 2."""
 import json
 
 import typer
@@ -9,64 +11,117 @@ from kvbench.common.suggest import hint, with_hint
 from kvbench.kv.geometry import KV_DTYPE_BYTES
 from kvbench.kv.units import GIB, fmt_gib
 from kvbench.planner import (
+    NODE_GPUS,
+    WEIGHT_DTYPES,
     PlanError,
     PlanInput,
     catalog_names,
     engine_rules,
     engines,
+    gpu_catalog,
+    lever_line,
     measured_overhead,
+    parse_bytes,
+    parse_float,
+    parse_int,
+    parse_tokens,
     plan,
     resolve_model,
 )
 from kvbench.run.backend_config import ConfigError, parse_options
 
+EXIT_UNVERIFIED = 3  # --strict and a config with per-layer keys the reader did not read
+
+
+def _kv_dtypes_help() -> str:
+    per = [f"{e}: auto, {', '.join(sorted(engine_rules(e).dtypes))}" for e in engines()]
+    return ("KV cache dtype. auto (default) is each engine's own: the model dtype as the engine serves it (vLLM "
+            "serves a float32 config in bf16), f16 for llama.cpp, fp8 where a quantised checkpoint's config asks "
+            f"for it. Without --engine: auto, {', '.join(sorted(KV_DTYPE_BYTES))}. Per engine: {'; '.join(per)}.")
+
+
+def _engine_options_help() -> str:
+    per = [f"{e}: {', '.join(engine_rules(e).rule_options)}" for e in engines() if engine_rules(e).rule_options]
+    return f"KEY=VALUE for the engine's rules (repeat for several); keys: {'; '.join(per)}."
+
+
+KV_DTYPES_HELP = _kv_dtypes_help()
+ENGINE_OPTIONS_HELP = _engine_options_help()
+
 
 def plan_command(
-    model: str = typer.Argument(..., help="A config.json, a model folder, a GGUF file, a hub id (org/name) or a "
-                                          f"catalog name: {', '.join(catalog_names())}."),
-    context: int = typer.Option(..., "--context", "-n", help="Tokens per sequence (prompt + output)."),
+    model: str = typer.Argument(..., help="A config.json, a model folder, a GGUF file, a hub id (org/name), the "
+                                          "embedded model (smollm2) or a catalog name: "
+                                          f"{', '.join(catalog_names())}."),
+    context: str = typer.Option(None, "--context", "-n", metavar="TOKENS",
+                                help="The typical request's tokens (prompt + output), e.g. 10000 or 10k "
+                                     "(default: the limit). Suffixes as vLLM's: k = 1,000, K = 1,024, m, M."),
+    max_model_len: str = typer.Option(None, "--max-model-len", metavar="TOKENS",
+                                      help="The per-request limit the server is started with (vLLM "
+                                           "--max-model-len, llama.cpp -c / -np, TGI --max-total-tokens); default: "
+                                           "the model's, RoPE scaling included (Qwen2.5 with YaRN factor 4: 131,072)."),
     # no -b: that is --backend in run, setup and validate
-    batch: int = typer.Option(1, "--batch", help="Concurrent sequences."),
-    kv_dtype: str = typer.Option("auto", help="KV cache dtype: auto (the engine's default for the model) or "
-                                              f"{', '.join(sorted(KV_DTYPE_BYTES))}; each engine takes some."),
-    tp: int = typer.Option(1, help="GPUs the model is split over (tensor parallel; llama.cpp splits layers)."),
-    engine: str = typer.Option(None, help=f"Apply this engine's KV rules: {', '.join(engines())} "
-                                          "(default: the plain formula)."),
-    gpu: str = typer.Option(None, help="A GPU name (A100-80GB, H100-80GB, H200, L4, RTX-4090, ...) or a size such as 48GiB."),
-    block_size: int = typer.Option(None, help="The engine's KV block size (default: its own; vLLM 16 on a GPU, "
-                                              "128 on a CPU; TGI 1)."),
-    device: str = typer.Option("gpu", help="gpu or cpu: the device the engine runs on (vLLM sizes blocks per device)."),
-    engine_version: str = typer.Option(None, help="The engine's version, where its rules changed (default: the "
-                                                  "version kvbench runs)."),
-    engine_option: list[str] = typer.Option([], "--engine-option", help="KEY=VALUE for the engine's rules, e.g. "
-                                                                       "hybrid_kv_cache=off (vLLM), unified=true "
-                                                                       "(llama.cpp); repeat for several."),
-    weights_dtype: str = typer.Option("bf16", help="Weights dtype when only a config gives the parameter count."),
-    overhead_gib: float = typer.Option(None, help="Runtime overhead per GPU (CUDA context, activations, graphs); "
-                                                  "default 1.5, an assumption, unless --overhead-from."),
+    batch: str = typer.Option("1", "--batch", metavar="N", help="Requests served at once."),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help=KV_DTYPES_HELP),
+    tp: str = typer.Option("1", "--tp", metavar="N",
+                           help="GPUs the model is split over (tensor parallel; llama.cpp splits layers)."),
+    engine: str = typer.Option(None, "--engine", help=f"Apply this engine's rules: {', '.join(engines())} "
+                                                      "(default: the plain formula)."),
+    gpu: str = typer.Option(None, "--gpu", help=f"A GPU: {', '.join(gpu_catalog())}; or a size such as 48GiB."),
+    block_size: str = typer.Option(None, "--block-size", metavar="N",
+                                   help="The engine's KV block size (default: its own; vLLM 16 on a GPU, 128 on a "
+                                        "CPU; TGI 1). Engines with blocks: vllm, tgi."),
+    device: str = typer.Option("gpu", "--device", help="gpu or cpu: the device the engine runs on (vLLM sizes "
+                                                        "blocks per device)."),
+    engine_version: str = typer.Option(None, "--engine-version", help="The engine's version, where its rules "
+                                                                      "changed (default: the version kvbench runs)."),
+    engine_option: list[str] = typer.Option([], "--engine-option", help=ENGINE_OPTIONS_HELP),
+    weights_dtype: str = typer.Option("auto", "--weights-dtype",
+                                      help=f"The weights' width: {', '.join(WEIGHT_DTYPES)}. auto (default): the "
+                                           "checkpoint's own, an unquantised one at the engine's serving dtype."),
+    weights_bytes: str = typer.Option(None, "--weights-bytes", metavar="SIZE",
+                                      help="The weights' size, all GPUs, overriding every other source: 61GiB, "
+                                           "65.5GB, 688586727753 (bytes)."),
+    overhead_gib: str = typer.Option(None, "--overhead-gib", metavar="GIB",
+                                     help="Runtime overhead per GPU (CUDA context, activations, graphs); default "
+                                          "1.5, an assumption, unless --overhead-from."),
     overhead_from: str = typer.Option(None, "--overhead-from", metavar="RUN",
                                       help="Take the overhead per GPU a GPU run measured (its largest over the cells "
                                            "of --engine, if given) instead of the 1.5 GiB assumption."),
-    margin: float = typer.Option(0.10, help="Fraction of GPU memory kept free, from 0 to below 1."),
-    allow_long_context: bool = typer.Option(False, help="Plan a context beyond the model's max_position_embeddings."),
+    margin: str = typer.Option("0.10", "--margin", metavar="FRACTION",
+                               help="Fraction of GPU memory kept free, from 0 to below 1."),
+    node_gpus: str = typer.Option(str(NODE_GPUS), "--node-gpus", metavar="N",
+                                  help="GPUs in a node: the most the tensor-parallel lever proposes."),
+    allow_long_context: bool = typer.Option(False, "--allow-long-context",
+                                            help="Plan a limit beyond the model's own."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code",
+                                           help="Read a remote-code model's configuration_*.py (shipped in its "
+                                                "folder) through transformers' AutoConfig: runs that file."),
+    strict: bool = typer.Option(False, "--strict", help=f"Exit {EXIT_UNVERIFIED} when the config has per-layer "
+                                                         "keys the reader did not read (not verified)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
-    """How much KV a deployment needs, and whether it fits on a GPU."""
+    """Will a deployment fit on a GPU, and what should change: the verdict first, the ledger per GPU, the levers."""
     try:
         options = parse_options(",".join(engine_option), "--engine-option")
+        _check_choices(engine, device, weights_dtype)
         _check_engine_options(engine, options)
-        if overhead_from is not None and overhead_gib is not None:
+        overhead = parse_float(overhead_gib, "--overhead-gib")
+        if overhead_from is not None and overhead is not None:
             raise PlanError("--overhead-gib and --overhead-from: give one")
-        source = "assumed" if overhead_gib is None else "given"
+        source = "assumed" if overhead is None else "given"
         if overhead_from is not None:
             found = measured_overhead(overhead_from, engine)
-            overhead_gib, source = found.bytes / GIB, found.source
-        m = resolve_model(model, weights_dtype)
-        result = plan(PlanInput(model=m, context=context, batch=batch, kv_dtype=kv_dtype, tp=tp, engine=engine,
-                                gpu=gpu, overhead_gib=1.5 if overhead_gib is None else overhead_gib,
-                                overhead_source=source, margin=margin, block_size=block_size,
-                                device=device, engine_version=engine_version, engine_options=options,
-                                allow_long_context=allow_long_context))
+            overhead, source = found.bytes / GIB, found.source
+        m = resolve_model(model, weights_dtype, trust_remote_code, parse_bytes(weights_bytes, "--weights-bytes"))
+        result = plan(PlanInput(
+            model=m, context=parse_tokens(context, "--context"), batch=parse_int(batch, "--batch"),
+            kv_dtype=kv_dtype, tp=parse_int(tp, "--tp"), engine=engine.lower() if engine else None, gpu=gpu,
+            overhead_gib=1.5 if overhead is None else overhead, overhead_source=source,
+            margin=parse_float(margin, "--margin"), block_size=parse_int(block_size, "--block-size", 0),
+            device=device, engine_version=engine_version, engine_options=options,
+            allow_long_context=allow_long_context, max_model_len=parse_tokens(max_model_len, "--max-model-len"),
+            node_gpus=parse_int(node_gpus, "--node-gpus")))
     except (PlanError, ConfigError) as exc:
         message = with_hint(str(exc), model, catalog_names()) if model in str(exc) else str(exc)
         if engine and engine in str(exc):
@@ -75,31 +130,53 @@ def plan_command(
         raise typer.Exit(2)
     if as_json:
         print(json.dumps(result, indent=2))
-        return
-    t = Table(title=f"kvbench plan: {escape(result['model'])}", show_header=False)
-    t.add_row("attention", escape(result["geometry"]))
-    for note in result["notes"]:
-        t.add_row("read", escape(note))
-    t.add_row("KV per token (formula)", f"{result['kv_bytes_per_token_formula']:,.0f} B ({result['kv_dtype']}, all GPUs)")
-    t.add_row(f"KV for {batch} x {context:,} tokens",
-              f"{fmt_gib(result['kv_bytes'])} ({result['engine']}: {escape(result['engine_rule'])})")
-    t.add_row("weights", (f"{fmt_gib(result['weights_bytes'])} " if result["weights_bytes"] else "")
-              + f"({escape(result['weights_source'])})")
-    if gpu:
-        if result["fits"] is None:
-            t.add_row("fits", "unknown: the weights are unknown (the KV figure above stands)")
-        else:
-            t.add_row("per GPU", f"weights {fmt_gib(result['weights_bytes_per_gpu'])} + KV "
-                      f"{fmt_gib(result['kv_bytes_per_gpu'] + result['kv_pool_extra_bytes'])} + overhead "
-                      f"{fmt_gib(result['overhead_bytes'])} = {fmt_gib(result['needed_bytes_per_gpu'])}")
-            t.add_row("overhead", escape(result["overhead_source"]))
-            t.add_row("usable", f"{fmt_gib(result['usable_bytes'])} of {result['gpu']} "
-                      f"{fmt_gib(result['gpu_memory_bytes'])} ({result['margin']:.0%} kept free)")
-            t.add_row("fits", "[green]yes[/]" if result["fits"] else "[red]no[/]")
-            t.add_row(f"max concurrency at {context:,} tokens", str(result["max_batch"]))
-            t.add_row(f"longest context at concurrency {batch}", f"{result['max_context_at_batch']:,} tokens"
-                      + (" (the model's limit)" if result["max_context_at_batch"] == result["max_context"] else ""))
+    else:
+        _print(result)
+    if strict and not result["verified"]:
+        raise typer.Exit(EXIT_UNVERIFIED)
+
+
+def _print(r: dict) -> None:
+    v = r["verdict"]
+    typer.echo(v["line"])
+    on = f"{r['tp']} x {r['gpu']}" if r.get("gpu") else "no GPU given"
+    typer.echo(f"{r['model']} under {r['engine']} on {on}: {r['batch']} at once of {r['context']:,} tokens "
+               f"(typical), a limit of {r['max_model_len']:,} per request ({r['max_model_len_source']}; "
+               f"{r['limit_flag']}); KV {r['kv_dtype']} ({r['kv_dtype_source']})")
+    t = Table(title=f"Per GPU: {escape(r['model'])}", show_header=True)
+    t.add_column("term")
+    t.add_column("per GPU", justify="right")
+    t.add_column("from")
+    for row in r["ledger"]:
+        t.add_row(row["term"], fmt_gib(row["bytes"], "unknown"), escape(row["source"]))
+    if r.get("gpu"):
+        t.add_row("= total", fmt_gib(r["needed_bytes_per_gpu"] + r["gpu_memory_bytes"] * r["margin"]
+                                     if r["needed_bytes_per_gpu"] is not None else None, "unknown"),
+                  f"of {r['gpu']}'s {fmt_gib(r['gpu_memory_bytes'])} ({fmt_gib(r['usable_bytes'])} usable)")
     ui.console().print(t)
+    if r["levers"]:
+        typer.echo("What to change (best first):")
+        for i, lv in enumerate(r["levers"], 1):
+            typer.echo(f"  {i}. {lv['change']}: {lever_line(lv)} [{lv['what']}]")
+    d = Table(title="The model as read", show_header=False)
+    d.add_row("attention", escape(r["geometry"]))
+    for note in r["notes"]:
+        d.add_row("read", escape(note))
+    if r["unread_keys"]:
+        d.add_row("not read", escape(", ".join(r["unread_keys"])))
+    d.add_row("KV per token", f"{r['kv_bytes_per_token_stored'] / r['tp']:,.0f} B per GPU as stored "
+              f"({r['kv_dtype']}{'; ' + escape(r['kv_scope']) if r['kv_scope'] else ''})")
+    d.add_row("serving dtype", f"{r['serving_dtype']} ({escape(r['serving_dtype_source'])})")
+    ui.console().print(d)
+
+
+def _check_choices(engine: str | None, device: str, weights_dtype: str) -> None:
+    if engine is not None and engine.lower() not in engines():
+        raise PlanError(f"no KV rules for engine {engine!r}; known: {', '.join(engines())}")
+    if device not in ("gpu", "cpu"):
+        raise PlanError(f"--device is gpu or cpu, not {device!r}")
+    if weights_dtype not in WEIGHT_DTYPES:
+        raise PlanError(f"unknown --weights-dtype {weights_dtype!r}; known: {', '.join(WEIGHT_DTYPES)}")
 
 
 def _check_engine_options(engine: str | None, options: dict) -> None:

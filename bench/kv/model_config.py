@@ -13,11 +13,22 @@ the geometry says so. Quirks no class attribute states are handled here, each wi
   differ in which they cache);
 - Gemma 3n's last ``num_kv_shared_layers`` reuse earlier layers' KV; Mllama's ``cross_attention_layers`` cache
   the image, not the text; linear-attention / state-space layers cache a state of constant size.
+
+The model's limit is max_position_embeddings scaled by the RoPE scaling the config declares, read through
+transformers' own rope utilities (:func:`rope_limit`: Qwen2.5's YaRN factor 4 on 32,768 is 131,072). A
+checkpoint's quantization_config becomes geometry flags the engines' ``auto`` dtypes read
+(:func:`quantisation_flags`). A remote-code model is read through its own configuration module with
+``trust_remote_code`` (transformers' AutoConfig), and the per-layer-looking keys the reader did not read are
+listed (:func:`unread_keys`): its geometry is then not verified.
+
+Long because one reader covers every layout the KV depends on (transformers' classes, remote code, GGUF keys,
+RoPE limits, the keys left unread), and they must agree on one list of field names (READ_KEYS, ALIASES).
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -90,9 +101,20 @@ class RawConfig(SimpleNamespace):
     """A config of a model type transformers does not know, read as written (no class defaults, no post-init)."""
 
 
-def hf_config(raw: dict, source: str):
-    """The transformers config object for ``raw`` (its class for the model_type, else a :class:`RawConfig`)
-    and notes on how it was read."""
+def remote_config_file(raw: dict, folder: str | Path | None) -> tuple[str | None, Path | None]:
+    """(the module auto_map's AutoConfig names, its file in ``folder`` if there) for a remote-code config."""
+    auto = (raw.get("auto_map") or {}).get("AutoConfig") if isinstance(raw.get("auto_map"), dict) else None
+    if not isinstance(auto, str) or "." not in auto:
+        return None, None
+    module = auto.split("--")[-1].rsplit(".", 1)[0]
+    file = Path(folder) / f"{module}.py" if folder is not None else None
+    return f"{module}.py", (file if file is not None and file.is_file() else None)
+
+
+def hf_config(raw: dict, source: str, folder: str | Path | None = None, trust_remote_code: bool = False):
+    """The transformers config object for ``raw`` (its class for the model_type; with ``trust_remote_code``
+    and a ``folder`` that ships the configuration module auto_map names, that module's class through
+    transformers' AutoConfig; else a :class:`RawConfig`) and notes on how it was read."""
     transformers = _transformers()
     from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
 
@@ -103,9 +125,25 @@ def hf_config(raw: dict, source: str):
         if isinstance(model_type, str) and model_type in mapping:
             config = mapping[model_type].from_dict(raw)
         else:
-            notes.append(f"model_type {model_type!r} is not one transformers {transformers.__version__} knows: "
-                         "fields read as written (no class defaults)")
-            config = RawConfig(**raw)
+            module, file = remote_config_file(raw, folder)
+            unknown = f"model_type {model_type!r} is not one transformers {transformers.__version__} knows"
+            if file is not None and trust_remote_code:
+                try:
+                    config = transformers.AutoConfig.from_pretrained(str(file.parent), trust_remote_code=True)
+                except Exception as exc:  # noqa: BLE001 - the model's own code: any failure is its, in one line
+                    raise ConfigError(f"{source}: its {file.name} (auto_map AutoConfig) failed under "
+                                      f"--trust-remote-code: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+                notes.append(f"{unknown}: read through its own {file.name} (auto_map AutoConfig, --trust-remote-code)")
+            else:
+                if file is not None:
+                    why = f"the folder ships {file.name}: --trust-remote-code reads it through transformers' AutoConfig"
+                elif module:
+                    where = f"{folder}" if folder is not None else "the config's folder"
+                    why = f"its auto_map names {module}, which {where} lacks (download it beside config.json)"
+                else:
+                    why = "the config names no configuration module (auto_map AutoConfig)"
+                notes.append(f"{unknown}: fields read as written (no class defaults); {why}")
+                config = RawConfig(**raw)
     except (StrictDataclassFieldValidationError, StrictDataclassClassValidationError, TypeError, ValueError) as exc:
         first = str(exc).strip().splitlines()
         raise ConfigError(f"{source}: {' '.join(line.strip() for line in first[:2])}") from None
@@ -146,9 +184,11 @@ def geometry_from_hf_dict(raw: dict, source: str = "config.json") -> KVGeometry:
     return parse_hf_dict(raw, source)[2]
 
 
-def parse_hf_dict(raw: dict, source: str = "config.json") -> tuple[object, object, KVGeometry]:
-    """(the config object, its language model's config, the KV geometry) of a config.json's contents."""
-    config, notes = hf_config(raw, source)
+def parse_hf_dict(raw: dict, source: str = "config.json", folder: str | Path | None = None,
+                  trust_remote_code: bool = False) -> tuple[object, object, KVGeometry]:
+    """(the config object, its language model's config, the KV geometry) of a config.json's contents
+    (``folder``, ``trust_remote_code``: see :func:`hf_config`)."""
+    config, notes = hf_config(raw, source, folder, trust_remote_code)
     text = text_config(config, source)
     raw_text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     return config, text, _geometry(text, raw_text, config, source, notes)
@@ -179,7 +219,7 @@ def _per_layer(value, n: int, field: str, source: str) -> list[int]:
 
 
 def _geometry(text, raw: dict, config, source: str, notes: list[str]) -> KVGeometry:
-    known = not isinstance(text, RawConfig)
+    known = builtin(text)  # a remote-code class (--trust-remote-code) keeps its own field names: aliases apply
     model_type = str(getattr(text, "model_type", "") or getattr(config, "model_type", "") or "")
 
     def field(name, required=True, allow_list=False):
@@ -200,7 +240,7 @@ def _geometry(text, raw: dict, config, source: str, notes: list[str]) -> KVGeome
                           f"({'; '.join(sorted(set(why)))}): there is no KV cache to plan")
     heads = field("num_attention_heads", allow_list=True)
     heads_per_layer = _per_layer(heads, n_layers, "num_attention_heads", source)
-    flags = []
+    flags = quantisation_flags(getattr(config, "quantization_config", None) or getattr(text, "quantization_config", None))
     if not all(h for h, (kind, _) in zip(heads_per_layer, kinds) if kind != "none"):
         raise ConfigError(f"{source}: num_attention_heads is 0 on an attention layer")
 
@@ -215,7 +255,7 @@ def _geometry(text, raw: dict, config, source: str, notes: list[str]) -> KVGeome
         mla = MLAShape(rank, rope, nope, v, max(heads_per_layer))
         layers = tuple(LayerKV(k, 1, rank + rope, 0, span) if k != "none" else LayerKV("none", why_none=w)
                        for (k, span), w in zip(kinds, why))
-        return KVGeometry(layers, max(heads_per_layer), _max_context(text, known, source), mla, model_type,
+        return KVGeometry(layers, max(heads_per_layer), _max_context(text, known, source, notes, model_type), mla, model_type,
                           _dtype(text, config), "hf", tuple(flags), tuple(notes))
 
     # --- KV heads -----------------------------------------------------------------------------------
@@ -264,12 +304,14 @@ def _geometry(text, raw: dict, config, source: str, notes: list[str]) -> KVGeome
             default = getattr(type(text), name, None)
             if value is not None and not _in_file(text, raw, name) and isinstance(default, int):
                 notes.append(f"{name} {value} from the {type(text).__name__} class default (not in the file)")
-    if "head_dim" not in raw and not isinstance(getattr(type(text), "head_dim", None), int):
+    if "head_dim" not in raw and not known and not isinstance(text, RawConfig) and getattr(text, "head_dim", None):
+        notes.append(f"head_dim {head_dim} from the {type(text).__name__} class (remote code; not in the file)")
+    elif "head_dim" not in raw and not isinstance(getattr(type(text), "head_dim", None), int):
         notes.append(f"head_dim = hidden_size / num_attention_heads = {head_dim}")
 
     layers = tuple(LayerKV(k, kvh, head_dim, head_dim_v, span) if k != "none" else LayerKV("none", why_none=w)
                    for (k, span), w, kvh in zip(kinds, why, kv_per_layer))
-    return KVGeometry(layers, max(heads_per_layer), _max_context(text, known, source), None, model_type,
+    return KVGeometry(layers, max(heads_per_layer), _max_context(text, known, source, notes, model_type), None, model_type,
                       _dtype(text, config), "hf", tuple(flags), tuple(notes))
 
 
@@ -315,9 +357,139 @@ def _layer_kinds(text, raw: dict, n: int, model_type: str, source: str) -> tuple
     return kinds, why
 
 
-def _max_context(text, known: bool, source: str) -> int | None:
+def _max_context(text, known: bool, source: str, notes: list[str], model_type: str) -> int | None:
+    """The longest request the model serves: max_position_embeddings (or its alias), scaled by the RoPE
+    scaling the config declares (:func:`rope_limit`)."""
     value = _get(text, "max_position_embeddings", known)
-    return _positive_int(value, "max_position_embeddings", source) if value is not None else None
+    if value is None:
+        return None
+    base = _positive_int(value, "max_position_embeddings", source)
+    limit, note = rope_limit(text, base, model_type)
+    if note:
+        notes.append(note)
+    return limit
+
+
+class _RopeReader:
+    """A config transformers has no class for, as transformers' RotaryEmbeddingConfigMixin reads RoPE."""
+
+    def __init__(self, text, base: int):
+        self.rope_parameters = dict(getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {})
+        self.rope_theta = getattr(text, "rope_theta", None)
+        self.max_position_embeddings = base
+        self.layer_types = getattr(text, "layer_types", None)
+        if getattr(text, "original_max_position_embeddings", None):
+            self.original_max_position_embeddings = text.original_max_position_embeddings
+
+
+def rope_parameters(text, base: int) -> list[dict]:
+    """The config's RoPE parameters as transformers standardizes them (modeling_rope_utils: ``rope_scaling``
+    moved to ``rope_parameters``, ``type`` to ``rope_type``, ``original_max_position_embeddings`` filled
+    for yarn / llama3 / longrope), one dict per layer type where they are nested."""
+    from transformers.modeling_rope_utils import RotaryEmbeddingConfigMixin
+
+    if builtin(text):
+        params, reader = getattr(text, "rope_parameters", None), text  # standardized by the class at load
+    else:
+        raw = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+        if not isinstance(raw, dict) or not raw:
+            return []
+        reader = type("RopeReader", (_RopeReader, RotaryEmbeddingConfigMixin), {})(text, base)
+        reader.standardize_rope_params()
+        params = reader.rope_parameters
+    if not isinstance(params, dict) or not params:
+        return []
+    nested = RotaryEmbeddingConfigMixin.nested_rope_parameter_keys(reader, params)
+    found = [params[k] for k in nested] if nested else [params]
+    return [p for p in found if isinstance(p, dict)]
+
+
+def rope_limit(text, base: int, model_type: str = "") -> tuple[int, str | None]:
+    """(the model's limit, how it was derived): max_position_embeddings, times the factor of a RoPE scaling
+    that extends it (linear, dynamic, yarn: yarn from its original_max_position_embeddings), as vLLM
+    derives max_model_len (config/model.py _get_and_verify_max_len). llama3 and longrope configs already
+    state the extended length in max_position_embeddings, and Gemma 3's is already scaled."""
+    if "gemma3" in model_type:
+        return base, None
+    factor, derived, kind = 1.0, base, None
+    for p in rope_parameters(text, base):
+        rope_type = p.get("rope_type") or p.get("type") or "default"
+        if rope_type in ("default", "su", "longrope", "llama3"):
+            continue
+        factor = p.get("factor") or factor
+        kind = rope_type
+        if rope_type == "yarn" and p.get("original_max_position_embeddings"):
+            derived = int(p["original_max_position_embeddings"])
+    limit = int(derived * factor)
+    if kind is None or limit == base:
+        return base, None
+    field = "original_max_position_embeddings" if kind == "yarn" else "max_position_embeddings"
+    return limit, (f"the model's limit: {field} {derived:,} x {kind} factor {factor:g} = {limit:,} tokens "
+                   "(its rope_parameters / rope_scaling)")
+
+
+def builtin(config) -> bool:
+    """Whether ``config`` is one of transformers' own classes (not a RawConfig, not a remote-code class)."""
+    return not isinstance(config, RawConfig) and type(config).__module__.startswith("transformers.")
+
+
+def quantisation_flags(quant) -> list[str]:
+    """Geometry flags from a checkpoint's quantization_config, for the engines' ``auto`` dtypes:
+    ``quant_method=<method>`` and ``kv_cache_fp8`` where it declares an 8-bit float KV cache (ModelOpt's
+    kv_cache_quant_algo FP8, compressed-tensors' kv_cache_scheme of type float, 8 bits)."""
+    if quant is not None and not isinstance(quant, dict):
+        quant = quant.to_dict() if callable(getattr(quant, "to_dict", None)) else vars(quant)
+    if not isinstance(quant, dict):
+        return []
+    flags = [f"quant_method={str(quant.get('quant_method') or '').lower()}"] if quant.get("quant_method") else []
+    inner = quant.get("quantization") if isinstance(quant.get("quantization"), dict) else quant
+    kv = (inner.get("kv_cache_scheme") or quant.get("kv_cache_scheme") or inner.get("kv_cache_quant_algo")
+          or quant.get("kv_cache_quant_algo"))
+    if isinstance(kv, str) and kv.lower().startswith("fp8") or isinstance(kv, dict) and kv.get("num_bits") == 8 and str(kv.get("type", "")).lower() == "float":
+        flags.append("kv_cache_fp8")
+    return flags
+
+
+# --- what the reader did not read ---------------------------------------------------------------------
+
+# The keys the KV reader reads (for a config transformers has no class for), and words of keys that do
+# not concern the KV (MLP, experts, norms)
+READ_KEYS = {*[k for names in ALIASES.values() for k in names], *KV_HEAD_FIELDS, "head_dim", "kv_channels",
+             "hidden_size_per_head", "v_head_dim", "layer_types", "sliding_window", "use_sliding_window",
+             "attention_chunk_size", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "q_lora_rank",
+             "num_kv_shared_layers", "cross_attention_layers", "attn_config", "new_decoder_architecture",
+             "multi_query", "text_config", "torch_dtype", "dtype", "rope_scaling", "rope_parameters", "rope_theta",
+             "model_type", "architectures", "auto_map", "quantization_config", "original_max_position_embeddings",
+             "is_encoder_decoder", "is_decoder"}
+NOT_KV_WORDS = ("mlp", "moe", "expert", "ffn", "intermediate", "dropout", "norm", "router", "vocab", "token_id",
+                "init", "vision", "audio", "image")
+LAYER_KEY = re.compile(r"(layer|block|attn|attention|window|swa|global|local|kv|head)", re.IGNORECASE)
+PATTERN_KEY = re.compile(r"(pattern|period|offset|interval|every|freq|ratio|idx|indices|ids|list|types?|layers|map)$",
+                         re.IGNORECASE)
+KIND_WORDS = ("attention", "attn", "sliding", "full", "global", "local", "linear", "mamba", "window", "swa")
+
+
+def unread_keys(raw: dict, text) -> list[str]:
+    """Keys of a config transformers has no class for (or a remote-code class) that the KV reader did not
+    read and that look per-layer: a list as long as the layers, a list of layer kinds, or a layer pattern
+    under a model-specific name (``attn_type_list``, ``sliding_window_pattern``, ``global_attn_layers``).
+    The geometry was read without them, so it is not verified. [] for transformers' own classes."""
+    if builtin(text):
+        return []
+    body = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    n = next((body[k] for k in ALIASES["num_hidden_layers"] if isinstance(body.get(k), int)), None)
+    out = []
+    for key, value in body.items():
+        low = key.lower()
+        if key in READ_KEYS or key.startswith("_") or isinstance(value, bool) or any(w in low for w in NOT_KV_WORDS):
+            continue
+        listed = isinstance(value, (list, tuple))
+        per_layer = listed and n is not None and len(value) == n
+        kinds = listed and any(isinstance(v, str) and any(w in v.lower() for w in KIND_WORDS) for v in value)
+        pattern = LAYER_KEY.search(key) and PATTERN_KEY.search(key) and isinstance(value, (int, list, tuple, str, dict))
+        if per_layer or kinds or pattern:
+            out.append(key)
+    return sorted(out)
 
 
 def _dtype(text, config) -> str | None:

@@ -1,5 +1,5 @@
 """What a quantised checkpoint's weights take, from its ``quantization_config`` (or ModelOpt's
-``hf_quant_config.json``): each part of :func:`kvbench.kv.weights.parameter_breakdown` at the width the
+``hf_quant_config.json``): each part of :func:`kvbench.kv.checkpoint.parameter_breakdown` at the width the
 checkpoint stores it.
 
 Quantised linear layers cost their bits plus the format's metadata; everything a format leaves alone
@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from kvbench.kv.weights import Breakdown, Weights
+from kvbench.kv.checkpoint import Breakdown, Weights
 
 KNOWN = ("awq", "gptq", "bitsandbytes", "fp8", "fbgemm_fp8", "compressed-tensors", "mxfp4", "modelopt")
 GIB = 2**30

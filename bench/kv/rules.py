@@ -23,6 +23,7 @@ from kvbench.kv.geometry import (
     layer_bytes_per_token,
     tokens_kept,
 )
+from kvbench.kv.weights import WEIGHT_DTYPE_BYTES
 
 
 class KVRuleError(ValueError):
@@ -40,6 +41,7 @@ class KVQuestion:
     device: str = "gpu"  # "gpu" or "cpu": some engines size differently per device
     version: str | None = None  # None: the rules' own version
     options: dict = field(default_factory=dict)  # engine-specific switches, e.g. vLLM's hybrid_kv_cache
+    capability: tuple[int, int] | None = None  # the GPU's CUDA compute capability (None: 8.0 or later)
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,76 @@ class KVRules:
         return name
 
     def auto_dtype(self, q: KVQuestion) -> str:
-        """The KV dtype an engine uses when not told: the model's own dtype (bf16 when the config names none)."""
-        return {"fp32": "fp32", "fp16": "fp16"}.get(q.geometry.dtype or "", "bf16")
+        """The KV dtype an engine uses when not told: what a quantised checkpoint's config asks for where the
+        engine reads it (:meth:`checkpoint_kv_dtype`), else the dtype the engine serves the model in
+        (:meth:`serving_dtype`)."""
+        return self.checkpoint_kv_dtype(q.geometry) or self.serving_dtype(q.geometry, q.capability)
+
+    # --- the dtypes an engine serves a model in ------------------------------------------------------
+    def serving_dtype(self, geometry: KVGeometry, capability: tuple[int, int] | None = None) -> str:
+        """The dtype of the weights and activations when the engine is not told one (``--dtype auto``), for a
+        GPU of ``capability`` (None: 8.0 or later): the plain formula takes the config's own dtype, bf16
+        when it names none. Engines override it with their own resolution."""
+        return {"fp32": "fp32", "fp16": "fp16"}.get(geometry.dtype or "", "bf16")
+
+    def serving_note(self, geometry: KVGeometry, capability: tuple[int, int] | None = None) -> str:
+        """Why :meth:`serving_dtype` is what it is, in a few words (for the plan's ledger)."""
+        named = geometry.dtype or "none"
+        return f"the config's dtype ({named})"
+
+    def checkpoint_kv_dtype(self, geometry: KVGeometry) -> str | None:
+        """The KV dtype a quantised checkpoint's config makes the engine's ``auto`` pick (its
+        ``quantization_config`` declaring an fp8 KV cache, read into the geometry's flags); None: the KV
+        follows :meth:`serving_dtype`. The plain formula reads none."""
+        return None
+
+    # --- what a deployment holds -----------------------------------------------------------------------
+    def deployment(self, q: KVQuestion, limit: int) -> KVAnswer:
+        """The KV one GPU needs to serve ``q.batch`` requests of ``q.context`` tokens at once on a server
+        started with a per-request limit of ``limit`` tokens: one whole request at the limit must fit (a
+        server that accepts it must hold it; vLLM and TGI refuse to start otherwise) and the batch at its
+        typical length, whichever is larger. Engines that allocate per slot override it (llama.cpp)."""
+        typical = self.answer(q)
+        if limit <= q.context:
+            return typical
+        one = self.answer(replace(q, context=limit, batch=1))
+        if one.bytes_per_gpu > typical.bytes_per_gpu:
+            return replace(one, note=f"{one.note}; one request at the {limit:,}-token limit (more than "
+                                     f"{q.batch} x {q.context:,})")
+        return typical
+
+    # --- the levers a plan proposes, and how to pull them on this engine ------------------------------
+    #: KV dtypes below 16 bits a plan proposes where the engine takes them (see :meth:`kv_levers`).
+    kv_lever_dtypes: ClassVar[tuple[str, ...]] = ("fp8", "q8_0", "q4_0")
+    #: Weight formats the engine serves, as {name: bytes per parameter} (a plan proposes the smaller ones).
+    weight_formats: ClassVar[dict[str, float]] = {"fp8": WEIGHT_DTYPE_BYTES["fp8"], "int8": WEIGHT_DTYPE_BYTES["int8"],
+                                                  "int4": WEIGHT_DTYPE_BYTES["int4"]}
+
+    def kv_levers(self) -> list[str]:
+        """The smaller KV dtypes this engine takes, from its :attr:`dtypes` (the plain formula: fp8)."""
+        if not self.dtypes:
+            return ["fp8"]
+        return [d for d in self.kv_lever_dtypes if d in self.dtypes]
+
+    def kv_dtype_flag(self, dtype: str) -> str:
+        """How a user sets the KV dtype on this engine."""
+        return f"--kv-dtype {dtype}"
+
+    def weights_flag(self, fmt: str) -> str:
+        """What serving the weights in ``fmt`` takes on this engine."""
+        return f"{fmt} weights (a quantised checkpoint)"
+
+    def limit_flag(self, limit: int, batch: int) -> str:
+        """How a user sets the per-request limit (and, where the engine sizes by it, the slots)."""
+        return f"--max-model-len {limit}"
+
+    def concurrency_flag(self, batch: int) -> str:
+        """How a user caps the requests served at once."""
+        return f"--batch {batch}"
+
+    def tp_flag(self, tp: int) -> str:
+        """How a user splits the model over ``tp`` GPUs."""
+        return f"--tp {tp}"
 
     def check(self, q: KVQuestion) -> None:
         if q.context < 1 or q.batch < 1:

@@ -1,0 +1,232 @@
+"""One deployment, resolved: the engine's rules, the KV dtype, the split, the per-request limit the server
+is started with and the typical request of the traffic, the weights as the engine holds them, and the GPU.
+:class:`Setup` answers what a deployment needs per GPU and what it can serve; the levers vary it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from kvbench.kv.geometry import KVGeometry, dtype_bytes
+from kvbench.kv.rules import KVAnswer, KVQuestion, KVRuleError, KVRules
+from kvbench.kv.units import GIB
+from kvbench.kv.weights import Weights
+
+from .resolve import ModelForPlan, served_weights
+from .shared import GPU, NODE_GPUS, PlanError, engine_rules, gpu
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    model: ModelForPlan
+    context: int | None = None  # the typical request's tokens (prompt + output); None: the limit
+    batch: int = 1  # requests served at once
+    kv_dtype: str = "auto"  # "auto": the engine's default for the model (see KVRules.auto_dtype)
+    tp: int = 1
+    engine: str | None = None  # None: the plain formula
+    gpu: str | None = None
+    overhead_gib: float = 1.5  # CUDA context, activations, graphs: an assumption, per GPU (see measured_overhead)
+    overhead_source: str = "assumed"  # where overhead_gib came from
+    margin: float = 0.10  # fraction of the GPU kept free
+    block_size: int | None = None
+    device: str = "gpu"  # engines size some things per device (vLLM's block size)
+    engine_version: str | None = None
+    engine_options: dict = field(default_factory=dict)
+    allow_long_context: bool = False  # plan a limit past the model's own
+    max_model_len: int | None = None  # the per-request limit the server is started with; None: the model's
+    node_gpus: int = NODE_GPUS  # the most GPUs the tensor-parallel lever proposes
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a deployment gives on its GPU (None throughout where the weights are unknown)."""
+
+    fits: bool | None
+    needed: float | None  # bytes per GPU: weights + KV + overhead
+    kv: float  # the deployment's KV per GPU (pool extras included)
+    headroom: float | None  # usable - needed, per GPU (negative: short by)
+    headroom_pct: float | None  # of the usable memory
+    max_concurrency: int | None  # requests of the typical length at once
+    longest_request: int | None  # tokens per request at the asked concurrency, server limit set to it
+    weights_exceed: bool = False  # the weights (and overhead) alone exceed the usable memory
+
+    def result(self) -> dict:
+        return {"fits": self.fits, "needed_bytes_per_gpu": self.needed, "kv_bytes_per_gpu": self.kv,
+                "headroom_bytes": self.headroom, "headroom_pct": self.headroom_pct,
+                "max_concurrency": self.max_concurrency, "longest_request": self.longest_request,
+                "weights_exceed": self.weights_exceed}
+
+
+def _largest(fits, low: int, high: int) -> int:
+    """Largest n in [low, high] with fits(n) true (fits monotone decreasing), low - 1 if none."""
+    if high < low or not fits(low):
+        return low - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: ModelForPlan
+    rules: KVRules
+    engine: str | None
+    kv_dtype: str
+    tp: int
+    context: int  # the typical request
+    batch: int
+    limit: int  # the per-request limit the server is started with
+    limit_source: str  # "the model's (...)", "--max-model-len", "past the model's ..."
+    weights: Weights  # as the engine holds them, all GPUs
+    overhead: float  # bytes per GPU
+    overhead_source: str
+    margin: float
+    gpu: GPU | None
+    block_size: int | None = None
+    device: str = "gpu"
+    version: str | None = None
+    options: dict = field(default_factory=dict)
+    node_gpus: int = NODE_GPUS
+
+    @property
+    def geometry(self) -> KVGeometry:
+        return self.model.geometry
+
+    @property
+    def capability(self) -> tuple[int, int] | None:
+        return self.gpu.capability if self.gpu else None
+
+    @property
+    def usable(self) -> float | None:
+        return self.gpu.bytes * (1 - self.margin) if self.gpu else None
+
+    def question(self, context: int | None = None, batch: int | None = None) -> KVQuestion:
+        return KVQuestion(self.geometry, self.kv_dtype, context or self.context, batch or self.batch, self.tp,
+                          self.block_size, self.device, self.version, dict(self.options), self.capability)
+
+    def typical(self) -> KVAnswer:
+        """The KV of the batch at its typical length alone (no limit reserved): the plain KV answer."""
+        try:
+            return self.rules.answer(self.question())
+        except KVRuleError as exc:
+            raise PlanError(str(exc)) from None
+
+    def kv(self, context: int | None = None, batch: int | None = None, limit: int | None = None) -> KVAnswer:
+        """The KV one GPU holds for the deployment (the engine's :meth:`KVRules.deployment`)."""
+        try:
+            return self.rules.deployment(self.question(context, batch), limit or self.limit)
+        except KVRuleError as exc:
+            raise PlanError(str(exc)) from None
+
+    def kv_bytes(self, context: int | None = None, batch: int | None = None, limit: int | None = None) -> float:
+        a = self.kv(context, batch, limit)
+        return a.bytes_per_gpu + a.pool_extra_bytes
+
+    @property
+    def weights_per_gpu(self) -> float | None:
+        return None if self.weights.bytes is None else self.weights.bytes / self.tp
+
+    def need(self, context: int | None = None, batch: int | None = None, limit: int | None = None) -> float:
+        return self.weights_per_gpu + self.kv_bytes(context, batch, limit) + self.overhead
+
+    def fits(self, context: int | None = None, batch: int | None = None, limit: int | None = None) -> bool:
+        return self.need(context, batch, limit) <= self.usable
+
+    def max_concurrency(self) -> int:
+        """Requests of the typical length served at once, on a server started with the limit."""
+        return max(0, _largest(lambda b: self.fits(batch=b), 1, 1 << 20))
+
+    def longest_request(self) -> int:
+        """The longest request the asked concurrency can run at once: the largest L (up to the limit) such
+        that a server started with a limit of L holds ``batch`` requests of L."""
+        return max(0, _largest(lambda n: self.fits(context=n, limit=n), 1, self.limit))
+
+    def outcome(self) -> Outcome:
+        kv = self.kv_bytes()
+        if self.gpu is None or self.weights.bytes is None:
+            return Outcome(None, None, kv, None, None, None, None)
+        usable = self.usable
+        need = self.weights_per_gpu + kv + self.overhead
+        exceed = self.weights_per_gpu + self.overhead >= usable
+        if exceed:
+            return Outcome(False, need, kv, usable - need, (usable - need) / usable, 0, 0, True)
+        return Outcome(need <= usable, need, kv, usable - need, (usable - need) / usable, self.max_concurrency(),
+                       self.longest_request())
+
+    def resolved_kv_dtype(self) -> str:
+        try:
+            return self.rules.resolve_dtype(self.question())
+        except KVRuleError as exc:
+            raise PlanError(str(exc)) from None
+
+    def kv_dtype_bytes(self) -> float:
+        return dtype_bytes(self.resolved_kv_dtype())
+
+    def kv_dtype_note(self) -> str:
+        """Where the KV dtype came from."""
+        if self.kv_dtype.lower() != "auto":
+            return f"--kv-dtype {self.kv_dtype}"
+        if self.rules.checkpoint_kv_dtype(self.geometry):
+            return "auto: the checkpoint's quantization_config declares an fp8 KV cache"
+        dtype = self.resolved_kv_dtype()
+        if dtype == self.rules.serving_dtype(self.geometry, self.capability):
+            return f"auto, the model dtype: {self.rules.serving_note(self.geometry, self.capability)}"
+        return f"auto: {self.rules.engine}'s default KV dtype"
+
+
+def setup(p: PlanInput) -> Setup:
+    """The deployment ``p`` describes, checked (one-line PlanErrors)."""
+    if p.batch < 1 or (p.context is not None and p.context < 1):
+        raise PlanError("--context and --batch must be >= 1")
+    if p.max_model_len is not None and p.max_model_len < 1:
+        raise PlanError(f"--max-model-len must be >= 1, not {p.max_model_len}")
+    if not 0 <= p.margin < 1:
+        raise PlanError(f"--margin is the fraction of the GPU kept free: from 0 to below 1, not {p.margin}")
+    if p.overhead_gib < 0:
+        raise PlanError(f"--overhead-gib must be >= 0, not {p.overhead_gib}")
+    if p.tp < 1:
+        raise PlanError(f"--tp must be >= 1, not {p.tp}")
+    if p.device not in ("gpu", "cpu"):
+        raise PlanError(f"--device is gpu or cpu, not {p.device!r}")
+    rules = engine_rules(p.engine)
+    geom = p.model.geometry
+    model_limit = geom.max_context
+    why = next((n for n in geom.notes if n.startswith("the model's limit")), None)
+    field_name = "context_length (GGUF)" if geom.source == "gguf" else "max_position_embeddings"
+    model_label = f"the model's: {why.split(': ', 1)[1]}" if why else f"the model's: {field_name}"
+    if p.max_model_len is not None:
+        limit, source = p.max_model_len, "--max-model-len"
+        if model_limit and limit > model_limit and not p.allow_long_context:
+            raise PlanError(f"--max-model-len {limit:,} exceeds the model's limit of {model_limit:,} "
+                            f"({model_label.split(': ', 1)[1]}); --allow-long-context plans it anyway")
+        if p.context is not None and p.context > limit:
+            raise PlanError(f"a typical request (--context) of {p.context:,} tokens is longer than the "
+                            f"--max-model-len {limit:,} the server accepts")
+    elif model_limit:
+        limit, source = model_limit, model_label
+        if p.context is not None and p.context > model_limit:
+            if not p.allow_long_context:
+                raise PlanError(f"a context of {p.context:,} tokens exceeds the model's limit of {model_limit:,} "
+                                f"({model_label.split(': ', 1)[1]}); --allow-long-context plans it anyway")
+            limit, source = p.context, f"the --context, past the model's {model_limit:,} (--allow-long-context)"
+    elif p.context is not None:
+        limit, source = p.context, "the --context (the config names no limit)"
+    else:
+        raise PlanError("the config names no context limit (max_position_embeddings): give --context or "
+                        "--max-model-len")
+    if model_limit and limit > model_limit and source == "--max-model-len":
+        source = f"--max-model-len, past the model's {model_limit:,} (--allow-long-context)"
+    g = gpu(p.gpu) if p.gpu else None
+    return Setup(p.model, rules, p.engine, p.kv_dtype, p.tp, p.context or limit, p.batch, limit, source,
+                 served_weights(p.model, rules, g.capability if g else None), p.overhead_gib * GIB,
+                 p.overhead_source, p.margin, g, p.block_size, p.device, p.engine_version, dict(p.engine_options),
+                 p.node_gpus)
+
+
+def with_engine(s: Setup, engine: str) -> Setup:
+    """The same deployment under another engine's rules (its own auto dtypes and served weights)."""
+    rules = engine_rules(engine)
+    return replace(s, rules=rules, engine=engine, kv_dtype="auto", block_size=None, options={}, version=None,
+                   weights=served_weights(s.model, rules, s.capability))

@@ -1,0 +1,208 @@
+"""The user's MODEL argument as a geometry and weights: a config.json, a model folder, a GGUF file, the
+embedded model, a catalog name or a hub id (org/name, through huggingface_hub and its cache, after a short
+probe of the hub so that no network answers within about a second, from the cache).
+
+The weights of an HF checkpoint come from one place, :func:`checkpoint_weights`, which asks
+``kvbench.kv.weights.for_model`` (exact from the files, else the config's estimate; a quantised
+checkpoint's own widths from its quantization_config). The width an engine serves an unquantised
+checkpoint at is the engine's (:meth:`KVRules.serving_dtype`): :func:`served_weights` asks for it.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvbench.kv import hub, weights
+from kvbench.kv.geometry import KVGeometry
+from kvbench.kv.model_config import (
+    ConfigError,
+    config_file,
+    geometry_from_gguf_keys,
+    gguf_keys,
+    parse_hf_dict,
+    read_json,
+    unread_keys,
+)
+from kvbench.kv.rules import KVRules
+from kvbench.kv.weights import WEIGHT_DTYPE_BYTES, Weights
+
+from .shared import CATALOG_DIR, PlanError, catalog_names
+
+HUB_PROBE_S = 1.0  # how long the hub may take to accept a connection before the cache is used instead
+WEIGHT_DTYPES = ("auto", *WEIGHT_DTYPE_BYTES)  # what --weights-dtype takes
+
+
+@dataclass(frozen=True)
+class ModelForPlan:
+    name: str
+    geometry: KVGeometry
+    weights: Weights  # as the checkpoint stores them (or at --weights-dtype, or --weights-bytes)
+    source: str = ""  # where the model was read from (a path, the catalog, the hub)
+    weights_dtype: str = "auto"  # "auto": each engine serves an unquantised checkpoint at its own dtype
+    # the checkpoint's weights at another width (a dtype name): None where the figure cannot change
+    # (a GGUF's own tensors, --weights-bytes)
+    weights_at: Callable[[str], Weights] | None = field(default=None, compare=False, repr=False)
+    unread_keys: tuple[str, ...] = ()  # per-layer-looking config keys the KV reader did not read
+
+    @property
+    def weights_bytes(self) -> float | None:
+        return self.weights.bytes
+
+    @property
+    def weights_source(self) -> str:
+        return self.weights.source
+
+    @property
+    def verified(self) -> bool:
+        return not self.unread_keys
+
+    @property
+    def quantised(self) -> str | None:
+        """The checkpoint's quantisation method (its quantization_config), None for a plain checkpoint."""
+        return next((f.split("=", 1)[1] for f in self.geometry.flags if f.startswith("quant_method=")), None)
+
+
+# --- the weights ----------------------------------------------------------------------------------------
+
+def checkpoint_weights(source: Path, raw: dict, config, text, weights_dtype: str) -> Weights:
+    """THE place an HF checkpoint's weights come from: ``kvbench.kv.weights.for_model`` (exact from the
+    safetensors or the index, a catalog's published count, else the config's estimate; a quantised
+    checkpoint, e.g. DeepSeek-V3's FP8, at the widths its quantization_config gives). ``weights_dtype``
+    "auto" is the checkpoint's own width; another is the width an engine loads it at."""
+    try:
+        return weights.for_model(source, config, text, raw=raw, weights_dtype=weights_dtype)
+    except ImportError as exc:  # the quantised-checkpoint pricing is not installed here
+        return Weights(None, f"unknown: this checkpoint's quantised weights could not be priced ({exc}); give "
+                             "--weights-bytes", method="unknown")
+
+
+def served_weights(model: ModelForPlan, rules: KVRules, capability: tuple[int, int] | None) -> Weights:
+    """The weights as the engine holds them: a quantised checkpoint, a GGUF, --weights-bytes or
+    --weights-dtype as they are; an unquantised checkpoint at the engine's serving dtype (vLLM serves a
+    float32 config in bf16, transformers in float32)."""
+    w = model.weights
+    if model.weights_at is None or model.weights_dtype != "auto" or model.quantised or w.bytes is None:
+        return w
+    served = rules.serving_dtype(model.geometry, capability)
+    stored = {"fp32": 4, "fp16": 2}.get(model.geometry.dtype or "", 2)
+    if WEIGHT_DTYPE_BYTES[served] == stored:
+        return w
+    at = model.weights_at(served)
+    if at.bytes is None:
+        return w
+    return Weights(at.bytes, f"{at.source.replace(f'--weights-dtype {served}:', 'estimate:')} [served in {served}: "
+                             f"{rules.serving_note(model.geometry, capability)}]", exact=False,
+                   parameters=at.parameters, method=at.method)
+
+
+# --- the hub --------------------------------------------------------------------------------------------
+
+def hub_reachable(repo_id: str = "", timeout: float = HUB_PROBE_S) -> bool:
+    """Whether the hub endpoint (HF_ENDPOINT) answers an HTTP request (any status: 404 and 401 are answers)
+    within ``timeout`` seconds, name resolution and a connection that opens but never answers included
+    (the request runs in a thread that is not waited for past the timeout)."""
+    import httpx
+    from huggingface_hub import constants
+
+    url = f"{constants.ENDPOINT}/{repo_id}/resolve/main/config.json" if repo_id else constants.ENDPOINT
+    answer = []
+
+    def probe():
+        try:
+            httpx.head(url, timeout=timeout, follow_redirects=False)
+            answer.append(True)
+        except (httpx.HTTPError, OSError, ValueError):
+            answer.append(False)
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout + 0.2)
+    return bool(answer and answer[0])
+
+
+@contextmanager
+def _offline():
+    """huggingface_hub's offline mode for the calls inside (it reads the cache only)."""
+    from huggingface_hub import constants
+
+    before = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = before
+
+
+def hub_folder(repo_id: str) -> Path:
+    """The model's config folder in the hub cache: fetched when the hub answers the probe, else from the
+    cache in offline mode (so that a machine without network answers within about a second)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or hub_reachable(repo_id):
+        try:
+            return hub.config_folder(repo_id)
+        except hub.HubError as exc:
+            raise PlanError(str(exc)) from None
+    try:
+        with _offline():
+            return hub.config_folder(repo_id)
+    except hub.HubError:
+        raise PlanError(f"{repo_id} is not in the local hub cache ({constants.HF_HUB_CACHE}) and the hub could not "
+                        f"be reached ({constants.ENDPOINT} did not answer within {HUB_PROBE_S:g} s): download it "
+                        f"once where the hub is reachable (hf download {repo_id}), or give a local folder") from None
+
+
+# --- the model ------------------------------------------------------------------------------------------
+
+def resolve_model(model: str, weights_dtype: str = "auto", trust_remote_code: bool = False,
+                  weights_bytes: float | None = None) -> ModelForPlan:
+    """MODEL as a config.json, an HF model folder, a GGUF file, the embedded model (smollm2), a catalog name
+    or a hub id (org/name). ``weights_dtype``: "auto" or a width to count the weights at;
+    ``weights_bytes``: the user's own figure (--weights-bytes), which wins."""
+    from kvbench.common.models import EMBEDDED, ModelError, embedded_gguf
+
+    if weights_dtype not in WEIGHT_DTYPES:
+        raise PlanError(f"unknown weights dtype {weights_dtype!r}; known: {', '.join(WEIGHT_DTYPES)}")
+    path = Path(model).expanduser()
+    source = str(path)
+    if not path.exists():
+        if model in EMBEDDED:
+            try:
+                path, source = embedded_gguf(model), f"embedded {model}"
+            except ModelError as exc:
+                raise PlanError(str(exc)) from None
+        elif (CATALOG_DIR / f"{model}.json").exists():
+            path, source = CATALOG_DIR / f"{model}.json", f"catalog {model}"
+        elif hub.looks_like_hub_id(model):
+            path, source = hub_folder(model), f"hub {model}"
+        else:
+            raise PlanError(f"{model!r} is not a file or folder, a hub id (org/name), the embedded model "
+                            f"({', '.join(EMBEDDED)}) or a catalog model; catalog: {', '.join(catalog_names())}")
+    given = None
+    if weights_bytes is not None:
+        given = Weights(float(weights_bytes), f"given: --weights-bytes {weights_bytes / 2**30:,.2f} GiB", exact=True,
+                        method="user")
+    try:
+        if path.suffix == ".gguf":
+            name = model if model in EMBEDDED else path.stem
+            return ModelForPlan(name, geometry_from_gguf_keys(gguf_keys(path), str(path)),
+                                given or Weights(weights.gguf_tensor_bytes(path), "GGUF tensor bytes", exact=True),
+                                source, weights_dtype)
+        file = config_file(path)
+        if not file.exists():
+            raise PlanError(f"{path} has no config.json")
+        raw = read_json(file)
+        folder = path if path.is_dir() else path.parent
+        config, text, geometry = parse_hf_dict(raw, str(file), folder, trust_remote_code)
+    except ConfigError as exc:
+        raise PlanError(str(exc)) from None
+    name = model if source.startswith("hub") else (path.name if path.is_dir() else path.stem)
+    unread = tuple(unread_keys(raw, text))
+    if given is not None:
+        return ModelForPlan(name, geometry, given, source, weights_dtype, None, unread)
+
+    def at(dtype: str) -> Weights:
+        return checkpoint_weights(path, raw, config, text, dtype)
+    return ModelForPlan(name, geometry, at(weights_dtype), source, weights_dtype, at, unread)

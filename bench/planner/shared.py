@@ -1,0 +1,143 @@
+"""What every part of the planner shares: its refusal, the engines whose KV rules it knows, the catalog of
+models and of GPUs, and the sizes a user types (``128K`` tokens, ``61GiB``)."""
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvbench.backends import ENGINES, engines_with_rules, kv_rules
+from kvbench.kv.rules import KVRules
+from kvbench.kv.units import GIB
+
+CATALOG_DIR = Path(__file__).with_name("catalog")
+GPUS_FILE = Path(__file__).with_name("gpus.toml")
+PLAIN = KVRules()  # the plain formula, when no engine is named
+NODE_GPUS = 8  # GPUs one node holds: the most the tensor-parallel lever proposes (--node-gpus)
+
+
+class PlanError(ValueError):
+    """A plan that cannot be made: one line saying why (the CLI exits 2 with it)."""
+
+
+def catalog_names() -> list[str]:
+    return sorted(p.stem for p in CATALOG_DIR.glob("*.json"))
+
+
+def model_names() -> list[str]:
+    """The model names kvbench knows without a path or hub id (for "did you mean"): the embedded models and
+    the catalog's."""
+    from kvbench.common.models import EMBEDDED
+    return [*EMBEDDED, *catalog_names()]
+
+
+def engines() -> list[str]:
+    """The engines whose KV rules the planner knows (every adapter that has them)."""
+    return engines_with_rules()
+
+
+def engine_rules(engine: str | None) -> KVRules:
+    if engine is None:
+        return PLAIN
+    rules = kv_rules(engine.lower()) if engine.lower() in ENGINES else None
+    if rules is None:
+        raise PlanError(f"no KV rules for engine {engine!r}; known: {', '.join(engines())}")
+    return rules
+
+
+# --- GPUs --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    bytes: int
+    capability: tuple[int, int] | None = None  # CUDA compute capability; None: not known (a size given)
+
+
+def gpu_specs() -> dict[str, GPU]:
+    out = {}
+    for name, spec in tomllib.loads(GPUS_FILE.read_text()).items():
+        cc = spec.get("compute_capability")
+        out[name] = GPU(name, spec["memory_mib"] * 2**20, tuple(int(x) for x in cc.split(".")) if cc else None)
+    return out
+
+
+def gpu_catalog() -> dict[str, int]:
+    """{name: bytes}."""
+    return {name: g.bytes for name, g in gpu_specs().items()}
+
+
+def gpu(name_or_size: str) -> GPU:
+    """A GPU by catalog name (case-insensitive) or by size: '48GiB', '24GB', '80G'."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*(gib|gb|g)\s*", name_or_size, re.IGNORECASE)
+    if m:
+        value, unit = float(m[1]), m[2].lower()
+        if value <= 0:
+            raise PlanError(f"a GPU size must be positive, not {name_or_size!r}")
+        return GPU(name_or_size.strip(), int(value * (1e9 if unit == "gb" else GIB)))
+    for name, spec in gpu_specs().items():
+        if name.lower() == name_or_size.strip().lower().replace(" ", "-"):
+            return spec
+    raise PlanError(f"unknown GPU {name_or_size!r}; known: {', '.join(gpu_catalog())} (or a size such as 48GiB)")
+
+
+def gpu_memory(name_or_size: str) -> tuple[str, int]:
+    g = gpu(name_or_size)
+    return g.name, g.bytes
+
+
+# --- sizes a user types ------------------------------------------------------------------------------
+
+TOKEN_SUFFIX = {"": 1, "k": 1000, "K": 1024, "m": 10**6, "M": 2**20}
+BYTE_UNITS = {"": 1, "b": 1, "kb": 1e3, "kib": 2**10, "mb": 1e6, "mib": 2**20, "gb": 1e9, "gib": 2**30, "g": 2**30,
+              "tb": 1e12, "tib": 2**40, "t": 2**40}
+
+
+def parse_tokens(text: str | int | None, option: str) -> int | None:
+    """Tokens as vLLM's --max-model-len reads them: 131072, 32k (32,000), 128K (131,072), 25.6k."""
+    if text is None or isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", str(text))
+    if not m:
+        raise PlanError(f"{option} takes a number of tokens such as 32768, 32k (32,000) or 128K (131,072), "
+                        f"not {text!r}")
+    value = float(m[1]) * TOKEN_SUFFIX[m[2]]
+    if value != int(value) or value < 1:
+        raise PlanError(f"{option} must be a whole number of tokens >= 1, not {text!r}")
+    return int(value)
+
+
+def parse_bytes(text: str | float | None, option: str) -> float | None:
+    """A size: 61GiB, 65.5GB, 642G (GiB), 688586727753 (bytes)."""
+    if text is None or isinstance(text, (int, float)):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m[2].lower() not in BYTE_UNITS:
+        raise PlanError(f"{option} takes a size such as 61GiB, 65.5GB or 688586727753 (bytes), not {text!r}")
+    value = float(m[1]) * BYTE_UNITS[m[2].lower()]
+    if value <= 0:
+        raise PlanError(f"{option} must be positive, not {text!r}")
+    return value
+
+
+def parse_int(text: str | int | None, option: str, minimum: int = 1) -> int | None:
+    if text is None or isinstance(text, int):
+        value = text
+    else:
+        try:
+            value = int(str(text).strip())
+        except ValueError:
+            raise PlanError(f"{option} takes a whole number, not {text!r}") from None
+    if value is not None and value < minimum:
+        raise PlanError(f"{option} must be >= {minimum}, not {value}")
+    return value
+
+
+def parse_float(text: str | float | None, option: str) -> float | None:
+    if text is None or isinstance(text, (int, float)):
+        return text
+    try:
+        return float(str(text).strip())
+    except ValueError:
+        raise PlanError(f"{option} takes a number, not {text!r}") from None

@@ -1,0 +1,110 @@
+"""The verdict first: FITS / DOES NOT FIT, the headroom, the concurrency at the typical length and the
+longest request at the asked concurrency, in one line; then the ledger per GPU (weights, KV, overhead,
+margin, each with where its figure comes from)."""
+from __future__ import annotations
+
+from kvbench.kv.rules import KVAnswer
+from kvbench.kv.units import fmt_gib
+
+from .deploy import Outcome, Setup
+
+
+def limit_label(s: Setup) -> str:
+    """What the per-request limit is, in a few words."""
+    if s.limit_source.startswith("the model's"):
+        return "the model's limit"
+    if s.limit_source == "--max-model-len":
+        return "the --max-model-len"
+    if "past the model's" in s.limit_source:
+        return f"the limit planned, past the model's {s.geometry.max_context:,}"
+    return "the limit planned"
+
+
+def kv_scope(s: Setup) -> str:
+    """How the KV figure per GPU relates to the others: a latent every rank holds whole, or a share."""
+    stored = s.rules.stored(s.question())
+    if s.tp > 1 and stored.mla is not None and s.rules.gpu_layers(stored, s.tp) == stored.layers:
+        return f"the MLA latent replicated on each of {s.tp} GPUs (not split by the {s.tp}-way tensor parallel)"
+    if s.tp > 1 and s.rules.gpu_layers(stored, s.tp) != stored.layers:
+        return f"the GPU holding the most layers' KV of {s.tp} (layers split, not heads)"
+    if s.tp > 1:
+        return f"one GPU's share of the KV heads, of {s.tp}"
+    return ""
+
+
+def ledger(s: Setup, o: Outcome, deploy: KVAnswer) -> list[dict]:
+    """Per GPU: each term's bytes and where it comes from."""
+    w = s.weights_per_gpu
+    rows = [{"term": "weights", "bytes": w,
+             "source": s.weights.source + (f"; split over {s.tp} GPUs" if s.tp > 1 and w is not None else "")}]
+    scope = kv_scope(s)
+    rows.append({"term": "kv", "bytes": o.kv,
+                 "source": f"{s.rules.engine}: {deploy.note}; {deploy.dtype} ({s.kv_dtype_note()})"
+                           + (f"; {scope}" if scope else "")})
+    rows.append({"term": "overhead", "bytes": s.overhead, "source": s.overhead_source})
+    if s.gpu is not None:
+        rows.append({"term": "margin", "bytes": s.gpu.bytes * s.margin,
+                     "source": f"--margin: {s.margin:.0%} of {s.gpu.name}'s {fmt_gib(s.gpu.bytes)} kept free"})
+    return rows
+
+
+def _pct(x: float) -> str:
+    return f"{abs(x):.0%}" if abs(x) >= 0.01 else f"{abs(x):.1%}"
+
+
+def verdict(s: Setup, o: Outcome) -> dict:
+    out = {"word": None, "fits": o.fits, "headroom_bytes": o.headroom, "headroom_pct": o.headroom_pct,
+           "max_concurrency": o.max_concurrency, "context": s.context, "longest_request": o.longest_request,
+           "batch": s.batch, "limit": s.limit, "limit_source": s.limit_source, "weights_exceed": o.weights_exceed,
+           "verified": s.model.verified, "unread_keys": list(s.model.unread_keys)}
+    unverified = ""
+    if not s.model.verified:
+        unverified = f" (NOT VERIFIED: the config's {', '.join(s.model.unread_keys)} look per-layer and were not read)"
+    if s.gpu is None:
+        out["word"] = "NO GPU"
+        out["line"] = (f"NO VERDICT{unverified}: no --gpu; the KV takes {fmt_gib(o.kv)} per GPU for {s.batch} x "
+                       f"{s.context:,} tokens with a {s.limit:,}-token limit")
+        return out
+    usable = s.usable
+    if o.fits is None:
+        out["word"] = "UNKNOWN"
+        out["line"] = (f"FIT UNKNOWN{unverified}: unknown: the weights are unknown ({s.weights.source}); the KV "
+                       f"alone takes {fmt_gib(o.kv)} of the {fmt_gib(usable)} usable per GPU")
+        return out
+    longest = f"{o.longest_request:,} tokens"
+    if o.longest_request and o.longest_request == s.limit:
+        longest += f" ({limit_label(s)})"
+    tail = (f"{o.max_concurrency:,} request{'s' * (o.max_concurrency != 1)} at once at {s.context:,} tokens; "
+            f"the longest request with "
+            f"{s.batch} at once: {longest}")
+    if o.fits:
+        out["word"] = "FITS"
+        out["line"] = (f"FITS{unverified}: {fmt_gib(o.headroom)} headroom per GPU ({_pct(o.headroom_pct)} of "
+                       f"{fmt_gib(usable)} usable); {tail}")
+    elif o.weights_exceed:
+        out["word"] = "DOES NOT FIT"
+        alone = s.weights_per_gpu >= usable
+        taken = s.weights_per_gpu if alone else s.weights_per_gpu + s.overhead
+        what = "the weights alone take" if alone else f"the weights and the {fmt_gib(s.overhead)} overhead alone take"
+        share = f" ({fmt_gib(s.weights.bytes)} over {s.tp} GPUs)" if s.tp > 1 else ""
+        out["line"] = (f"DOES NOT FIT{unverified}: {what} {fmt_gib(taken)} per GPU{share}, more than the "
+                       f"{fmt_gib(usable)} usable on {s.gpu.name} ({s.margin:.0%} kept free); short by "
+                       f"{fmt_gib(-o.headroom)} with the KV")
+    else:
+        out["word"] = "DOES NOT FIT"
+        out["line"] = (f"DOES NOT FIT{unverified}: short by {fmt_gib(-o.headroom)} per GPU ({_pct(o.headroom_pct)} "
+                       f"of {fmt_gib(usable)} usable); {tail}")
+    return out
+
+
+def lever_line(lv: dict) -> str:
+    """One lever's result in words."""
+    if lv["fits"] is None:
+        return "unknown"
+    word = "FITS" if lv["fits"] else "DOES NOT FIT"
+    room = lv["headroom_bytes"]
+    head = f"{fmt_gib(room)} headroom" if room >= 0 else f"short by {fmt_gib(-room)}"
+    if lv["weights_exceed"]:
+        return f"{word}: the weights alone exceed the usable memory ({head})"
+    return (f"{word}: {head} ({_pct(lv['headroom_pct'])}); {lv['max_concurrency']:,} at once; longest request "
+            f"{lv['longest_request']:,} tokens")
