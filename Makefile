@@ -61,22 +61,31 @@ bench: engines
 	$(KVBENCH) report $(RUN_DIR) --raw
 
 # Headless Chromium for the test that opens the HTML report (Debian's package; installed only when missing).
+# An install that fails stops `make test` here, saying why.
 browser:
 	@command -v chromium >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; } && \
+	  chromium --version >/dev/null 2>&1 || { \
+	  echo "make browser: chromium could not be installed (apt-get install chromium): the HTML report test needs it" >&2; \
+	  exit 1; }
 
 # Prometheus for the tests that read GPU and engine metrics through it (bench/run/telemetry.py): Debian's
 # package, installed only when missing (its service is not started: each test starts its own on 127.0.0.1).
-# Where it cannot be installed, those tests skip and say why; the rest of `make test` runs.
+# An install that fails stops `make test` here, saying why (those tests would otherwise skip).
 prometheus:
 	@command -v prometheus >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq prometheus; } || \
-	  echo "prometheus could not be installed: the tests that read metrics through it will skip"
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq prometheus; } && \
+	  prometheus --version >/dev/null 2>&1 || { \
+	  echo "make prometheus: prometheus could not be installed (apt-get install prometheus): the telemetry tests need it" >&2; \
+	  exit 1; }
 
+# PYTEST_ARGS: more pytest options; .ci/run passes --expected-skips=tests/expected_skips.txt (a skip not
+# listed there fails the run). Skip reasons are always printed (-rs in pyproject.toml).
+PYTEST_ARGS ?=
 test: engines browser prometheus
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
 report: setup
 	@test -n "$(RUN)" || { echo "no run under results/runs/: make report RUN=path/to/run"; exit 2; }

@@ -7,10 +7,94 @@ from kvbench.backends import REGISTRY, gguf_converter
 from kvbench.common import models
 from kvbench.common.envs import ensure_env, is_installed
 
+# pytest-timeout: every test has pyproject.toml's default (300 s); one marked `engine` starts a real engine
+# (a module's engine fixture runs inside its first test) and gets this instead. A test's own
+# @pytest.mark.timeout(...) wins over both.
+ENGINE_TIMEOUT_S = 1200
+
+
+def pytest_addoption(parser):
+    parser.addoption("--expected-skips", metavar="FILE", default=None,
+                     help="fail the session when a test skips unless FILE lists it with its reason "
+                          "(.ci/run passes tests/expected_skips.txt)")
+
 
 def pytest_configure(config):
     # Tests never reach a model hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = config.getoption("--expected-skips")
+    config._kvbench_expected_skips = (path, read_expected_skips(path)) if path else None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("engine") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(ENGINE_TIMEOUT_S))
+
+
+# --- skips: each one is recorded with its reason; with --expected-skips, an unlisted one fails the session ---
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return text.removeprefix("Skipped: ")
+
+
+SKIPS: list[tuple[str, str]] = []  # (node id, reason) of every skip of this session
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        SKIPS.append((report.nodeid, _skip_reason(report)))
+
+
+def pytest_collectreport(report):
+    if report.skipped:
+        SKIPS.append((report.nodeid, _skip_reason(report)))
+
+
+def read_expected_skips(path: Path) -> list[tuple[str, str]]:
+    """(node id, reason) per line ``NODE_ID | REASON``; blank lines and ``#`` comments are left out. A skip
+    is expected when its node id is listed and its reason contains the listed reason."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise pytest.UsageError(f"--expected-skips: {exc}") from None
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        node, sep, reason = (part.strip() for part in line.partition(" | "))
+        if not sep or not node or not reason:
+            raise pytest.UsageError(f"{path}:{n}: expected 'NODE_ID | REASON', not {line!r}")
+        out.append((node, reason))
+    return out
+
+
+def unexpected_skips(skips: list[tuple[str, str]], expected: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [(node, reason) for node, reason in skips
+            if not any(node == e_node and e_reason in reason for e_node, e_reason in expected)]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if session.config._kvbench_expected_skips is None:
+        return
+    path, expected = session.config._kvbench_expected_skips
+    bad = unexpected_skips(SKIPS, expected)
+    session.config._kvbench_unexpected = (path, bad)
+    if bad and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    path, bad = getattr(config, "_kvbench_unexpected", (None, []))
+    if bad:
+        terminalreporter.section("unexpected skips", sep="=", red=True, bold=True)
+        for node, reason in bad:
+            terminalreporter.line(f"{node} | {reason}", red=True)
+        terminalreporter.line(f"{len(bad)} skip(s) not listed in {path}: give the test what it needs, or list the "
+                              "skip there with its reason", red=True)
 
 
 @pytest.fixture(scope="session")

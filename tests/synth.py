@@ -14,9 +14,11 @@ CONTRACT = "token ids, ignore_eos"
 def make_run(root: Path, run_id: str, backends=(("vllm", "0.31.0"),), prompts=(1024, 2048), concurrency=(1, 4),
              repeats: int = 3, n_requests: int = 16, scale: dict | None = None, seed: int = 0,
              contract: str = CONTRACT, failed: set | None = None, noise: float = 0.02) -> Path:
-    """A finished run. ``scale`` multiplies a backend's latencies ("latency") and throughput
-    ("throughput") by a factor, e.g. {"vllm-0.32.0": {"latency": 1.10}}: a real 10 % regression.
-    Repeats vary by ``noise`` (relative sd); every request has its own TTFT/ITL samples."""
+    """A finished run. ``scale`` multiplies a backend's latencies ("latency"), throughput ("throughput")
+    and KV bytes in use ("kv": its peak and timeline, the prediction kept, as an engine that rounds its
+    blocks up differently) by a factor, e.g. {"vllm-0.32.0": {"latency": 1.10}}: a real 10 % regression.
+    Repeats vary by ``noise`` (relative sd); every request has its own TTFT/ITL samples. KV in use is the
+    same in every repeat (deterministic, as an engine's is)."""
     rng = np.random.default_rng(seed)
     scale = scale or {}
     failed = failed or set()
@@ -31,6 +33,7 @@ def make_run(root: Path, run_id: str, backends=(("vllm", "0.31.0"),), prompts=(1
         label = f"{engine}-{version}"
         lat = scale.get(label, {}).get("latency", 1.0)
         thr = scale.get(label, {}).get("throughput", 1.0)
+        kv_scale = scale.get(label, {}).get("kv", 1.0)
         for p in prompts:
             for c in concurrency:
                 for rep in range(repeats):
@@ -58,7 +61,8 @@ def make_run(root: Path, run_id: str, backends=(("vllm", "0.31.0"),), prompts=(1
                             prompt_tokens_sent=p, prompt_tokens_reported=p, output_tokens_requested=16,
                             output_tokens_received=16, output_tokens_reported=16, t_sent=sent, t_done=times[-1],
                             chunk_times=times, chunk_tokens=[1] * 16, ttft_s=ttft, e2e_s=times[-1] - sent, error=None))
-                    kv = 23040.0 * c * (p + 15)
+                    predicted = 23040.0 * c * (p + 15)
+                    kv = predicted * kv_scale
                     writer.write_cell(CellRow(
                         run_id=run_id, cell_id=cid, backend=label, engine=engine, engine_version=version,
                         model="smollm2", workload="smoke", prompt_tokens=p, output_tokens=16, concurrency=c,
@@ -71,8 +75,9 @@ def make_run(root: Path, run_id: str, backends=(("vllm", "0.31.0"),), prompts=(1
                         output_tokens_per_s=100.0 / c * thr * (1 + noise * rng.standard_normal()),
                         total_tokens_per_s=1000.0 * thr * (1 + noise * rng.standard_normal()),
                         requests_per_s=1.0 * thr * (1 + noise * rng.standard_normal()),
-                        kv_bytes_per_token_predicted=23040.0, kv_bytes_peak_predicted=kv, kv_in_use_peak_bytes=kv,
-                        kv_measured_over_predicted=1.0, kv_pool_bytes_engine=23040 * 32768,
+                        kv_bytes_per_token_predicted=23040.0, kv_bytes_peak_predicted=predicted,
+                        kv_in_use_peak_bytes=kv, kv_measured_over_predicted=kv / predicted,
+                        kv_pool_bytes_engine=23040 * 32768,
                         kv_pool_tokens_engine=32768, rss_peak_bytes=int(2**30 * (1 + 0.01 * rng.standard_normal())),
                         t_cell_start=t0))
                     writer.write_timeline(cid, _timeline(kv))

@@ -61,11 +61,26 @@ def test_a_broken_server_fails_its_rows_and_the_next_backend_still_runs(tmp_path
 
 
 def test_one_bad_event_among_good_requests_fails_only_that_request(tmp_path, smollm2):
+    from kvbench.store.readers import load
+
     with FakeMisbehaving("list", fault_every=3) as server:
         run_dir, cells, _ = run(tmp_path, server.url)
+        served = server.completions
     assert len(cells) == SMOKE_CELLS
-    assert (cells.n_failed >= 0).all() and cells.n_failed.sum() >= 1
+    requests = load(run_dir, what="requests")
+    assert len(requests) == served  # every completion the server answered is recorded (warmups too)
+    failed = requests[requests.error.notna()]
+    # exactly the faulty completions (every third) failed, each with the parser's error; no other request did
+    assert len(failed) == served // 3 >= 2, requests[["request_id", "error"]]
+    assert failed.error.str.startswith("bad response").all(), failed.error.tolist()
+    # each cell counts its own failed requests, no more and no fewer, and measured the rest
+    measured = requests[~requests.warmup]
+    per_cell = {cid: int(g.error.notna().sum()) for cid, g in measured.groupby("cell_id")}
+    assert dict(zip(cells.cell_id, cells.n_failed)) == per_cell
+    assert cells.n_failed.sum() == (~failed.warmup).sum() >= 1
+    assert (cells.n_ok + cells.n_failed == cells.n_requests).all()
     assert (cells.n_ok > 0).all()  # the other requests of each cell were measured
+    assert set(cells.status[cells.n_failed > 0]) == {"flagged"} and set(cells.status[cells.n_failed == 0]) == {"ok"}
 
 
 @pytest.mark.parametrize("fault", ["hang", "stall", "infinite"])

@@ -9,8 +9,10 @@ from kvbench.store.schema import SCHEMA_VERSION, CellRow, RequestRow, migrate_ro
 
 from .synth import make_run
 
+# The committed runs only (results/published/, results/gpu/): never results/runs/, the user's own runs, where
+# an interrupted `make bench` leaves a half-written one.
 ROOT = Path(__file__).resolve().parent.parent / "results"
-RUNS = sorted(p.parent for p in ROOT.glob("*/*/cells.jsonl"))
+RUNS = sorted(p.parent for folder in ("published", "gpu") for p in (ROOT / folder).glob("*/cells.jsonl"))
 
 
 def signature(frame: pd.DataFrame) -> list[tuple[str, str]]:

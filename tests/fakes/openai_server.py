@@ -19,6 +19,9 @@ A hosted endpoint: ``tls`` (an ``ssl.SSLContext`` with the server's certificate)
 ``require_auth`` (the exact ``Authorization`` header value) answers every request without it with
 HTTP 401 ``{"error": {"message": "Incorrect API key provided", "type": "invalid_request_error", "code":
 "invalid_api_key"}}`` (OpenAI's answer); ``auth_seen`` records the Authorization header of every request.
+
+Checked by the official ``openai`` client, each reply also strictly against its types:
+tests/test_openai_fake_conformance.py.
 """
 from __future__ import annotations
 
