@@ -114,7 +114,7 @@ class Backend(ABC):
         self.spec = ServerSpec(**{**spec.__dict__, "port": port})
         self.base_url = f"http://{spec.host}:{port}"
         argv, env = self.command(self.spec)
-        self.server = ServerProcess(argv, env, log_path)
+        self.server = ServerProcess(argv, env, log_path, memory_limit_bytes=self.spec.memory_limit_bytes)
         self.server.start()
         self.server.wait_http(self.base_url + self.health_path, timeout_s)
 
@@ -182,6 +182,11 @@ class Backend(ABC):
 
     def alive(self) -> bool:
         return bool(self.server and self.server.alive())
+
+    def memory_wall(self) -> dict | None:
+        """The memory wall the engine's tree ran in (its limit, peak and OOM kills, for the run's record), or
+        None where it ran without one."""
+        return self.server.wall_record() if self.server else None
 
     def replica_polls(self, results: list[RequestResult] = ()) -> dict | None:
         """Each replica's KV and queue figures of the cell, for a deployment of several servers (None: one

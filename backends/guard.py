@@ -13,6 +13,9 @@ recorded). Recorded processes are matched by pid *and* start time, so a reused p
 
 Protocol on stdin: ``stop GRACE_S`` stops the tree (SIGTERM, SIGKILL after GRACE_S) and prints one JSON
 line: the processes that survived (normally none). End of input does the same with a 5 s grace.
+``--wall PATH`` (the tree runs in a memory wall, a cgroup the guard itself is outside of): at end of input
+the guard also kills what is left in that group and removes it, as the dead harness no longer can (on
+``stop`` the harness removes it itself, after reading its counters).
 Imports only the standard library and psutil: it starts in a fraction of a second.
 """
 from __future__ import annotations
@@ -29,7 +32,7 @@ import psutil
 Recorded = dict[int, float]  # pid -> create_time
 
 
-def _running(p: psutil.Process) -> bool:
+def running(p: psutil.Process) -> bool:
     try:
         # a zombie has ended: only its parent's wait() is missing (the harness reaps the server's root)
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
@@ -74,7 +77,7 @@ def tree(sid: int, recorded: Recorded) -> list[psutil.Process]:
                 procs[pid] = p
         except psutil.Error:
             continue
-    return [p for p in procs.values() if _running(p)]
+    return [p for p in procs.values() if running(p)]
 
 
 def describe(p: psutil.Process) -> dict:
@@ -106,7 +109,41 @@ def terminate(sid: int, recorded: Recorded, grace_s: float, poll_s: float = 0.05
     return [describe(p) for p in tree(sid, recorded)]
 
 
+def remove_wall(path: str, wait_s: float = 10.0, poll_s: float = 0.05) -> bool:
+    """SIGKILL every process in the cgroup at ``path`` until it is empty, then remove the group (retrying
+    while the kernel still says EBUSY); whether it is gone. Standard library only, as the wall itself."""
+    procs = os.path.join(path, "cgroup.procs")
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            with open(procs) as f:
+                pids = [int(x) for x in f.read().split()]
+        except FileNotFoundError:
+            return True
+        except (OSError, ValueError):
+            pids = []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if not pids:
+            try:
+                os.rmdir(path)
+                return True
+            except FileNotFoundError:
+                return True
+            except OSError:
+                pass  # EBUSY: an exit still in progress
+        time.sleep(poll_s)
+    return not os.path.exists(path)
+
+
 def main(argv: list[str]) -> int:
+    wall = ""
+    if "--wall" in argv:
+        i = argv.index("--wall")
+        wall, argv = argv[i + 1], argv[:i] + argv[i + 2:]
     sid, interval_s = int(argv[0]), float(argv[1]) if len(argv) > 1 else 0.5
     try:
         root = psutil.Process(sid)
@@ -127,11 +164,13 @@ def main(argv: list[str]) -> int:
     # every 0.1 s while the engine starts up (when it spawns its processes), then every interval_s
     while not done.wait(0.1 if time.monotonic() - started < 10 else interval_s):
         record(sid, recorded)
-        if not _running(root) and not tree(sid, recorded):
+        if not running(root) and not tree(sid, recorded):
             return 0  # the engine ended and left nothing behind: nothing to guard (stop() then finds it gone)
     words = command[0].split()
     grace_s = float(words[1]) if len(words) == 2 and words[0] == "stop" else 5.0
     survivors = terminate(sid, recorded, grace_s)
+    if wall and not command[0]:  # the harness is gone: nobody else will remove its wall
+        remove_wall(wall)
     try:
         print(json.dumps(survivors), flush=True)
     except OSError:  # nobody reads: the harness is gone

@@ -1,5 +1,10 @@
 """An engine's server process: started in its own process group with its log in a file, watched, and
-stopped with its whole tree. Shared by every adapter that starts a server."""
+stopped with its whole tree. Shared by every adapter that starts a server.
+
+With a memory limit, the whole tree runs inside a memory wall (:mod:`kvbench.common.memory_wall`: a
+memory-limited cgroup, the CPU stand-in for a GPU's memory): the server joins it before it execs, so every
+page of its tree counts; the guard stays outside. When the wall's OOM killer ended the server,
+:meth:`ServerProcess.exit_description` says so; :meth:`ServerProcess.stop` closes the wall."""
 from __future__ import annotations
 
 import ctypes
@@ -14,8 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import psutil
 
-from .guard import terminate
+from kvbench.common.memory_wall import MemoryWall, MemoryWallError, cleanup_stale, oom_verdict
+
+from .guard import describe, running, terminate
 from .types import LOCALHOST, EngineStartError
 
 GUARD_SCRIPT = Path(__file__).with_name("guard.py")  # run as a script: it imports only psutil
@@ -95,16 +103,53 @@ def wait_http(url: str, timeout_s: float, gone: Callable[[], str] | None = None,
 
 class ServerProcess:
     """A server started in a session of its own, logging to a file, with a guard (:mod:`.guard`) that
-    records its whole process tree and stops it when told to or when the harness dies."""
+    records its whole process tree and stops it when told to or when the harness dies.
 
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path):
+    ``memory_limit_bytes``: run the whole tree inside a memory wall of that size, made by :meth:`start`
+    and removed by :meth:`stop` (this object owns it; :attr:`wall` while it exists, :meth:`wall_record`
+    for the run's record). Where no wall can be made, :meth:`start` raises an EngineStartError that says
+    why in one line, and nothing is started."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, memory_limit_bytes: int | None = None):
+        if memory_limit_bytes is not None and (not isinstance(memory_limit_bytes, int)
+                                               or isinstance(memory_limit_bytes, bool) or memory_limit_bytes <= 0):
+            raise ValueError(f"a memory limit is a positive number of bytes, not {memory_limit_bytes!r}")
         self.argv, self.env, self.log_path = argv, env, log_path
+        self.memory_limit_bytes = memory_limit_bytes
+        self.wall: MemoryWall | None = None
+        self.wall_error = ""  # why the wall could not be removed at stop() (normally empty)
         self.proc: subprocess.Popen | None = None
         self.guard: subprocess.Popen | None = None
         self.log_offset = 0  # where this start's part of the log begins
         self.survivors: list[dict] = []  # processes of the tree that outlived stop() (normally none)
 
+    def _make_wall(self) -> None:
+        cleanup_stale()  # the empty walls of harnesses that died (the guard removes them; this is a second net)
+        try:
+            self.wall = MemoryWall(self.memory_limit_bytes, Path(self.argv[0]).name if self.argv else "server")
+        except MemoryWallError as exc:
+            raise EngineStartError(str(exc)) from None
+
+    def _preexec(self) -> Callable[[], None]:
+        wall = self.wall
+        if wall is None:
+            return _die_with_parent
+
+        def join_then_die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+            wall.join()  # before exec: every page the server and its children touch is charged to the wall
+            _die_with_parent()
+        return join_then_die_with_parent
+
     def start(self) -> None:
+        if self.memory_limit_bytes is not None:
+            self._make_wall()
+        try:
+            self._start()
+        except BaseException:
+            self._close_wall()
+            raise
+
+    def _start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         self.log_offset = log.tell()
@@ -114,15 +159,19 @@ class ServerProcess:
             # its own session: Ctrl-C in the terminal reaches the harness only, which then stops it
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env={**os.environ, **self.env}, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
-        except OSError as exc:
+                                         preexec_fn=self._preexec())
+        except (OSError, subprocess.SubprocessError) as exc:  # SubprocessError: the wall refused it before exec
             raise EngineStartError(f"could not start {self.argv[0]}: {exc}") from None
         finally:
             log.close()
-        # the guard is in a session of its own too, so that stopping the engine's session spares it
-        self.guard = subprocess.Popen([sys.executable, str(GUARD_SCRIPT), str(self.proc.pid)], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
-                                      text=True)
+        # the guard is in a session of its own too, so that stopping the engine's session spares it; it is
+        # outside the wall, and removes the wall when the harness dies
+        wall = ["--wall", str(self.wall.path)] if self.wall else []
+        # -P: the script's folder is not put on sys.path, where backends/types.py would shadow the standard
+        # library's types module (the guard then died at its first import, and guarded nothing)
+        self.guard = subprocess.Popen([sys.executable, "-P", str(GUARD_SCRIPT), str(self.proc.pid), *wall],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                      start_new_session=True, text=True)
 
     @property
     def pid(self) -> int | None:
@@ -144,6 +193,8 @@ class ServerProcess:
         code = self.proc.poll() if self.proc else None
         if code is None:
             return ""
+        if self.wall and (verdict := oom_verdict(self.wall, code)):
+            return verdict  # "out of memory at the 512.0 MiB wall (peak 511.9 MiB)"
         if code < 0:
             return f"killed by {signal.Signals(-code).name}"
         return f"exited with code {code}"
@@ -159,10 +210,34 @@ class ServerProcess:
             raise EngineStartError(exc.why or f"server not ready after {timeout_s:.0f} s ({url}: {exc.last})",
                                    self.log_tail()) from None
 
+    def wall_record(self) -> dict | None:
+        """The memory wall for the run's record (None without one): ``{"limit_bytes", "peak_bytes",
+        "oom_kills", "cgroup": "v1"|"v2", "path"}``, plus ``"error"`` where stop() could not remove it. Its
+        counters stay readable after stop()."""
+        if self.wall is None:
+            return None
+        record = self.wall.describe()
+        if self.wall_error:
+            record["error"] = self.wall_error
+        return record
+
+    def _close_wall(self) -> list[int]:
+        """Kill what is left in the wall and remove it; the pids still in it where it could not be removed."""
+        if self.wall is None:
+            return []
+        try:
+            self.wall.close()
+            return []
+        except MemoryWallError as exc:
+            self.wall_error = str(exc)
+            return self.wall.pids()
+
     def stop(self, grace_s: float = 15.0) -> list[dict]:
         """SIGTERM the whole tree, SIGKILL what is left after ``grace_s``; then check that nothing of it
-        runs. Returns the processes that survived (normally none; also kept in ``survivors``)."""
+        runs. With a memory wall, then close it: SIGKILL whatever is still in it, remove the group.
+        Returns the processes that survived (normally none; also kept in ``survivors``)."""
         if not self.proc:
+            self._close_wall()
             return []
         survivors = None
         if self.guard and self.guard.poll() is None:
@@ -177,5 +252,25 @@ class ServerProcess:
             self.proc.wait(timeout=5)  # reap the root (a zombie until its parent, the harness, waits)
         except subprocess.TimeoutExpired:
             pass
+        if self.wall is not None:
+            stuck = self._close_wall()
+            # the wall killed what the guard could not, unless the wall itself could not be emptied
+            survivors = [p for p in survivors if p["pid"] in stuck or _pid_running(p["pid"])]
+            known = {p["pid"] for p in survivors}
+            survivors += [_describe_pid(pid) for pid in stuck if pid not in known and _pid_running(pid)]
         self.survivors = survivors
         return survivors
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        return running(psutil.Process(pid))
+    except psutil.Error:
+        return False
+
+
+def _describe_pid(pid: int) -> dict:
+    try:
+        return describe(psutil.Process(pid))
+    except psutil.Error:
+        return {"pid": pid, "name": "?", "cmdline": ""}

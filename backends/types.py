@@ -24,6 +24,9 @@ class ServerSpec:
     # concurrency makes the engine queue or preempt: the KV boundary workload does that on purpose
     kv_pool_sequences: int | None = None
     prefix_caching: bool | None = None  # None: the engine's default
+    # run the engine's whole process tree inside a memory wall of this many bytes (a memory-limited cgroup,
+    # the CPU stand-in for a GPU's memory; kvbench.common.memory_wall); None: no wall
+    memory_limit_bytes: int | None = None
 
     @property
     def pool_sequences(self) -> int:

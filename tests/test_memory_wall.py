@@ -3,16 +3,20 @@
 Skipped (with the reason) only where :func:`detect` says no wall can be made on this machine."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
+from kvbench.backends.process import ServerProcess
+from kvbench.backends.types import EngineStartError
 from kvbench.common.memory_wall import MemoryWall, MemoryWallError, detect, format_bytes, oom_verdict, parse_size
 
 MIB = 2**20
@@ -176,14 +180,6 @@ def test_bytes_are_shown_with_one_decimal():
 
 # --- an engine's server in the wall: kvbench.backends.process.ServerProcess -----------------------------
 
-import json  # noqa: E402
-import textwrap  # noqa: E402
-
-import psutil  # noqa: E402
-
-from kvbench.backends.process import ServerProcess  # noqa: E402
-from kvbench.backends.types import EngineStartError  # noqa: E402
-
 # a server whose child grows to argv[1] MiB (20 MiB blocks, every page written) and then waits; the server
 # prints its own pid and its child's, and waits for the child (so that the child is the wall's victim)
 GROWING_SERVER = textwrap.dedent("""
@@ -206,6 +202,16 @@ def _tree_pids(log: Path, n: int = 2, timeout_s: float = 20.0) -> dict[str, int]
             return found
         time.sleep(0.05)
     raise AssertionError(f"the server did not start its tree: {log.read_text()}")
+
+
+def _all_ended(pids, timeout_s: float = 5.0) -> bool:
+    """Every process has ended (a zombie has), waiting a moment for the kernel to finish the last exits."""
+    deadline = time.monotonic() + timeout_s
+    while not all(_gone(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _no_walls_of_this_process() -> list[str]:
@@ -238,7 +244,7 @@ def test_a_server_tree_in_the_wall_is_killed_at_it_and_says_so(tmp_path):
         survivors = server.stop(grace_s=2)
     assert survivors == []
     assert not path.exists() and _no_walls_of_this_process() == []
-    assert not any(psutil.pid_exists(p) for p in pids.values())
+    assert _all_ended(pids.values())
     record = server.wall_record()
     assert record["limit_bytes"] == WALL and record["oom_kills"] == 1 and record["cgroup"] == HERE
     assert 0.9 * WALL <= record["peak_bytes"] <= WALL
@@ -269,16 +275,19 @@ def test_a_server_under_the_wall_runs_and_stop_leaves_nothing(tmp_path):
     log = tmp_path / "engine.log"
     server = ServerProcess([sys.executable, "-c", GROWING_SERVER, "60"], {}, log, memory_limit_bytes=WALL)
     server.start()
-    pids = _tree_pids(log)
-    deadline = time.monotonic() + 20
-    while "grown" not in log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.alive() and server.exit_description() == ""
-    assert server.wall.oom_kills() == 0 and server.wall.usage_bytes() >= 60 * MIB
-    path = server.wall.path
-    assert server.stop(grace_s=2) == []
+    try:
+        pids = _tree_pids(log)
+        deadline = time.monotonic() + 20
+        while "grown" not in log.read_text().splitlines() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.alive() and server.exit_description() == ""
+        assert server.wall.oom_kills() == 0 and server.wall.usage_bytes() >= 60 * MIB
+        path = server.wall.path
+    finally:
+        survivors = server.stop(grace_s=2)
+    assert survivors == []
     assert not path.exists() and _no_walls_of_this_process() == []
-    assert not any(psutil.pid_exists(p) for p in pids.values())
+    assert _all_ended(pids.values())
     record = server.wall_record()
     assert record["oom_kills"] == 0 and 60 * MIB <= record["peak_bytes"] < WALL
     assert server.exit_description() == "killed by SIGTERM"
@@ -302,11 +311,14 @@ def test_stop_kills_what_left_the_session_but_not_the_wall(tmp_path):
     log = tmp_path / "engine.log"
     server = ServerProcess([sys.executable, "-c", script], {}, log, memory_limit_bytes=WALL)
     server.start()
-    pids = _tree_pids(log)
-    assert server.exit_description(wait_s=10) == "exited with code 0"
-    assert pids["child"] in server.wall.pids()
-    assert server.stop(grace_s=1) == []
-    assert not psutil.pid_exists(pids["child"]) or psutil.Process(pids["child"]).status() == psutil.STATUS_ZOMBIE
+    try:
+        pids = _tree_pids(log)
+        assert server.exit_description(wait_s=10) == "exited with code 0"
+        assert pids["child"] in server.wall.pids()
+    finally:
+        survivors = server.stop(grace_s=1)
+    assert survivors == []
+    assert _all_ended([pids["child"]])
     assert _no_walls_of_this_process() == []
 
 
@@ -332,15 +344,15 @@ def test_a_killed_harness_leaves_no_wall_behind(tmp_path):
     harness.kill()  # no finally block runs: the guard sees its pipe close, stops the tree, removes the wall
     harness.wait()
     deadline = time.monotonic() + 20
-    while (Path(path).exists() or psutil.pid_exists(int(pid))) and time.monotonic() < deadline:
+    while (Path(path).exists() or not _gone(int(pid))) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not Path(path).exists()
-    assert not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE
+    assert _gone(int(pid))
 
 
 @pytest.mark.timeout(60)
 def test_no_wall_here_is_a_clear_start_error_and_nothing_starts(tmp_path, monkeypatch):
-    import kvbench.common.memory_wall as memory_wall
+    from kvbench.common import memory_wall
 
     why = ("cannot make a memory wall: no cgroup v1 memory hierarchy mounted; cgroup v2 at /sys/fs/cgroup is "
            "mounted read-only; needs root and a writable cgroup memory controller")
@@ -381,8 +393,11 @@ def test_the_spec_s_limit_reaches_the_server(tmp_path):
     Sleeper.__abstractmethods__ = frozenset()
     backend = Sleeper("0", tmp_path)
     spec = ServerSpec(model=None, max_context=16, max_concurrency=1, kv_dtype="auto", memory_limit_bytes=WALL)
-    with pytest.raises(EngineStartError, match="not ready after 1 s"):
-        backend.start(spec, tmp_path / "engine.log", timeout_s=1)
-    assert backend.server.wall.limit_bytes == WALL and backend.server.pid in backend.server.wall.pids()
-    assert backend.stop() == []
+    try:
+        with pytest.raises(EngineStartError, match="not ready after 1 s"):
+            backend.start(spec, tmp_path / "engine.log", timeout_s=1)
+        assert backend.server.wall.limit_bytes == WALL and backend.server.pid in backend.server.wall.pids()
+    finally:
+        survivors = backend.stop()
+    assert survivors == []
     assert backend.server.wall_record()["oom_kills"] == 0 and _no_walls_of_this_process() == []

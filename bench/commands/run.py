@@ -56,6 +56,11 @@ def run(
     prometheus_gpu_selector: str = typer.Option(None, help="Label matchers for the DCGM (GPU) series instead, "
                                                            "e.g. '{Hostname=\"gpu-node-1\"}' (default: "
                                                            "--prometheus-selector)."),
+    memory_limit: str = typer.Option(None, metavar="SIZE",
+                                     help="Run each engine's whole process tree inside a memory wall of SIZE "
+                                          "(e.g. 1.5GiB, 800MiB: a memory cgroup, the CPU stand-in for a GPU's "
+                                          "memory): an engine that grows past it is killed and its cells fail "
+                                          "'out of memory at the SIZE wall'. Needs root and a memory cgroup."),
 ):
     """Run a workload on each backend and write the results folder, then print the report."""
     console = ui.console()
@@ -78,13 +83,18 @@ def run(
             backends = [BackendConfig.parse(f"{backend[0]}{',' if ':' in backend[0] else ':'}url={url}")]
         wl = load_workload(workload)
         prom = Prometheus(prometheus, prometheus_selector, prometheus_gpu_selector) if prometheus else None
+        memory_limit_bytes = memory_wall_bytes(memory_limit) if memory_limit is not None else None
+        if memory_limit_bytes is not None and any(b.url for b in backends):
+            raise ConfigError("--memory-limit walls in the engines kvbench starts: an attached server (url=) "
+                              "has its own memory")
     except (ConfigError, WorkloadError, ValueError) as exc:
         raise typer.BadParameter(with_hint(str(exc), workload, available()) if isinstance(exc, WorkloadError)
                                  else str(exc)) from None
     options = RunOptions(model=model, workload=wl, backends=backends, results_dir=results_dir, run_id=run_id,
                          kv_dtype=kv_dtype, max_context=max_context, start_timeout_s=start_timeout,
                          request_timeout_s=request_timeout, repeats=repeats, results_mode=results_mode,
-                         interleave=interleave, load_workers=load_workers, prometheus=prom)
+                         interleave=interleave, load_workers=load_workers, prometheus=prom,
+                         memory_limit_bytes=memory_limit_bytes)
     # errors print with soft_wrap: one line even past the console width (greppable in CI logs)
     try:
         runner = Runner(options, console)
@@ -114,3 +124,16 @@ def run(
     cells = load_cells(run_dir)
     if cells.empty or (cells.status == "failed").all():
         raise typer.Exit(1)
+
+
+def memory_wall_bytes(size: str) -> int:
+    """--memory-limit in bytes, refused (ValueError, one line) before any run folder exists where the size is
+    not one or no wall can be made on this machine."""
+    from kvbench.common.memory_wall import MemoryWallError, detect, parse_size
+
+    limit = parse_size(size)
+    try:
+        detect()
+    except MemoryWallError as exc:
+        raise ValueError(f"--memory-limit: {exc}") from None
+    return limit

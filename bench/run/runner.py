@@ -87,6 +87,7 @@ class RunOptions:
     estimate: bool = True  # one calibration request per engine start, to say how long its cells will take
     load_workers: int = 1  # load generator processes (bench/load/workers.py)
     prometheus: Prometheus | None = None  # read after each cell: GPU memory (DCGM) and engine metrics
+    memory_limit_bytes: int | None = None  # each engine's process tree runs inside a memory wall this big
 
 
 def new_run_id(workload: str) -> str:
@@ -139,7 +140,7 @@ class Runner:
             "run_id": self.run_id, "command": redact_text(" ".join(o.command)), "started_at": datetime.now(timezone.utc).isoformat(),
             "status": "running", "environment": environment_info(), "workload": w.model_dump(), "repeats": repeats,
             "kv_dtype": o.kv_dtype, "backends": [b.model_dump() | {"label": b.label} for b in o.backends],
-            "interleaved": o.interleave})
+            "interleaved": o.interleave, "memory_limit_bytes": o.memory_limit_bytes})
         self.console.print(f"[bold]kvbench run[/] {self.run_id} -> {self.run_dir}")
         try:
             model = models.resolve(o.model, gguf_converter(self.console.print), log=self.console.print)
@@ -158,7 +159,8 @@ class Runner:
                                     load_points=[asdict(p) for p in plan.points])
         prompts = CellPrompts(PromptBuilder(model.hf_dir / "tokenizer.json"), w)
         spec = ServerSpec(model=model, max_context=plan.server_context, max_concurrency=plan.server_concurrency,
-                          kv_dtype=o.kv_dtype, kv_pool_sequences=w.kv_pool_sequences)
+                          kv_dtype=o.kv_dtype, kv_pool_sequences=w.kv_pool_sequences,
+                          memory_limit_bytes=o.memory_limit_bytes)
         status = "interrupted"
         columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("cells"),
                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
@@ -336,6 +338,8 @@ class _EngineSession:
         threads = busy_threads(backend.pid) if backend.pid else None
         self.progress.update(self.bar, description=f"{label}: stopping")
         survivors = backend.stop()
+        if wall := backend.memory_wall():
+            r.record.memory_walls[self.key] = wall
         if self.estimated:  # the estimate beside what the cells took, so its error here can be read
             self.estimated["took_s"] = round(time.monotonic() - self.estimated.pop("started"), 1)
             r.record.estimates[self.key] = self.estimated

@@ -20,6 +20,7 @@ class RunRecord:
     engine_stops: dict[str, dict] = field(default_factory=dict)  # start key -> why it stopped, survivors
     estimates: dict[str, dict] = field(default_factory=dict)  # start key -> estimated and taken seconds
     engine_threads: dict[str, dict] = field(default_factory=dict)  # start key -> the threads it computed on
+    memory_walls: dict[str, dict] = field(default_factory=dict)  # start key -> its wall: limit, peak, OOM kills
 
     @classmethod
     def of_run(cls, run_dir: Path) -> RunRecord:
