@@ -1,0 +1,68 @@
+"""The pool an engine makes of a deployment, in the engine's own units: what it logs at start.
+
+- An engine whose rules size a block pool (``bytes_per_block`` and ``blocks_per_sequence``: vLLM) sizes a pool from a KV budget in bytes: budget //
+  bytes per block blocks (its null block among them). It reports the pool by the requests at the server's
+  limit it holds: blocks / the blocks one request at the limit takes (vLLM's "Maximum concurrency for L
+  tokens per request: X.XXx") and that times the limit ("KV cache size: N tokens").
+- An engine without blocks (llama.cpp) allocates its cells at start from the limit and the slots
+  (``-c limit x slots -np slots``): the full-attention cache's cells over all streams, and the window cache's.
+
+Both ask only the engine's rules (``bytes_per_block``, ``blocks_per_sequence``, :meth:`KVRules.answer`,
+:meth:`KVRules.deployment`, :meth:`KVRules.sequences_in_pool`); neither switches on an engine's name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .deploy import Setup
+from .shared import PlanError
+
+
+@dataclass(frozen=True)
+class Capacity:
+    engine: str
+    limit: int  # tokens per request the server is started with
+    pool_tokens: int  # block engines: blocks x block size; cell engines: the full-attention cells, all streams
+    sequences: int | None  # requests at the limit the pool serves at once (KVRules.sequences_in_pool)
+    window_tokens: int = 0  # cell engines: the window cache's cells, all streams (0: none)
+    blocks: int | None = None  # block engines: the blocks the budget gives, the null block among them
+    block_size: int | None = None
+    blocks_per_request: int | None = None  # block engines: one request at the limit, every group
+
+    @property
+    def requests_at_limit(self) -> float | None:
+        """Requests at the limit the pool holds, null block counted: what vLLM logs as its maximum concurrency."""
+        return self.blocks / self.blocks_per_request if self.blocks_per_request else None
+
+    @property
+    def tokens_at_limit(self) -> int | None:
+        """:attr:`requests_at_limit` x the limit, truncated: vLLM's "KV cache size: N tokens"."""
+        r = self.requests_at_limit
+        return None if r is None else int(r * self.limit)
+
+
+def kv_room(s: Setup) -> float:
+    """The KV budget a deployment leaves per GPU: usable memory less the weights and the overhead."""
+    if s.usable is None or s.weights_per_gpu is None:
+        raise PlanError("the KV budget needs a GPU (--gpu) and known weights")
+    return s.usable - s.weights_per_gpu - s.overhead
+
+
+def capacity(s: Setup, budget: float | None = None) -> Capacity:
+    """The pool the engine of ``s`` makes: of ``budget`` bytes per GPU (None: :func:`kv_room`) where it has
+    blocks, of the limit and the batch (``s.limit``, ``s.batch``) where it allocates at start."""
+    rules, limit = s.rules, s.limit
+    sized_by_budget = hasattr(rules, "bytes_per_block") and hasattr(rules, "blocks_per_sequence")
+    if rules.has_blocks and not sized_by_budget:
+        raise PlanError(f"{rules.engine}'s rules do not say how its pool is sized from a budget")
+    if sized_by_budget:
+        q = s.question(context=limit, batch=1)
+        block = rules.answer(s.question(context=1, batch=1)).tokens_full  # one token takes one whole block
+        blocks = int((kv_room(s) if budget is None else budget) // rules.bytes_per_block(q))
+        details = {"block_size": block, "num_gpu_blocks": blocks, "device": s.device, "version": s.version}
+        return Capacity(rules.engine, limit, blocks * block,
+                        rules.sequences_in_pool(s.geometry, blocks * block, limit, details),
+                        blocks=blocks, block_size=block, blocks_per_request=rules.blocks_per_sequence(q, limit))
+    a = s.kv(context=limit, batch=s.batch, limit=limit)
+    return Capacity(rules.engine, limit, a.tokens_full, rules.sequences_in_pool(s.geometry, a.tokens_full, limit, {}),
+                    window_tokens=a.tokens_windowed)
