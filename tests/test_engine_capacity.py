@@ -48,15 +48,12 @@ LLAMA_LIMIT, LLAMA_SLOTS = 900, 3
 VLLM_LINE = re.compile(r"KV cache size: (?P<tokens>[\d,]+) tokens, Maximum concurrency for (?P<limit>[\d,]+) "
                        r"tokens per request: (?P<x>[\d.]+)x")
 
-# The planner counts the blocks a sliding or chunked group still holds once a request's tokens are in
-# (VLLMKV.held_blocks: those wholly before the window or the current chunk are freed). vLLM sizes what one
-# request takes by its admission cap (v1/kv_cache_interface.py, 0.32.0): a sliding group
+# vLLM sizes what one request takes by its admission cap (v1/kv_cache_interface.py, 0.32.0): a sliding group
 # cdiv(min(sliding_window - 1 + max_in_flight_tokens, max_model_len), block_size) + 1 blocks
 # (SlidingWindowSpec.max_admission_blocks_per_request), a chunked group
 # cdiv(min(attention_chunk_size + max_in_flight_tokens, max_model_len), block_size)
 # (ChunkedLocalAttentionSpec); max_in_flight_tokens is max_num_batched_tokens on a CPU (no async scheduling).
-# The same cap gates admission (single_type_kv_cache_manager.py get_num_blocks_to_allocate): the planner's
-# concurrency is too high for these families until VLLMKV counts it.
+# The planner counts it too (VLLMKV.admission_blocks), not the blocks held past the window (VLLMKV.held_blocks).
 VLLM_WINDOW_FAMILIES = {"window_mistral", "hybrid_gemma2", "hybrid_gemma3", "sinks_gptoss", "chunked_llama4"}
 
 
@@ -111,11 +108,7 @@ class UniprocVLLM(VLLMBackend):
         return [*argv, "--distributed-executor-backend", "uni"], {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-WINDOW_XFAIL = pytest.mark.xfail(raises=PlannerDiffers, strict=True,
-                                 reason="the planner counts the blocks held past the window, vLLM its admission "
-                                        "cap (window - 1 + batched tokens, + 1 block)")
-VLLM_PARAMS = [pytest.param(n, marks=WINDOW_XFAIL if n in VLLM_WINDOW_FAMILIES else (), id=n)
-               for n in MODELS if n not in VLLM_TWINS]
+VLLM_PARAMS = [pytest.param(n, id=n) for n in MODELS if n not in VLLM_TWINS]
 
 
 def vllm_planned(name: str, served: dict) -> tuple[PlanInput, int]:

@@ -1,6 +1,8 @@
 """vLLM's KV rules: how it sizes, stores and rounds its cache. Imports only kvbench.kv."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvbench.kv.geometry import KVGeometry, cdiv, decompressed
 from kvbench.kv.rules import KVAnswer, KVQuestion, KVRuleError, KVRules, parse_version, with_kinds
 
@@ -40,7 +42,9 @@ class VLLMKV(KVRules):
     # answer() is the blocks a load holds, which is what kv_cache_usage_perc counts: the KV in use per GPU
     # is compared with it (CellRow.kv_peak_bytes_per_gpu_predicted)
     answer_is_in_use = True
-    rule_options = ("hybrid_kv_cache",)  # what `kvbench plan --engine-option` takes (KVQuestion.options)
+    # what `kvbench plan --engine-option` takes (KVQuestion.options): the hybrid manager on or off, and the
+    # server's --max-num-batched-tokens where it is not vLLM's default (it sets a window's admission cap)
+    rule_options = ("hybrid_kv_cache", "max_num_batched_tokens")
     dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32",
               "float32": "fp32", "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
@@ -155,7 +159,90 @@ class VLLMKV(KVRules):
             return blocks - (tokens // span) * span // block
         return blocks
 
-    def blocks_per_sequence(self, q: KVQuestion, tokens: int) -> int:
+    def max_num_batched_tokens(self, q: KVQuestion, limit: int) -> int:
+        """The server's --max-num-batched-tokens: ``q.options["max_num_batched_tokens"]`` where given, else
+        vLLM 0.32's default for the OpenAI server (engine/arg_utils.py get_batch_defaults, 2895-2985, and
+        _set_default_max_num_seqs_and_batched_tokens_args, 3095-3175):
+
+        - a CPU: 2048 x the world size (arg_utils.py:2974-2978), the tensor-parallel size here;
+        - a GPU by its memory (arg_utils.py:2922-2950): 16384 at 160 GiB or more (B200, B300), 8192 at
+          70 GiB or more but not an A100 (H100, H200), else 2048. The question carries the GPU's compute
+          capability, not its memory: 10.x is read as the 160 GiB row, 9.x as the H100/H200 row, any other
+          (or none) as 2048; a GPU read wrongly takes the option.
+        - then, with chunked prefill (vLLM's default), at most max_num_seqs x max_model_len
+          (arg_utils.py:3165-3170). ``q.batch`` is taken as max_num_seqs (the plan's --max-num-seqs); any
+          max_num_seqs >= 1 gives the same admission cap, since the cap is itself clamped to the limit.
+        """
+        option = q.options.get("max_num_batched_tokens")
+        if option:
+            return int(option)
+        if q.device == "cpu":
+            default = 2048 * max(1, q.tp)
+        else:
+            major = (q.capability or (8, 0))[0]
+            default = 16384 if major == 10 else 8192 if major == 9 else 2048
+        return min(max(1, q.batch) * limit, default)
+
+    def max_in_flight_tokens(self, q: KVQuestion, limit: int) -> int:
+        """config/vllm.py:577-598 max_in_flight_tokens: max_concurrent_batches x max_num_batched_tokens. One
+        batch on a CPU (platforms/cpu.py:331 turns async scheduling off); two on a GPU, where async
+        scheduling is on by default (config/vllm.py:1585-1644; max_concurrent_batches: 2 with it, pipeline
+        parallel size 1)."""
+        return (1 if q.device == "cpu" else 2) * self.max_num_batched_tokens(q, limit)
+
+    @staticmethod
+    def admission_blocks(kind: str, span: int | None, tokens: int, block: int, limit: int, in_flight: int) -> int:
+        """Blocks one request of ``tokens`` takes at admission in a group of this kind, on a server started
+        with a limit of ``limit`` tokens and ``in_flight`` tokens scheduled at most (:meth:`max_in_flight_tokens`).
+
+        vLLM 0.32 admits a request by the most blocks it may hold, not by what it holds once blocks leave the
+        window (:meth:`held_blocks`): a sliding group's cap is cdiv(min(window - 1 + in_flight, limit), block)
+        + 1 (v1/kv_cache_interface.py SlidingWindowSpec.max_admission_blocks_per_request, 859-890), a chunked
+        group's cdiv(min(chunk + in_flight, limit), block) (ChunkedLocalAttentionSpec, 813-830); a request
+        reserves the smaller of its whole blocks and that cap (v1/core/single_type_kv_cache_manager.py:214-226).
+        At the limit it is the cap itself: what vLLM sizes its pool by, checks one request against at start
+        and logs as its maximum concurrency (max_memory_usage_bytes; kv_cache_utils.py
+        get_max_concurrency_for_kv_cache_config). A full group takes every block."""
+        blocks = cdiv(tokens, block)
+        if kind == "sliding":
+            cap = cdiv(min(span - 1 + in_flight, limit), block) + 1
+        elif kind == "chunked":
+            cap = cdiv(min(span + in_flight, limit), block)
+        else:
+            return blocks
+        return cap if tokens >= limit else min(blocks, cap)
+
+    def blocks_per_sequence(self, q: KVQuestion, tokens: int, limit: int | None = None) -> int:
+        """Blocks one request of ``tokens`` takes in the pool at admission, every group (what sizes a pool and
+        counts the requests it serves; :meth:`answer` counts the blocks held instead). ``limit``: the server's
+        --max-model-len (None: ``tokens``, one request at the limit)."""
+        stored = self.stored(q)
+        block = self.block_size(q, stored)
+        groups, _ = self.groups(stored)
+        limit = limit or tokens
+        in_flight = self.max_in_flight_tokens(q, limit)
+        return sum(self.admission_blocks(kind, span, tokens, block, limit, in_flight) for kind, span in groups)
+
+    def deployment(self, q: KVQuestion, limit: int) -> KVAnswer:
+        """The pool one GPU needs for ``q.batch`` requests of ``q.context`` tokens on a server started with a
+        limit of ``limit``: the blocks they take at admission (:meth:`blocks_per_sequence`), or one request at
+        the limit (vLLM refuses to start without room for it), whichever is more, plus the null block."""
+        self.check(q)
+        typical, one = self.answer(q), self.answer(replace(q, context=limit, batch=1))
+        per_block = self.bytes_per_block(q)
+        batch = q.batch * self.blocks_per_sequence(q, q.context, max(limit, q.context))
+        at_limit = self.blocks_per_sequence(q, limit, limit)
+        admitted = ""
+        if batch != q.batch * self.blocks_per_sequence_held(q, q.context) or at_limit != self.blocks_per_sequence_held(q, limit):
+            admitted = "; sliding/chunked groups counted at vLLM's admission cap (window or chunk + batched tokens)"
+        if limit > q.context and at_limit > batch:
+            return replace(one, bytes_per_gpu=at_limit * per_block,
+                           note=f"{one.note}{admitted}; one request at the {limit:,}-token limit (more than "
+                                f"{q.batch} x {q.context:,})")
+        return replace(typical, bytes_per_gpu=batch * per_block, note=typical.note + admitted)
+
+    def blocks_per_sequence_held(self, q: KVQuestion, tokens: int) -> int:
+        """Blocks one sequence of ``tokens`` holds, every group (:meth:`held_blocks`: what :meth:`answer` counts)."""
         stored = self.stored(q)
         block = self.block_size(q, stored)
         groups, _ = self.groups(stored)
@@ -186,8 +273,11 @@ class VLLMKV(KVRules):
     def sequences_in_pool(self, geometry: KVGeometry, pool_tokens: int, context: int, details: dict) -> int | None:
         block = int(details.get("block_size") or 16)
         blocks = int(details.get("num_gpu_blocks") or pool_tokens // block)
-        q = KVQuestion(geometry, block_size=block, device=details.get("device", "gpu"), version=details.get("version"))
-        return max(0, blocks - 1) // self.blocks_per_sequence(q, context)
+        options = {k: details[k] for k in ("hybrid_kv_cache", "max_num_batched_tokens") if details.get(k) is not None}
+        q = KVQuestion(geometry, block_size=block, device=details.get("device", "gpu"), version=details.get("version"),
+                       options=options, capability=details.get("capability"))
+        limit = int(details.get("max_model_len") or context)  # the server's limit where the pool names it
+        return max(0, blocks - 1) // self.blocks_per_sequence(q, context, max(limit, context))
 
     def pool_bytes_per_token(self, geometry: KVGeometry, dtype: str, details: dict) -> float:
         block = int(details.get("block_size") or 16)
