@@ -42,6 +42,7 @@ class VLLMKV(KVRules):
     # answer() is the blocks a load holds, which is what kv_cache_usage_perc counts: the KV in use per GPU
     # is compared with it (CellRow.kv_peak_bytes_per_gpu_predicted)
     answer_is_in_use = True
+    pool_from_budget = True
     # what `kvbench plan --engine-option` takes (KVQuestion.options): the hybrid manager on or off, and the
     # server's --max-num-batched-tokens where it is not vLLM's default (it sets a window's admission cap)
     rule_options = ("hybrid_kv_cache", "max_num_batched_tokens")

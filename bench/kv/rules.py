@@ -80,6 +80,9 @@ class KVRules:
     answer_is_in_use: ClassVar[bool] = False
     #: The engine-specific switches the rules read from ``KVQuestion.options`` (`kvbench plan --engine-option`).
     rule_options: ClassVar[tuple[str, ...]] = ()
+    #: True where the engine sizes its pool from a byte budget in whole blocks (it then defines
+    #: ``bytes_per_block`` and ``blocks_per_sequence``); False where it allocates for its limit and slots at start.
+    pool_from_budget: ClassVar[bool] = False
     #: What a report says of the engine's KV pool where the engine reported none.
     no_pool_label: ClassVar[str] = "not reported"
 

@@ -52,10 +52,9 @@ def capacity(s: Setup, budget: float | None = None) -> Capacity:
     """The pool the engine of ``s`` makes: of ``budget`` bytes per GPU (None: :func:`kv_room`) where it has
     blocks, of the limit and the batch (``s.limit``, ``s.batch``) where it allocates at start."""
     rules, limit = s.rules, s.limit
-    sized_by_budget = hasattr(rules, "bytes_per_block") and hasattr(rules, "blocks_per_sequence")
-    if rules.has_blocks and not sized_by_budget:
+    if rules.has_blocks and not rules.pool_from_budget:
         raise PlanError(f"{rules.engine}'s rules do not say how its pool is sized from a budget")
-    if sized_by_budget:
+    if rules.pool_from_budget:
         q = s.question(context=limit, batch=1)
         block = rules.answer(s.question(context=1, batch=1)).tokens_full  # one token takes one whole block
         blocks = int((kv_room(s) if budget is None else budget) // rules.bytes_per_block(q))
