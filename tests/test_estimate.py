@@ -8,7 +8,7 @@ from kvbench.run import estimate
 from kvbench.run.backend_config import BackendConfig
 from kvbench.run.estimate import Calibration, cell_seconds
 from kvbench.run.runner import Runner, RunOptions
-from kvbench.store.readers import load_run_info
+from kvbench.store.readers import load_cells, load_run_info
 from kvbench.workloads import load
 
 
@@ -45,5 +45,9 @@ def test_a_run_says_how_long_its_cells_will_take_and_records_what_they_took(tmp_
     assert "about" in console.getvalue() and "for its 4 cells on this machine" in console.getvalue()
     [record] = load_run_info(run_dir)["estimates"].values()
     assert record["cells"] == 4 and record["estimated_s"] > 0 and record["took_s"] > 0
-    # the fake's pace is known: 16 tokens at 5 ms per request, 6 requests in 4 cells, some in parallel
-    assert 0.2 < record["estimated_s"] / record["took_s"] < 5
+    # the fake's pace is known: 16 tokens at 5 ms per request, 6 requests in 4 cells, some in parallel. The
+    # estimate is of the cells' load; took_s also holds the harness's own work between cells (samplers, row
+    # and timeline writes), which on a loaded 2-core machine can be most of it for cells this short
+    load_s = load_cells(run_dir).wall_s.sum()
+    assert record["took_s"] >= load_s > 0
+    assert 0.2 < record["estimated_s"] / load_s < 5
