@@ -35,10 +35,12 @@ def _model_in(annotation):
     return None
 
 
-def unknown_keys(data: dict, cls: type[pydantic.BaseModel], path: str = "") -> list[str]:
-    """Keys of ``data`` that ``cls`` (an official client type) has no field for, recursively."""
+def unknown_keys(data: dict, cls: type[pydantic.BaseModel], path: str = "",
+                 unmodelled: dict[str, set[str]] = OLLAMA_UNMODELLED) -> list[str]:
+    """Keys of ``data`` that ``cls`` (an official client type) has no field for, recursively, except those
+    ``unmodelled`` allows for a class (by its qualified name)."""
     fields = {(f.alias or name): f for name, f in cls.model_fields.items()}
-    allowed = OLLAMA_UNMODELLED.get(cls.__qualname__, set())
+    allowed = unmodelled.get(cls.__qualname__, set())
     out = []
     for key, value in data.items():
         if key not in fields:
@@ -49,7 +51,7 @@ def unknown_keys(data: dict, cls: type[pydantic.BaseModel], path: str = "") -> l
         items = value if isinstance(value, list) else [value]
         for item in items:
             if sub and isinstance(item, dict):
-                out += unknown_keys(item, sub, f"{path}{key}.")
+                out += unknown_keys(item, sub, f"{path}{key}.", unmodelled)
     return out
 
 

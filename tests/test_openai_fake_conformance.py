@@ -6,7 +6,6 @@ so a fake whose replies drift (a field renamed, a number sent as a string) would
 is therefore also validated strictly against the client's own types (``openai.types``), and every key they do
 not model must be one of vLLM's documented extensions (below)."""
 import json
-import typing
 
 import httpx
 import openai
@@ -15,37 +14,12 @@ import pytest
 from openai.types import Completion, CompletionUsage, Model
 
 from tests.fakes.openai_server import FakeOpenAI
+from tests.test_fake_conformance import unknown_keys
 
 # Keys vLLM sends that the OpenAI types do not model (vllm/entrypoints/openai/completion/protocol.py
 # CompletionResponseStreamChoice, CompletionStreamResponse; vllm/entrypoints/serve/engine/protocol.py ModelCard).
 VLLM_EXTENSIONS = {"Completion": {"metrics"}, "CompletionChoice": {"stop_reason", "token_ids", "prompt_token_ids"},
                    "Model": {"root", "parent", "max_model_len", "permission"}}
-
-
-def _model_in(annotation):
-    """The pydantic model inside an annotation such as Optional[List[Model]], or None."""
-    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        if found := _model_in(arg):
-            return found
-    return None
-
-
-def unknown_keys(data: dict, cls: type[pydantic.BaseModel], path: str = "") -> list[str]:
-    """Keys of ``data`` that ``cls`` (an openai type) has no field for and vLLM does not document, recursively."""
-    fields = {(f.alias or name): f for name, f in cls.model_fields.items()}
-    out = []
-    for key, value in data.items():
-        if key not in fields:
-            if key not in VLLM_EXTENSIONS.get(cls.__name__, set()):
-                out.append(path + key)
-            continue
-        sub = _model_in(fields[key].annotation)
-        for item in value if isinstance(value, list) else [value]:
-            if sub and isinstance(item, dict):
-                out += unknown_keys(item, sub, f"{path}{key}.")
-    return out
 
 
 def strict_problems(data: dict, cls: type[pydantic.BaseModel]) -> list[str]:
@@ -55,7 +29,7 @@ def strict_problems(data: dict, cls: type[pydantic.BaseModel]) -> list[str]:
         errors = []
     except pydantic.ValidationError as exc:
         errors = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
-    return errors + unknown_keys(data, cls)
+    return errors + unknown_keys(data, cls, unmodelled=VLLM_EXTENSIONS)
 
 
 def raw_events(fake: FakeOpenAI, body: dict) -> list:

@@ -153,17 +153,24 @@ def _vision(b: Breakdown) -> str:
     return " (text model only: the vision tower is not counted)" if b.vision else ""
 
 
-def estimate(text, wrapper, weights_dtype: str, hf_quant_config: dict | None = None) -> Weights:
-    """The config estimate, or "unknown" with what is missing. A quantised checkpoint (its config has a
-    quantization_config, or ModelOpt's hf_quant_config.json is given) is priced at its stored widths and the
-    weights dtype is not used; otherwise its parameters times ``weights_dtype``."""
+def _breakdown(text, wrapper) -> Breakdown | Weights:
+    """The config's parameters by module kind, or the "unknown" Weights that says what the count lacks."""
     try:
-        b = parameter_breakdown(text, wrapper)
+        return parameter_breakdown(text, wrapper)
     except _Unknown as exc:
         return Weights(None, f"unknown: the config has no {exc} (give a folder with safetensors or a GGUF file)",
                        method="unknown")
     except (TypeError, ValueError) as exc:
         return Weights(None, f"unknown: the config's sizes could not be counted ({exc})", method="unknown")
+
+
+def estimate(text, wrapper, weights_dtype: str, hf_quant_config: dict | None = None) -> Weights:
+    """The config estimate, or "unknown" with what is missing. A quantised checkpoint (its config has a
+    quantization_config, or ModelOpt's hf_quant_config.json is given) is priced at its stored widths and the
+    weights dtype is not used; otherwise its parameters times ``weights_dtype``."""
+    b = _breakdown(text, wrapper)
+    if isinstance(b, Weights):
+        return b
     qc = quantization_config(text, wrapper)
     hf_quant_config = hf_quant_config or getattr(wrapper, "kvbench_hf_quant_config", None) or \
         getattr(text, "kvbench_hf_quant_config", None)
@@ -288,13 +295,9 @@ def _exact(folder: Path | None, raw: dict, hub_id: str | None, api, revision) ->
 def _override(text, config, weights_dtype: str) -> Weights:
     """The weights at a width the user names: 16/32-bit is every parameter at it; a quantised width is the
     linear layers at it (with the format's scales), the rest at the checkpoint's 16-bit dtype."""
-    try:
-        b = parameter_breakdown(text, config)
-    except _Unknown as exc:
-        return Weights(None, f"unknown: the config has no {exc} (give a folder with safetensors or a GGUF file)",
-                       method="unknown")
-    except (TypeError, ValueError) as exc:
-        return Weights(None, f"unknown: the config's sizes could not be counted ({exc})", method="unknown")
+    b = _breakdown(text, config)
+    if isinstance(b, Weights):
+        return b
     if weights_dtype in ("fp32", "bf16", "fp16"):
         w = _plain(b, weights_dtype)
         return Weights(w.bytes, w.source.replace("estimate:", f"--weights-dtype {weights_dtype}:", 1),
