@@ -7,7 +7,19 @@ cgroup, :mod:`kvbench.common.memory_wall`), then one round of requests, then the
 * llama.cpp (``llama-server``) allocates its KV pool at start: a ladder of ``-c`` (per-slot contexts at a
   fixed number of slots, ``-c`` = slots x context), one short request per slot;
 * transformers (the hf worker, static batching) grows its cache with the batch: a ladder of batch sizes at
-  one prompt length, the whole batch sent at once.
+  one prompt length, the whole batch sent at once;
+* vLLM sizes its pool from a budget at start (kvbench's sized mode: --kv-cache-memory-bytes for the batch
+  at the context, --max-num-seqs the batch) beside a process of its own: a ladder of batch sizes at one
+  context, one short request per sequence.
+
+llama.cpp runs with ``--cache-ram 0``: its prompt cache (8 GiB of host RAM by default) would otherwise grow
+with the traffic, which the plan counts at its limit (``KVRules.host_memory``).
+
+Then the planner's answer at each wall (``kvbench plan --memory WALL``): the longest context per slot
+(llama.cpp), the most requests at once (transformers, vLLM), with the overhead calibrated on the smallest
+wall's settings that ran clear of it (``kvbench.planner.overhead.overheads_from_trials``): the larger walls
+check the plan on figures it was not fitted on. "Right" when the answer is within one rung of the boundary:
+from the rung below the largest that ran to the smallest killed.
 
 Every start is cold: the model's files are dropped from the page cache first (``posix_fadvise``
 DONTNEED, those files only), so the engine reads its weights into its own wall each time. (A page is
@@ -24,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import shlex
@@ -37,16 +50,21 @@ from kvbench.backends import REGISTRY, gguf_converter
 from kvbench.backends.streaming import open_client
 from kvbench.backends.types import EngineStartError, KVPool, RequestResult, ServerSpec
 from kvbench.common import models
+from kvbench.common.files import atomic_write_text
 from kvbench.common.envs import ensure_env
 from kvbench.common.memory_wall import format_bytes, parse_size
+from kvbench.planner import PlanInput, engine_rules, plan, resolve_model, served_weights
+from kvbench.planner.overhead import Overhead, overheads_from_trials
 from kvbench.workloads.prompts import Prompt
 
 MIB = 2**20
 START_TIMEOUT_S = 120.0
+VLLM_START_TIMEOUT_S = 400.0  # vLLM's CPU start on two loaded cores
 # the hf worker starts a batch when it is full or when this long has passed since its first request: long
 # enough that a loaded machine's slow sends still make one batch (a full batch starts at once)
 HF_BATCH_WAIT_MS = 10_000
 REQUEST_TIMEOUT_S = 300.0
+HF_OUTPUT_TOKENS = 2
 
 
 @dataclass
@@ -69,6 +87,25 @@ class Trial:
     log_path: Path
     tree_pids: list[int]  # the server and every process in its wall just before the stop
     engine_kv: dict | None = None  # transformers: the cache its last batch held (cache_bytes, batch_size)
+    rung: int = 0  # the ladder's value: llama.cpp's context per slot, the batch elsewhere
+    tokens_in_flight: int = 0  # the batch x its tokens (prompt + output)
+    weights_bytes: float | None = None  # as the engine reported them (or the planner's, where it reports none)
+    unreclaimable_bytes: int | None = None  # anonymous + shared memory in the wall after the requests (it ran)
+
+    @property
+    def kv_bytes(self) -> float | None:
+        if self.kv_pool and self.kv_pool.bytes:
+            return float(self.kv_pool.bytes)
+        return float(self.engine_kv["cache_bytes"]) if self.engine_kv else None
+
+    def record(self) -> dict:
+        """The trial as one JSON line (trials.jsonl)."""
+        return {"engine": self.engine, "setting": self.setting, "rung": self.rung, "wall_bytes": self.wall_bytes,
+                "verdict": self.verdict, "at_the_wall": self.at_the_wall, "peak_bytes": self.peak_bytes,
+                "oom_kills": self.oom_kills, "kv_bytes": self.kv_bytes, "weights_bytes": self.weights_bytes,
+                "tokens_in_flight": self.tokens_in_flight, "unreclaimable_bytes": self.unreclaimable_bytes,
+                "requests_ok": self.requests_ok,
+                "requests": self.requests, "seconds": round(self.seconds, 1), "exit": self.exit}
 
     @property
     def at_the_wall(self) -> bool:
@@ -120,13 +157,13 @@ def _whole(result, prompt: Prompt) -> bool:
 
 
 def try_setting(engine: str, spec: ServerSpec, batch: list[Prompt], log_path: Path, setting: str,
-                options: dict | None = None, start_timeout_s: float = START_TIMEOUT_S) -> Trial:
+                options: dict | None = None, start_timeout_s: float = START_TIMEOUT_S, rung: int = 0) -> Trial:
     """Start ``engine`` for ``spec`` (its wall: ``spec.memory_limit_bytes``), send ``batch`` at once, stop it."""
     cls = REGISTRY[engine]
     backend = cls(cls.default_version, ensure_env(cls.recipe(cls.default_version)), options)
     evict_page_cache(spec.model)
     t0 = time.monotonic()
-    pool, ok, died, engine_kv = None, 0, "", None
+    pool, ok, died, engine_kv, unreclaimable = None, 0, "", None, None
     try:
         backend.start(spec, log_path, start_timeout_s)
         pool = backend.kv_pool()
@@ -135,6 +172,8 @@ def try_setting(engine: str, spec: ServerSpec, batch: list[Prompt], log_path: Pa
         kv = [r.engine_details for r in results if isinstance(r, RequestResult) and "batch_size" in r.engine_details]
         engine_kv = max(kv, key=lambda d: d["batch_size"]) if kv else None
         died = backend.exit_description(wait_s=5.0 if ok < len(batch) else 0.0)
+        if backend.server and backend.server.wall and not died:
+            unreclaimable = backend.server.wall.unreclaimable_bytes()
     except EngineStartError as exc:
         died = backend.exit_description(wait_s=5.0) or str(exc)
     finally:
@@ -147,25 +186,40 @@ def try_setting(engine: str, spec: ServerSpec, batch: list[Prompt], log_path: Pa
     verdict = "killed" if kills else ("ran" if ok == len(batch) and not died else "failed")
     if verdict == "ran" and engine_kv and engine_kv["batch_size"] != len(batch):  # not the setting asked for
         verdict, died = "failed", f"the worker split the batch (its largest: {engine_kv['batch_size']})"
+    weights = (pool.details.get("weights_bytes") if pool else None) or planned_weights(engine, spec.model)
     return Trial(engine, setting, spec.memory_limit_bytes or 0, verdict, record["peak_bytes"] if record else None,
                  kills, died, pool, ok, len(batch), time.monotonic() - t0, record, survivors, log_path, tree,
-                 engine_kv)
+                 engine_kv, rung, sum(p.prompt_tokens + p.output_tokens for p in batch), weights, unreclaimable)
+
+
+def planned_weights(engine: str, model) -> float | None:
+    """The weights the planner counts for ``engine`` (for an engine that reports none: vLLM on a CPU)."""
+    return served_weights(resolve_model(model.name), engine_rules(engine), None).bytes
 
 
 def llamacpp_trial(model, wall: int, slots: int, context: int, log_dir: Path, prompt_tokens: int = 32,
                    output_tokens: int = 4) -> Trial:
     spec = ServerSpec(model=model, max_context=context, max_concurrency=slots, kv_dtype="auto", memory_limit_bytes=wall)
     return try_setting("llamacpp", spec, prompts(slots, prompt_tokens, output_tokens),
-                       log_dir / f"llamacpp-{wall}-{slots}x{context}.log", f"-c {slots * context} ({slots} x {context})")
+                       log_dir / f"llamacpp-{wall}-{slots}x{context}.log", f"-c {slots * context} ({slots} x {context})",
+                       options={"extra_args": "--cache-ram 0"}, rung=context)
 
 
-def hf_trial(model, wall: int, batch: int, prompt_tokens: int, log_dir: Path, output_tokens: int = 2,
+def hf_trial(model, wall: int, batch: int, prompt_tokens: int, log_dir: Path, output_tokens: int = HF_OUTPUT_TOKENS,
              batch_wait_ms: int = HF_BATCH_WAIT_MS) -> Trial:
     spec = ServerSpec(model=model, max_context=prompt_tokens + output_tokens, max_concurrency=batch, kv_dtype="auto",
                       memory_limit_bytes=wall)
     return try_setting("hf", spec, prompts(batch, prompt_tokens, output_tokens),
                        log_dir / f"hf-{wall}-{batch}x{prompt_tokens}.log", f"batch {batch} x {prompt_tokens}",
-                       options={"batch_wait_ms": batch_wait_ms})
+                       options={"batch_wait_ms": batch_wait_ms}, rung=batch)
+
+
+def vllm_trial(model, wall: int, batch: int, context: int, log_dir: Path, prompt_tokens: int = 32,
+               output_tokens: int = 4) -> Trial:
+    spec = ServerSpec(model=model, max_context=context, max_concurrency=batch, kv_dtype="auto", memory_limit_bytes=wall)
+    return try_setting("vllm", spec, prompts(batch, prompt_tokens, output_tokens),
+                       log_dir / f"vllm-{wall}-{batch}x{context}.log", f"{batch} x {context} (pool for the batch)",
+                       start_timeout_s=VLLM_START_TIMEOUT_S, rung=batch)
 
 
 def ladder(run_one, settings: list[int], walls: list[int], log) -> list[Trial]:
@@ -205,7 +259,56 @@ def _kv(t: Trial) -> str:
     return "-"
 
 
-def table(trials: list[Trial], command: str) -> str:
+@dataclass
+class Prediction:
+    """The planner's answer at one wall, against the ladder's boundary there."""
+
+    engine: str
+    wall_bytes: int
+    question: str  # what was asked, e.g. "longest context per slot at 8 slots"
+    answer: int  # the plan's: tokens per slot, or requests at once
+    largest_ran: int | None
+    smallest_killed: int | None
+    right: bool  # within one rung: from the rung below the largest that ran to the smallest killed
+    calibration: bool  # this wall's settings calibrated the overhead (the smallest wall)
+
+
+def plan_at(engine: str, wall: int, overhead: Overhead, slots: int, context: int) -> tuple[str, int]:
+    """(the question, the plan's answer) for ``engine`` at ``wall``: llama.cpp's longest context per slot at
+    ``slots`` slots (its --cache-ram 0), the others' most requests at once of ``context`` tokens."""
+    model = resolve_model("smollm2")
+    common = dict(model=model, engine=engine, memory=float(wall), device="cpu", margin=0.0,
+                  overhead_gib=overhead.fixed_bytes / 2**30, overhead_per_token_bytes=overhead.per_token_bytes,
+                  overhead_source=overhead.source)
+    if engine == "llamacpp":
+        r = plan(PlanInput(batch=slots, engine_options={"cache_ram_mib": 0}, **common), with_levers=False)
+        return f"longest context per slot at {slots} slots", int(r["max_context_at_batch"])
+    r = plan(PlanInput(context=context, max_model_len=context, batch=1, **common), with_levers=False)
+    return f"requests at once of {context:,} tokens", int(r["max_batch"])
+
+
+def predictions(records: list[dict], rungs: dict[str, list[int]], slots: int, contexts: dict[str, int],
+                overheads: dict[str, Overhead]) -> list[Prediction]:
+    """The plan's answer at each engine's walls against the trials' boundary there (``records``: the
+    trials as :meth:`Trial.record` writes them, so that a published trials.jsonl can be checked again)."""
+    out = []
+    for engine in dict.fromkeys(t["engine"] for t in records):
+        if engine not in overheads:
+            continue
+        walls = sorted(dict.fromkeys(t["wall_bytes"] for t in records if t["engine"] == engine))
+        ladder_rungs = sorted(rungs[engine])
+        for wall in walls:
+            mine = [t for t in records if t["engine"] == engine and t["wall_bytes"] == wall]
+            ran = max((t["rung"] for t in mine if t["verdict"] == "ran"), default=None)
+            killed = min((t["rung"] for t in mine if t["verdict"] == "killed"), default=None)
+            question, answer = plan_at(engine, wall, overheads[engine], slots, contexts.get(engine, 0))
+            below = max((r for r in ladder_rungs if ran is not None and r < ran), default=0)
+            right = ran is not None and below <= answer and (killed is None or answer <= killed)
+            out.append(Prediction(engine, wall, question, answer, ran, killed, right, wall == walls[0]))
+    return out
+
+
+def table(trials: list[Trial], command: str, forecasts: list[Prediction] = ()) -> str:
     out = [f"`{command}`", "", "| engine | setting | wall | verdict | peak in the wall | KV | exit | time |",
            "|---|---|---|---|---|---|---|---|"]
     for t in trials:
@@ -220,26 +323,56 @@ def table(trials: list[Trial], command: str) -> str:
             killed = [t for t in mine if t.verdict == "killed"]
             out.append(f"| {engine} | {format_bytes(wall)} | {_peak(ran[-1] if ran else None)} | "
                        f"{_peak(killed[0] if killed else None)} |")
+    if forecasts:
+        out += ["", "| engine | wall | the plan's answer (`kvbench plan --memory`) | largest that ran | smallest killed "
+                "| within one rung | overhead |", "|---|---|---|---|---|---|---|"]
+        for f in forecasts:
+            out.append(f"| {f.engine} | {format_bytes(f.wall_bytes)} | {f.question}: {f.answer:,} | "
+                       f"{f.largest_ran if f.largest_ran is not None else '-'} | "
+                       f"{f.smallest_killed if f.smallest_killed is not None else '-'} | {'yes' if f.right else 'NO'} | "
+                       f"{'calibrated on this wall' if f.calibration else 'not fitted here'} |")
+    return "\n".join(out)
+
+
+def overheads_toml(overheads: dict[str, Overhead]) -> str:
+    """The shipped table's ``[cpu.ENGINE]`` entries (bench/planner/overheads.toml)."""
+    out = []
+    for engine, o in overheads.items():
+        source = o.source.replace('"', "'")
+        out += [f"[cpu.{engine}]", f"fixed_bytes = {round(o.fixed_bytes)}", f"per_token_bytes = {o.per_token_bytes:.1f}",
+                f'source = "{source}"', ""]
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--walls", default=None, help="both engines' walls, comma-separated (512M, 1.5G, ...)")
+    parser.add_argument("--walls", default=None, help="every engine's walls, comma-separated (512M, 1.5G, ...)")
     parser.add_argument("--llamacpp-walls", default="1G,1.2G", help="llama.cpp's walls (--walls wins)")
     parser.add_argument("--hf-walls", default="1G,1.5G", help="transformers' walls (--walls wins)")
-    parser.add_argument("--engines", default="llamacpp,hf")
+    parser.add_argument("--vllm-walls", default="3.25G,3.75G", help="vLLM's walls (--walls wins)")
+    parser.add_argument("--engines", default="llamacpp,hf,vllm")
     parser.add_argument("--llamacpp-slots", type=int, default=8, help="llama.cpp: slots (-np)")
     parser.add_argument("--llamacpp-contexts", default="2048,3072,4096,5120,6144,7168,8192",
                         help="llama.cpp: context per slot (-c is slots x this)")
     parser.add_argument("--hf-prompt", type=int, default=2048, help="transformers: prompt tokens")
-    parser.add_argument("--hf-batches", default="1,4,8,16", help="transformers: batch sizes")
+    parser.add_argument("--hf-batches", default="1,2,4,8,16", help="transformers: batch sizes")
     parser.add_argument("--hf-batch-wait-ms", type=int, default=HF_BATCH_WAIT_MS,
                         help="transformers: how long the worker waits to fill a batch (its batch_wait_ms option)")
+    parser.add_argument("--vllm-context", type=int, default=2048, help="vLLM: --max-model-len, and the pool's "
+                                                                       "sequences' length")
+    parser.add_argument("--vllm-batches", default="4,8,12,16,20,24,28,32,40,48", help="vLLM: sequences the pool holds "
+                                                                               "(--max-num-seqs)")
     parser.add_argument("--log-dir", type=Path, default=None, help="where the engines' logs go (a temporary folder)")
+    parser.add_argument("--out", type=Path, default=None, help="a folder for trials.jsonl (every trial) and "
+                                                               "overheads.toml (the calibrated overheads)")
+    parser.add_argument("--label", default="this ladder", help="the overheads' source, e.g. the published folder")
     args = parser.parse_args(argv)
+
     def walls(text: str | None) -> list[int]:
         return [parse_size(w) for w in (args.walls or text).split(",")]
+
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",")]
     engines = args.engines.split(",")
     command = "python -m kvbench.selfcheck.memory_wall_ladder " + shlex.join(argv if argv is not None else sys.argv[1:])
     model = models.resolve("smollm2", gguf_converter())
@@ -249,20 +382,33 @@ def main(argv: list[str] | None = None) -> int:
     say(f"logs in {log_dir}")
     t0 = time.monotonic()
     trials: list[Trial] = []
+    rungs = {"llamacpp": ints(args.llamacpp_contexts), "hf": ints(args.hf_batches), "vllm": ints(args.vllm_batches)}
     if "llamacpp" in engines:
-        contexts = [int(x) for x in args.llamacpp_contexts.split(",")]
-        trials += ladder(lambda w, c: llamacpp_trial(model, w, args.llamacpp_slots, c, log_dir), contexts,
+        trials += ladder(lambda w, c: llamacpp_trial(model, w, args.llamacpp_slots, c, log_dir), rungs["llamacpp"],
                          walls(args.llamacpp_walls), say)
     if "hf" in engines:
-        batches = [int(x) for x in args.hf_batches.split(",")]
         trials += ladder(lambda w, b: hf_trial(model, w, b, args.hf_prompt, log_dir,
-                                                   batch_wait_ms=args.hf_batch_wait_ms), batches,
+                                               batch_wait_ms=args.hf_batch_wait_ms), rungs["hf"],
                          walls(args.hf_walls), say)
-    print(table(trials, command.strip()))
+    if "vllm" in engines:
+        trials += ladder(lambda w, b: vllm_trial(model, w, b, args.vllm_context, log_dir), rungs["vllm"],
+                         walls(args.vllm_walls), say)
+    records = [t.record() for t in trials]
+    overheads = overheads_from_trials(records, {e: engine_rules(e).pool_at_start for e in engines}, args.label)
+    contexts = {"hf": args.hf_prompt + HF_OUTPUT_TOKENS, "vllm": args.vllm_context}
+    forecasts = predictions(records, rungs, args.llamacpp_slots, contexts, overheads)
+    print(table(trials, command.strip(), forecasts))
     print(f"\n({len(trials)} starts in {time.monotonic() - t0:.0f} s; SmolLM2-135M, the embedded model: llama.cpp "
-          f"serves its Q4_1 GGUF, transformers its bf16 copy. \"At the wall\": it ran with its usage held at the "
-          f"wall, the kernel reclaiming clean page cache, i.e. the weights' file pages, instead of killing it; "
-          f"only memory it cannot reclaim, as the KV pool, kills)")
+          f"serves its Q4_1 GGUF, transformers and vLLM its bf16 copy. \"At the wall\": it ran with its usage held "
+          f"at the wall, the kernel reclaiming clean page cache, i.e. the weights' file pages, instead of killing "
+          f"it; only memory it cannot reclaim, as the KV pool, kills)")
+    for engine, o in overheads.items():
+        print(f"- overhead {engine}: {o.fixed_bytes / MIB:,.1f} MiB + {o.per_token_bytes / 1024:,.2f} KiB per token "
+              f"in flight ({o.source})")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.out / "trials.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+        atomic_write_text(args.out / "overheads.toml", overheads_toml(overheads))
     left = [s for t in trials for s in t.survivors]
     if left:
         print(f"processes survived a stop: {left}", file=sys.stderr)

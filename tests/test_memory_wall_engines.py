@@ -95,3 +95,22 @@ def test_transformers_large_batch_at_a_long_prompt_is_killed_at_the_wall(smollm2
     assert trial.exit.startswith("out of memory at the 1.0 GiB wall (peak "), trial.exit
     assert trial.oom_kills >= 1 and 0.9 * GIB <= trial.peak_bytes <= GIB
     nothing_left(trial)
+
+
+@pytest.mark.timeout(180)
+def test_llamacpp_serves_the_plans_longest_context_at_a_wall_and_is_killed_a_rung_above(smollm2, tmp_path):
+    """`kvbench plan --memory 1G` for 8 slots answers a longest context per slot: llama.cpp started with it
+    inside the same wall serves; one 1,024-token rung above, it is killed at start."""
+    from kvbench.planner import PlanInput, plan, resolve_model
+
+    engine_env("llamacpp")
+    r = plan(PlanInput(resolve_model("smollm2"), engine="llamacpp", batch=8, memory=GIB, device="cpu", margin=0,
+                       engine_options={"cache_ram_mib": 0}), with_levers=False)  # the trials run --cache-ram 0
+    longest = r["max_context_at_batch"]
+    assert 2048 < longest < 8192, r["verdict"]["line"]
+    ran = llamacpp_trial(smollm2, GIB, 8, longest, tmp_path)
+    assert ran.verdict == "ran", ran.line()
+    nothing_left(ran)
+    killed = llamacpp_trial(smollm2, GIB, 8, longest + 1024, tmp_path)
+    assert killed.verdict == "killed", killed.line()
+    nothing_left(killed)

@@ -21,6 +21,7 @@ class TransformersKV(KVRules):
 
     engine = "hf"
     no_pool_label = "no pool (static batching)"
+    pool_at_start = False
     version = "5.24.0"
     answer_is_in_use = True  # the cache tensors a load holds: what the worker measures
     dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "f16": "fp16",

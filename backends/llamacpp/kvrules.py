@@ -5,7 +5,7 @@ from dataclasses import replace
 from typing import ClassVar
 
 from kvbench.kv.geometry import KVGeometry, LayerKV, decompressed, round_up
-from kvbench.kv.rules import KVAnswer, KVQuestion, KVRules
+from kvbench.kv.rules import KVAnswer, KVQuestion, KVRuleError, KVRules
 
 # HF model types whose llama.cpp architecture keeps a window (src/models/*.cpp set swa_type): the others'
 # windows are sized full (Mistral, Qwen2: the converter writes no window, the architecture reads none).
@@ -22,6 +22,7 @@ EMBEDDED_CASES = (("f16", 512, 1), ("f16", 4096, 2), ("q8_0", 1000, 1), ("q8_0",
                   ("q4_0", 8192, 1))
 FAMILY_CASE = (2048, 2)  # context per slot, slots: windows of 64 leave a window cache smaller than the slot
 UBATCH = 512  # llama-server's default n_ubatch
+CACHE_RAM_MIB = 8192  # llama-server's default --cache-ram (its prompt cache's limit in host RAM)
 
 
 class LlamaCppKV(KVRules):
@@ -41,7 +42,8 @@ class LlamaCppKV(KVRules):
 
     engine = "llamacpp"
     version = "0.3.36"
-    rule_options = ("unified",)  # what `kvbench plan --engine-option` takes (KVQuestion.options)
+    rule_options = ("unified", "cache_ram_mib")  # what `kvbench plan --engine-option` takes (KVQuestion.options)
+    model_format = "gguf"
     dtypes = {"f16": "f16", "fp16": "f16", "float16": "f16", "bf16": "bf16", "bfloat16": "bf16", "f32": "f32",
               "fp32": "f32", "float32": "f32", "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0",
               "q5_1": "q5_1", "iq4_nl": "iq4_nl"}
@@ -150,6 +152,25 @@ class LlamaCppKV(KVRules):
 
     def concurrency_flag(self, batch: int) -> str:
         return f"-np {batch}"
+
+    def host_memory(self, q: KVQuestion) -> tuple[float, str] | None:
+        """llama-server's prompt cache: idle slots' states saved in host RAM up to --cache-ram MiB (8192 by
+        default, as its log says: "prompt cache is enabled, size limit: 8192 MiB"), grown by distinct prompts
+        (1.1 GiB after the CPU default run's cells, with a 720 MiB pool). Counted at its limit: nothing
+        else bounds it."""
+        try:
+            mib = int(q.options.get("cache_ram_mib", CACHE_RAM_MIB))
+        except (TypeError, ValueError):
+            raise KVRuleError(f"cache_ram_mib takes a whole number of MiB, not {q.options['cache_ram_mib']!r}") from None
+        if mib <= 0:
+            return None
+        given = "cache_ram_mib" in q.options
+        return (mib * 2**20, f"llama-server's prompt cache in host RAM, at its limit: --cache-ram {mib} MiB"
+                             f"{'' if given else ' (its default)'}; it grows with distinct prompts (--cache-ram 0 "
+                             "turns it off)")
+
+    def host_levers(self) -> list[tuple[str, dict]]:
+        return [("--cache-ram 0", {"cache_ram_mib": 0}), ("--cache-ram 1024", {"cache_ram_mib": 1024})]
 
     def tp_flag(self, tp: int) -> str:
         return f"{tp} GPUs (--split-mode layer)"

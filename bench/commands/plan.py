@@ -68,11 +68,16 @@ def plan_command(
     engine: str = typer.Option(None, "--engine", help=f"Apply this engine's rules: {', '.join(engines())} "
                                                       "(default: the plain formula)."),
     gpu: str = typer.Option(None, "--gpu", help=f"A GPU: {', '.join(gpu_catalog())}; or a size such as 48GiB."),
+    memory: str = typer.Option(None, "--memory", metavar="SIZE",
+                               help="Instead of a GPU, a CPU memory wall of SIZE (1G, 1.5GiB): the engine's whole "
+                                    "process tree in a memory cgroup, as `kvbench run --memory-limit SIZE` starts "
+                                    "it. Implies --device cpu and --margin 0; the engine's host caches count."),
     block_size: str = typer.Option(None, "--block-size", metavar="N",
                                    help="The engine's KV block size (default: its own; vLLM 16 on a GPU, 128 on a "
                                         "CPU; TGI 1). Engines with blocks: vllm, tgi."),
-    device: str = typer.Option("gpu", "--device", help="gpu or cpu: the device the engine runs on (vLLM sizes "
-                                                        "blocks per device)."),
+    device: str = typer.Option(None, "--device", help="gpu or cpu: the device the engine runs on (vLLM sizes "
+                                                       "blocks per device; the overhead is measured per device); "
+                                                       "default gpu, cpu with --memory."),
     engine_version: str = typer.Option(None, "--engine-version", help="The engine's version, where its rules "
                                                                       "changed (default: the version kvbench runs)."),
     engine_option: list[str] = typer.Option([], "--engine-option", help=ENGINE_OPTIONS_HELP),
@@ -83,13 +88,15 @@ def plan_command(
                                       help="The weights' size, all GPUs, overriding every other source: 61GiB, "
                                            "65.5GB, 688586727753 (bytes)."),
     overhead_gib: str = typer.Option(None, "--overhead-gib", metavar="GIB",
-                                     help="Runtime overhead per GPU (CUDA context, activations, graphs); default "
-                                          "1.5, an assumption, unless --overhead-from."),
+                                     help="Runtime overhead per GPU (CUDA context, activations, graphs); default: "
+                                          "the engine's measured on the device (the table kvbench ships from its "
+                                          "published runs), else 1.5, an assumption."),
     overhead_from: str = typer.Option(None, "--overhead-from", metavar="RUN",
                                       help="Take the overhead per GPU a GPU run measured (its largest over the cells "
-                                           "of --engine, if given) instead of the 1.5 GiB assumption."),
-    margin: str = typer.Option("0.10", "--margin", metavar="FRACTION",
-                               help="Fraction of GPU memory kept free, from 0 to below 1."),
+                                           "of --engine, if given) instead of the shipped table's."),
+    margin: str = typer.Option(None, "--margin", metavar="FRACTION",
+                               help="Fraction of the memory kept free, from 0 to below 1 (default 0.10 of a GPU, "
+                                    "0 of a --memory wall, which is exact)."),
     node_gpus: str = typer.Option(str(NODE_GPUS), "--node-gpus", metavar="N",
                                   help="GPUs in a node: the most the tensor-parallel lever proposes."),
     allow_long_context: bool = typer.Option(False, "--allow-long-context",
@@ -101,15 +108,18 @@ def plan_command(
                                                          "keys the reader did not read (not verified)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
-    """Will a deployment fit on a GPU, and what should change: the verdict first, the ledger per GPU, the levers."""
+    """Will a deployment fit on a GPU (or in a CPU memory wall), and what should change: the verdict first, the
+    ledger per GPU, the levers."""
     try:
         options = parse_options(",".join(engine_option), "--engine-option")
+        wall = parse_bytes(memory, "--memory")
+        device = device or ("cpu" if wall is not None else "gpu")
         _check_choices(engine, device, weights_dtype)
         _check_engine_options(engine, options)
         overhead = parse_float(overhead_gib, "--overhead-gib")
         if overhead_from is not None and overhead is not None:
             raise PlanError("--overhead-gib and --overhead-from: give one")
-        source = "assumed" if overhead is None else "given"
+        source = "given: --overhead-gib"
         if overhead_from is not None:
             found = measured_overhead(overhead_from, engine)
             overhead, source = found.bytes / GIB, found.source
@@ -117,8 +127,8 @@ def plan_command(
         result = plan(PlanInput(
             model=m, context=parse_tokens(context, "--context"), batch=parse_int(batch, "--batch"),
             kv_dtype=kv_dtype, tp=parse_int(tp, "--tp"), engine=engine.lower() if engine else None, gpu=gpu,
-            overhead_gib=1.5 if overhead is None else overhead, overhead_source=source,
-            margin=parse_float(margin, "--margin"), block_size=parse_int(block_size, "--block-size", 0),
+            overhead_gib=overhead, overhead_source=source, memory=wall,
+            margin=parse_float(margin, "--margin") if margin is not None else (0.0 if wall is not None else 0.10), block_size=parse_int(block_size, "--block-size", 0),
             device=device, engine_version=engine_version, engine_options=options,
             allow_long_context=allow_long_context, max_model_len=parse_tokens(max_model_len, "--max-model-len"),
             node_gpus=parse_int(node_gpus, "--node-gpus")))
@@ -139,19 +149,22 @@ def plan_command(
 def _print(r: dict) -> None:
     v = r["verdict"]
     typer.echo(v["line"])
-    on = f"{r['tp']} x {r['gpu']}" if r.get("gpu") else "no GPU given"
+    wall = r.get("memory_wall")
+    on = r["gpu"] if wall else f"{r['tp']} x {r['gpu']}" if r.get("gpu") else "no GPU given"
     typer.echo(f"{r['model']} under {r['engine']} on {on}: {r['batch']} at once of {r['context']:,} tokens "
                f"(typical), a limit of {r['max_model_len']:,} per request ({r['max_model_len_source']}; "
                f"{r['limit_flag']}); KV {r['kv_dtype']} ({r['kv_dtype_source']})")
-    t = Table(title=f"Per GPU: {escape(r['model'])}", show_header=True)
+    per = "In the wall" if wall else "Per GPU"
+    t = Table(title=f"{per}: {escape(r['model'])}", show_header=True)
     t.add_column("term")
-    t.add_column("per GPU", justify="right")
+    t.add_column(per.lower(), justify="right")
     t.add_column("from")
     for row in r["ledger"]:
         t.add_row(row["term"], fmt_gib(row["bytes"], "unknown"), escape(row["source"]))
     if r.get("gpu"):
         t.add_row("= total", fmt_gib(r["needed_bytes_per_gpu"] + r["gpu_memory_bytes"] * r["margin"]
                                      if r["needed_bytes_per_gpu"] is not None else None, "unknown"),
+                  f"of {r['gpu']}" if wall else
                   f"of {r['gpu']}'s {fmt_gib(r['gpu_memory_bytes'])} ({fmt_gib(r['usable_bytes'])} usable)")
     ui.console().print(t)
     if r["levers"]:

@@ -299,6 +299,19 @@ class MemoryWall:
             return 0
         return self._read_int("memory.usage_in_bytes" if self.kind == "v1" else "memory.current") or 0
 
+    def unreclaimable_bytes(self) -> int | None:
+        """What the wall holds now that the kernel cannot reclaim without swap: anonymous memory and shared
+        memory (memory.stat: v1 total_rss + total_shmem, v2 anon + shmem); the rest (file pages: the
+        weights a server mmaps, its libraries) is given back at the wall. None once closed or unreadable."""
+        if self._closed:
+            return None
+        try:
+            stat = dict(line.split() for line in _read(self.path / "memory.stat").splitlines() if " " in line)
+        except OSError:
+            return None
+        keys = ("total_rss", "total_shmem") if self.kind == "v1" else ("anon", "shmem")
+        return sum(int(stat.get(k, 0)) for k in keys)
+
     def sample(self) -> int:
         """Read the usage now and keep its maximum: the peak where the kernel keeps none (v2 before 5.19).
         Harmless to call where it does."""

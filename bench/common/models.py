@@ -71,6 +71,12 @@ def embedded_gguf(name: str) -> Path:
     return Path(spec.submodule_search_locations[0]) / filename
 
 
+def hf_copy_dir(gguf: Path, digest: str | None = None) -> Path:
+    """Where kvbench keeps the HF-format copy it converts ``gguf`` to (for the engines that serve HF folders);
+    it may not exist yet."""
+    return kvbench_home() / "models" / (digest or sha256_file(gguf))[:16] / HF_FOLDER
+
+
 def resolve(model: str, convert: GGUFConverter | None, log=print) -> ModelFiles:
     """Turn the user's model argument into :class:`ModelFiles`, converting a GGUF once if needed.
 
@@ -99,7 +105,7 @@ def resolve(model: str, convert: GGUFConverter | None, log=print) -> ModelFiles:
             raise ModelError(f"{path}: expected a .gguf file or an HF model folder")
         name, gguf = path.stem, path
     digest = sha256_file(gguf)
-    hf_dir = kvbench_home() / "models" / digest[:16] / HF_FOLDER
+    hf_dir = hf_copy_dir(gguf, digest)
     if not (hf_dir / "config.json").exists():
         if convert is None:
             raise ModelError(f"{gguf.name} has no HF-format copy yet and no converter to make one")

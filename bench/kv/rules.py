@@ -85,6 +85,12 @@ class KVRules:
     pool_from_budget: ClassVar[bool] = False
     #: What a report says of the engine's KV pool where the engine reported none.
     no_pool_label: ClassVar[str] = "not reported"
+    #: True where the engine allocates its KV pool (and its activation buffers) at start; False where its
+    #: cache and activations grow with the batch it serves (static batching): a memory plan then counts
+    #: activations per token in flight.
+    pool_at_start: ClassVar[bool] = True
+    #: The files the engine serves: "safetensors" (an HF model folder) or "gguf" (a GGUF file, as the embedded model).
+    model_format: ClassVar[str] = "safetensors"
 
     # --- the questions an engine refuses -----------------------------------------------------------
     def resolve_dtype(self, q: KVQuestion) -> str:
@@ -140,6 +146,15 @@ class KVRules:
             return replace(one, note=f"{one.note}; one request at the {limit:,}-token limit (more than "
                                      f"{q.batch} x {q.context:,})")
         return typical
+
+    def host_memory(self, q: KVQuestion) -> tuple[float, str] | None:
+        """Host memory the engine holds beyond its KV pool, that a plan against a CPU memory wall must count
+        (bytes, where the figure comes from); None: nothing beyond the pool."""
+        return None
+
+    def host_levers(self) -> list[tuple[str, dict]]:
+        """(flag, rule options) that shrink :meth:`host_memory`, for a plan's levers."""
+        return []
 
     # --- the levers a plan proposes, and how to pull them on this engine ------------------------------
     #: KV dtypes below 16 bits a plan proposes where the engine takes them (see :meth:`kv_levers`).

@@ -64,6 +64,12 @@ def gguf_tensor_bytes(path: Path) -> int:
     return int(sum(t.n_bytes for t in GGUFReader(str(path)).tensors))
 
 
+def gguf_parameters(path: Path) -> int:
+    from gguf import GGUFReader
+
+    return int(sum(t.n_elements for t in GGUFReader(str(path)).tensors))
+
+
 def _tensor_bytes(tensor) -> float:
     """One tensor's bytes from a TensorInfo (or its dict form): its data offsets, else dtype x shape."""
     get = tensor.get if isinstance(tensor, dict) else (lambda name: getattr(tensor, name, None))

@@ -14,7 +14,7 @@ from kvbench.kv.geometry import heads_per_rank, kv_bytes_per_token
 
 from .deploy import Outcome, PlanInput, Setup, setup
 from .levers import levers
-from .overhead import MeasuredOverhead, measured_overhead
+from .overhead import MeasuredOverhead, Overhead, default_overhead, measured_overhead, rule_of_thumb
 from .resolve import WEIGHT_DTYPES, ModelForPlan, resolve_model, served_weights
 from .shared import (
     CATALOG_DIR,
@@ -39,10 +39,10 @@ from .shared import (
 from .verdict import kv_scope, ledger, lever_line, limit_label, verdict
 
 __all__ = ["CATALOG_DIR", "GPU", "GPUS_FILE", "NODE_GPUS", "PLAIN", "WEIGHT_DTYPES", "MeasuredOverhead", "ModelForPlan",
-           "Outcome", "PlanError", "PlanInput", "Setup", "catalog_names", "engine_rules", "engines", "gpu",
+           "Outcome", "Overhead", "PlanError", "PlanInput", "Setup", "catalog_names", "engine_rules", "engines", "gpu",
            "gpu_catalog", "gpu_memory", "gpu_specs", "kv_scope", "ledger", "lever_line", "levers", "limit_label",
-           "measured_overhead", "model_names", "parse_bytes", "parse_float", "parse_int", "parse_tokens", "plan",
-           "resolve_model", "served_weights", "setup", "verdict"]
+           "default_overhead", "measured_overhead", "model_names", "parse_bytes", "parse_float", "parse_int", "parse_tokens", "plan",
+           "resolve_model", "rule_of_thumb", "served_weights", "setup", "verdict"]
 
 
 def plan(p: PlanInput, with_levers: bool = True) -> dict:
@@ -84,8 +84,10 @@ def plan(p: PlanInput, with_levers: bool = True) -> dict:
     if s.gpu is None:
         return out
     out.update({"gpu": s.gpu.name, "gpu_memory_bytes": s.gpu.bytes, "gpu_capability": s.gpu.capability,
-                "margin": s.margin, "usable_bytes": s.usable, "overhead_bytes": s.overhead,
-                "overhead_source": s.overhead_source, "weights_bytes_per_gpu": s.weights_per_gpu,
+                "memory_wall": s.gpu.wall, "margin": s.margin, "usable_bytes": s.usable, "overhead_bytes": s.overhead,
+                "overhead_fixed_bytes": s.overhead_fixed, "overhead_per_token_bytes": s.overhead_per_token,
+                "overhead_source": s.overhead_source, "overhead_rule_of_thumb_bytes": rule_of_thumb(s.gpu.bytes),
+                "host_memory_bytes": s.host_bytes(), "weights_bytes_per_gpu": s.weights_per_gpu,
                 "needed_bytes_per_gpu": o.needed, "fits": o.fits, "headroom_bytes": o.headroom,
                 "max_batch": o.max_concurrency, "max_context_at_batch": o.longest_request})
     if with_levers:

@@ -42,10 +42,11 @@ class Capacity:
 
 
 def kv_room(s: Setup) -> float:
-    """The KV budget a deployment leaves per GPU: usable memory less the weights and the overhead."""
+    """The KV budget a deployment leaves per GPU: usable memory less the weights, the overhead and the
+    engine's host caches (on a CPU)."""
     if s.usable is None or s.weights_per_gpu is None:
-        raise PlanError("the KV budget needs a GPU (--gpu) and known weights")
-    return s.usable - s.weights_per_gpu - s.overhead
+        raise PlanError("the KV budget needs a GPU (--gpu) or a memory wall (--memory), and known weights")
+    return s.usable - s.weights_per_gpu - s.overhead - s.host_bytes()
 
 
 def capacity(s: Setup, budget: float | None = None) -> Capacity:

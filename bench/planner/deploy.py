@@ -7,9 +7,10 @@ from dataclasses import dataclass, field, replace
 
 from kvbench.kv.geometry import KVGeometry, dtype_bytes
 from kvbench.kv.rules import KVAnswer, KVQuestion, KVRuleError, KVRules
-from kvbench.kv.units import GIB
+from kvbench.kv.units import GIB, fmt_gib
 from kvbench.kv.weights import Weights
 
+from .overhead import default_overhead
 from .resolve import ModelForPlan, served_weights
 from .shared import GPU, NODE_GPUS, PlanError, engine_rules, gpu
 
@@ -23,8 +24,9 @@ class PlanInput:
     tp: int = 1
     engine: str | None = None  # None: the plain formula
     gpu: str | None = None
-    overhead_gib: float = 1.5  # CUDA context, activations, graphs: an assumption, per GPU (see measured_overhead)
-    overhead_source: str = "assumed"  # where overhead_gib came from
+    overhead_gib: float | None = None  # per GPU; None: the shipped measurement for the engine and device, else 1.5
+    overhead_source: str = "given"  # where overhead_gib came from
+    overhead_per_token_bytes: float = 0.0  # with overhead_gib: activations per token in flight (batch x tokens)
     margin: float = 0.10  # fraction of the GPU kept free
     block_size: int | None = None
     device: str = "gpu"  # engines size some things per device (vLLM's block size)
@@ -33,6 +35,7 @@ class PlanInput:
     allow_long_context: bool = False  # plan a limit past the model's own
     max_model_len: int | None = None  # the per-request limit the server is started with; None: the model's
     node_gpus: int = NODE_GPUS  # the most GPUs the tensor-parallel lever proposes
+    memory: float | None = None  # bytes of a CPU memory wall (the engine's process tree in a cgroup), not a GPU
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,8 @@ class Setup:
     limit: int  # the per-request limit the server is started with
     limit_source: str  # "the model's (...)", "--max-model-len", "past the model's ..."
     weights: Weights  # as the engine holds them, all GPUs
-    overhead: float  # bytes per GPU
+    overhead_fixed: float  # bytes per GPU
+    overhead_per_token: float  # bytes per token in flight (an engine whose activations grow with the batch)
     overhead_source: str
     margin: float
     gpu: GPU | None
@@ -89,6 +93,7 @@ class Setup:
     version: str | None = None
     options: dict = field(default_factory=dict)
     node_gpus: int = NODE_GPUS
+    overhead_default: bool = False  # the overhead is the engine's shipped measurement (or the assumption)
 
     @property
     def geometry(self) -> KVGeometry:
@@ -124,12 +129,40 @@ class Setup:
         a = self.kv(context, batch, limit)
         return a.bytes_per_gpu + a.pool_extra_bytes
 
+    def overhead_at(self, context: int | None = None, batch: int | None = None) -> float:
+        return self.overhead_fixed + self.overhead_per_token * (context or self.context) * (batch or self.batch)
+
+    @property
+    def overhead(self) -> float:
+        """The overhead at the asked deployment (the fixed part alone where none grows with the batch)."""
+        return self.overhead_at()
+
+    def host(self, context: int | None = None, batch: int | None = None) -> tuple[float, str] | None:
+        """Host memory the engine holds beyond its pool (its rules' ``host_memory``), counted against a CPU's
+        memory only."""
+        if self.device != "cpu":
+            return None
+        try:
+            return self.rules.host_memory(self.question(context, batch))
+        except KVRuleError as exc:
+            raise PlanError(str(exc)) from None
+
+    def host_bytes(self, context: int | None = None, batch: int | None = None) -> float:
+        h = self.host(context, batch)
+        return h[0] if h else 0.0
+
+    @property
+    def per(self) -> str:
+        """Where the figures are: per GPU, or in a CPU memory wall."""
+        return "in the wall" if self.gpu is not None and self.gpu.wall else "per GPU"
+
     @property
     def weights_per_gpu(self) -> float | None:
         return None if self.weights.bytes is None else self.weights.bytes / self.tp
 
     def need(self, context: int | None = None, batch: int | None = None, limit: int | None = None) -> float:
-        return self.weights_per_gpu + self.kv_bytes(context, batch, limit) + self.overhead
+        return (self.weights_per_gpu + self.kv_bytes(context, batch, limit) + self.overhead_at(context, batch)
+                + self.host_bytes(context, batch))
 
     def fits(self, context: int | None = None, batch: int | None = None, limit: int | None = None) -> bool:
         return self.need(context, batch, limit) <= self.usable
@@ -148,8 +181,8 @@ class Setup:
         if self.gpu is None or self.weights.bytes is None:
             return Outcome(None, None, kv, None, None, None, None)
         usable = self.usable
-        need = self.weights_per_gpu + kv + self.overhead
-        exceed = self.weights_per_gpu + self.overhead >= usable
+        need = self.need()
+        exceed = self.weights_per_gpu + self.overhead_fixed + self.host_bytes() >= usable
         if exceed:
             return Outcome(False, need, kv, usable - need, (usable - need) / usable, 0, 0, True)
         return Outcome(need <= usable, need, kv, usable - need, (usable - need) / usable, self.max_concurrency(),
@@ -184,8 +217,12 @@ def setup(p: PlanInput) -> Setup:
         raise PlanError(f"--max-model-len must be >= 1, not {p.max_model_len}")
     if not 0 <= p.margin < 1:
         raise PlanError(f"--margin is the fraction of the GPU kept free: from 0 to below 1, not {p.margin}")
-    if p.overhead_gib < 0:
+    if p.overhead_gib is not None and p.overhead_gib < 0:
         raise PlanError(f"--overhead-gib must be >= 0, not {p.overhead_gib}")
+    if p.gpu and p.memory is not None:
+        raise PlanError("--gpu and --memory: give one (a GPU, or a CPU memory wall)")
+    if p.memory is not None and p.device != "cpu":
+        raise PlanError("--memory is a CPU memory wall (the engine's process tree in a cgroup): not with --device gpu")
     if p.tp < 1:
         raise PlanError(f"--tp must be >= 1, not {p.tp}")
     if p.device not in ("gpu", "cpu"):
@@ -219,14 +256,28 @@ def setup(p: PlanInput) -> Setup:
     if model_limit and limit > model_limit and source == "--max-model-len":
         source = f"--max-model-len, past the model's {model_limit:,} (--allow-long-context)"
     g = gpu(p.gpu) if p.gpu else None
+    if p.memory is not None:
+        if p.memory <= 0:
+            raise PlanError(f"--memory must be positive, not {p.memory}")
+        g = GPU(f"a {fmt_gib(p.memory)} memory wall", int(p.memory), None, wall=True)
+    if p.tp > 1 and g is not None and g.wall:
+        raise PlanError("--tp splits a model over GPUs: a CPU memory wall has none")
+    if p.overhead_gib is None:
+        o = default_overhead(p.engine, p.device)
+        fixed, per_token, why = o.fixed_bytes, o.per_token_bytes, o.source
+    else:
+        fixed, per_token, why = p.overhead_gib * GIB, p.overhead_per_token_bytes, p.overhead_source
     return Setup(p.model, rules, p.engine, p.kv_dtype, p.tp, p.context or limit, p.batch, limit, source,
-                 served_weights(p.model, rules, g.capability if g else None), p.overhead_gib * GIB,
-                 p.overhead_source, p.margin, g, p.block_size, p.device, p.engine_version, dict(p.engine_options),
-                 p.node_gpus)
+                 served_weights(p.model, rules, g.capability if g else None), fixed, per_token, why, p.margin, g,
+                 p.block_size, p.device, p.engine_version, dict(p.engine_options), p.node_gpus, p.overhead_gib is None)
 
 
 def with_engine(s: Setup, engine: str) -> Setup:
     """The same deployment under another engine's rules (its own auto dtypes and served weights)."""
     rules = engine_rules(engine)
-    return replace(s, rules=rules, engine=engine, kv_dtype="auto", block_size=None, options={}, version=None,
-                   weights=served_weights(s.model, rules, s.capability))
+    t = replace(s, rules=rules, engine=engine, kv_dtype="auto", block_size=None, options={}, version=None,
+                weights=served_weights(s.model, rules, s.capability))
+    if s.overhead_default:  # the other engine's own measured overhead
+        o = default_overhead(engine, s.device)
+        t = replace(t, overhead_fixed=o.fixed_bytes, overhead_per_token=o.per_token_bytes, overhead_source=o.source)
+    return t

@@ -7,7 +7,8 @@ concurrency, longest request) and written as the engine's own flag.
   only), at the width ``kvbench.kv.weights`` gives (linear layers with their scales) or parameters x bytes;
 - a lower limit (the largest per-request limit that fits, where the limit is what does not fit);
 - fewer requests at once (the most that fit);
-- more GPUs: tensor parallel 2, 4, 8 ... up to the node, where the engine splits the model so;
+- the engine's host caches, where a CPU memory plan counts them (llama.cpp's prompt cache: --cache-ram);
+- more GPUs (not on a CPU memory wall): tensor parallel 2, 4, 8 ... up to the node, where the engine splits the model so;
 - another engine's rules, where they hold less (llama.cpp's window cache for a sliding-window model).
 
 Best first: levers that make the deployment fit before those that do not; then the cheaper change (a
@@ -24,7 +25,7 @@ from kvbench.kv.weights import WEIGHT_DTYPE_BYTES, Weights
 from .deploy import Outcome, Setup, _largest, with_engine
 from .shared import PlanError, engines
 
-COST = {"kv_dtype": 1, "limit": 1, "weights": 2, "concurrency": 2, "engine": 3, "tp": 4}
+COST = {"kv_dtype": 1, "host": 1, "limit": 1, "weights": 2, "concurrency": 2, "engine": 3, "tp": 4}
 
 
 def _lever(kind: str, change: str, what: str, s: Setup, extra: float = 0.0, note: str = "") -> dict | None:
@@ -96,7 +97,21 @@ def kv_levers(s: Setup) -> list[dict]:
     return out
 
 
+def host_levers(s: Setup) -> list[dict]:
+    """The engine's switches for its host caches (llama.cpp's --cache-ram), where a CPU plan counts them."""
+    if not s.host_bytes():
+        return []
+    out = []
+    for flag, options in s.rules.host_levers():
+        lever = _lever("host", flag, "its host cache bounded", replace(s, options={**s.options, **options}))
+        if lever:
+            out.append(lever)
+    return out
+
+
 def tp_levers(s: Setup) -> list[dict]:
+    if s.gpu is not None and s.gpu.wall:  # a CPU memory wall has no GPUs to split over
+        return []
     out = []
     t = 2
     while t <= s.node_gpus:
@@ -155,9 +170,9 @@ def levers(s: Setup, base: Outcome) -> list[dict]:
     if base.fits is None:
         return []
     if base.weights_exceed:  # only what shrinks or splits the weights can help
-        found = [*weight_levers(s), *tp_levers(s), *engine_levers(s, base)]
+        found = [*host_levers(s), *weight_levers(s), *tp_levers(s), *engine_levers(s, base)]
     else:
-        found = [*kv_levers(s), *weight_levers(s), *limit_lever(s, base), *concurrency_lever(s, base),
+        found = [*kv_levers(s), *host_levers(s), *weight_levers(s), *limit_lever(s, base), *concurrency_lever(s, base),
                  *tp_levers(s), *engine_levers(s, base)]
     found.sort(key=lambda lv: (not lv["fits"], lv["_cost"], -(lv["headroom_bytes"] or 0)))
     for lv in found:

@@ -9,6 +9,7 @@ checkpoint at is the engine's (:meth:`KVRules.serving_dtype`): :func:`served_wei
 """
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -46,6 +47,8 @@ class ModelForPlan:
     # (a GGUF's own tensors, --weights-bytes)
     weights_at: Callable[[str], Weights] | None = field(default=None, compare=False, repr=False)
     unread_keys: tuple[str, ...] = ()  # per-layer-looking config keys the KV reader did not read
+    # a GGUF's weights as the engines that serve HF folders hold them: the HF-format copy kvbench converts it to
+    hf_copy: Callable[[], Weights] | None = field(default=None, compare=False, repr=False)
 
     @property
     def weights_bytes(self) -> float | None:
@@ -84,6 +87,8 @@ def served_weights(model: ModelForPlan, rules: KVRules, capability: tuple[int, i
     --weights-dtype as they are; an unquantised checkpoint at the engine's serving dtype (vLLM serves a
     float32 config in bf16, transformers in float32)."""
     w = model.weights
+    if rules.model_format == "safetensors" and model.hf_copy is not None and w.method != "user":
+        return model.hf_copy()
     if model.weights_at is None or model.weights_dtype != "auto" or model.quantised or w.bytes is None:
         return w
     served = rules.serving_dtype(model.geometry, capability)
@@ -96,6 +101,24 @@ def served_weights(model: ModelForPlan, rules: KVRules, capability: tuple[int, i
     return Weights(at.bytes, f"{at.source.replace(f'--weights-dtype {served}:', 'estimate:')} [served in {served}: "
                              f"{rules.serving_note(model.geometry, capability)}]", exact=False,
                    parameters=at.parameters, method=at.method)
+
+
+@functools.lru_cache(maxsize=8)
+def hf_copy_weights(gguf: Path) -> Weights:
+    """A GGUF's weights as an engine serving HF folders holds them: the safetensors of the HF-format copy
+    kvbench converts it to (exact, once it is made), else the GGUF's parameters at bf16 (the copy's width)."""
+    from kvbench.common.models import hf_copy_dir
+
+    folder = hf_copy_dir(gguf)
+    if (folder / "config.json").exists():
+        copy = resolve_model(str(folder)).weights
+        if copy.bytes is not None:
+            return Weights(copy.bytes, f"the HF-format copy kvbench made of {gguf.name}: {copy.source}",
+                           exact=copy.exact, parameters=copy.parameters, method=copy.method)
+    params = weights.gguf_parameters(gguf)
+    return Weights(params * 2.0, f"estimate: {gguf.name}'s {params / 1e6:,.1f} M parameters at bf16, the HF-format "
+                                 "copy kvbench converts it to (not made yet here)", exact=False, parameters=params,
+                   method="gguf parameters")
 
 
 # --- the hub --------------------------------------------------------------------------------------------
@@ -189,7 +212,7 @@ def resolve_model(model: str, weights_dtype: str = "auto", trust_remote_code: bo
             name = model if model in EMBEDDED else path.stem
             return ModelForPlan(name, geometry_from_gguf_keys(gguf_keys(path), str(path)),
                                 given or Weights(weights.gguf_tensor_bytes(path), "GGUF tensor bytes", exact=True),
-                                source, weights_dtype)
+                                source, weights_dtype, hf_copy=lambda: hf_copy_weights(path))
         file = config_file(path)
         if not file.exists():
             raise PlanError(f"{path} has no config.json")

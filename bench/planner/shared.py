@@ -53,6 +53,7 @@ class GPU:
     name: str
     bytes: int
     capability: tuple[int, int] | None = None  # CUDA compute capability; None: not known (a size given)
+    wall: bool = False  # a CPU memory wall (kvbench plan --memory), not a GPU
 
 
 def gpu_specs() -> dict[str, GPU]:

@@ -7,6 +7,7 @@ from kvbench.kv.rules import KVAnswer
 from kvbench.kv.units import fmt_gib
 
 from .deploy import Outcome, Setup
+from .overhead import rule_of_thumb
 
 
 def limit_label(s: Setup) -> str:
@@ -41,7 +42,16 @@ def ledger(s: Setup, o: Outcome, deploy: KVAnswer) -> list[dict]:
     rows.append({"term": "kv", "bytes": o.kv,
                  "source": f"{s.rules.engine}: {deploy.note}; {deploy.dtype} ({s.kv_dtype_note()})"
                            + (f"; {scope}" if scope else "")})
-    rows.append({"term": "overhead", "bytes": s.overhead, "source": s.overhead_source})
+    host = s.host()
+    if host:
+        rows.append({"term": "host cache", "bytes": host[0], "source": host[1]})
+    source = s.overhead_source
+    if s.overhead_per_token:
+        source += (f"; {fmt_gib(s.overhead_fixed)} + {s.overhead_per_token / 1024:,.1f} KiB per token in flight x "
+                   f"{s.batch * s.context:,}")
+    if s.gpu is not None:
+        source += f" (the rule of thumb 2 GB + 5 % would say {fmt_gib(rule_of_thumb(s.gpu.bytes))})"
+    rows.append({"term": "overhead", "bytes": s.overhead, "source": source})
     if s.gpu is not None:
         rows.append({"term": "margin", "bytes": s.gpu.bytes * s.margin,
                      "source": f"--margin: {s.margin:.0%} of {s.gpu.name}'s {fmt_gib(s.gpu.bytes)} kept free"})
@@ -62,14 +72,14 @@ def verdict(s: Setup, o: Outcome) -> dict:
         unverified = f" (NOT VERIFIED: the config's {', '.join(s.model.unread_keys)} look per-layer and were not read)"
     if s.gpu is None:
         out["word"] = "NO GPU"
-        out["line"] = (f"NO VERDICT{unverified}: no --gpu; the KV takes {fmt_gib(o.kv)} per GPU for {s.batch} x "
+        out["line"] = (f"NO VERDICT{unverified}: no --gpu or --memory; the KV takes {fmt_gib(o.kv)} per GPU for {s.batch} x "
                        f"{s.context:,} tokens with a {s.limit:,}-token limit")
         return out
     usable = s.usable
     if o.fits is None:
         out["word"] = "UNKNOWN"
         out["line"] = (f"FIT UNKNOWN{unverified}: unknown: the weights are unknown ({s.weights.source}); the KV "
-                       f"alone takes {fmt_gib(o.kv)} of the {fmt_gib(usable)} usable per GPU")
+                       f"alone takes {fmt_gib(o.kv)} of the {fmt_gib(usable)} usable {s.per}")
         return out
     longest = f"{o.longest_request:,} tokens"
     if o.longest_request and o.longest_request == s.limit:
@@ -79,20 +89,22 @@ def verdict(s: Setup, o: Outcome) -> dict:
             f"{s.batch} at once: {longest}")
     if o.fits:
         out["word"] = "FITS"
-        out["line"] = (f"FITS{unverified}: {fmt_gib(o.headroom)} headroom per GPU ({_pct(o.headroom_pct)} of "
+        out["line"] = (f"FITS{unverified}: {fmt_gib(o.headroom)} headroom {s.per} ({_pct(o.headroom_pct)} of "
                        f"{fmt_gib(usable)} usable); {tail}")
     elif o.weights_exceed:
         out["word"] = "DOES NOT FIT"
         alone = s.weights_per_gpu >= usable
-        taken = s.weights_per_gpu if alone else s.weights_per_gpu + s.overhead
-        what = "the weights alone take" if alone else f"the weights and the {fmt_gib(s.overhead)} overhead alone take"
+        taken = s.weights_per_gpu if alone else s.weights_per_gpu + s.overhead_fixed + s.host_bytes()
+        parts = ["the weights", f"the {fmt_gib(s.overhead_fixed)} overhead"]
+        parts += [f"the {fmt_gib(s.host_bytes())} host cache"] if s.host_bytes() else []
+        what = "the weights alone take" if alone else f"{', '.join(parts[:-1])} and {parts[-1]} alone take"
         share = f" ({fmt_gib(s.weights.bytes)} over {s.tp} GPUs)" if s.tp > 1 else ""
-        out["line"] = (f"DOES NOT FIT{unverified}: {what} {fmt_gib(taken)} per GPU{share}, more than the "
+        out["line"] = (f"DOES NOT FIT{unverified}: {what} {fmt_gib(taken)} {s.per}{share}, more than the "
                        f"{fmt_gib(usable)} usable on {s.gpu.name} ({s.margin:.0%} kept free); short by "
                        f"{fmt_gib(-o.headroom)} with the KV")
     else:
         out["word"] = "DOES NOT FIT"
-        out["line"] = (f"DOES NOT FIT{unverified}: short by {fmt_gib(-o.headroom)} per GPU ({_pct(o.headroom_pct)} "
+        out["line"] = (f"DOES NOT FIT{unverified}: short by {fmt_gib(-o.headroom)} {s.per} ({_pct(o.headroom_pct)} "
                        f"of {fmt_gib(usable)} usable); {tail}")
     return out
 
@@ -105,6 +117,6 @@ def lever_line(lv: dict) -> str:
     room = lv["headroom_bytes"]
     head = f"{fmt_gib(room)} headroom" if room >= 0 else f"short by {fmt_gib(-room)}"
     if lv["weights_exceed"]:
-        return f"{word}: the weights alone exceed the usable memory ({head})"
+        return f"{word}: the weights and the fixed overheads alone exceed the usable memory ({head})"
     return (f"{word}: {head} ({_pct(lv['headroom_pct'])}); {lv['max_concurrency']:,} at once; longest request "
             f"{lv['longest_request']:,} tokens")

@@ -78,6 +78,7 @@ def predicted_batch(r, context: int, overhead_bytes: float | None, resolve=None)
     engine's KV rules, the weights the engine reported), and what it rests on; None where the model cannot be
     read here."""
     from kvbench.planner import PlanError, PlanInput, plan
+    from kvbench.planner.overhead import ASSUMED_GIB
 
     try:
         model = (resolve or _resolve)(r.model)
@@ -93,7 +94,7 @@ def predicted_batch(r, context: int, overhead_bytes: float | None, resolve=None)
     total = max((d.get("total_bytes") or 0) for d in devices) if devices else 0
     if not total:
         return None, "GPU size not recorded"
-    overhead = overhead_bytes / GIB if overhead_bytes is not None else PlanInput.overhead_gib
+    overhead = overhead_bytes / GIB if overhead_bytes is not None else ASSUMED_GIB
     try:
         out = plan(PlanInput(model, context=context, batch=1, kv_dtype=r.kv_dtype if r.kv_dtype else "auto",
                              tp=int(r.gpus_used or 1), engine=r.engine, gpu=f"{total / GIB:.6f}GiB",

@@ -12,6 +12,7 @@ from kvbench.backends import DEFAULT_ENGINES
 from kvbench.common.hardware import GPUInfo, detect_gpus, has_nvidia_gpu
 from kvbench.kv.units import GIB
 from kvbench.planner import PlanInput
+from kvbench.planner.overhead import ASSUMED_GIB
 
 CPU_WORKLOAD = "long_context_ladder"
 CPU_MODEL = "smollm2"  # the embedded SmolLM2-135M GGUF: no download
@@ -26,7 +27,7 @@ ENGINES = DEFAULT_ENGINES
 # GPU sizing: a share of the card kept free, and the runtime overhead besides weights and KV
 # (CUDA context, activations, the allocator's slack): the planner's defaults, not yet measured here.
 MARGIN = PlanInput.margin
-OVERHEAD_BYTES = int(PlanInput.overhead_gib * GIB)
+OVERHEAD_BYTES = int(ASSUMED_GIB * GIB)
 CONTEXT_STEP = 1024  # a context cap is a whole number of these (of 256 below 2,048)
 
 
