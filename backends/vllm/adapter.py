@@ -284,6 +284,9 @@ class VLLMBackend(PrometheusPolled, Backend):
                                "gpu_memory_utilization": info.get("gpu_memory_utilization"),
                                "device": "gpu" if has_nvidia_gpu() else "cpu", "version": self.version,
                                "tp": tp, "bytes_per_gpu": per_gpu, "weights_bytes": weights,
+                               # the server's --max-model-len (kvbench passes the spec's; attached: the same
+                               # limit, which a request above is refused by)
+                               "max_model_len": self.spec.max_context if self.spec else None,
                                "weights_source": "vLLM log: Model loading took" if weights else None})
 
     def kv_from_samples(self, samples: dict) -> KVInUse | None:

@@ -157,7 +157,7 @@ def _print(r: dict) -> None:
     per = "In the wall" if wall else "Per GPU"
     t = Table(title=f"{per}: {escape(r['model'])}", show_header=True)
     t.add_column("term")
-    t.add_column(per.lower(), justify="right")
+    t.add_column("in the wall" if wall else "per GPU", justify="right")
     t.add_column("from")
     for row in r["ledger"]:
         t.add_row(row["term"], fmt_gib(row["bytes"], "unknown"), escape(row["source"]))
@@ -177,7 +177,7 @@ def _print(r: dict) -> None:
         d.add_row("read", escape(note))
     if r["unread_keys"]:
         d.add_row("not read", escape(", ".join(r["unread_keys"])))
-    d.add_row("KV per token", f"{r['kv_bytes_per_token_stored'] / r['tp']:,.0f} B per GPU as stored "
+    d.add_row("KV per token", f"{r['kv_bytes_per_token_stored'] / r['tp']:,.0f} B{'' if wall else ' per GPU'} as stored "
               f"({r['kv_dtype']}{'; ' + escape(r['kv_scope']) if r['kv_scope'] else ''})")
     d.add_row("serving dtype", f"{r['serving_dtype']} ({escape(r['serving_dtype_source'])})")
     ui.console().print(d)

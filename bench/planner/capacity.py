@@ -59,7 +59,8 @@ def capacity(s: Setup, budget: float | None = None) -> Capacity:
         q = s.question(context=limit, batch=1)
         block = rules.answer(s.question(context=1, batch=1)).tokens_full  # one token takes one whole block
         blocks = int((kv_room(s) if budget is None else budget) // rules.bytes_per_block(q))
-        details = {"block_size": block, "num_gpu_blocks": blocks, "device": s.device, "version": s.version}
+        details = {"block_size": block, "num_gpu_blocks": blocks, "device": s.device, "version": s.version,
+                   "capability": s.capability, "max_model_len": limit, **s.options}
         return Capacity(rules.engine, limit, blocks * block,
                         rules.sequences_in_pool(s.geometry, blocks * block, limit, details),
                         blocks=blocks, block_size=block, blocks_per_request=rules.blocks_per_sequence(q, limit))

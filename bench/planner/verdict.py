@@ -54,7 +54,8 @@ def ledger(s: Setup, o: Outcome, deploy: KVAnswer) -> list[dict]:
     rows.append({"term": "overhead", "bytes": s.overhead, "source": source})
     if s.gpu is not None:
         rows.append({"term": "margin", "bytes": s.gpu.bytes * s.margin,
-                     "source": f"--margin: {s.margin:.0%} of {s.gpu.name}'s {fmt_gib(s.gpu.bytes)} kept free"})
+                     "source": f"--margin: {s.margin:.0%} of the wall kept free" if s.gpu.wall else
+                               f"--margin: {s.margin:.0%} of {s.gpu.name}'s {fmt_gib(s.gpu.bytes)} kept free"})
     return rows
 
 
@@ -95,9 +96,10 @@ def verdict(s: Setup, o: Outcome) -> dict:
         out["word"] = "DOES NOT FIT"
         alone = s.weights_per_gpu >= usable
         taken = s.weights_per_gpu if alone else s.weights_per_gpu + s.overhead_fixed + s.host_bytes()
-        parts = ["the weights", f"the {fmt_gib(s.overhead_fixed)} overhead"]
+        parts = ["the weights"] + ([f"the {fmt_gib(s.overhead_fixed)} overhead"] if s.overhead_fixed else [])
         parts += [f"the {fmt_gib(s.host_bytes())} host cache"] if s.host_bytes() else []
-        what = "the weights alone take" if alone else f"{', '.join(parts[:-1])} and {parts[-1]} alone take"
+        what = ("the weights alone take" if alone or len(parts) == 1
+                else f"{', '.join(parts[:-1])} and {parts[-1]} alone take")
         share = f" ({fmt_gib(s.weights.bytes)} over {s.tp} GPUs)" if s.tp > 1 else ""
         out["line"] = (f"DOES NOT FIT{unverified}: {what} {fmt_gib(taken)} {s.per}{share}, more than the "
                        f"{fmt_gib(usable)} usable on {s.gpu.name} ({s.margin:.0%} kept free); short by "
