@@ -340,7 +340,7 @@ def overheads_toml(overheads: dict[str, Overhead]) -> str:
     for engine, o in overheads.items():
         source = o.source.replace('"', "'")
         out += [f"[cpu.{engine}]", f"fixed_bytes = {round(o.fixed_bytes)}", f"per_token_bytes = {o.per_token_bytes:.1f}",
-                f'source = "{source}"', ""]
+                f'model = "{o.model}"', f'source = "{source}"', ""]
     return "\n".join(out)
 
 
@@ -394,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         trials += ladder(lambda w, b: vllm_trial(model, w, b, args.vllm_context, log_dir), rungs["vllm"],
                          walls(args.vllm_walls), say)
     records = [t.record() for t in trials]
-    overheads = overheads_from_trials(records, {e: engine_rules(e).pool_at_start for e in engines}, args.label)
+    overheads = overheads_from_trials(records, {e: engine_rules(e).pool_at_start for e in engines}, args.label,
+                                      model="smollm2")
     contexts = {"hf": args.hf_prompt + HF_OUTPUT_TOKENS, "vllm": args.vllm_context}
     forecasts = predictions(records, rungs, args.llamacpp_slots, contexts, overheads)
     print(table(trials, command.strip(), forecasts))

@@ -38,14 +38,14 @@ def test_the_shipped_cpu_overheads_are_the_published_ladders():
     records = trials()
     engines = sorted({t["engine"] for t in records})
     pool_at_start = {e: engine_rules(e).pool_at_start for e in engines}
-    computed = overheads_from_trials(records, pool_at_start, "results/published/20261201-memory-wall-cpu")
+    computed = overheads_from_trials(records, pool_at_start, "results/published/20261201-memory-wall-cpu", "smollm2")
     shipped = shipped_overheads()
     assert set(computed) == set(engines) == {e for d, e in shipped if d == "cpu"}
     for engine, o in computed.items():
         s = shipped[("cpu", engine)]
         assert s.fixed_bytes == pytest.approx(o.fixed_bytes, abs=1)
         assert s.per_token_bytes == pytest.approx(o.per_token_bytes, abs=0.1)
-        assert s.source == f"measured: {o.source}"
+        assert s.source == f"measured: {o.source}" and s.model == o.model == "smollm2"
     # only transformers (static batching) has activations that grow with the batch
     assert shipped[("cpu", "hf")].per_token_bytes > 0
     assert shipped[("cpu", "llamacpp")].per_token_bytes == 0 == shipped[("cpu", "vllm")].per_token_bytes
@@ -102,6 +102,15 @@ def test_the_engines_serving_hf_folders_plan_the_embedded_models_bf16_copy():
     four = plan(PlanInput(m, engine="hf", context=2050, batch=4, memory=GIB, device="cpu", margin=0))
     assert four["overhead_bytes"] > hf["overhead_bytes"] == pytest.approx(
         hf["overhead_fixed_bytes"] + 2050 * hf["overhead_per_token_bytes"])
+
+
+def test_an_overhead_measured_on_another_model_says_so():
+    code, r = plan_json("qwen2.5-7b", "--engine", "hf", "--memory", "24G", "-n", "4096")
+    assert code == 0, r
+    assert r["overhead_source"].startswith("measured: results/published/20261201-memory-wall-cpu")
+    assert "measured on smollm2, not qwen2.5-7b" in r["overhead_source"]
+    code, own = plan_json("smollm2", "--engine", "hf", "--memory", "1G", "-n", "2050")
+    assert "measured on" not in own["overhead_source"]
 
 
 def test_the_rule_of_thumb_is_beside_the_overhead_on_a_gpu_too():

@@ -264,7 +264,7 @@ def setup(p: PlanInput) -> Setup:
         raise PlanError("--tp splits a model over GPUs: a CPU memory wall has none")
     if p.overhead_gib is None:
         o = default_overhead(p.engine, p.device)
-        fixed, per_token, why = o.fixed_bytes, o.per_token_bytes, o.source
+        fixed, per_token, why = o.fixed_bytes, o.per_token_bytes, o.for_model(p.model.name)
     else:
         fixed, per_token, why = p.overhead_gib * GIB, p.overhead_per_token_bytes, p.overhead_source
     return Setup(p.model, rules, p.engine, p.kv_dtype, p.tp, p.context or limit, p.batch, limit, source,
@@ -279,5 +279,6 @@ def with_engine(s: Setup, engine: str) -> Setup:
                 weights=served_weights(s.model, rules, s.capability))
     if s.overhead_default:  # the other engine's own measured overhead
         o = default_overhead(engine, s.device)
-        t = replace(t, overhead_fixed=o.fixed_bytes, overhead_per_token=o.per_token_bytes, overhead_source=o.source)
+        t = replace(t, overhead_fixed=o.fixed_bytes, overhead_per_token=o.per_token_bytes,
+                    overhead_source=o.for_model(s.model.name))
     return t

@@ -39,6 +39,14 @@ class Overhead:
     per_token_bytes: float = 0.0
     source: str = "assumed"
     measured: bool = False
+    model: str = ""  # the model the run measured it on (its activations scale with the model)
+
+    def for_model(self, name: str) -> str:
+        """The source, saying so where the planned model is not the one measured."""
+        if not self.measured or not self.model or name == self.model:
+            return self.source
+        return (f"{self.source}; measured on {self.model}, not {name}: its activations and buffers may differ "
+                f"(a run of {name} measures them: --overhead-from RUN)")
 
     def at(self, tokens_in_flight: float) -> float:
         return self.fixed_bytes + self.per_token_bytes * tokens_in_flight
@@ -62,7 +70,7 @@ def shipped_overheads(path: Path = OVERHEADS_FILE) -> dict[tuple[str, str], Over
     for device, per_engine in tomllib.loads(path.read_text()).items():
         for engine, e in per_engine.items():
             out[(device, engine)] = Overhead(float(e["fixed_bytes"]), float(e.get("per_token_bytes", 0.0)),
-                                             f"measured: {e['source']}", True)
+                                             f"measured: {e['source']}", True, e.get("model", ""))
     return out
 
 
@@ -88,7 +96,8 @@ def fit(points: list[tuple[float, float]], per_token: bool) -> tuple[float, floa
     return float(np.max(over - slope * tokens)), slope
 
 
-def overheads_from_trials(trials: list[dict], pool_at_start: dict[str, bool], label: str) -> dict[str, Overhead]:
+def overheads_from_trials(trials: list[dict], pool_at_start: dict[str, bool], label: str,
+                          model: str = "") -> dict[str, Overhead]:
     """Each engine's overhead from a memory-wall ladder's trials, at the engine's smallest wall, over every
     setting that ran clear of the wall (peak below it: nothing reclaimed yet), fitted by :func:`fit`:
 
@@ -114,7 +123,7 @@ def overheads_from_trials(trials: list[dict], pool_at_start: dict[str, bool], la
         settings = ", ".join(t["setting"] for t in clear)
         what = ("unreclaimable memory after serving" if at_start else "peak in the wall")
         out[engine] = Overhead(fixed, slope, f"{label}: {what} - weights - KV at {settings} under "
-                                             f"{first / GIB:.1f} GiB", True)
+                                             f"{first / GIB:.1f} GiB", True, model)
     return out
 
 
