@@ -26,6 +26,7 @@ RoPE limits, the keys left unread), and they must agree on one list of field nam
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -549,12 +550,24 @@ def geometry_from_gguf_keys(keys: dict, source: str = "GGUF") -> KVGeometry:
     return KVGeometry(layers, max(heads_l), key("context_length"), mla, arch, None, "gguf")
 
 
-def gguf_keys(path: str | Path) -> dict:
-    """A GGUF file's metadata as {key: value} (arrays as lists), without the tokenizer's vocabulary."""
+def gguf_reader(path: str | Path):
+    """gguf's GGUFReader of ``path``, one per file version: it parses every field (the tokenizer's 49K
+    strings of the embedded model take seconds), and a plan reads a GGUF's keys and its tensors."""
+    st = os.stat(path)
+    return _gguf_reader(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_reader(path: str, mtime_ns: int, size: int):
     from gguf import GGUFReader  # heavy import only when a GGUF is read
 
+    return GGUFReader(path)
+
+
+def gguf_keys(path: str | Path) -> dict:
+    """A GGUF file's metadata as {key: value} (arrays as lists), without the tokenizer's vocabulary."""
     out = {}
-    for name, f in GGUFReader(str(path)).fields.items():
+    for name, f in gguf_reader(path).fields.items():
         if name.startswith("tokenizer.ggml.") and name not in ("tokenizer.ggml.model",):
             continue
         out[name] = f.contents()

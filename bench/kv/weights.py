@@ -21,6 +21,7 @@ from pathlib import Path
 
 from kvbench.kv import quantized
 from kvbench.kv.checkpoint import Breakdown, Weights, _first, _Unknown, parameter_breakdown
+from kvbench.kv.model_config import gguf_reader
 
 WEIGHT_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 # what for_model(weights_dtype=...) accepts: "auto" (the checkpoint's own width), the plain widths above, and
@@ -59,15 +60,11 @@ def index_total_size(folder: Path) -> int | None:
 
 
 def gguf_tensor_bytes(path: Path) -> int:
-    from gguf import GGUFReader
-
-    return int(sum(t.n_bytes for t in GGUFReader(str(path)).tensors))
+    return int(sum(t.n_bytes for t in gguf_reader(path).tensors))
 
 
 def gguf_parameters(path: Path) -> int:
-    from gguf import GGUFReader
-
-    return int(sum(t.n_elements for t in GGUFReader(str(path)).tensors))
+    return int(sum(t.n_elements for t in gguf_reader(path).tensors))
 
 
 def _tensor_bytes(tensor) -> float:
