@@ -50,9 +50,10 @@ from kvbench.backends import REGISTRY, gguf_converter
 from kvbench.backends.streaming import open_client
 from kvbench.backends.types import EngineStartError, KVPool, RequestResult, ServerSpec
 from kvbench.common import models
-from kvbench.common.files import atomic_write_text
 from kvbench.common.envs import ensure_env
+from kvbench.common.files import atomic_write_text
 from kvbench.common.memory_wall import format_bytes, parse_size
+from kvbench.kv.units import GIB
 from kvbench.planner import PlanInput, engine_rules, plan, resolve_model, served_weights
 from kvbench.planner.overhead import Overhead, overheads_from_trials
 from kvbench.workloads.prompts import Prompt
@@ -278,7 +279,7 @@ def plan_at(engine: str, wall: int, overhead: Overhead, slots: int, context: int
     ``slots`` slots (its --cache-ram 0), the others' most requests at once of ``context`` tokens."""
     model = resolve_model("smollm2")
     common = dict(model=model, engine=engine, memory=float(wall), device="cpu", margin=0.0,
-                  overhead_gib=overhead.fixed_bytes / 2**30, overhead_per_token_bytes=overhead.per_token_bytes,
+                  overhead_gib=overhead.fixed_bytes / GIB, overhead_per_token_bytes=overhead.per_token_bytes,
                   overhead_source=overhead.source)
     if engine == "llamacpp":
         r = plan(PlanInput(batch=slots, engine_options={"cache_ram_mib": 0}, **common), with_levers=False)
@@ -324,8 +325,8 @@ def table(trials: list[Trial], command: str, forecasts: list[Prediction] = ()) -
             out.append(f"| {engine} | {format_bytes(wall)} | {_peak(ran[-1] if ran else None)} | "
                        f"{_peak(killed[0] if killed else None)} |")
     if forecasts:
-        out += ["", "| engine | wall | the plan's answer (`kvbench plan --memory`) | largest that ran | smallest killed "
-                "| within one rung | overhead |", "|---|---|---|---|---|---|---|"]
+        out += ["", ("| engine | wall | the plan's answer (`kvbench plan --memory`) | largest that ran | smallest killed "
+                     "| within one rung | overhead |"), "|---|---|---|---|---|---|---|"]
         for f in forecasts:
             out.append(f"| {f.engine} | {format_bytes(f.wall_bytes)} | {f.question}: {f.answer:,} | "
                        f"{f.largest_ran if f.largest_ran is not None else '-'} | "

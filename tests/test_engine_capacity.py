@@ -19,6 +19,7 @@ $KVBENCH_HOME/families, about 40 s once).
 import math
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -125,6 +126,15 @@ def test_vllm_twins_have_their_twins_capacity(served):
         assert a == b, (twin, started)
 
 
+def started_pool(backend, spec: ServerSpec, log: Path, timeout_s: float):
+    """The pool ``backend`` reports once started for ``spec`` (its log at ``log``), the server stopped after."""
+    try:
+        backend.start(spec, log, timeout_s)
+        return backend.kv_pool()
+    finally:
+        backend.stop()
+
+
 @pytest.mark.parametrize("name", VLLM_PARAMS)
 def test_vllm_pool_and_concurrency_equal_the_planners(name, served, tmp_path):
     model = served[name]
@@ -136,11 +146,7 @@ def test_vllm_pool_and_concurrency_equal_the_planners(name, served, tmp_path):
     backend = UniprocVLLM(VLLMBackend.default_version, engine_env("vllm"), {"kv_cache_memory_bytes": budget})
     spec = ServerSpec(model=model, max_context=VLLM_LIMIT, max_concurrency=1, kv_dtype="bf16")
     log = tmp_path / f"vllm-{name}.log"
-    try:
-        backend.start(spec, log, 300)
-        pool = backend.kv_pool()
-    finally:
-        backend.stop()
+    pool = started_pool(backend, spec, log, 300)
     m = VLLM_LINE.search(log.read_text(errors="replace"))
     assert m and pool, f"no capacity line or no pool in {log}"
     blocks, x = pool.details["num_gpu_blocks"], m["x"]
@@ -174,11 +180,7 @@ def test_llamacpp_cells_and_slots_equal_the_planners(name, served, tmp_path):
     backend = LlamaCppBackend(LlamaCppBackend.default_version, engine_env("llamacpp"), {})
     spec = ServerSpec(model=model, max_context=LLAMA_LIMIT, max_concurrency=LLAMA_SLOTS, kv_dtype="f16")
     log = tmp_path / f"llamacpp-{name}.log"
-    try:
-        backend.start(spec, log, 120)
-        pool = backend.kv_pool()
-    finally:
-        backend.stop()
+    pool = started_pool(backend, spec, log, 120)
     text = log.read_text(errors="replace")
     caches = parse_kv_log(text)  # the full-attention cache first, then a window cache (llama_kv_cache_iswa)
     assert caches and pool, f"no llama_kv_cache line in {log}"

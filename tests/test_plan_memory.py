@@ -11,9 +11,8 @@ from typer.testing import CliRunner
 
 from kvbench.cli import app
 from kvbench.kv.units import GIB
-from kvbench.planner import PlanInput, default_overhead, plan, resolve_model
+from kvbench.planner import PlanInput, default_overhead, engine_rules, plan, resolve_model
 from kvbench.planner.overhead import OVERHEADS_FILE, fit, overheads_from_trials, rule_of_thumb, shipped_overheads
-from kvbench.planner import engine_rules
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,4 +162,4 @@ def test_the_readmes_wall_example_is_what_kvbench_prints():
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert lines[0] in readme
-    assert [line for line in lines if line.startswith("  1. ")][0] in readme
+    assert next(line for line in lines if line.startswith("  1. ")) in readme

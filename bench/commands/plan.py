@@ -122,7 +122,7 @@ def plan_command(
         source = "given: --overhead-gib"
         if overhead_from is not None:
             found = measured_overhead(overhead_from, engine)
-            overhead, source = found.bytes / GIB, found.source
+            overhead, source = found.fixed_bytes / GIB, found.source
         m = resolve_model(model, weights_dtype, trust_remote_code, parse_bytes(weights_bytes, "--weights-bytes"))
         result = plan(PlanInput(
             model=m, context=parse_tokens(context, "--context"), batch=parse_int(batch, "--batch"),

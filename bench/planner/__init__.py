@@ -14,7 +14,7 @@ from kvbench.kv.geometry import heads_per_rank, kv_bytes_per_token
 
 from .deploy import Outcome, PlanInput, Setup, setup
 from .levers import levers
-from .overhead import MeasuredOverhead, Overhead, default_overhead, measured_overhead, rule_of_thumb
+from .overhead import Overhead, default_overhead, measured_overhead, rule_of_thumb
 from .resolve import WEIGHT_DTYPES, ModelForPlan, resolve_model, served_weights
 from .shared import (
     CATALOG_DIR,
@@ -38,11 +38,45 @@ from .shared import (
 )
 from .verdict import kv_scope, ledger, lever_line, limit_label, verdict
 
-__all__ = ["CATALOG_DIR", "GPU", "GPUS_FILE", "NODE_GPUS", "PLAIN", "WEIGHT_DTYPES", "MeasuredOverhead", "ModelForPlan",
-           "Outcome", "Overhead", "PlanError", "PlanInput", "Setup", "catalog_names", "engine_rules", "engines", "gpu",
-           "gpu_catalog", "gpu_memory", "gpu_specs", "kv_scope", "ledger", "lever_line", "levers", "limit_label",
-           "default_overhead", "measured_overhead", "model_names", "parse_bytes", "parse_float", "parse_int", "parse_tokens", "plan",
-           "resolve_model", "rule_of_thumb", "served_weights", "setup", "verdict"]
+__all__ = [
+    "CATALOG_DIR",
+    "GPU",
+    "GPUS_FILE",
+    "NODE_GPUS",
+    "PLAIN",
+    "WEIGHT_DTYPES",
+    "ModelForPlan",
+    "Outcome",
+    "Overhead",
+    "PlanError",
+    "PlanInput",
+    "Setup",
+    "catalog_names",
+    "default_overhead",
+    "engine_rules",
+    "engines",
+    "gpu",
+    "gpu_catalog",
+    "gpu_memory",
+    "gpu_specs",
+    "kv_scope",
+    "ledger",
+    "lever_line",
+    "levers",
+    "limit_label",
+    "measured_overhead",
+    "model_names",
+    "parse_bytes",
+    "parse_float",
+    "parse_int",
+    "parse_tokens",
+    "plan",
+    "resolve_model",
+    "rule_of_thumb",
+    "served_weights",
+    "setup",
+    "verdict",
+]
 
 
 def plan(p: PlanInput, with_levers: bool = True) -> dict:

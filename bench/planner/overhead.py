@@ -12,6 +12,7 @@ thumb, 2 GB + 5 % of the device, is set beside it (:func:`rule_of_thumb`).
 """
 from __future__ import annotations
 
+import functools
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,13 +23,6 @@ from .shared import PlanError
 
 OVERHEADS_FILE = Path(__file__).with_name("overheads.toml")
 ASSUMED_GIB = 1.5  # per GPU, where nothing was measured: CUDA context, activations, graphs
-
-
-@dataclass(frozen=True)
-class MeasuredOverhead:
-    bytes: float  # per GPU
-    source: str  # which run, engine, model and cell it came from
-    cells: int  # cells that measured it
 
 
 @dataclass(frozen=True)
@@ -65,7 +59,12 @@ def assumed(engine: str | None, device: str) -> Overhead:
 
 
 def shipped_overheads(path: Path = OVERHEADS_FILE) -> dict[tuple[str, str], Overhead]:
-    """{(device, engine): Overhead} from the shipped table."""
+    """{(device, engine): Overhead} from the shipped table (read once: every plan and lever asks it)."""
+    return dict(_read_overheads(path))
+
+
+@functools.lru_cache(maxsize=2)
+def _read_overheads(path: Path) -> dict[tuple[str, str], Overhead]:
     out = {}
     for device, per_engine in tomllib.loads(path.read_text()).items():
         for engine, e in per_engine.items():
@@ -127,7 +126,7 @@ def overheads_from_trials(trials: list[dict], pool_at_start: dict[str, bool], la
     return out
 
 
-def measured_overhead(run_dir: str | Path, engine: str | None = None, model: str | None = None) -> MeasuredOverhead:
+def measured_overhead(run_dir: str | Path, engine: str | None = None, model: str | None = None) -> Overhead:
     """The largest runtime overhead per GPU a run measured (``gpu_overhead_bytes_per_gpu``: NVML's device use
     over the idle baseline on the fullest GPU, minus the weights and the KV pool the engine reported), over
     its ok cells of ``engine`` (and ``model``) where given: the largest, since a plan must hold at every load
@@ -152,6 +151,6 @@ def measured_overhead(run_dir: str | Path, engine: str | None = None, model: str
                         "overhead (a GPU run whose engine reported its weights; CPU runs have none)")
     top = measured.loc[measured.gpu_overhead_bytes_per_gpu.idxmax()]
     mode = f", {top.engine_mode}" if top.get("engine_mode") else ""
-    return MeasuredOverhead(float(top.gpu_overhead_bytes_per_gpu),
-                            f"measured: {path.name}, {top.backend}{mode}, {top.model}, cell {top.cell_id} "
-                            f"(largest of {len(measured)} cells)", len(measured))
+    return Overhead(float(top.gpu_overhead_bytes_per_gpu), 0.0,
+                    f"measured: {path.name}, {top.backend}{mode}, {top.model}, cell {top.cell_id} "
+                    f"(largest of {len(measured)} cells)", True, str(top.model))
