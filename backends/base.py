@@ -23,7 +23,7 @@ from kvbench.kv.rules import KVCheck, KVQuestion, KVRules
 
 from .options import Option
 from .process import ServerProcess, free_port
-from .types import EngineStartError, EngineState, KVInUse, KVPool, RequestResult, ServerSpec
+from .types import EngineStartError, EngineState, KVInUse, KVPool, PrefixCacheCounters, RequestResult, ServerSpec
 
 ATTACH_REFUSED_S = 2.0  # an attached server whose port refuses connections this long is not there
 
@@ -40,6 +40,15 @@ class Backend(ABC):
     forces_output_length: ClassVar[bool] = True
     #: Whether the adapter can switch prefix caching on and off (ServerSpec.prefix_caching).
     supports_prefix_caching: ClassVar[bool] = False
+    #: The request field that keeps a request's prefix-cache entries apart from every other salt's (vLLM's
+    #: ``cache_salt``): a run's prompts then need no salt in their tokens. "": the engine has none.
+    prefix_cache_isolation: ClassVar[str] = ""
+    #: How :meth:`reset_prefix_cache` empties the engine's prefix cache (for `kvbench backends` and the docs);
+    #: "": it cannot, and ``--reset-cache-between-cells`` is refused for it.
+    prefix_cache_reset: ClassVar[str] = ""
+    #: How the engine says which prompt tokens came from its prefix cache, per request or by counters
+    #: (for the docs and the rows' source): "": it does not say, and a row's hit rate is "not reported".
+    prefix_cache_report: ClassVar[str] = ""
     #: How the engine stores and rounds KV (None: unknown, e.g. any OpenAI-compatible server).
     kv_rules: ClassVar[KVRules | None] = None
 
@@ -241,6 +250,16 @@ class Backend(ABC):
 
     def reset_cell(self) -> None:
         """Called before each cell, e.g. to reset an engine's peak counters."""
+
+    def reset_prefix_cache(self) -> None:
+        """Empty the engine's prefix cache (``--reset-cache-between-cells``; :attr:`prefix_cache_reset` says
+        how). Raises EngineStartError with the reason where the server does not allow it."""
+        raise EngineStartError(f"the {self.engine} adapter cannot reset a prefix cache")
+
+    def prefix_cache_counters(self, client: httpx.Client) -> PrefixCacheCounters | None:
+        """The engine's cumulative prefix-cache counters, read before and after each cell (None: it keeps
+        none, or the requests' own cached-token counts are all it says)."""
+        return None
 
     def queue_state(self, client: httpx.Client) -> dict | None:
         """Requests the engine holds back (``{"waiting": n, "source": ...}``, plus engine-specific keys such as

@@ -24,6 +24,8 @@ class ServerSpec:
     # concurrency makes the engine queue or preempt: the KV boundary workload does that on purpose
     kv_pool_sequences: int | None = None
     prefix_caching: bool | None = None  # None: the engine's default
+    # start the server so that kvbench can empty its prefix cache between cells (Backend.reset_prefix_cache)
+    reset_prefix_cache: bool = False
     # run the engine's whole process tree inside a memory wall of this many bytes (a memory-limited cgroup,
     # the CPU stand-in for a GPU's memory; kvbench.common.memory_wall); None: no wall
     memory_limit_bytes: int | None = None
@@ -46,6 +48,7 @@ class RequestResult:
     t_done: float | None = None
     t_scheduled: float | None = None  # open-loop load: when the schedule wanted it sent
     prompt_tokens_reported: int | None = None  # what the engine says it read
+    prompt_tokens_cached: int | None = None  # of those, what it says came from its prefix cache (None: not said)
     output_tokens_reported: int | None = None  # what the engine says it generated
     engine_details: dict = field(default_factory=dict)
     error: str | None = None
@@ -80,6 +83,17 @@ class EngineState:
 
     kv: KVInUse | None
     queue: dict | None
+
+
+@dataclass(frozen=True)
+class PrefixCacheCounters:
+    """An engine's cumulative prefix-cache counters (prompt tokens looked up, and found), read before and
+    after a cell: the difference is the cell's (and any other client's: an attached server's counters
+    count every request it serves)."""
+
+    queried_tokens: float
+    hit_tokens: float
+    source: str
 
 
 class EngineStartError(RuntimeError):

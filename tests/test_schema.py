@@ -49,7 +49,18 @@ def test_a_v2_row_without_client_loop_lag_migrates():
     row["schema_version"] = 2
     del row["client_loop_lag_s_max"]
     out = migrate_row(row, CellRow)
-    assert out["schema_version"] == SCHEMA_VERSION == 6 and out["client_loop_lag_s_max"] is None
+    assert out["schema_version"] == SCHEMA_VERSION == 7 and out["client_loop_lag_s_max"] is None
+    assert out["prefix_cache_source"] == "not recorded" and out["prefix_cache_hit_rate"] is None
+
+
+def test_a_v6_row_reads_with_its_hit_rate_not_recorded_and_a_v7_row_keeps_its_own():
+    row = CellRow(run_id="r", cell_id="c", backend="b", engine="e", engine_version="1", model="m", workload="w",
+                  prompt_tokens=8, output_tokens=4, concurrency=1, kv_dtype="f16", status="ok").model_dump()
+    old = {k: v for k, v in row.items() if not k.startswith("prefix_cache")} | {"schema_version": 6}
+    out = migrate_row(old, CellRow)
+    assert out["prefix_cache_source"] == "not recorded" and out["prefix_cache_expected"] == ""
+    new = row | {"prefix_cache_source": "not reported", "prefix_cache_hit_rate": None}
+    assert migrate_row(new, CellRow)["prefix_cache_source"] == "not reported"
 
 
 def test_every_field_has_a_dtype():

@@ -29,6 +29,9 @@ class Prompt:
     token_ids: tuple[int, ...]
     text: str
     output_tokens: int
+    # sent in the engine's cache-isolation field (vLLM's cache_salt) where it has one: the run's prompt salt
+    # when the tokens themselves are not salted (kvbench.run.cells.PromptSalt)
+    cache_salt: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -68,9 +71,11 @@ class PromptBuilder:
     def word_ids(self) -> np.ndarray:
         return self._words[0]
 
-    def draw(self, n_tokens: int, seed: int, key: str) -> np.ndarray:
-        """``n_tokens`` indices into the plain words, deterministic in (seed, key)."""
-        digest = int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "little")
+    def draw(self, n_tokens: int, seed: int, key: str, salt: str | None = None) -> np.ndarray:
+        """``n_tokens`` indices into the plain words, deterministic in (seed, salt, key); no salt: the draw
+        of every unsalted run."""
+        where = f"{seed}:{key}" if salt is None else f"{seed}:{salt}:{key}"
+        digest = int.from_bytes(hashlib.sha256(where.encode()).digest()[:8], "little")
         return np.random.default_rng(digest).integers(0, len(self.word_ids), size=n_tokens)
 
     def from_words(self, words: np.ndarray, request_id: str, output_tokens: int) -> Prompt:
@@ -79,14 +84,14 @@ class PromptBuilder:
                       output_tokens=output_tokens)
 
     def build(self, n_tokens: int, seed: int, request_id: str, output_tokens: int,
-              shared_prefix: np.ndarray | None = None) -> Prompt:
-        """``n_tokens`` tokens, deterministic in (seed, request_id); with ``shared_prefix`` (from
+              shared_prefix: np.ndarray | None = None, salt: str | None = None) -> Prompt:
+        """``n_tokens`` tokens, deterministic in (seed, salt, request_id); with ``shared_prefix`` (from
         :meth:`draw`) the prompt starts with those tokens and the rest is its own."""
         if shared_prefix is None:
-            return self.from_words(self.draw(n_tokens, seed, request_id), request_id, output_tokens)
+            return self.from_words(self.draw(n_tokens, seed, request_id, salt), request_id, output_tokens)
         if len(shared_prefix) >= n_tokens:
             raise ValueError(f"shared prefix of {len(shared_prefix)} tokens leaves nothing of a {n_tokens}-token prompt")
-        rest = self.draw(n_tokens - len(shared_prefix), seed, request_id)
+        rest = self.draw(n_tokens - len(shared_prefix), seed, request_id, salt)
         return self.from_words(np.concatenate([shared_prefix, rest]), request_id, output_tokens)
 
     def verify(self, prompt: Prompt) -> None:

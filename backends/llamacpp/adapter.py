@@ -89,6 +89,10 @@ class LlamaCppBackend(Backend):
                "comma, which would end the option here)", default_text="by free memory"),
         EXTRA_ARGS,
     )
+    prefix_cache_reset = ("POST /slots/N?action=erase for every slot (it needs --slot-save-path, which kvbench gives, "
+                          "pointing at the run's logs folder, when it starts llama-server for "
+                          "--reset-cache-between-cells); the host prompt cache (--cache-ram) is not erased by it")
+    prefix_cache_report = "timings.cache_n of each request's last event (prompt tokens reused from the slot's cache)"
     kv_rules = LlamaCppKV()
     prometheus_metrics = {"llamacpp:kv_cache_usage_ratio": "kv_usage", "llamacpp:requests_processing": "requests_running",
                           "llamacpp:requests_deferred": "requests_waiting"}
@@ -222,6 +226,14 @@ class LlamaCppBackend(Backend):
         partial.rename(out)  # only a whole file has the final name
         return out
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._slot_dir: Path | None = None
+
+    def start(self, spec: ServerSpec, log_path: Path, timeout_s: float) -> None:
+        self._slot_dir = log_path.parent  # --slot-save-path must name a folder; erasing a slot writes nothing
+        super().start(spec, log_path, timeout_s)
+
     def command(self, spec: ServerSpec):
         gguf = self.options.get("gguf") or spec.model.gguf_path
         if gguf is None:  # an HF folder (a hub id): llama.cpp's converter makes the GGUF from the same weights
@@ -243,6 +255,8 @@ class LlamaCppBackend(Backend):
                  "-lv", "4"]  # the llama_kv_cache lines are printed at this verbosity only
         if cache_type not in ("f16", "f32", "bf16"):
             argv += ["-fa", "on"]  # quantised V cache needs flash attention
+        if spec.reset_prefix_cache:  # llama-server serves slot actions (erase among them) only with a save path
+            argv += ["--slot-save-path", str(self._slot_dir or Path.cwd())]
         if self.options.get("split_mode"):
             argv += ["--split-mode", str(self.options["split_mode"])]
         if self.options.get("tensor_split"):
@@ -284,8 +298,22 @@ class LlamaCppBackend(Backend):
         if event.get("stop"):
             result.prompt_tokens_reported = event.get("tokens_evaluated")
             result.output_tokens_reported = event.get("tokens_predicted")
-            result.engine_details = {"timings": event.get("timings"), "stop_type": event.get("stop_type"),
+            timings = event.get("timings") or {}
+            result.engine_details = {"timings": timings, "stop_type": event.get("stop_type"),
                                      "tokens_cached": event.get("tokens_cached")}
+            if isinstance(timings.get("cache_n"), int):  # prompt tokens the slot's cache served
+                result.prompt_tokens_cached = timings["cache_n"]
+
+    def reset_prefix_cache(self) -> None:
+        slots = self.http.get(self.base_url + "/slots")
+        slots.raise_for_status()
+        for slot in slots.json():
+            response = self.http.post(self.base_url + f"/slots/{slot['id']}", params={"action": "erase"})
+            if response.status_code != 200:
+                message = _error_message(response)
+                raise EngineStartError(f"llama-server refused to erase slot {slot['id']}: {message}"
+                                       + (" (start it with --slot-save-path DIR)" if "slot-save-path" not in message
+                                          and response.status_code == 501 else ""))
 
     def kv_pool(self) -> KVPool | None:
         caches = parse_kv_log(self.server.log_path.read_text(errors="replace")) if self.server else []
@@ -326,3 +354,10 @@ class LlamaCppBackend(Backend):
             return None
         return {"waiting": waiting, "running": gauge_sum(samples, "llamacpp:requests_processing"),
                 "source": "llamacpp:requests_deferred/requests_processing (/metrics)"}
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {response.status_code}"

@@ -51,6 +51,11 @@ class LlamaCppKV(KVRules):
     def auto_dtype(self, q: KVQuestion) -> str:
         return "f16"  # llama.cpp's --cache-type-k/-v default
 
+    def prefix_reuse_unit(self, q: KVQuestion, details: dict | None = None) -> int | None:
+        """Any common prefix with the slot's cached prompt, token by token (server-context.cpp:
+        get_common_prefix, with cache_prompt); each slot holds its own copy."""
+        return 1
+
     def stored(self, q: KVQuestion) -> KVGeometry:
         g = q.geometry
         if g.source == "gguf":

@@ -41,6 +41,9 @@ def read_completion_chunk(event: dict, now: float, result: RequestResult) -> Non
     if usage:
         result.prompt_tokens_reported = usage.get("prompt_tokens")
         result.output_tokens_reported = usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details")  # OpenAI's: which prompt tokens the prefix cache served
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            result.prompt_tokens_cached = details["cached_tokens"]
 
 
 class OpenAIBackend(Backend):
@@ -55,6 +58,7 @@ class OpenAIBackend(Backend):
     )
     accepts_token_ids = False
     health_path = "/v1/models"
+    prefix_cache_report = "usage.prompt_tokens_details.cached_tokens per request, where the server sends it"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import re
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,8 +28,11 @@ from ..options import EXTRA_ARGS, Option
 from ..process import last_error_line
 from ..prometheus import PrometheusPolled, gauge_sum
 from ..streaming import stream_sse
-from ..types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
+from ..types import EngineStartError, KVInUse, KVPool, PrefixCacheCounters, RequestResult, ServerSpec
 from .kvrules import VLLMKV
+
+# vLLM's prefix-cache counters, in prompt tokens (vllm/v1/metrics/loggers.py; prometheus_client adds _total)
+PREFIX_CACHE_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
 
 # What vLLM's CPU installation docs ask to preload ("set LD_PRELOAD"): TCMalloc (its worker warns
 # "libtcmalloc is not found in LD_PRELOAD") and Intel's OpenMP runtime (libiomp5, from PyPI's intel-openmp,
@@ -82,6 +86,11 @@ class VLLMBackend(PrometheusPolled, Backend):
         EXTRA_ARGS,
     )
     supports_prefix_caching = True
+    prefix_cache_isolation = "cache_salt"
+    prefix_cache_reset = ("POST /reset_prefix_cache (served with VLLM_SERVER_DEV_MODE=1, which kvbench sets when it "
+                          "starts vLLM for --reset-cache-between-cells)")
+    prefix_cache_report = ("usage.prompt_tokens_details.cached_tokens per request (--enable-prompt-tokens-details, "
+                           "which kvbench passes), else the vllm:prefix_cache_hits/queries counters on /metrics")
     kv_rules = VLLMKV()
     prometheus_metrics = {"vllm:kv_cache_usage_perc": "kv_usage", "vllm:num_requests_running": "requests_running",
                           "vllm:num_requests_waiting": "requests_waiting", "vllm:num_preemptions_total": "preemptions"}
@@ -179,7 +188,9 @@ class VLLMBackend(PrometheusPolled, Backend):
                 "--dtype", "float32" if spec.kv_dtype == "fp32" else "bfloat16",
                 "--kv-cache-dtype", spec.kv_dtype if spec.kv_dtype.startswith("fp8") else "auto",
                 # kvbench polls /metrics at 10 Hz: keep those polls out of the engine log.
-                "--disable-uvicorn-access-log"]
+                "--disable-uvicorn-access-log",
+                # each request's usage says how many of its prompt tokens came from the prefix cache
+                "--enable-prompt-tokens-details"]
         if not self.deployed:  # sized: every sequence of the workload at full length, and no more
             argv += ["--max-num-seqs", str(spec.max_concurrency)]
         if not self.deployed or not gpu or "kv_cache_memory_bytes" in self.options:
@@ -203,6 +214,8 @@ class VLLMBackend(PrometheusPolled, Backend):
         argv += extra_args(self.options)
         env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "VLLM_LOGGING_LEVEL": "INFO"}
+        if spec.reset_prefix_cache:  # vLLM serves /reset_prefix_cache in its development mode only
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         if not gpu and self.options.get("cpu_preload", True):
             preload = cpu_preloads(self.env_path)
             if preload:
@@ -232,6 +245,8 @@ class VLLMBackend(PrometheusPolled, Backend):
         body = {"model": self.spec.model.name, "prompt": list(prompt.token_ids), "max_tokens": prompt.output_tokens,
                 "min_tokens": prompt.output_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}, "return_token_ids": True}
+        if prompt.cache_salt:
+            body["cache_salt"] = prompt.cache_salt
         return await stream_sse(client, self.base_url + "/v1/completions", body, prompt, self._read_event)
 
     @staticmethod
@@ -239,6 +254,28 @@ class VLLMBackend(PrometheusPolled, Backend):
         if "error" in event:
             result.error = json.dumps(event["error"])[:500]
         read_completion_chunk(event, now, result)  # token_ids per chunk: return_token_ids is always on
+
+    def reset_prefix_cache(self) -> None:
+        """POST /reset_prefix_cache; vLLM refuses (success false) while running requests hold blocks: a
+        cell's requests have all ended, so a refusal is retried briefly before it fails the engine."""
+        for _ in range(20):
+            response = self.http.post(self.base_url + "/reset_prefix_cache")
+            if response.status_code in (404, 405):
+                raise EngineStartError("the server does not serve /reset_prefix_cache: vLLM serves it only when "
+                                       "started with VLLM_SERVER_DEV_MODE=1")
+            response.raise_for_status()
+            if response.json().get("success", True):
+                return
+            time.sleep(0.1)
+        raise EngineStartError("vLLM refused to reset its prefix cache for 2 s (blocks still held)")
+
+    def prefix_cache_counters(self, client: httpx.Client) -> PrefixCacheCounters | None:
+        samples = self.metrics(client, PREFIX_CACHE_COUNTERS)
+        queried, hit = (gauge_sum(samples, name) for name in PREFIX_CACHE_COUNTERS)
+        if queried is None or hit is None:
+            return None
+        return PrefixCacheCounters(queried, hit, "vllm:prefix_cache_hits / vllm:prefix_cache_queries (/metrics, "
+                                                 "difference over the cell)")
 
     def _read_cache_info(self) -> dict | None:
         if self._cache_info is None:

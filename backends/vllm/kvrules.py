@@ -39,6 +39,7 @@ class VLLMKV(KVRules):
     engine = "vllm"
     version = "0.32.0"
     has_blocks = True
+    shares_prefix_kv = True  # the automatic prefix cache: requests that start alike share full blocks
     # answer() is the blocks a load holds, which is what kv_cache_usage_perc counts: the KV in use per GPU
     # is compared with it (CellRow.kv_peak_bytes_per_gpu_predicted)
     answer_is_in_use = True
@@ -114,6 +115,12 @@ class VLLMKV(KVRules):
         if kinds & {"sliding", "chunked"} and "full" in kinds and not self.hybrid_manager(q):
             g = with_kinds(g, {"sliding": "full", "chunked": "full"})
         return g
+
+    def prefix_reuse_unit(self, q: KVQuestion, details: dict | None = None) -> int | None:
+        """Whole blocks (vllm/v1/core/kv_cache_manager.py: a hit is a run of full blocks whose hashes match)."""
+        if details and details.get("block_size"):
+            return int(details["block_size"])
+        return self.block_size(q, self.stored(q))
 
     def block_size(self, q: KVQuestion, stored: KVGeometry) -> int:
         if q.block_size:

@@ -16,7 +16,11 @@ def backends(as_json: bool = typer.Option(False, "--json", help="Print one JSON 
 
     engines = {name: {"default_version": cls.default_version,
                       "options": {o.name: {"type": o.type_name, "default": o.default, "shown_default": o.shown_default,
-                                           "help": o.help} for o in specs_of(cls).values() if o not in COMMON}}
+                                           "help": o.help} for o in specs_of(cls).values() if o not in COMMON},
+                      # the prefix cache: how each request is kept apart, how it is emptied, how hits are said
+                      "prefix_cache": {"isolation_field": cls.prefix_cache_isolation or None,
+                                       "reset": cls.prefix_cache_reset or None,
+                                       "hits_reported": cls.prefix_cache_report or None}}
                for name, cls in sorted(REGISTRY.items())}
     if as_json:
         print(json.dumps({"engines": engines, "common_options": {o.name: {"type": o.type_name, "help": o.help}
@@ -29,7 +33,9 @@ def backends(as_json: bool = typer.Option(False, "--json", help="Print one JSON 
                                                             for k, o in e["options"].items()]
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         lines += ["  " + "  ".join(f"{c:<{w}}" for c, w in zip(r, widths)) + f"  {r[3]}" for r in rows]
-        lines.append("")
+        cache = e["prefix_cache"]
+        lines += [f"  prefix cache: isolation field {cache['isolation_field'] or 'none'}; "
+                  f"reset {cache['reset'] or 'none'}; hits {cache['hits_reported'] or 'not reported'}", ""]
     lines.append("every engine also takes:")
     width = max(len(o.name) for o in COMMON)
     lines += [f"  {o.name:<{width}}  {o.type_name}  {o.help}" for o in COMMON]

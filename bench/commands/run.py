@@ -11,6 +11,7 @@ from kvbench.common.models import ModelError
 from kvbench.common.suggest import with_hint
 from kvbench.planner import model_names
 from kvbench.run.backend_config import BackendConfig, ConfigError
+from kvbench.run.cells import PromptSalt
 from kvbench.run.runner import Runner, RunOptions
 from kvbench.run.telemetry import Prometheus
 from kvbench.store.errors import ResultsReadError, ResultsWriteError, RunFolderError
@@ -61,6 +62,16 @@ def run(
                                           "(e.g. 1.5GiB, 800MiB: a memory cgroup, the CPU stand-in for a GPU's "
                                           "memory): an engine that grows past it is killed and its cells fail "
                                           "'out of memory at the SIZE wall'. Needs root and a memory cgroup."),
+    prompt_salt: str = typer.Option("auto", metavar="SALT",
+                                    help="What keeps this run's prompts from sharing a prefix with any other run's "
+                                         "(a server kvbench attaches to has cached the last run's): auto draws "
+                                         "one per run (the same on every engine of the run), none sends the "
+                                         "unsalted prompts of earlier runs token for token, TEXT pins one. "
+                                         "Engines with a cache-isolation field (vLLM's cache_salt) get it there "
+                                         "when every engine of the run has one (docs/workloads.md)."),
+    reset_cache_between_cells: bool = typer.Option(False, "--reset-cache-between-cells",
+                                                   help="Empty each engine's prefix cache before every cell "
+                                                        "(engines that can: kvbench backends)."),
 ):
     """Run a workload on each backend and write the results folder, then print the report."""
     console = ui.console()
@@ -87,6 +98,13 @@ def run(
         if memory_limit_bytes is not None and any(b.url for b in backends):
             raise ConfigError("--memory-limit walls in the engines kvbench starts: an attached server (url=) "
                               "has its own memory")
+        PromptSalt.parse(prompt_salt, isolated=False)  # a bad salt is refused here, before any folder
+        if reset_cache_between_cells:
+            cannot = sorted({b.engine for b in backends if not REGISTRY[b.engine].prefix_cache_reset})
+            if cannot:
+                able = ", ".join(sorted(e for e in REGISTRY if REGISTRY[e].prefix_cache_reset))
+                raise ConfigError(f"--reset-cache-between-cells: {', '.join(cannot)} cannot empty a prefix cache "
+                                  f"(engines that can: {able})")
     except (ConfigError, WorkloadError, ValueError) as exc:
         raise typer.BadParameter(with_hint(str(exc), workload, available()) if isinstance(exc, WorkloadError)
                                  else str(exc)) from None
@@ -94,7 +112,8 @@ def run(
                          kv_dtype=kv_dtype, max_context=max_context, start_timeout_s=start_timeout,
                          request_timeout_s=request_timeout, repeats=repeats, results_mode=results_mode,
                          interleave=interleave, load_workers=load_workers, prometheus=prom,
-                         memory_limit_bytes=memory_limit_bytes)
+                         memory_limit_bytes=memory_limit_bytes, prompt_salt=prompt_salt,
+                         reset_cache_between_cells=reset_cache_between_cells)
     # errors print with soft_wrap: one line even past the console width (greppable in CI logs)
     try:
         runner = Runner(options, console)

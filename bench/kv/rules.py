@@ -91,6 +91,9 @@ class KVRules:
     pool_at_start: ClassVar[bool] = True
     #: The files the engine serves: "safetensors" (an HF model folder) or "gguf" (a GGUF file, as the embedded model).
     model_format: ClassVar[str] = "safetensors"
+    #: True where sequences that start alike hold one copy of their common prefix's KV (vLLM's shared
+    #: blocks); False where each sequence holds its own (llama.cpp's slots, transformers' batch).
+    shares_prefix_kv: ClassVar[bool] = False
 
     # --- the questions an engine refuses -----------------------------------------------------------
     def resolve_dtype(self, q: KVQuestion) -> str:
@@ -246,6 +249,12 @@ class KVRules:
 
     def note(self, q: KVQuestion, stored: KVGeometry) -> str:
         return "formula: tokens x bytes per token, windows and chunks applied"
+
+    def prefix_reuse_unit(self, q: KVQuestion, details: dict | None = None) -> int | None:
+        """Tokens a cached prompt prefix is reused in, whole units only (vLLM's block; llama.cpp's slot reuses
+        any common prefix: 1); None: the engine keeps no prefix cache. ``details``: the pool the engine
+        reported (its real block size)."""
+        return None
 
     # --- a pool the engine reports -----------------------------------------------------------------
     def sequences_in_pool(self, geometry: KVGeometry, pool_tokens: int, context: int, details: dict) -> int | None:

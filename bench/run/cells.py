@@ -1,15 +1,21 @@
 """The cells of a run and the prompts of each cell, from a workload (no engine involved).
 
 A cell is one (server variant, prompt length, load point, repeat[, turn]). Prompts are built per cell,
-just before it runs, from the seed and a request id that names the rung, load point, repeat and request,
-so the same model gives the same prompts on every engine and every run.
+just before it runs, from the seed, the run's prompt salt and a request id that names the rung, load point,
+repeat and request, so the same model gives the same prompts on every engine of a run. The salt keeps two
+runs from sharing a prefix (a server kvbench attaches to has cached the last run's prompts): each run draws
+its own, unless it is pinned (``--prompt-salt TEXT``) or switched off (``--prompt-salt none``: the prompts
+of every earlier unsalted run, token for token).
 """
 from __future__ import annotations
 
+import re
+import secrets
 from dataclasses import dataclass, replace
 
 from kvbench.load import LoadPoint, sweep
 from kvbench.load.registry import profile_info
+from kvbench.store.errors import RunFolderError
 from kvbench.workloads import Workload
 from kvbench.workloads.prompts import Prompt, PromptBuilder
 
@@ -127,18 +133,87 @@ class RunPlan:
         return len(self.cells(None)) + self.repeats * len(self.lengths) * sweep.points_found_later(self.workload) * turns
 
 
-class CellPrompts:
-    """Builds each cell's prompts from the workload's seed."""
+_SALT = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
-    def __init__(self, builder: PromptBuilder, workload: Workload):
-        self.builder, self.w = builder, workload
-        self._prefix = (builder.draw(workload.shared_prefix_tokens, workload.seed, "shared-prefix")
+
+@dataclass(frozen=True)
+class PromptSalt:
+    """What keeps a run's prompts apart from every other run's. ``value`` None: unsalted (the prompts of
+    every run before salts, and of every ``--prompt-salt none`` run). ``in_tokens``: the salt changes the
+    prompts' tokens (the same for every engine of the run); else the tokens stay the unsalted ones and each
+    request carries the salt in the engine's cache-isolation field (vLLM's ``cache_salt``): possible only
+    when every engine of the run has one."""
+
+    value: str | None
+    in_tokens: bool = True
+
+    @classmethod
+    def parse(cls, text: str | None, isolated: bool) -> "PromptSalt":
+        """``--prompt-salt``: None or "auto" draws one, "none" switches salting off, else the salt itself.
+        ``isolated``: every engine of the run has a cache-isolation field."""
+        if text is None or text == "auto":
+            return cls(secrets.token_hex(6), in_tokens=not isolated)
+        if text == "none":
+            return cls(None)
+        if not _SALT.fullmatch(text):
+            raise ValueError(f"--prompt-salt {text!r}: 1-64 letters, digits, '.', '_' or '-' "
+                             "(or auto, or none for unsalted prompts)")
+        return cls(text, in_tokens=not isolated)
+
+    @property
+    def applied(self) -> str:
+        """How the salt reached the engines, for run.json."""
+        if self.value is None:
+            return "none: unsalted prompts (an earlier run's, token for token)"
+        return "in the prompts' tokens" if self.in_tokens else "in each request's cache-isolation field"
+
+    def to_dict(self) -> dict:
+        return {"value": self.value, "in_tokens": self.in_tokens, "applied": self.applied}
+
+    @classmethod
+    def resumed(cls, record: dict | None, asked: str | None, isolated: bool) -> "PromptSalt":
+        """A resumed run's salt: the one its run.json recorded (none for a run from before salts: its
+        prompts were unsalted), which its unfinished cells must keep; a different ``--prompt-salt`` is
+        refused (RunFolderError)."""
+        recorded = cls(record.get("value"), bool(record.get("in_tokens", True))) if record else cls(None)
+        if asked not in (None, "auto") and cls.parse(asked, isolated).value != recorded.value:
+            raise RunFolderError(f"--resume: the run's cells were built with prompt salt {recorded.value or 'none'}, "
+                             f"not {asked}: leave --prompt-salt out to resume it")
+        return recorded
+
+
+UNSALTED = PromptSalt(None)
+
+
+class CellPrompts:
+    """Builds each cell's prompts from the workload's seed and the run's salt."""
+
+    def __init__(self, builder: PromptBuilder, workload: Workload, salt: PromptSalt = UNSALTED):
+        self.builder, self.w, self.salt = builder, workload, salt
+        self._prefix = (builder.draw(workload.shared_prefix_tokens, workload.seed, "shared-prefix", self._token_salt)
                         if workload.shared_prefix_tokens else None)
 
+    @property
+    def _token_salt(self) -> str | None:
+        return self.salt.value if self.salt.in_tokens else None
+
+    def _salted(self, prompts: list[Prompt]) -> list[Prompt]:
+        if self.salt.value and not self.salt.in_tokens:
+            return [replace(p, cache_salt=self.salt.value) for p in prompts]
+        return prompts
+
+    def build(self, n_tokens: int, key: str, output_tokens: int) -> Prompt:
+        """One prompt of the run outside the cells (a calibration or tokenizer probe), salted like them."""
+        return self._salted([self.builder.build(n_tokens, self.w.seed, key, output_tokens,
+                                                salt=self._token_salt)])[0]
+
     def for_cell(self, cell: Cell, n_requests: int) -> list[Prompt]:
+        return self._salted(self._for_cell(cell, n_requests))
+
+    def _for_cell(self, cell: Cell, n_requests: int) -> list[Prompt]:
         w = self.w
         # the prefix-caching variant is not in the key: both variants send identical prompts
-        key = f"p{cell.prompt_tokens}-{cell.load.slug}-r{cell.repeat}"
+        key, salt = f"p{cell.prompt_tokens}-{cell.load.slug}-r{cell.repeat}", self._token_salt
         if w.family == "multi_turn":
             # A conversation is one long seeded token sequence: user text, a stand-in reply of
             # output_tokens, user text, ... Turn t sends everything up to its own user text, so each turn's
@@ -146,12 +221,11 @@ class CellPrompts:
             length = w.prompt_tokens_sent(cell.prompt_tokens, cell.turn)
             out = []
             for i in range(n_requests):
-                words = self.builder.draw(w.longest_prompt(cell.prompt_tokens), w.seed, f"{key}-conv{i}")
+                words = self.builder.draw(w.longest_prompt(cell.prompt_tokens), w.seed, f"{key}-conv{i}", salt)
                 out.append(self.builder.from_words(words[:length], f"{key}-conv{i}-t{cell.turn}", w.output_tokens))
             return out
-        return [self.builder.build(cell.prompt_tokens, w.seed, f"{key}-{i}", w.output_tokens, self._prefix)
+        return [self.builder.build(cell.prompt_tokens, w.seed, f"{key}-{i}", w.output_tokens, self._prefix, salt)
                 for i in range(n_requests)]
 
     def warmup(self) -> list[Prompt]:
-        return [self.builder.build(self.w.warmup_prompt_tokens, self.w.seed, f"warmup-{i}", 8)
-                for i in range(self.w.warmup_requests)]
+        return [self.build(self.w.warmup_prompt_tokens, f"warmup-{i}", 8) for i in range(self.w.warmup_requests)]

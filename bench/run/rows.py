@@ -11,14 +11,15 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from kvbench.backends.types import KVInUse, KVPool, RequestResult
+from kvbench.backends.types import KVInUse, KVPool, PrefixCacheCounters, RequestResult
 from kvbench.common.metrics import RequestTimes, cell_metrics, percentiles, request_verdict
 from kvbench.common.models import ModelFiles
 from kvbench.kv.geometry import kv_bytes_for_sequence, kv_bytes_per_token
-from kvbench.kv.rules import KVRules
+from kvbench.kv.rules import KVQuestion, KVRules
 from kvbench.kv.units import fmt_bytes
 from kvbench.load import LoadResult
 from kvbench.run.cells import Cell, load_label
+from kvbench.run.prefix_cache import cold_hit_flag, expected_hit_tokens, meant_warm, measured_hits
 from kvbench.run.samplers import KVSample, MemorySample, QueueSample
 from kvbench.store.schema import CellRow, RequestRow
 from kvbench.workloads import Workload
@@ -82,6 +83,10 @@ class CellMeasurement:
     # fields above are then the deployment's totals (KV and queue summed over the replicas at each poll)
     replicas: dict | None = None
     telemetry: dict | None = None  # t_cell_start_unix and the prom_* figures (--prometheus; bench/run/telemetry.py)
+    # the engine's prefix-cache counters before and after the cell (None: it keeps none), and whether an
+    # earlier cell of this engine start sent the workload's shared prefix (what an ideal cache can reuse)
+    prefix_counters: tuple[PrefixCacheCounters | None, PrefixCacheCounters | None] = (None, None)
+    prefix_seen: bool = False
 
 
 def failed_row(run: EngineRun, cell: Cell, status: str, error: str | None, log_tail: str | None) -> CellRow:
@@ -118,9 +123,33 @@ def summarize(run: EngineRun, m: CellMeasurement) -> CellRow:
     _memory(row, m)
     _per_gpu(row, run, m)
     _queued_first(row, m)
+    _prefix_cache(row, run, m)
     for k, v in (m.telemetry or {}).items():  # the cluster's own monitoring, as read from Prometheus
         setattr(row, k, v)
     return row
+
+
+def _prefix_cache(row: CellRow, run: EngineRun, m: CellMeasurement) -> None:
+    """What the cell should have hit in the prefix cache (bench/run/prefix_cache.py), what the engine says
+    it hit, and a flag on a cold cell that hit."""
+    w, results = run.workload, m.load.results
+    row.prefix_cache_expected = "warm" if meant_warm(w, m.cell) else "cold"
+    sent = sum(r.prompt_tokens_sent for r in results)
+    if run.rules is not None and sent:
+        details = m.kv_pool.details if m.kv_pool else {}
+        unit = run.rules.prefix_reuse_unit(KVQuestion(run.model.geometry, m.kv_dtype,
+                                                      device=details.get("device", "gpu")), details)
+        row.prefix_cache_expected_hit_rate = expected_hit_tokens(w, m.cell, len(results), unit, m.prefix_seen) / sent
+    hits = measured_hits(results, *m.prefix_counters)
+    if hits is None:
+        row.prefix_cache_source = "not reported"
+        return
+    row.prefix_cache_hit_tokens, row.prefix_cache_query_tokens, row.prefix_cache_source = hits
+    row.prefix_cache_hit_rate = hits[0] / hits[1] if hits[1] else None
+    if flag := cold_hit_flag(row.prefix_cache_expected, row.prefix_cache_hit_rate):
+        row.flags.insert(0, flag)
+        if row.status == "ok":
+            row.status = "flagged"
 
 
 def _queued_first(row: CellRow, m: CellMeasurement) -> None:
@@ -407,6 +436,7 @@ def request_row(run_id: str, cell_id: str, label: str, r: RequestResult, warmup:
     times = RequestTimes.of(r)
     return RequestRow(run_id=run_id, cell_id=cell_id, backend=label, request_id=r.request_id, warmup=warmup,
                       prompt_tokens_sent=r.prompt_tokens_sent, prompt_tokens_reported=r.prompt_tokens_reported,
+                      prompt_tokens_cached=r.prompt_tokens_cached,
                       output_tokens_requested=r.output_tokens_requested, output_tokens_received=times.output_tokens,
                       output_tokens_reported=r.output_tokens_reported, t_sent=r.t_sent, t_done=r.t_done,
                       chunk_times=r.chunk_times, chunk_tokens=r.chunk_tokens, ttft_s=times.ttft, e2e_s=times.e2e,
@@ -429,10 +459,12 @@ def summary_line(row: CellRow) -> str:
               "may be late by as much (a CPU shared with the engine or another process)"
               if lag is not None and lag > CLIENT_LAG_WARN_S else "")
     itl = "undefined" if row.itl_s_p50 is None else f"{row.itl_s_p50 * 1000:.1f} ms"  # no gap measured: not 0
+    hits = "" if row.prefix_cache_hit_rate is None else f", prefix cache hits {row.prefix_cache_hit_rate:.1%}"
+    cold_hit = next((f"\n  [yellow]warning[/]: {f}" for f in row.flags if f.startswith("prefix cache hit")), "")
     return (f"{head} [{color}]{row.status}[/] TTFT p50 {row.ttft_s_p50:.3f} s, ITL p50 "
             f"{itl}, {row.output_tokens_per_s or 0:.1f} out tok/s, "
             f"KV peak {fmt_bytes(row.kv_in_use_peak_bytes)}{ratio}, RSS peak {fmt_bytes(row.rss_peak_bytes)}"
-            f"{queue}{lagged}")
+            f"{queue}{hits}{lagged}{cold_hit}")
 
 
 def timeline_frame(t0: float, memory, kv, queue=(), replicas: dict | None = None) -> pd.DataFrame:

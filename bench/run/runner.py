@@ -37,7 +37,7 @@ from kvbench.load import LoadPoint, LoadSettings, TimeoutStreak, frozen_heap, ru
 from kvbench.load.open_loop import schedule_seed
 from kvbench.run import estimate
 from kvbench.run.backend_config import BackendConfig
-from kvbench.run.cells import Cell, CellPrompts, NothingFits, RunPlan
+from kvbench.run.cells import Cell, CellPrompts, NothingFits, PromptSalt, RunPlan
 from kvbench.run.rows import (
     CellMeasurement,
     EngineRun,
@@ -50,10 +50,10 @@ from kvbench.run.rows import (
     summary_line,
     timeline_frame,
 )
-from kvbench.run.samplers import EnginePoller, ProcessTreeMemorySampler, busy_threads, tree_rss
+from kvbench.run.samplers import EnginePoller, ProcessTreeMemorySampler, busy_threads, prefix_counters, tree_rss
 from kvbench.run.telemetry import Prometheus, measure_cell
 from kvbench.store.errors import ResultsWriteError
-from kvbench.store.readers import ensure_parquet, load_cells
+from kvbench.store.readers import ensure_parquet, load_cells, load_run_info
 from kvbench.store.run_record import RunRecord
 from kvbench.store.writer import RunMode, RunWriter
 from kvbench.workloads import Workload
@@ -88,6 +88,10 @@ class RunOptions:
     load_workers: int = 1  # load generator processes (bench/load/workers.py)
     prometheus: Prometheus | None = None  # read after each cell: GPU memory (DCGM) and engine metrics
     memory_limit_bytes: int | None = None  # each engine's process tree runs inside a memory wall this big
+    # what keeps this run's prompts apart from every other run's (--prompt-salt): None/"auto" draws one,
+    # "none" sends unsalted prompts (an earlier run's, token for token), else the salt itself
+    prompt_salt: str | None = None
+    reset_cache_between_cells: bool = False  # empty each engine's prefix cache before every cell
 
 
 def new_run_id(workload: str) -> str:
@@ -119,6 +123,11 @@ class Runner:
             # what the earlier invocations recorded per engine stays, beside this one's
             self.record = RunRecord.of_run(self.writer.root)
             self.record.estimates.clear()  # an estimate belongs to the invocation that made it
+        isolated = all(REGISTRY[b.engine].prefix_cache_isolation for b in options.backends)
+        # a resumed run keeps its salt: its unfinished cells send the prompts its finished ones sent
+        self.salt = (PromptSalt.resumed(load_run_info(self.writer.root).get("prompt_salt"), options.prompt_salt,
+                                        isolated) if options.results_mode == "resume"
+                     else PromptSalt.parse(options.prompt_salt, isolated))
         self.nvml = NVML()
 
     @property
@@ -140,7 +149,8 @@ class Runner:
             "run_id": self.run_id, "command": redact_text(" ".join(o.command)), "started_at": datetime.now(timezone.utc).isoformat(),
             "status": "running", "environment": environment_info(), "workload": w.model_dump(), "repeats": repeats,
             "kv_dtype": o.kv_dtype, "backends": [b.model_dump() | {"label": b.label} for b in o.backends],
-            "interleaved": o.interleave, "memory_limit_bytes": o.memory_limit_bytes})
+            "interleaved": o.interleave, "memory_limit_bytes": o.memory_limit_bytes,
+            "prompt_salt": self.salt.to_dict(), "reset_cache_between_cells": o.reset_cache_between_cells})
         self.console.print(f"[bold]kvbench run[/] {self.run_id} -> {self.run_dir}")
         try:
             model = models.resolve(o.model, gguf_converter(self.console.print), log=self.console.print)
@@ -157,10 +167,10 @@ class Runner:
                                            "max_context": plan.max_context},
                                     skipped_prompt_lengths=list(plan.skipped), prompt_lengths=list(plan.lengths),
                                     load_points=[asdict(p) for p in plan.points])
-        prompts = CellPrompts(PromptBuilder(model.hf_dir / "tokenizer.json"), w)
+        prompts = CellPrompts(PromptBuilder(model.hf_dir / "tokenizer.json"), w, self.salt)
         spec = ServerSpec(model=model, max_context=plan.server_context, max_concurrency=plan.server_concurrency,
                           kv_dtype=o.kv_dtype, kv_pool_sequences=w.kv_pool_sequences,
-                          memory_limit_bytes=o.memory_limit_bytes)
+                          memory_limit_bytes=o.memory_limit_bytes, reset_prefix_cache=o.reset_cache_between_cells)
         status = "interrupted"
         columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("cells"),
                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
@@ -209,6 +219,7 @@ class _EngineSession:
         self.streak = TimeoutStreak(runner.o.max_consecutive_timeouts)
         self.stop_reason = "interrupted"  # until the session says otherwise
         self.estimated: dict | None = None  # how long its cells were expected to take (bench/run/estimate.py)
+        self.prefix_seen = False  # a cell of this start has sent the workload's shared prefix
         variant = {None: "", True: " (prefix caching on)", False: " (prefix caching off)"}[spec.prefix_caching]
         self.key = cfg.label + variant + ("" if repeat is None else f" repeat {repeat}")  # in run.json's engine_stops
 
@@ -368,7 +379,7 @@ class _EngineSession:
         tokens against the engine's own tokenizer where it has a tokenize endpoint."""
         parts = ["token ids" if backend.accepts_token_ids else "text",
                  "output forced" if backend.forces_output_length else "output as generated"]
-        probe = self.prompts.builder.build(64, self.plan.workload.seed, "tokenizer-check", 1)
+        probe = self.prompts.build(64, "tokenizer-check", 1)
         try:
             ids = backend.tokenize(probe.text)
         except httpx.HTTPError as exc:
@@ -389,7 +400,7 @@ class _EngineSession:
         w = self.plan.workload
         warmup = self.prompts.warmup()
         longest = max((w.prompt_tokens_sent(c.prompt_tokens, c.turn) for c in self.cells[self.done:]), default=0)
-        calibration = [self.prompts.builder.build(n, w.seed, f"calibration-{n}", 8)
+        calibration = [self.prompts.build(n, f"calibration-{n}", 8)
                        for n in sorted({min(32, longest), longest})] if self.r.o.estimate and longest else []
         prompts = warmup + calibration
         if not prompts:
@@ -430,6 +441,9 @@ class _EngineSession:
                                 schedule_seed(w.seed, cell.prompt_tokens, cell.repeat, cell.load.slug), self.streak,
                                 workers=r.o.load_workers)
         backend.reset_cell()
+        if r.o.reset_cache_between_cells:
+            backend.reset_prefix_cache()
+        counters_before = prefix_counters(backend)
         memory, rss_baseline = None, None
         if backend.pid:
             rss_baseline = tree_rss(backend.pid)[0]
@@ -446,6 +460,7 @@ class _EngineSession:
                 for s in samplers:
                     s.stop()
         label = self.cfg.label
+        counters = (counters_before, prefix_counters(backend))
         prom = measure_cell(r.o.prometheus, t0, load.t_end, r.run_dir, cell.cell_id(label))
         # a deployment: each replica's polls and the requests it served (each marked with its replica)
         replicas = backend.replica_polls(load.results)
@@ -466,7 +481,9 @@ class _EngineSession:
                             queue_samples=engine.queue_samples, queue_source=engine.queue_source,
                             memory_samples=memory.samples if memory else None, rss_baseline_bytes=rss_baseline,
                             gpu_baseline_used_bytes=self.gpu_baseline.used_bytes if self.gpu_baseline else None,
-                            replicas=replicas, telemetry=prom)
+                            replicas=replicas, telemetry=prom, prefix_counters=counters,
+                            prefix_seen=self.prefix_seen)
+        self.prefix_seen = self.prefix_seen or bool(w.shared_prefix_tokens)
         r.writer.write_timeline(cell.cell_id(label), timeline_frame(t0, m.memory_samples or [], engine.kv_samples,
                                                                      engine.queue_samples, replicas))
         return m

@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import httpx
 import psutil
 
 from kvbench.backends.types import KVSample, QueueSample, record_poll  # shared with deployments
@@ -171,3 +172,12 @@ class EnginePoller(_Sampler):
     def stop(self):
         super().stop()
         self.client.close()
+
+
+def prefix_counters(backend):
+    """The engine's prefix-cache counters now (read before and after each cell), or None: counters that
+    cannot be read are "not reported", never a failed cell."""
+    try:
+        return backend.prefix_cache_counters(backend.http)
+    except (httpx.HTTPError, ValueError):
+        return None

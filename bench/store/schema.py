@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 OK_STATUSES = ("ok", "flagged")  # cell statuses whose figures count (flagged: some requests broke the contract)
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 #: The fields that say what a cell *is*; two cells with equal values measure the same thing
 #: (``kvbench compare`` matches on these, repeats aside).
 CELL_CONFIG_FIELDS = ("engine", "engine_version", "model", "workload", "variant", "prompt_tokens", "output_tokens",
@@ -157,6 +157,17 @@ class CellRow(BaseModel):
     replicas: int | None = None  # the replicas of the deployment (None: a single server)
     queued_first_s: float | None = None  # first poll with requests waiting > 0, seconds since the cell started
     queued_first_replica: str | None = None  # a deployment's total row: the replica that queued first
+    # the prefix cache: whether the cell is meant to hit it ("cold": its prompts share nothing with anything
+    # sent before; "warm": a shared prefix, a later turn; "": not recorded), the share of its prompt tokens an
+    # ideal cache at the engine's reuse unit serves (bench/run/cells.py expected_hit_tokens), and what the
+    # engine says it served: prompt tokens looked up and found, from its per-request counts or counters
+    # (the source says which, or "not reported" where the engine says nothing)
+    prefix_cache_expected: Literal["", "cold", "warm"] = ""
+    prefix_cache_expected_hit_rate: float | None = None
+    prefix_cache_hit_rate: float | None = None
+    prefix_cache_hit_tokens: int | None = None
+    prefix_cache_query_tokens: int | None = None
+    prefix_cache_source: str | None = None
 
 
 class RequestRow(BaseModel):
@@ -168,6 +179,7 @@ class RequestRow(BaseModel):
     warmup: bool = False
     prompt_tokens_sent: int
     prompt_tokens_reported: int | None
+    prompt_tokens_cached: int | None = None  # of those, what the engine says its prefix cache served
     output_tokens_requested: int
     output_tokens_received: int
     output_tokens_reported: int | None
@@ -201,10 +213,15 @@ def migrate_row(row: dict, model: type[BaseModel]) -> dict:
     ``queued_first_replica`` None (not measured: earlier runs did not record when requests first waited).
     v5 -> v6: ``t_cell_start_unix`` and the ``prom_*`` figures None (``prom_gpu_devices`` and ``prom_engines``
     [], ``prom_samples`` 0): not measured, no Prometheus was read.
+    v6 -> v7: the ``prefix_cache_*`` figures None, ``prefix_cache_expected`` "" and ``prefix_cache_source``
+    "not recorded" (earlier runs recorded no hit rate; their prompts were unsalted), a request's
+    ``prompt_tokens_cached`` None.
     """
     version = int(row.get("schema_version", 1))
     if version > SCHEMA_VERSION:
         raise ValueError(f"row has schema version {version}, newer than this kvbench's {SCHEMA_VERSION}: upgrade kvbench")
     out = model.model_validate(row).model_dump()
+    if version < 7 and "prefix_cache_source" in out:
+        out["prefix_cache_source"] = "not recorded"
     out["schema_version"] = SCHEMA_VERSION
     return out

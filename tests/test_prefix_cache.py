@@ -1,0 +1,177 @@
+"""The prefix cache under control: each run's prompt salt, the hit rate an ideal cache gives a cell, and the
+hit rate a row records from what the engine says (docs/workloads.md "Cold and warm"). Real engines:
+tests/test_prefix_cache_engines.py."""
+
+import pytest
+
+from kvbench.backends import kv_rules
+from kvbench.backends.types import PrefixCacheCounters, RequestResult
+from kvbench.kv.rules import KVQuestion
+from kvbench.load import LoadPoint, LoadResult
+from kvbench.run.cells import UNSALTED, CellPrompts, PromptSalt, cells_for
+from kvbench.run.prefix_cache import expected_hit_tokens, meant_warm
+from kvbench.run.rows import CellMeasurement, EngineRun, summarize
+from kvbench.workloads import load
+from kvbench.workloads.prompts import PromptBuilder
+
+
+@pytest.fixture(scope="module")
+def builder(smollm2):
+    return PromptBuilder(smollm2.hf_dir / "tokenizer.json")
+
+
+def first_cell(workload, concurrency=4, prefix_caching=None, turn=1):
+    cells = cells_for(workload, [workload.prompt_lengths(8192)[0]], [LoadPoint("concurrent", concurrency)], 0,
+                      prefix_caching)
+    return next(c for c in cells if c.turn in (0, turn))
+
+
+def test_two_runs_share_no_prompt_and_one_run_gives_every_engine_the_same(builder):
+    w = load("smoke")
+    cell = first_cell(w)
+    a, b = PromptSalt.parse("auto", isolated=False), PromptSalt.parse("auto", isolated=False)
+    assert a.value != b.value and a.in_tokens
+    run_a, run_b = CellPrompts(builder, w, a).for_cell(cell, 4), CellPrompts(builder, w, b).for_cell(cell, 4)
+    # no prompt of one run starts like one of the other's (the first tokens already differ)
+    assert {p.token_ids[:4] for p in run_a}.isdisjoint({p.token_ids[:4] for p in run_b})
+    assert run_a == CellPrompts(builder, w, a).for_cell(cell, 4)  # one salt: the same prompts again
+    assert [p.request_id for p in run_a] == [p.request_id for p in run_b]  # ids are the cell's, not the salt's
+    builder.verify(run_a[0])
+
+
+def test_no_salt_reproduces_the_unsalted_prompts_of_earlier_runs(builder):
+    w = load("smoke")
+    cell = first_cell(w)
+    none = PromptSalt.parse("none", isolated=False)
+    assert none == UNSALTED and none.applied.startswith("none")
+    # the draw of every run before salts: the builder with the cell's key and no salt
+    key = f"p{cell.prompt_tokens}-{cell.load.slug}-r0-0"
+    assert CellPrompts(builder, w, none).for_cell(cell, 1)[0] == builder.build(cell.prompt_tokens, w.seed, key,
+                                                                                  w.output_tokens)
+
+
+def test_an_isolating_engine_gets_the_salt_in_its_field_and_the_unsalted_tokens(builder):
+    w = load("smoke")
+    cell = first_cell(w)
+    isolated = PromptSalt.parse("pinned-1", isolated=True)
+    prompts = CellPrompts(builder, w, isolated).for_cell(cell, 2)
+    assert [p.cache_salt for p in prompts] == ["pinned-1"] * 2 and not isolated.in_tokens
+    assert [p.token_ids for p in prompts] == [p.token_ids for p in CellPrompts(builder, w).for_cell(cell, 2)]
+    assert all(p.cache_salt is None for p in CellPrompts(builder, w, PromptSalt("pinned-1")).for_cell(cell, 2))
+
+
+def test_a_salted_shared_prefix_run_still_shares_its_prefix(builder):
+    w = load("shared_prefix")
+    cell = first_cell(w, prefix_caching=True)
+    salted = CellPrompts(builder, w, PromptSalt("s1")).for_cell(cell, 4)
+    unsalted = CellPrompts(builder, w).for_cell(cell, 4)
+    n = w.shared_prefix_tokens
+    assert len({p.token_ids[:n] for p in salted}) == 1
+    assert salted[0].token_ids[:n] != unsalted[0].token_ids[:n]
+
+
+@pytest.mark.parametrize("text", ["", "a/b", "x" * 65, "sp ace"])
+def test_a_salt_that_is_not_plain_is_refused(text):
+    with pytest.raises(ValueError, match="--prompt-salt"):
+        PromptSalt.parse(text, isolated=False)
+
+
+def test_a_resumed_run_keeps_its_salt_and_refuses_another():
+    from kvbench.store.errors import RunFolderError
+
+    recorded = PromptSalt("abc", in_tokens=True).to_dict()
+    assert PromptSalt.resumed(recorded, None, isolated=False) == PromptSalt("abc")
+    assert PromptSalt.resumed(recorded, "abc", isolated=False) == PromptSalt("abc")
+    assert PromptSalt.resumed(None, "auto", isolated=True) == UNSALTED  # a run from before salts
+    with pytest.raises(RunFolderError, match="prompt salt abc, not other"):
+        PromptSalt.resumed(recorded, "other", isolated=False)
+
+
+def test_the_ideal_hits_of_a_shared_prefix_and_of_later_turns():
+    sp = load("shared_prefix")  # 2,048-token prompts, the first 1,792 shared
+    on, off = first_cell(sp, 4, True), first_cell(sp, 4, False)
+    assert meant_warm(sp, on) and not meant_warm(sp, off)
+    # vLLM's CPU block of 128 tokens: 1,792 is 14 whole blocks; a 100-token unit keeps 1,700
+    assert expected_hit_tokens(sp, on, 8, 128, prefix_seen=False) == 7 * 1792
+    assert expected_hit_tokens(sp, on, 8, 128, prefix_seen=True) == 8 * 1792
+    assert expected_hit_tokens(sp, on, 8, 100, prefix_seen=True) == 8 * 1700
+    assert expected_hit_tokens(sp, off, 8, 128, prefix_seen=True) == 0
+    assert expected_hit_tokens(sp, on, 8, None, prefix_seen=True) == 0  # an engine with no prefix cache
+    mt = load("multi_turn")  # turns of 256 new tokens, 64-token replies
+    t1, t3 = (first_cell(mt, 4, True, turn) for turn in (1, 3))
+    assert not meant_warm(mt, t1) and meant_warm(mt, t3)
+    # turn 3 resends turn 2's prompt (256 + 64 + 256 = 576 tokens): 4 blocks of 128, or all 576 token by token
+    assert expected_hit_tokens(mt, t3, 4, 128, False) == 4 * 512
+    assert expected_hit_tokens(mt, t3, 4, 1, False) == 4 * 576
+    assert not meant_warm(load("smoke"), first_cell(load("smoke")))
+
+
+def test_the_engines_reuse_units(smollm2):
+    geometry = smollm2.geometry
+    assert kv_rules("vllm").prefix_reuse_unit(KVQuestion(geometry, device="cpu")) == 128
+    assert kv_rules("vllm").prefix_reuse_unit(KVQuestion(geometry), {"block_size": 16}) == 16
+    assert kv_rules("llamacpp").prefix_reuse_unit(KVQuestion(geometry)) == 1
+    assert kv_rules("hf").prefix_reuse_unit(KVQuestion(geometry)) is None
+    assert kv_rules("vllm").shares_prefix_kv and not kv_rules("llamacpp").shares_prefix_kv
+
+
+def measured(smollm2, workload, cell, cached, counters=(None, None), prompt=None, engine="vllm"):
+    prompt = prompt or cell.prompt_tokens
+    results = []
+    for i, c in enumerate(cached):
+        r = RequestResult(f"r{i}", prompt, 4, t_sent=0.0, chunk_times=[0.1, 0.2], chunk_tokens=[1, 3], t_done=0.2,
+                          prompt_tokens_reported=prompt, output_tokens_reported=4, prompt_tokens_cached=c)
+        results.append(r)
+    run = EngineRun("run", engine, engine, "1", smollm2, workload.model_copy(update={"output_tokens": 4}), "bf16", False,
+                    rules=kv_rules(engine))
+    m = CellMeasurement(cell, LoadResult(results, 0.0, 0.2), 0.0, "bf16", prefix_counters=counters)
+    return summarize(run, m)
+
+
+def test_a_row_takes_the_requests_cached_tokens_and_flags_a_cold_cell_that_hit(smollm2):
+    w = load("smoke")
+    cell = first_cell(w)
+    cold = measured(smollm2, w, cell, [0, 0, 0, 0])
+    assert cold.prefix_cache_expected == "cold" and cold.prefix_cache_hit_rate == 0.0
+    assert cold.prefix_cache_expected_hit_rate == 0.0 and cold.status == "ok"
+    assert cold.prefix_cache_source.startswith("cached prompt tokens per request (4 of 4")
+    hit = measured(smollm2, w, cell, [cell.prompt_tokens - 1] * 4)
+    assert hit.status == "flagged" and hit.flags[0].startswith("prefix cache hit on a cell meant cold")
+    assert hit.prefix_cache_hit_tokens == 4 * (cell.prompt_tokens - 1)
+    none = measured(smollm2, w, cell, [None] * 4)
+    assert none.prefix_cache_source == "not reported" and none.prefix_cache_hit_rate is None
+
+
+def test_a_row_takes_the_counters_difference_when_requests_say_nothing(smollm2):
+    w = load("smoke")
+    cell = first_cell(w)
+    before, after = PrefixCacheCounters(1000, 200, "counters"), PrefixCacheCounters(1000 + 4 * cell.prompt_tokens,
+                                                                                      200 + 64, "counters")
+    row = measured(smollm2, w, cell, [None] * 4, (before, after))
+    assert row.prefix_cache_hit_tokens == 64 and row.prefix_cache_query_tokens == 4 * cell.prompt_tokens
+    assert row.prefix_cache_source == "counters"
+    idle = measured(smollm2, w, cell, [None] * 4, (before, before))  # nothing counted during the cell
+    assert idle.prefix_cache_source == "not reported"
+
+
+def test_a_warm_cell_sets_its_expected_hit_rate_beside_the_measured_one(smollm2):
+    sp = load("shared_prefix")
+    cell = first_cell(sp, 4, True)
+    row = measured(smollm2, sp, cell, [0, 1792, 1792, 1792])
+    assert row.prefix_cache_expected == "warm" and row.status == "ok"
+    # an unknown block size (no pool reported): the rules' default for the device the question names (gpu: 16)
+    assert row.prefix_cache_expected_hit_rate == pytest.approx(3 * 1792 / (4 * 2048))
+    assert row.prefix_cache_hit_rate == pytest.approx(3 * 1792 / (4 * 2048))
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--prompt-salt", "a/b"], "--prompt-salt 'a/b': 1-64 letters"),
+    (["-b", "hf", "--reset-cache-between-cells"], "--reset-cache-between-cells: hf cannot empty a prefix cache "
+                                                  "(engines that can: llamacpp, vllm)"),
+])
+def test_prefix_cache_options_are_refused_before_any_run_folder(tmp_path, args, says):
+    from .test_cli import kvbench
+
+    out = kvbench("run", "--results-dir", str(tmp_path), "--workload", "smoke", *args, timeout=120)
+    assert out.returncode == 2 and says in " ".join(out.stderr.split()), out.stderr
+    assert list(tmp_path.iterdir()) == []
