@@ -23,6 +23,7 @@ ENGINES: dict[str, tuple[str, str | None]] = {
     "llamacpp": ("LlamaCppBackend", "LlamaCppKV"),
     "tgi": ("TGIBackend", "TGIKV"),
     "ollama": ("OllamaBackend", "OllamaKV"),
+    "sglang": ("SGLangBackend", "SGLangKV"),
     "openai": ("OpenAIBackend", None),
 }
 # What `make bench`, `kvbench run`, `setup` and `validate` run when no -b is given: the engines that run here.

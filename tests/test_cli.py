@@ -57,8 +57,8 @@ def test_hf_folder_model_runs_on_hf_and_on_llamacpp_through_its_own_converter(tm
 
 
 def test_bad_arguments_name_the_allowed_values(tmp_path):
-    bad_backend = kvbench("run", "-b", "sglang")
-    assert bad_backend.returncode == 2 and "allowed: hf, llamacpp, ollama, openai, tgi, vllm" in bad_backend.stderr
+    bad_backend = kvbench("run", "-b", "trtllm")
+    assert bad_backend.returncode == 2 and "allowed: hf, llamacpp, ollama, openai, sglang, tgi, vllm" in bad_backend.stderr
     two_urls = kvbench("run", "-b", "vllm", "-b", "hf", "--url", "http://127.0.0.1:9")
     assert two_urls.returncode == 2 and "exactly one --backend" in two_urls.stderr
     bad_workload = kvbench("run", "--workload", "nope")

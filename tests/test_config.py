@@ -18,8 +18,8 @@ def test_default_version_comes_from_the_adapter():
 
 
 def test_unknown_engine_lists_allowed():
-    with pytest.raises(ConfigError, match="allowed: hf, llamacpp, ollama, openai, tgi, vllm"):
-        BackendConfig.parse("sglang")
+    with pytest.raises(ConfigError, match="allowed: hf, llamacpp, ollama, openai, sglang, tgi, vllm"):
+        BackendConfig.parse("trtllm")
 
 
 def test_option_without_value():

@@ -155,7 +155,7 @@ def test_ollama_deployed_keeps_its_own_defaults(tmp_path):
 
 
 def test_every_starting_adapter_declares_the_mode_and_refuses_a_wrong_one():
-    for name in ("vllm", "llamacpp", "hf", "tgi", "ollama"):
+    for name in ("vllm", "llamacpp", "hf", "tgi", "ollama", "sglang"):
         assert validate(name, REGISTRY[name], {"engine_mode": "deployed"}) == {"engine_mode": "deployed"}
         with pytest.raises(OptionError, match="sized, deployed"):
             validate(name, REGISTRY[name], {"engine_mode": "production"})

@@ -200,7 +200,7 @@ def test_gpu_by_size_and_unknown_gpu():
 
 
 def test_engines_are_the_adapters_with_kv_rules():
-    assert engines() == ["hf", "vllm", "llamacpp", "tgi", "ollama"]
+    assert engines() == ["hf", "vllm", "llamacpp", "tgi", "ollama", "sglang"]
     with pytest.raises(PlanError, match="no KV rules for engine 'openai'"):
         plan(PlanInput(model=resolve_model("llama-3-8b"), context=10, engine="openai"))
 

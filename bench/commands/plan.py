@@ -1,6 +1,7 @@
 """`kvbench plan`: will a deployment fit, and what should change (the verdict line first, then the ledger per
 GPU and the levers, best first). Every numeric option is read here, so that bad input is one line, exit 2."""
 import json
+from dataclasses import asdict
 
 import typer
 from rich.markup import escape
@@ -27,7 +28,9 @@ from kvbench.planner import (
     parse_tokens,
     plan,
     resolve_model,
+    setup,
 )
+from kvbench.planner.capacity import engine_pools
 from kvbench.run.backend_config import ConfigError, parse_options
 
 EXIT_UNVERIFIED = 3  # --strict and a config with per-layer keys the reader did not read
@@ -107,6 +110,11 @@ def plan_command(
     strict: bool = typer.Option(False, "--strict", help=f"Exit {EXIT_UNVERIFIED} when the config has per-layer "
                                                          "keys the reader did not read (not verified)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    compare_engines: bool = typer.Option(False, "--compare-engines",
+                                         help="Every engine's KV pool side by side for this model and GPU (or "
+                                              "wall), at the limit: the tokens and requests each engine's rules "
+                                              "make of the memory the weights and its overhead leave (each "
+                                              "engine's auto KV dtype). Not with --engine."),
 ):
     """Will a deployment fit on a GPU (or in a CPU memory wall), and what should change: the verdict first, the
     ledger per GPU, the levers."""
@@ -123,21 +131,37 @@ def plan_command(
         if overhead_from is not None:
             found = measured_overhead(overhead_from, engine)
             overhead, source = found.fixed_bytes / GIB, found.source
+        if compare_engines and engine:
+            raise PlanError("--compare-engines sets every engine side by side: not with --engine")
         m = resolve_model(model, weights_dtype, trust_remote_code, parse_bytes(weights_bytes, "--weights-bytes"))
-        result = plan(PlanInput(
+        p = PlanInput(
             model=m, context=parse_tokens(context, "--context"), batch=parse_int(batch, "--batch"),
             kv_dtype=kv_dtype, tp=parse_int(tp, "--tp"), engine=engine.lower() if engine else None, gpu=gpu,
             overhead_gib=overhead, overhead_source=source, memory=wall,
             margin=parse_float(margin, "--margin") if margin is not None else (0.0 if wall is not None else 0.10), block_size=parse_int(block_size, "--block-size", 0),
             device=device, engine_version=engine_version, engine_options=options,
             allow_long_context=allow_long_context, max_model_len=parse_tokens(max_model_len, "--max-model-len"),
-            node_gpus=parse_int(node_gpus, "--node-gpus")))
+            node_gpus=parse_int(node_gpus, "--node-gpus"))
+        if compare_engines:
+            s = setup(p)
+            if s.gpu is None:
+                raise PlanError("--compare-engines needs a GPU (--gpu) or a memory wall (--memory)")
+            if s.weights.bytes is None:
+                raise PlanError("--compare-engines needs the weights' size: give --weights-bytes")
+            pools = engine_pools(s, engines())
+        else:
+            result = plan(p)
     except (PlanError, ConfigError) as exc:
         message = with_hint(str(exc), model, catalog_names()) if model in str(exc) else str(exc)
         if engine and engine in str(exc):
             message = with_hint(message, engine, engines())
         typer.echo(f"error: {message}", err=True)
         raise typer.Exit(2)
+    if compare_engines:
+        _print_pools(s, pools, as_json)
+        if strict and not m.verified:
+            raise typer.Exit(EXIT_UNVERIFIED)
+        return
     if as_json:
         print(json.dumps(result, indent=2))
     else:
@@ -181,6 +205,30 @@ def _print(r: dict) -> None:
               f"({r['kv_dtype']}{'; ' + escape(r['kv_scope']) if r['kv_scope'] else ''})")
     d.add_row("serving dtype", f"{r['serving_dtype']} ({escape(r['serving_dtype_source'])})")
     ui.console().print(d)
+
+
+def _print_pools(s, pools, as_json: bool) -> None:
+    """The engines' pools side by side (--compare-engines)."""
+    on = s.gpu.name if s.gpu.wall else f"{s.tp} x {s.gpu.name}"
+    if as_json:
+        print(json.dumps({"model": s.model.name, "gpu": s.gpu.name, "tp": s.tp, "max_model_len": s.limit,
+                          "margin": s.margin, "engines": [asdict(p) for p in pools]}, indent=2))
+        return
+    typer.echo(f"{s.model.name} on {on}, a limit of {s.limit:,} tokens per request ({s.limit_source}); "
+               f"{s.margin:.0%} of the memory kept free")
+    t = Table(title=f"KV pool per engine: {escape(s.model.name)}", show_header=True)
+    for col in ("engine", "KV dtype", "bytes/token per GPU", "KV budget per GPU", "pool tokens",
+                f"requests of {s.limit:,} at once", "pool sized", "how the engine stores it"):
+        t.add_column(col, justify="right" if col[0] in "bKpr" and col != "pool sized" else "left")
+    for p in pools:
+        t.add_row(p.engine, p.kv_dtype, f"{p.bytes_per_token:,.0f}", fmt_gib(p.budget), f"{p.tokens:,}",
+                  f"{p.sequences:,}", p.sized, escape(p.note))
+    ui.console().print(t)
+    sources = {p.overhead_source.split(";")[0] for p in pools}
+    overhead = (f"every engine's {sources.pop()}" if len(sources) == 1 else
+                "; ".join(f"{p.engine}'s {p.overhead_source.split(';')[0]}" for p in pools))
+    typer.echo(f"KV budget: the usable memory less each engine's weights (as it serves them) and overhead "
+               f"({overhead}). Measured pools: `kvbench report` of a run (its KV and boundary tables).")
 
 
 def _check_choices(engine: str | None, device: str, weights_dtype: str) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .deploy import Setup
+from .deploy import Setup, _largest, with_engine
 from .shared import PlanError
 
 
@@ -67,3 +67,44 @@ def capacity(s: Setup, budget: float | None = None) -> Capacity:
     a = s.kv(context=limit, batch=s.batch, limit=limit)
     return Capacity(rules.engine, limit, a.tokens_full, rules.sequences_in_pool(s.geometry, a.tokens_full, limit, {}),
                     window_tokens=a.tokens_windowed)
+
+
+@dataclass(frozen=True)
+class EnginePool:
+    """One engine's pool of a deployment, for the side-by-side table (`kvbench plan --compare-engines`)."""
+
+    engine: str
+    kv_dtype: str  # the engine's auto KV dtype for the model
+    bytes_per_token: float  # per GPU, as the engine stores it, windows not applied
+    budget: float  # the KV budget per GPU: usable memory less the weights and the engine's overhead
+    tokens: int  # tokens of one full-attention layer the pool holds, all requests; 0 where nothing fits
+    sequences: int  # requests at the limit the pool holds at once
+    sized: str  # "from the budget" (the engine sizes its pool from the bytes left) or "for the limit"
+    note: str  # the engine's rounding and storage (KVAnswer.note)
+    overhead_source: str
+
+
+def engine_pools(s: Setup, engines: list[str]) -> list[EnginePool]:
+    """Each engine's pool of the deployment ``s`` (its GPU, model and limit) under its own rules and auto KV
+    dtype: an engine that sizes its pool from a budget (:attr:`KVRules.pool_from_budget`) makes it of the KV
+    budget and holds :meth:`KVRules.sequences_in_pool` requests at the limit; one that allocates for its limit
+    and slots holds the most requests at the limit that fit in the same memory, and their tokens."""
+    out = []
+    for engine in engines:
+        t = with_engine(s, engine)
+        budget = kv_room(t)
+        q = t.question(context=t.limit, batch=1)
+        if t.rules.pool_from_budget:
+            cap = capacity(t, max(budget, 0.0))
+            # the requests at the limit the blocks hold x the limit: what vLLM logs as its KV cache size, and
+            # for paged pools without groups the pool's own tokens, a partial page off
+            tokens = cap.blocks * t.limit // cap.blocks_per_request if cap.blocks_per_request else 0
+            sequences, sized = cap.sequences or 0, "from the budget"
+        else:
+            n = max(0, _largest(lambda b: t.fits(context=t.limit, batch=b, limit=t.limit), 1, 1 << 20))
+            tokens = t.kv(context=t.limit, batch=n, limit=t.limit).tokens_full if n else 0
+            sequences, sized = n, "for the limit"
+        a = t.rules.answer(q)
+        out.append(EnginePool(engine, a.dtype, a.bytes_per_token, budget, tokens, sequences, sized, a.note,
+                              t.overhead_source))
+    return out
