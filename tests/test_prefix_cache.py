@@ -167,7 +167,7 @@ def test_a_warm_cell_sets_its_expected_hit_rate_beside_the_measured_one(smollm2)
 @pytest.mark.parametrize("args, says", [
     (["--prompt-salt", "a/b"], "--prompt-salt 'a/b': 1-64 letters"),
     (["-b", "hf", "--reset-cache-between-cells"], "--reset-cache-between-cells: hf cannot empty a prefix cache "
-                                                  "(engines that can: llamacpp, vllm)"),
+                                                  "(engines that can: llamacpp, sglang, vllm)"),
 ])
 def test_prefix_cache_options_are_refused_before_any_run_folder(tmp_path, args, says):
     from .test_cli import kvbench

@@ -435,6 +435,21 @@ def test_a_deployment_of_two_replicas_runs_unchanged(tmp_path, smollm2):
     assert (replicas.kv_pool_sequences_predicted == [p // 64 for p in replicas.kv_pool_tokens_engine]).all()
 
 
+def test_an_attached_run_records_the_cached_tokens_and_flushes_between_cells(tmp_path):
+    """SGLang's prefix cache through the hooks every engine has: its requests' meta_info.cached_tokens is the
+    row's hit rate, and --reset-cache-between-cells flushes it before every cell."""
+    workload = Workload(name="sgl", seed=3, prompt_tokens=[48, 64], output_tokens=8, concurrency=[2],
+                        warmup_requests=0)
+    with FakeSGLang(token_delay_s=0.005) as fake:
+        opts = RunOptions(model="smollm2", workload=workload, backends=[BackendConfig.parse(f"sglang:url={fake.url}")],
+                          results_dir=tmp_path, run_id="sgl", reset_cache_between_cells=True, estimate=False)
+        cells = load_cells(Runner(opts, Console(file=io.StringIO(), width=200)).run())
+        assert fake.flushes == 2
+    assert (cells.status == "ok").all() and (cells.prefix_cache_hit_rate == 0).all()
+    assert (cells.prefix_cache_expected == "cold").all()
+    assert cells.prefix_cache_source.str.startswith("cached prompt tokens per request (2 of 2").all()
+
+
 def test_the_prometheus_names_are_on_the_fakes_metrics_page():
     from prometheus_client.parser import text_string_to_metric_families
 

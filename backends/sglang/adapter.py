@@ -22,6 +22,7 @@ needs --enable-metrics, which kvbench always passes.
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 
@@ -34,7 +35,7 @@ from ..base import Backend, extra_args
 from ..options import EXTRA_ARGS, Option
 from ..prometheus import PrometheusPolled, gauge_sum
 from ..streaming import stream_sse
-from ..types import KVInUse, KVPool, RequestResult, ServerSpec
+from ..types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 from .kvrules import SGLangKV
 
 # kvbench KV dtype -> SGLang's --kv-cache-dtype (fp8) or --dtype (the model dtype, which auto KV takes)
@@ -107,6 +108,8 @@ class SGLangBackend(PrometheusPolled, Backend):
         EXTRA_ARGS,
     )
     supports_prefix_caching = True
+    prefix_cache_reset = "POST /flush_cache (SGLang refuses, HTTP 400, while requests run or wait)"
+    prefix_cache_report = "meta_info.cached_tokens of each request's final event (prompt tokens the radix cache served)"
     health_path = "/health"
     prometheus_metrics = {"sglang:token_usage": "kv_usage", "sglang:num_running_reqs": "requests_running",
                           "sglang:num_queue_reqs": "requests_waiting",
@@ -247,9 +250,22 @@ class SGLangBackend(PrometheusPolled, Backend):
                 result.engine_details = {"finish_reason": finish.get("type") if isinstance(finish, dict) else finish,
                                          "cached_tokens": meta.get("cached_tokens"),
                                          "num_retractions": meta.get("num_retractions")}
+                if isinstance(meta.get("cached_tokens"), int):
+                    result.prompt_tokens_cached = meta["cached_tokens"]
 
         return await stream_sse(client, self.base_url + "/generate", body, prompt, read_event,
                                 final_event="SGLang's final event (meta_info.finish_reason)")
+
+    def reset_prefix_cache(self) -> None:
+        """POST /flush_cache (entrypoints/http_server.py): 400 while requests run or wait, retried briefly."""
+        for _ in range(20):
+            response = self.http.post(self.base_url + "/flush_cache")
+            if response.status_code == 200:
+                return
+            if response.status_code != 400:
+                raise EngineStartError(f"SGLang's /flush_cache answered HTTP {response.status_code}")
+            time.sleep(0.1)
+        raise EngineStartError("SGLang refused to flush its cache for 2 s (requests still running or waiting)")
 
     def _log(self) -> dict:
         return parse_sglang_log(self.server.log_path.read_text(errors="replace")) if self.server else {}

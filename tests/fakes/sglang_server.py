@@ -198,7 +198,7 @@ class FakeSGLang(FakeServer):
         self.new_info_routes = True  # False: an SGLang before /server_info (only /get_server_info)
         self.started = time.time()
         self.last_request: dict | None = None
-        self.running = self.queued = self.used = self.evictable = self.retracted = 0
+        self.running = self.queued = self.used = self.evictable = self.retracted = self.flushes = 0
         self.peak_used = self.peak_queued = 0
         self.cond = threading.Condition(self.lock)
         self.registry = CollectorRegistry()
@@ -248,6 +248,7 @@ class FakeSGLang(FakeServer):
     def flush(self) -> str:
         with self.lock:
             self.evictable = 0
+            self.flushes += 1
         return FLUSHED
 
     def validate(self, body: dict, n_in: int, max_new: int) -> str | None:
