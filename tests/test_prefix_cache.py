@@ -2,6 +2,9 @@
 hit rate a row records from what the engine says (docs/workloads.md "Cold and warm"). Real engines:
 tests/test_prefix_cache_engines.py."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from kvbench.backends import kv_rules
@@ -175,3 +178,49 @@ def test_prefix_cache_options_are_refused_before_any_run_folder(tmp_path, args, 
     out = kvbench("run", "--results-dir", str(tmp_path), "--workload", "smoke", *args, timeout=120)
     assert out.returncode == 2 and says in " ".join(out.stderr.split()), out.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+# --- kvbench plan --shared-prefix: KV in use with the prefix held once ----------------------------------
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+
+
+def plan_json(*args):
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    result = CliRunner().invoke(app, ["plan", *args, "--json"], env={"COLUMNS": "200"})
+    return result.exit_code, result.output
+
+
+def test_vllm_holds_a_shared_prefix_once_in_whole_blocks():
+    # SmolLM2: 23,040 B per token; 4 requests of 2,080 tokens on vLLM's CPU blocks of 128: 17 blocks each unshared;
+    # a prefix of 1,800 tokens shares 14 whole blocks (1,792 tokens), the 8 left are each request's own
+    code, out = plan_json("smollm2", "--engine", "vllm", "--device", "cpu", "--context", "2080", "--batch", "4",
+                          "--shared-prefix", "1800")
+    assert code == 0, out
+    shared = json.loads(out)["shared_prefix"]
+    block = 128 * 23040
+    assert shared["kv_bytes_per_gpu_unshared"] == 4 * 17 * block
+    assert shared["kv_bytes_per_gpu"] == 4 * 17 * block - 3 * 14 * block
+    assert "1,792 tokens in whole units of 128" in shared["rule"] and "8 tokens of a partial unit" in shared["rule"]
+
+
+def test_an_engine_that_does_not_share_holds_a_copy_per_request():
+    code, out = plan_json(str(CONFIGS / "llama-3.1-8b.json"), "--engine", "llamacpp", "--context", "8k", "--batch", "8",
+                          "--shared-prefix", "4k")
+    shared = json.loads(out)["shared_prefix"]
+    assert code == 0 and shared["kv_bytes_per_gpu"] == shared["kv_bytes_per_gpu_unshared"]
+    assert "every sequence holds its own copy" in shared["rule"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["smollm2", "--engine", "vllm", "--context", "2080", "--shared-prefix", "2080"], "must be shorter than the request"),
+    ([str(CONFIGS / "gemma-3-1b-it.json"), "--engine", "vllm", "--context", "8k", "--batch", "2",
+      "--shared-prefix", "4k"], "sliding-window or chunked layers is not planned"),
+    (["smollm2", "--engine", "vllm", "--shared-prefix", "lots"], "--shared-prefix takes a number of tokens"),
+])
+def test_a_shared_prefix_the_plan_cannot_vouch_for_is_refused_in_one_line(args, says):
+    code, out = plan_json(*args)
+    assert code == 2 and says in out and len(out.strip().splitlines()) == 1, out

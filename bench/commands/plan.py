@@ -10,7 +10,7 @@ from rich.table import Table
 from kvbench.common import ui
 from kvbench.common.suggest import hint, with_hint
 from kvbench.kv.geometry import KV_DTYPE_BYTES
-from kvbench.kv.units import GIB, fmt_gib
+from kvbench.kv.units import GIB, fmt_bytes, fmt_gib
 from kvbench.planner import (
     NODE_GPUS,
     WEIGHT_DTYPES,
@@ -109,6 +109,11 @@ def plan_command(
                                                 "folder) through transformers' AutoConfig: runs that file."),
     strict: bool = typer.Option(False, "--strict", help=f"Exit {EXIT_UNVERIFIED} when the config has per-layer "
                                                          "keys the reader did not read (not verified)."),
+    shared_prefix: str = typer.Option(None, "--shared-prefix", metavar="TOKENS",
+                                      help="Every request of the batch starts with the same TOKENS (a system "
+                                           "prompt, a document): the KV the batch holds in use with the prefix "
+                                           "shared at the engine's granularity (vLLM's blocks; engines that do "
+                                           "not share hold a copy each). The pool and verdict are unchanged."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     compare_engines: bool = typer.Option(False, "--compare-engines",
                                          help="Every engine's KV pool side by side for this model and GPU (or "
@@ -141,7 +146,8 @@ def plan_command(
             margin=parse_float(margin, "--margin") if margin is not None else (0.0 if wall is not None else 0.10), block_size=parse_int(block_size, "--block-size", 0),
             device=device, engine_version=engine_version, engine_options=options,
             allow_long_context=allow_long_context, max_model_len=parse_tokens(max_model_len, "--max-model-len"),
-            node_gpus=parse_int(node_gpus, "--node-gpus"))
+            node_gpus=parse_int(node_gpus, "--node-gpus"),
+            shared_prefix=parse_tokens(shared_prefix, "--shared-prefix"))
         if compare_engines:
             s = setup(p)
             if s.gpu is None:
@@ -191,6 +197,12 @@ def _print(r: dict) -> None:
                   f"of {r['gpu']}" if wall else
                   f"of {r['gpu']}'s {fmt_gib(r['gpu_memory_bytes'])} ({fmt_gib(r['usable_bytes'])} usable)")
     ui.console().print(t)
+    if shared := r.get("shared_prefix"):
+        where = "in the wall" if wall else "per GPU"
+        typer.echo(f"With the first {shared['tokens']:,} tokens of every request shared: KV in use "
+                   f"{fmt_bytes(shared['kv_bytes_per_gpu'])} {where} for the batch at its typical length "
+                   f"({fmt_bytes(shared['kv_bytes_per_gpu_unshared'])} unshared); {shared['rule']}. The ledger "
+                   "plans every request at full length, as a pool is sized.")
     if r["levers"]:
         typer.echo("What to change (best first):")
         for i, lv in enumerate(r["levers"], 1):

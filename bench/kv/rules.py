@@ -256,6 +256,27 @@ class KVRules:
         reported (its real block size)."""
         return None
 
+    def shared_prefix_bytes(self, q: KVQuestion, shared_tokens: int) -> tuple[float, str]:
+        """KV one GPU holds for ``q.batch`` sequences of ``q.context`` tokens whose first ``shared_tokens``
+        are alike, and how: an engine that shares (:attr:`shares_prefix_kv`) holds the prefix's whole reuse
+        units once, every other engine a copy per sequence. Refused (KVRuleError) where it cannot be vouched
+        for: a prefix not shorter than the request, layers that keep a window (the prefix falls out of it)."""
+        if not 0 < shared_tokens < q.context:
+            raise KVRuleError(f"a shared prefix of {shared_tokens} tokens must be shorter than the request "
+                              f"({q.context} tokens)")
+        alone = self.answer(q).bytes_per_gpu
+        if not self.shares_prefix_kv or q.batch == 1:
+            return alone, (f"{self.engine}: every sequence holds its own copy of the prefix" if q.batch > 1
+                           else "one sequence: nothing to share")
+        if any(layer.kind in ("sliding", "chunked") for layer in self.stored(q).layers):
+            raise KVRuleError("a shared prefix with sliding-window or chunked layers is not planned: those layers "
+                              "drop the prefix's blocks as a sequence passes them")
+        unit = self.prefix_reuse_unit(q) or 1
+        shared = shared_tokens // unit * unit
+        saved = (q.batch - 1) * shared * self.bytes_per_token(q)
+        return alone - saved, (f"{self.engine}: the prefix's {shared:,} tokens in whole units of {unit} held once "
+                               f"for {q.batch} sequences ({shared_tokens - shared} tokens of a partial unit each)")
+
     # --- a pool the engine reports -----------------------------------------------------------------
     def sequences_in_pool(self, geometry: KVGeometry, pool_tokens: int, context: int, details: dict) -> int | None:
         """How many sequences of ``context`` tokens the engine's reported pool holds at once (None: the

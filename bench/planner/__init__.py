@@ -11,6 +11,7 @@ and every lever that applies, each planned (:mod:`.levers`). Pure functions over
 from __future__ import annotations
 
 from kvbench.kv.geometry import heads_per_rank, kv_bytes_per_token
+from kvbench.kv.rules import KVRuleError
 
 from .deploy import Outcome, PlanInput, Setup, setup
 from .levers import levers
@@ -111,6 +112,14 @@ def plan(p: PlanInput, with_levers: bool = True) -> dict:
         "deployment_rule": deploy.note, "limit_flag": rules.limit_flag(s.limit, s.batch),
         "weights_bytes": s.weights.bytes, "weights_source": s.weights.source, "weights_exact": s.weights.exact,
     }
+    if p.shared_prefix:
+        try:
+            held, how = rules.shared_prefix_bytes(s.question(), p.shared_prefix)
+        except KVRuleError as exc:
+            raise PlanError(f"--shared-prefix: {exc}") from None
+        # KV in use: the pool and the verdict still plan every request at full length (a pool is sized so)
+        out["shared_prefix"] = {"tokens": p.shared_prefix, "kv_bytes_per_gpu": held,
+                                "kv_bytes_per_gpu_unshared": typical.bytes_per_gpu, "rule": how}
     o = s.outcome()
     out["ledger"] = ledger(s, o, deploy)
     out["verdict"] = verdict(s, o)

@@ -36,6 +36,7 @@ class PlanInput:
     max_model_len: int | None = None  # the per-request limit the server is started with; None: the model's
     node_gpus: int = NODE_GPUS  # the most GPUs the tensor-parallel lever proposes
     memory: float | None = None  # bytes of a CPU memory wall (the engine's process tree in a cgroup), not a GPU
+    shared_prefix: int | None = None  # tokens every request of the batch starts with alike (--shared-prefix)
 
 
 @dataclass(frozen=True)

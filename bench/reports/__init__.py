@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.common.files import atomic_write_text
-from kvbench.reports import plots, tables
+from kvbench.reports import plots, prefix_cache, tables
 from kvbench.store.errors import DamagedLinesWarning, ResultsReadError, ResultsWarning, ResultsWriteError
 from kvbench.store.readers import load, load_run_info, read_jsonl_rows
 from kvbench.store.writer import run_status
@@ -197,6 +197,8 @@ def _build(run_dirs: list[Path], plots_dir: Path | None) -> Report:
         Section("kv", "KV cache: predicted from the config vs reported by the engine", KV_INTRO + repeats,
                 tables.kv_table(agg), tables.KV_RIGHT, cap),
         Section("performance", "Latency and throughput", PERF_INTRO + repeats, tables.performance_table(agg), tables.PERF_RIGHT, cap),
+        Section("prefix_cache", "Prefix cache: meant cold or warm, and what the engine served", prefix_cache.INTRO,
+                prefix_cache.prefix_cache_table(agg), prefix_cache.RIGHT, cap),
         Section("boundary", "The KV boundary", BOUNDARY_INTRO, tables.boundary_table(agg), tables.BOUNDARY_RIGHT, cap),
         Section("problems", "Failed and flagged cells", "Cells whose engine failed, or whose requests broke the token contract "
                 "(the reason is the error, then the flags).",

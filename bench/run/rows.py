@@ -371,8 +371,12 @@ def _per_gpu(row: CellRow, run: EngineRun, m: CellMeasurement) -> None:
         q = KVQuestion(run.model.geometry, m.kv_dtype, row.prompt_tokens + run.workload.output_tokens - 1,
                        max(1, held), gpus, details.get("block_size"), details.get("device", "gpu"),
                        details.get("version"))
+        w = run.workload
         try:
-            row.kv_peak_bytes_per_gpu_predicted = run.rules.answer(q).bytes_per_gpu
+            if w.shared_prefix_tokens and meant_warm(w, m.cell):  # the prefix held once where the engine shares
+                row.kv_peak_bytes_per_gpu_predicted = run.rules.shared_prefix_bytes(q, w.shared_prefix_tokens)[0]
+            else:
+                row.kv_peak_bytes_per_gpu_predicted = run.rules.answer(q).bytes_per_gpu
         except Exception:  # a split the rules refuse (e.g. heads not divisible): not predicted
             row.kv_peak_bytes_per_gpu_predicted = None
     weights = details.get("weights_bytes")

@@ -123,7 +123,8 @@ class CellRow(BaseModel):
     # process_peak_bytes, total_bytes (a list, not columns per device: the number of GPUs differs by machine)
     gpu_devices: list[dict] = Field(default_factory=list)
     # KV per GPU: the engine's in-use peak on its fullest GPU, and what its rules give for one GPU at the
-    # same load (`kvbench plan --tp N`'s per-GPU figure)
+    # same load (`kvbench plan --tp N`'s per-GPU figure; a warm shared-prefix cell: `--shared-prefix`'s, the
+    # prefix held once where the engine shares it)
     kv_in_use_peak_bytes_per_gpu: float | None = None
     kv_peak_bytes_per_gpu_predicted: float | None = None
     # memory besides KV, per GPU: the weights as the engine reports them, and the rest measured (device
