@@ -35,6 +35,9 @@ class Backend(ABC):
     default_version: ClassVar[str]
     #: True when prompts go in as token ids (exact); False when the engine only takes text.
     accepts_token_ids: ClassVar[bool] = True
+    #: Why the backend cannot start a server of its own (it only attaches: ``url=``), or None when it can;
+    #: ``kvbench run`` refuses it without a url before anything is installed or created.
+    attach_only: ClassVar[str | None] = None
     #: True when the engine can be made to generate exactly the asked number of tokens (ignore_eos);
     #: False: output is normalised by the tokens actually generated and short outputs are flagged.
     forces_output_length: ClassVar[bool] = True

@@ -54,6 +54,7 @@ class OpenAIBackend(Backend):
         Option("return_token_ids", bool, False, "ask for the token ids (vLLM's return_token_ids)"),
     )
     accepts_token_ids = False
+    attach_only = NEEDS_URL
     health_path = "/v1/models"
 
     def __init__(self, *args, **kwargs):

@@ -7,10 +7,10 @@ from kvbench import reports
 from kvbench.backends import DEFAULT_ENGINES, REGISTRY
 from kvbench.common import ui
 from kvbench.common.files import PlainNameError, check_plain_name
-from kvbench.common.models import ModelError
+from kvbench.common.models import ModelError, locate
 from kvbench.common.suggest import with_hint
 from kvbench.planner import model_names
-from kvbench.run.backend_config import BackendConfig, ConfigError
+from kvbench.run.backend_config import BackendConfig, ConfigError, check_attachable
 from kvbench.run.runner import Runner, RunOptions
 from kvbench.run.telemetry import Prometheus
 from kvbench.store.errors import ResultsReadError, ResultsWriteError, RunFolderError
@@ -81,15 +81,22 @@ def run(
                 raise ConfigError("--url attaches one backend: give exactly one --backend "
                                   "(or a url=... option per backend)")
             backends = [BackendConfig.parse(f"{backend[0]}{',' if ':' in backend[0] else ':'}url={url}")]
+        check_attachable(backends)
         wl = load_workload(workload)
         prom = Prometheus(prometheus, prometheus_selector, prometheus_gpu_selector) if prometheus else None
         memory_limit_bytes = memory_wall_bytes(memory_limit) if memory_limit is not None else None
         if memory_limit_bytes is not None and any(b.url for b in backends):
             raise ConfigError("--memory-limit walls in the engines kvbench starts: an attached server (url=) "
                               "has its own memory")
-    except (ConfigError, WorkloadError, ValueError) as exc:
-        raise typer.BadParameter(with_hint(str(exc), workload, available()) if isinstance(exc, WorkloadError)
-                                 else str(exc)) from None
+    except (ConfigError, WorkloadError, ValueError) as exc:  # one line, exit 2, nothing installed or created
+        text = with_hint(str(exc), workload, available()) if isinstance(exc, WorkloadError) else str(exc)
+        typer.echo(f"error: {text}", err=True)
+        raise typer.Exit(2)
+    try:
+        locate(model)  # a model that is not there is refused before a run folder exists
+    except ModelError as exc:
+        typer.echo(f"error: {with_hint(str(exc), model, model_names())}", err=True)
+        raise typer.Exit(2)
     options = RunOptions(model=model, workload=wl, backends=backends, results_dir=results_dir, run_id=run_id,
                          kv_dtype=kv_dtype, max_context=max_context, start_timeout_s=start_timeout,
                          request_timeout_s=request_timeout, repeats=repeats, results_mode=results_mode,

@@ -77,6 +77,38 @@ def hf_copy_dir(gguf: Path, digest: str | None = None) -> Path:
     return kvbench_home() / "models" / (digest or sha256_file(gguf))[:16] / HF_FOLDER
 
 
+def locate(model: str) -> Path:
+    """The file or folder the user's model argument names (a hub id: its folder in the hub cache,
+    downloaded once), or ModelError in one line where it names nothing usable: cheap, so a bad ``--model``
+    is refused before a run folder exists."""
+    if model in EMBEDDED:
+        return embedded_gguf(model)
+    path = Path(model).expanduser()
+    if not path.exists() and hub.looks_like_hub_id(model):
+        try:
+            path = hub.model_folder(model)
+        except hub.HubError as exc:
+            raise ModelError(str(exc)) from None
+    elif not path.exists() and _looks_like_path(model):
+        raise ModelError(f"no such file or folder: {path} (the model)")
+    elif not path.exists():
+        raise ModelError(f"model {model!r} is neither a known name ({', '.join(EMBEDDED)}), a hub id (org/name) "
+                         "nor an existing path")
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelError(f"{path} is a folder without config.json: not an HF model folder")
+        if not (path / "tokenizer.json").exists():
+            raise ModelError(f"{path} has no tokenizer.json: kvbench builds token-exact prompts with it")
+    elif path.suffix != ".gguf":
+        raise ModelError(f"{path}: expected a .gguf file or an HF model folder")
+    return path
+
+
+def _looks_like_path(model: str) -> bool:
+    """A path, not a name or hub id (org/name has no leading slash or dot and no file suffix)."""
+    return model.startswith(("/", "./", "../", "~")) or Path(model).suffix in (".gguf", ".json")
+
+
 def resolve(model: str, convert: GGUFConverter | None, log=print) -> ModelFiles:
     """Turn the user's model argument into :class:`ModelFiles`, converting a GGUF once if needed.
 
@@ -85,24 +117,10 @@ def resolve(model: str, convert: GGUFConverter | None, log=print) -> ModelFiles:
     if model in EMBEDDED:
         name, gguf = model, embedded_gguf(model)
     else:
-        path = Path(model).expanduser()
-        if not path.exists() and hub.looks_like_hub_id(model):
-            try:
-                path = hub.model_folder(model)
-            except hub.HubError as exc:
-                raise ModelError(str(exc)) from None
-        elif not path.exists():
-            raise ModelError(f"model {model!r} is neither a known name ({', '.join(EMBEDDED)}), a hub id (org/name) "
-                             "nor an existing path")
+        path = locate(model)
         if path.is_dir():
-            if not (path / "config.json").exists():
-                raise ModelError(f"{path} is a folder without config.json: not an HF model folder")
-            if not (path / "tokenizer.json").exists():
-                raise ModelError(f"{path} has no tokenizer.json: kvbench builds token-exact prompts with it")
             return ModelFiles(name=model if not Path(model).expanduser().exists() else path.name, hf_dir=path,
                               gguf_path=None, sha256=sha256_folder(path), geometry=_geometry(path))
-        if path.suffix != ".gguf":
-            raise ModelError(f"{path}: expected a .gguf file or an HF model folder")
         name, gguf = path.stem, path
     digest = sha256_file(gguf)
     hf_dir = hf_copy_dir(gguf, digest)
