@@ -204,9 +204,20 @@ class Backend(ABC):
         up to ``wait_s`` for it to end) and for an attached server, which is not ours to watch."""
         return self.server.exit_description(wait_s) if self.server else ""
 
-    def reported_version(self) -> str:
-        """The version the running engine says it is (falls back to the configured one)."""
+    def reported_version(self) -> str | None:
+        """The version the running engine says it is (falls back to the configured one); None where an
+        attached server says none (compare then calls it "unknown")."""
         return self.version
+
+    def served_models(self) -> list[str] | None:
+        """The models the running server says it serves (e.g. the ids of its /v1/models), recorded in
+        run.json and checked against ``--model``; None where this adapter does not read them."""
+        return None
+
+    def capabilities(self) -> dict[str, bool | str]:
+        """What an attached server was asked and found to support (token ids, ignore_eos, usage in the
+        stream), recorded in run.json; empty where nothing is asked."""
+        return {}
 
     # --- measurement ---------------------------------------------------------------------------
     @abstractmethod

@@ -61,6 +61,9 @@ def run(
                                           "(e.g. 1.5GiB, 800MiB: a memory cgroup, the CPU stand-in for a GPU's "
                                           "memory): an engine that grows past it is killed and its cells fail "
                                           "'out of memory at the SIZE wall'. Needs root and a memory cgroup."),
+    allow_model_mismatch: bool = typer.Option(
+        False, "--allow-model-mismatch", help="Run an attached server that serves another model than --model "
+                                               "(its /v1/models), with a warning, instead of failing its cells."),
 ):
     """Run a workload on each backend and write the results folder, then print the report."""
     console = ui.console()
@@ -101,7 +104,7 @@ def run(
                          kv_dtype=kv_dtype, max_context=max_context, start_timeout_s=start_timeout,
                          request_timeout_s=request_timeout, repeats=repeats, results_mode=results_mode,
                          interleave=interleave, load_workers=load_workers, prometheus=prom,
-                         memory_limit_bytes=memory_limit_bytes)
+                         memory_limit_bytes=memory_limit_bytes, allow_model_mismatch=allow_model_mismatch)
     # errors print with soft_wrap: one line even past the console width (greppable in CI logs)
     try:
         runner = Runner(options, console)

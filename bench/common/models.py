@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,25 @@ def locate(model: str) -> Path:
 def _looks_like_path(model: str) -> bool:
     """A path, not a name or hub id (org/name has no leading slash or dot and no file suffix)."""
     return model.startswith(("/", "./", "../", "~")) or Path(model).suffix in (".gguf", ".json")
+
+
+def _model_key(name: str) -> str:
+    """A model's name as servers spell it in many ways: the last part of a path or hub id, without .gguf,
+    case folded ("/models/SmolLM2-135M-Instruct" and "HuggingFaceTB/smollm2-135m-instruct" agree)."""
+    last = name.rstrip("/").rpartition("/")[2].removesuffix(".gguf")
+    return _QUANT_TAG.sub("", last).casefold()
+
+
+#: A GGUF file's quantisation tag ("SmolLM2-135M-Instruct.Q4_1", "model-q8_0"): the same model as served.
+_QUANT_TAG = re.compile(r"[.-](i?q\d\w*|f16|bf16|f32)$", re.IGNORECASE)
+
+
+def serves(served: list[str], model: ModelFiles, given: str) -> bool:
+    """Whether one of the ids a server says it serves names the model the run was given (``--model``):
+    its name, the argument as given, its GGUF or its HF folder."""
+    names = {model.name, given, *(p.name for p in (model.gguf_path, model.hf_dir) if p is not None)}
+    keys = {_model_key(str(n)) for n in names if n} - {_model_key(HF_FOLDER)}
+    return any(_model_key(s) in keys for s in served)
 
 
 def resolve(model: str, convert: GGUFConverter | None, log=print) -> ModelFiles:

@@ -88,6 +88,7 @@ class RunOptions:
     load_workers: int = 1  # load generator processes (bench/load/workers.py)
     prometheus: Prometheus | None = None  # read after each cell: GPU memory (DCGM) and engine metrics
     memory_limit_bytes: int | None = None  # each engine's process tree runs inside a memory wall this big
+    allow_model_mismatch: bool = False  # an attached server serving another model than --model: run anyway
 
 
 def new_run_id(workload: str) -> str:
@@ -289,9 +290,20 @@ class _EngineSession:
         backend.start(self.spec, r.writer.log_path(cfg.label), r.o.start_timeout_s)
 
     def check(self, backend: Backend) -> None:
-        """The version the engine reports and how its prompts and tokenizer were checked, recorded."""
+        """The version the engine reports, the models it serves (an attached server's checked against
+        --model), what it supports and how its prompts and tokenizer were checked, recorded."""
         version = backend.reported_version()
         self.r.record.engine_versions[self.cfg.label] = version
+        served = backend.served_models()
+        self.r.record.served_models[self.cfg.label] = served
+        self.r.record.capabilities[self.cfg.label] = backend.capabilities()
+        if self.cfg.url and served is not None and not models.serves(served, self.spec.model, self.r.o.model):
+            self.r.record.save(self.r.writer)
+            problem = (f"the server serves {', '.join(served) or 'no model'}, not --model {self.r.o.model}: its "
+                       f"figures would be set against {self.spec.model.name}'s KV")
+            if not self.r.o.allow_model_mismatch:
+                raise EngineStartError(problem + " (--allow-model-mismatch to run anyway)")
+            self.r.console.print(f"[yellow]warning: {problem} (--allow-model-mismatch)[/]")
         self.info = replace(self.info, engine_version_reported=version, token_contract=self.token_contract(backend))
         self.r.record.save(self.r.writer)
 
