@@ -70,6 +70,28 @@ def parse_kv_log(text: str) -> list[dict]:
     return caches
 
 
+def slot_tokens_in_kv(slot: dict) -> int:
+    """The tokens one /slots entry holds in the KV cache. Once it decodes, its n_prompt_tokens is the
+    length of its cached token list, which grows as generated tokens are fed back (so n_decoded is not added
+    on top). Before, while its prompt is processed, n_prompt_tokens already reads the tokens taken in (2,048
+    at 0.2 s for a 3,000-token prompt whose prefill took a minute, polled on this machine) and only
+    n_prompt_tokens_processed are in the cache: counting the former drew a KV line at its height before any
+    prefill ran, and dips as slots moved between batches."""
+    prompt = int(slot.get("n_prompt_tokens") or 0)
+    decoded = max((int(t.get("n_decoded") or 0) for t in _as_list(slot.get("next_token"))), default=0)
+    processed = slot.get("n_prompt_tokens_processed")
+    if decoded or processed is None:  # decoding, or a server that does not say (the older figure)
+        return prompt
+    return min(prompt, int(processed))
+
+
+def _as_list(value) -> list[dict]:
+    """``next_token`` is one object in some llama-server versions, a list (one per sequence) in others."""
+    if isinstance(value, dict):
+        return [value]
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
 class LlamaCppBackend(Backend):
     engine = "llamacpp"
     supports_prefix_caching = True
@@ -309,11 +331,9 @@ class LlamaCppBackend(Backend):
 
     def kv_in_use(self, client: httpx.Client) -> KVInUse | None:
         slots = client.get(self.base_url + "/slots").json()
-        # A slot's n_prompt_tokens is the length of its cached token list, which grows as generated
-        # tokens are fed back (so n_decoded must not be added on top).
-        tokens = sum(slot.get("n_prompt_tokens", 0) for slot in slots if slot.get("is_processing"))
+        tokens = sum(slot_tokens_in_kv(slot) for slot in slots if slot.get("is_processing"))
         return KVInUse(bytes=tokens * self.kv_bytes_per_token(), tokens=tokens,
-                       source="/slots n_prompt_tokens x bytes/token")
+                       source="/slots tokens in KV (prompt processed, then n_prompt_tokens) x bytes/token")
 
     def queue_state(self, client: httpx.Client) -> dict | None:
         """Deferred requests (no free slot) from /metrics; /slots lists slots only, so it cannot show them."""

@@ -126,13 +126,13 @@ def run(
         console.print(f"[yellow]interrupted; finished cells are in {runner.run_dir}[/]")
         raise typer.Exit(130)
     try:
-        md, page, text = reports.write([run_dir])
+        md, page, _, built = reports.write_report([run_dir])
     except ResultsWriteError as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}; the results are in {escape(str(run_dir))}", soft_wrap=True)
         raise typer.Exit(1)
-    from rich.markdown import Markdown
+    from kvbench.reports import terminal
 
-    console.print(Markdown(text))  # the report, as `kvbench report` prints it (and as --help promises)
+    terminal.render(built, console)  # the report, as `kvbench report` prints it (and as --help promises)
     console.print(f"\nresults: {run_dir}\nreport:  {md} and {page}  (kvbench report {run_dir})")
     cells = load_cells(run_dir)
     if cells.empty or (cells.status == "failed").all():

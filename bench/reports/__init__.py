@@ -195,7 +195,7 @@ def _build(run_dirs: list[Path], plots_dir: Path | None) -> Report:
     problems = tables.problems_table(agg)
     sections = [
         Section("kv", "KV cache: predicted from the config vs reported by the engine", KV_INTRO + repeats,
-                tables.kv_table(agg), tables.KV_RIGHT, cap),
+                tables.kv_table(agg), tables.KV_RIGHT, cap, note=tables.kv_source_notes(agg)),
         Section("performance", "Latency and throughput", PERF_INTRO + repeats, tables.performance_table(agg), tables.PERF_RIGHT, cap),
         Section("boundary", "The KV boundary", BOUNDARY_INTRO, tables.boundary_table(agg), tables.BOUNDARY_RIGHT, cap),
         Section("problems", "Failed and flagged cells", "Cells whose engine failed, or whose requests broke the token contract "
@@ -241,6 +241,12 @@ def write(run_dirs: list[Path], output: Path | None = None, html_file: Path | No
           plots: bool = True) -> tuple[Path, Path, str]:
     """Write the Markdown report, its plots and the HTML page; returns (markdown path, HTML path, text).
     Default place: RUN_DIR/report.md for one run, results/reports/<ids>/report.md for several."""
+    return write_report(run_dirs, output, html_file, plots)[:3]
+
+
+def write_report(run_dirs: list[Path], output: Path | None = None, html_file: Path | None = None,
+                 plots: bool = True) -> tuple[Path, Path, str, Report]:
+    """:func:`write`, and the report itself (for the terminal: bench/reports/terminal.py)."""
     from kvbench.reports import html, markdown
 
     run_dirs = [Path(d) for d in run_dirs]
@@ -260,4 +266,4 @@ def write(run_dirs: list[Path], output: Path | None = None, html_file: Path | No
         raise
     except OSError as exc:
         raise ResultsWriteError(output.parent, "writing the report", exc, intact=False, what="report folder") from exc
-    return output, target_html, text
+    return output, target_html, text, result
