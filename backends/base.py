@@ -228,6 +228,12 @@ class Backend(ABC):
     def kv_pool(self) -> KVPool | None:
         """The allocated KV pool, read from the engine; None when it cannot be read."""
 
+    @classmethod
+    def kv_pool_from_log(cls, text: str) -> KVPool | None:
+        """The pool as the engine's own log states it (``kvbench report --recompute`` re-derives a published
+        run's pool facts from its logs/ with it); None where the log does not say it."""
+        return None
+
     @abstractmethod
     def kv_in_use(self, client: httpx.Client) -> KVInUse | None:
         """KV currently held by live requests, polled during a cell."""

@@ -125,10 +125,16 @@ def test_an_attached_server_without_a_version_is_unknown_not_the_same_version(tm
 
 
 def test_the_two_published_cpu_default_runs_compare(tmp_path):
-    """The older one is schema v1, whose rows did not record the token contract: migrated to what every v1
-    backend did, so its cells match the newer run's."""
+    """The older one is schema v1 (its record as written: cells.jsonl.bak), whose rows did not record the
+    token contract: migrated to what every v1 backend did, so its cells match the newer run's."""
+    import shutil
+
+    older = tmp_path / PUBLISHED.name
+    shutil.copytree(PUBLISHED, older, ignore=shutil.ignore_patterns("*.parquet", "plots", "report.*"))
+    shutil.copy2(older / "cells.jsonl.bak", older / "cells.jsonl")
+    assert json.loads((older / "cells.jsonl").read_text().splitlines()[0])["schema_version"] == 1
     newer = PUBLISHED.parent / "20261130-194844-cpu-default"
-    out = kvbench("compare", PUBLISHED, newer, "--format", "json")
+    out = kvbench("compare", older, newer, "--format", "json")
     result = as_json(out)
     assert result["summary"]["contract_mismatch"] == 0 and result["summary"]["compared_cells"] == 24
     assert {tuple(c["token_contract"]) for c in result["cells"]} == {("token ids, output forced",)}

@@ -310,13 +310,17 @@ class LlamaCppBackend(Backend):
                                      "tokens_cached": event.get("tokens_cached")}
 
     def kv_pool(self) -> KVPool | None:
-        caches = parse_kv_log(self.server.log_path.read_text(errors="replace")) if self.server else []
+        return self.kv_pool_from_log(self.server.log_path.read_text(errors="replace")) if self.server else None
+
+    @classmethod
+    def kv_pool_from_log(cls, text: str) -> KVPool | None:
+        caches = parse_kv_log(text)
         if not caches:
             return None
         # "cells" is per stream: without a unified cache every slot has a stream of its own.
         # MiB with two decimals is all the log gives: the bytes are exact to 0.005 MiB.
         # A sliding-window model logs a second, smaller cache; the token capacity is the full-attention one.
-        buffers = parse_buffers(self.server.log_path.read_text(errors="replace"))
+        buffers = parse_buffers(text)
         gpu_kv = [b for dev, b in buffers["kv"].items() if not dev.upper().startswith("CPU")]
         gpu_model = [b for dev, b in buffers["model"].items() if not dev.upper().startswith("CPU")]
         weights = sum(buffers["model"].values()) or None
