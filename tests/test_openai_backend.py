@@ -153,6 +153,11 @@ def test_the_served_model_is_recorded_and_set_against_the_model(tmp_path, smollm
         assert "--allow-model-mismatch" in cells.error.iloc[0]
         cells, info, console = whole_run(tmp_path, fake, "allowed", allow_model_mismatch=True)
     assert (cells.status != "failed").all() and "warning: the server serves Qwen/Qwen2.5-7B-Instruct" in console
+    from kvbench.reports import build
+
+    header = dict(build([tmp_path / "allowed"]).headers[0])
+    assert header["Served models"].startswith(f"{label}: Qwen/Qwen2.5-7B-Instruct (asked: stream usage yes")
+    assert header["Model"].startswith("smollm2")  # the model whose KV is predicted, the served one beside it
     assert cells.engine_version_reported.isna().all()  # no /version: unknown, not "v1"
     with FakeOpenAI(model="HuggingFaceTB/SmolLM2-135M-Instruct") as fake:  # the same model, named as the hub does
         cells, info, _ = whole_run(tmp_path, fake, "same")

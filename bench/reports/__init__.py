@@ -59,8 +59,21 @@ def run_header(info: dict) -> list[tuple[str, str]]:
         ("Model", f"{model.get('name', '?')} (sha256 `{str(model.get('sha256', '?'))[:16]}…`), "
                   f"context limit {model.get('max_context', '?')}"),
         ("Engines", engines(info)),
+        *([("Served models", served)] if (served := served_models(info)) else []),
         ("Workload", f"{wl.get('name', '?')}: {wl.get('description', '')} (seed {wl.get('seed', '?')})"),
     ]
+
+
+def served_models(info: dict) -> str:
+    """What each server said it serves (run.json's served_models; the KV predicted is --model's), and what an
+    attached server was found to support; "" where nothing was read."""
+    served = {k: v for k, v in (info.get("served_models") or {}).items() if v is not None}
+    caps = info.get("capabilities") or {}
+    parts = []
+    for label, models in served.items():
+        found = ", ".join(f"{name} {'yes' if ok else 'no'}" for name, ok in (caps.get(label) or {}).items())
+        parts.append(f"{label}: {', '.join(models) or 'none listed'}" + (f" (asked: {found})" if found else ""))
+    return "; ".join(parts)
 
 
 def hardware(info: dict) -> str:
