@@ -62,3 +62,9 @@ def test_plan_of_a_missing_file_says_no_such_file(tmp_path):
     # a name that is no path still gets the list of what it could have been
     name = kvbench(tmp_path, "plan", "no-such-model")
     assert name.returncode == 2 and "catalog model" in name.stderr
+
+
+def test_setup_of_an_attach_only_backend_installs_no_environment(tmp_path):
+    out = kvbench(tmp_path, "setup", "-b", "openai", "--model", "/nonexistent/model.gguf")
+    assert "nothing to install (it attaches to a running server)" in out.stdout
+    assert "installing" not in out.stdout and not (tmp_path / "home" / "envs").exists()
