@@ -176,6 +176,9 @@ def test_attach_to_a_running_llamacpp_with_an_open_loop(tmp_path_factory, smollm
         assert row.token_contract == "token ids, output forced"
         info = load_run_info(run_dir)
         assert "tokenize endpoint" in info["token_checks"][row.backend]
+        # what it serves, read from its /v1/models: the GGUF --model names (else the cells would have failed)
+        (served,) = info["served_models"][row.backend]
+        assert served.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") or "SmolLM2" in served, served
         reqs = requests_of(run_dir)
         reqs = reqs[~reqs.warmup]  # the estimate's calibration requests are warm-ups, off the schedule
         # uvloop rounds timers to whole milliseconds: a request may leave up to about 1 ms early

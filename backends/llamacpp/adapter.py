@@ -286,6 +286,13 @@ class LlamaCppBackend(Backend):
         except (httpx.HTTPError, ValueError):
             return self.version
 
+    def served_models(self) -> list[str] | None:
+        """The ids of llama-server's /v1/models (the -m path, or its --alias); None where it has no such route."""
+        try:
+            return [str(m["id"]) for m in self.http.get(self.base_url + "/v1/models").json()["data"]]
+        except (httpx.HTTPError, KeyError, ValueError, TypeError):
+            return None
+
     def tokenize(self, text: str) -> list[int] | None:
         response = self.http.post(self.base_url + "/tokenize", json={"content": text, "add_special": False})
         return response.json()["tokens"] if response.status_code == 200 else None
