@@ -223,7 +223,8 @@ def test_all_six_backends_in_one_run(tmp_path_factory, monkeypatch):
     stand_in(bin_dir, "ollama", "tests.fakes.ollama_server")
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     wl = Workload(name="six", seed=5, prompt_tokens=[32], output_tokens=4, concurrency=[1], warmup_requests=0)
-    with FakeOpenAI() as fake:
+    # a generic OpenAI-compatible server: text prompts only, no ignore_eos (the adapter asks, and uses text)
+    with FakeOpenAI(vllm_extensions=False, token_id_prompts=False) as fake:
         run_dir, cells = run_workload(tmp_path_factory, wl, "hf", "vllm", "llamacpp", "tgi",
                                       f"ollama:models_dir={tmp_path_factory.mktemp('ollama-models')}",
                                       f"openai:url={fake.url}")
