@@ -103,6 +103,11 @@ def test_the_server_is_asked_what_it_supports_and_what_it_serves(tmp_path):
     assert backend.capabilities() == {"stream usage": True}
     assert not (backend.accepts_token_ids or backend.forces_output_length)
 
+    with FakeOpenAI() as unasked:  # probe=false: nothing sent before the cells, the options' defaults used
+        backend = attached(tmp_path, unasked, probe=False)
+    assert backend.capabilities() == {} and unasked.last_request is None
+    assert not (backend.accepts_token_ids or backend.forces_output_length)
+
 
 def test_a_server_without_a_version_endpoint_reports_none(tmp_path):
     with FakeOpenAI(version=None) as fake:

@@ -57,6 +57,7 @@ class OpenAIBackend(Backend):
         Option("ignore_eos", bool, None, "the server honours ignore_eos (exact output lengths)",
                default_text="asked of the server"),
         Option("return_token_ids", bool, False, "ask for the token ids (vLLM's return_token_ids)"),
+        Option("probe", bool, True, "ask the server what it supports (three 2-token requests) before the cells"),
     )
     accepts_token_ids = False
     attach_only = NEEDS_URL
@@ -91,7 +92,8 @@ class OpenAIBackend(Backend):
         self.model = str(self.options.get("served_model") or "") or (self.models[0] if self.models else "")
         if not self.model:
             raise EngineStartError(f"{self.base_url}/v1/models lists no model: give openai:served_model=NAME")
-        self.probe()
+        if self.options.get("probe", True):
+            self.probe()
 
     def probe(self) -> None:
         """Ask the server, with requests of one or two output tokens, what it supports: usage in the stream,
@@ -118,7 +120,7 @@ class OpenAIBackend(Backend):
         """(accepted, the usage chunk or None; the error text when refused) of one streamed 2-token request."""
         body = {"model": self.model, "max_tokens": 2, "temperature": 0.0, "stream": True, **body}
         try:
-            with self.http.stream("POST", self.base_url + "/v1/completions", json=body, timeout=60.0) as response:
+            with self.http.stream("POST", self.base_url + "/v1/completions", json=body, timeout=30.0) as response:
                 if response.status_code >= 400:
                     return False, f"HTTP {response.status_code}: {response.read().decode(errors='replace')[:300]}"
                 usage = None
@@ -129,7 +131,7 @@ class OpenAIBackend(Backend):
                             return False, str(event["error"])[:300]
                         usage = event.get("usage") or usage
                 return True, usage
-        except (httpx.HTTPError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the server answered, it is not "supported"
             return False, f"{type(exc).__name__}: {exc}"
 
     def served_models(self) -> list[str] | None:
