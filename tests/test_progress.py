@@ -14,7 +14,7 @@ from rich.progress import Progress
 from kvbench.run import progress as run_progress_module
 from kvbench.run import runner as runner_module
 from kvbench.run.backend_config import BackendConfig
-from kvbench.run.progress import EstimatedRemainingColumn, remaining_s, run_progress
+from kvbench.run.progress import EstimatedRemainingColumn, remaining_s
 from kvbench.run.runner import Runner, RunOptions
 from kvbench.workloads import load
 from tests.fakes.openai_server import FakeOpenAI
