@@ -35,6 +35,9 @@ class Backend(ABC):
     default_version: ClassVar[str]
     #: True when prompts go in as token ids (exact); False when the engine only takes text.
     accepts_token_ids: ClassVar[bool] = True
+    #: Why the backend cannot start a server of its own (it only attaches: ``url=``), or None when it can;
+    #: ``kvbench run`` refuses it without a url before anything is installed or created.
+    attach_only: ClassVar[str | None] = None
     #: True when the engine can be made to generate exactly the asked number of tokens (ignore_eos);
     #: False: output is normalised by the tokens actually generated and short outputs are flagged.
     forces_output_length: ClassVar[bool] = True
@@ -210,9 +213,20 @@ class Backend(ABC):
         up to ``wait_s`` for it to end) and for an attached server, which is not ours to watch."""
         return self.server.exit_description(wait_s) if self.server else ""
 
-    def reported_version(self) -> str:
-        """The version the running engine says it is (falls back to the configured one)."""
+    def reported_version(self) -> str | None:
+        """The version the running engine says it is (falls back to the configured one); None where an
+        attached server says none (compare then calls it "unknown")."""
         return self.version
+
+    def served_models(self) -> list[str] | None:
+        """The models the running server says it serves (e.g. the ids of its /v1/models), recorded in
+        run.json and checked against ``--model``; None where this adapter does not read them."""
+        return None
+
+    def capabilities(self) -> dict[str, bool | str]:
+        """What an attached server was asked and found to support (token ids, ignore_eos, usage in the
+        stream), recorded in run.json; empty where nothing is asked."""
+        return {}
 
     # --- measurement ---------------------------------------------------------------------------
     @abstractmethod
@@ -222,6 +236,12 @@ class Backend(ABC):
     @abstractmethod
     def kv_pool(self) -> KVPool | None:
         """The allocated KV pool, read from the engine; None when it cannot be read."""
+
+    @classmethod
+    def kv_pool_from_log(cls, text: str) -> KVPool | None:
+        """The pool as the engine's own log states it (``kvbench report --recompute`` re-derives a published
+        run's pool facts from its logs/ with it); None where the log does not say it."""
+        return None
 
     @abstractmethod
     def kv_in_use(self, client: httpx.Client) -> KVInUse | None:

@@ -146,7 +146,7 @@ class Deployment(Backend):
             self._http = None
         return survivors
 
-    def reported_version(self) -> str:
+    def reported_version(self) -> str | None:
         """The replicas' version; each one's where they differ (a deployment mid-upgrade)."""
         versions = [r.reported_version() for r in self.replicas]
         for label, version in zip(self.labels, versions):
@@ -154,7 +154,7 @@ class Deployment(Backend):
         self._versions = versions
         if len(set(versions)) == 1:
             return versions[0]
-        return ", ".join(f"{label} {v}" for label, v in zip(self.labels, versions))
+        return ", ".join(f"{label} {v or 'unknown'}" for label, v in zip(self.labels, versions))
 
     def tokenize(self, text: str) -> list[int] | None:
         """The first replica's token ids, once every replica agrees (a replica serving another model or

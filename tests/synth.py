@@ -13,12 +13,14 @@ CONTRACT = "token ids, ignore_eos"
 
 def make_run(root: Path, run_id: str, backends=(("vllm", "0.31.0"),), prompts=(1024, 2048), concurrency=(1, 4),
              repeats: int = 3, n_requests: int = 16, scale: dict | None = None, seed: int = 0,
-             contract: str = CONTRACT, failed: set | None = None, noise: float = 0.02) -> Path:
+             contract: str = CONTRACT, failed: set | None = None, noise: float = 0.02,
+             reported: dict | None = None) -> Path:
     """A finished run. ``scale`` multiplies a backend's latencies ("latency"), throughput ("throughput")
     and KV bytes in use ("kv": its peak and timeline, the prediction kept, as an engine that rounds its
     blocks up differently) by a factor, e.g. {"vllm-0.32.0": {"latency": 1.10}}: a real 10 % regression.
     Repeats vary by ``noise`` (relative sd); every request has its own TTFT/ITL samples. KV in use is the
-    same in every repeat (deterministic, as an engine's is)."""
+    same in every repeat (deterministic, as an engine's is). Each engine reports its version, unless
+    ``reported`` maps its label to what it reports instead (None: nothing, as a server without /version)."""
     rng = np.random.default_rng(seed)
     scale = scale or {}
     failed = failed or set()
@@ -41,6 +43,7 @@ def make_run(root: Path, run_id: str, backends=(("vllm", "0.31.0"),), prompts=(1
                     if (label, p, c) in failed:
                         writer.write_cell(CellRow(
                             run_id=run_id, cell_id=cid, backend=label, engine=engine, engine_version=version,
+                            engine_version_reported=(reported or {}).get(label, version),
                             model="smollm2", workload="smoke", prompt_tokens=p, output_tokens=16, concurrency=c,
                             repeat=rep, kv_dtype="bf16", token_contract=contract, status="failed",
                             error="engine failed to start", log_tail="boom"))
@@ -65,6 +68,7 @@ def make_run(root: Path, run_id: str, backends=(("vllm", "0.31.0"),), prompts=(1
                     kv = predicted * kv_scale
                     writer.write_cell(CellRow(
                         run_id=run_id, cell_id=cid, backend=label, engine=engine, engine_version=version,
+                        engine_version_reported=(reported or {}).get(label, version),
                         model="smollm2", workload="smoke", prompt_tokens=p, output_tokens=16, concurrency=c,
                         repeat=rep, kv_dtype="bf16", token_contract=contract, status="ok",
                         n_requests=n_requests, n_ok=n_requests,

@@ -58,16 +58,103 @@ def test_a_real_10_percent_regression_exits_1(runs, tmp_path):
     assert m["method"].startswith("Welch t-interval") and (m["n_baseline"], m["n_candidate"]) == (5, 5)
 
 
-def test_noise_only_exits_0(runs):
-    out = kvbench("compare", runs["base"], runs["same"])
-    assert out.exit_code == 0, out.output
-    assert "no regression" in out.stdout and "REGRESSION" not in out.stdout
+def test_noise_only_is_never_a_regression_and_inconclusive_is_not_a_pass(runs):
+    out = kvbench("compare", runs["base"], runs["same"], "--format", "json")
+    result = as_json(out)
+    assert not result["regression_found"] and result["summary"]["regression"] == 0
+    # 5 repeats of 16 requests: two p50s at concurrency 1 are still wider than their 5 % (an interval of
+    # about +-5 %): inconclusive, exit 3, and how many repeats would settle them
+    assert result["verdict"] == "inconclusive" and out.exit_code == 3 == result["exit_code"]
+    inconclusive = [m for c in result["cells"] for m in c["metrics"] if m["verdict"] == "inconclusive"]
+    assert inconclusive and all(m["ci_high"] - m["ci_low"] > 0 for m in inconclusive)
+    assert all(m["ci_low"] < m["tolerance"] and (m["ci_high"] > m["tolerance"] or m["ci_low"] < -m["tolerance"])
+               for m in inconclusive)
+    settle = result["settle"]
+    assert settle["inconclusive"] == len(inconclusive) and settle["median"] > 5 and settle["repeats_now"] == 5
+    text = kvbench("compare", runs["base"], runs["same"]).stdout
+    assert "**inconclusive** (exit 3)" in text and f"needs about {settle['median']} repeats per side" in text
+    # a gate that asks only for no evidence of a regression passes it, and says so
+    passed = kvbench("compare", runs["base"], runs["same"], "--pass-unless-regression")
+    assert passed.exit_code == 0 and "**inconclusive** (exit 0)" in passed.stdout
+    assert "--pass-unless-regression" in passed.stdout
+    # ... but never a regression
+    assert kvbench("compare", runs["base"], runs["slower"], "--pass-unless-regression").exit_code == 1
+
+
+@pytest.mark.parametrize("case, scale, verdict, exit_code", [
+    ("unchanged", {}, "unchanged", 0),
+    ("regression", {"latency": 1.25, "throughput": 0.8}, "REGRESSION", 1),
+    ("improvement", {"latency": 0.8, "throughput": 1.25}, "improvement", 4),
+])
+def test_each_verdict_has_its_own_exit_code(tmp_path, case, scale, verdict, exit_code):
+    quiet = {"prompts": (1024,), "concurrency": (4,), "repeats": 8, "noise": 0.005}
+    base = make_run(tmp_path, "b", seed=1, **quiet)
+    cand = make_run(tmp_path, "c", backends=[("vllm", "0.32.0")], seed=3, scale={"vllm-0.32.0": scale}, **quiet)
+    out = kvbench("compare", base, cand, "--format", "json")
+    result = as_json(out)
+    assert (result["verdict"], result["exit_code"], out.exit_code) == (verdict, exit_code, exit_code), result["summary"]
+    assert result["summary"]["inconclusive"] == 0
+    if case == "unchanged":
+        assert {m["verdict"] for c in result["cells"] for m in c["metrics"]} <= {"unchanged", "not compared"}
+    passed = kvbench("compare", base, cand, "--pass-unless-regression")
+    assert passed.exit_code == (1 if case == "regression" else 0)
+
+
+def test_the_published_upgrade_run_is_inconclusive_not_a_pass():
+    upgrade = PUBLISHED.parent / "20261129-vllm-upgrade-cpu"
+    out = kvbench("compare", upgrade, "--baseline-backend", "vllm-0.31.0", "--candidate-backend", "vllm-0.32.0",
+                  "--format", "json")
+    result = as_json(out)
+    assert out.exit_code == 3 and result["verdict"] == "inconclusive"
+    assert result["summary"]["inconclusive"] >= 40 and result["summary"]["regression"] == 0
+    assert result["settle"]["median"] > 3  # this run has 3 repeats: more would settle it
+
+
+def test_an_attached_server_without_a_version_is_unknown_not_the_same_version(tmp_path):
+    base = make_run(tmp_path, "b", backends=[("openai", "v1")], prompts=(1024,), concurrency=(1,), repeats=3,
+                    seed=1, reported={"openai-v1": None})
+    cand = make_run(tmp_path, "c", backends=[("openai", "v1")], prompts=(1024,), concurrency=(1,), repeats=3,
+                    seed=2, reported={"openai-v1": None}, scale={"openai-v1": {"latency": 1.25}})
+    out = kvbench("compare", base, cand)
+    assert out.exit_code == 1 and "SAME ENGINE VERSION" not in out.output
+    assert "ENGINE VERSION UNKNOWN on the baseline and candidate" in out.stdout
+    known = make_run(tmp_path, "k", backends=[("openai", "v1")], prompts=(1024,), concurrency=(1,), repeats=3,
+                     seed=3, reported={"openai-v1": "0.32.0"})
+    mixed = kvbench("compare", base, known)
+    assert "ENGINE VERSION UNKNOWN on the baseline:" in mixed.stdout and "candidate: 0.32.0" in mixed.stdout
+
+
+def test_the_two_published_cpu_default_runs_compare(tmp_path):
+    """The older one is schema v1 (its record as written: cells.jsonl.bak), whose rows did not record the
+    token contract: migrated to what every v1 backend did, so its cells match the newer run's."""
+    import shutil
+
+    older = tmp_path / PUBLISHED.name
+    shutil.copytree(PUBLISHED, older, ignore=shutil.ignore_patterns("*.parquet", "plots", "report.*"))
+    shutil.copy2(older / "cells.jsonl.bak", older / "cells.jsonl")
+    assert json.loads((older / "cells.jsonl").read_text().splitlines()[0])["schema_version"] == 1
+    newer = PUBLISHED.parent / "20261130-194844-cpu-default"
+    out = kvbench("compare", older, newer, "--format", "json")
+    result = as_json(out)
+    assert result["summary"]["contract_mismatch"] == 0 and result["summary"]["compared_cells"] == 24
+    assert {tuple(c["token_contract"]) for c in result["cells"]} == {("token ids, output forced",)}
+    assert out.exit_code == result["exit_code"] != 2
+
+
+def test_failed_cells_are_headed_by_the_side_they_failed_on(tmp_path):
+    base = make_run(tmp_path, "b", prompts=(1024,), concurrency=(1, 4), repeats=2, seed=1,
+                    failed={("vllm-0.31.0", 1024, 4)})
+    cand = make_run(tmp_path, "c", backends=[("vllm", "0.32.0")], prompts=(1024,), concurrency=(1, 4), repeats=2,
+                    seed=2)
+    out = kvbench("compare", base, cand)
+    assert "## Failed on the baseline or on both (not compared)" in out.stdout
+    assert "counted as regressions" not in out.stdout and out.exit_code != 1
 
 
 def test_json_schema(runs):
     result = as_json(kvbench("compare", runs["base"], runs["same"], "--format", "json"))
-    assert result["schema"] == "kvbench.compare/2"
-    assert list(result)[:5] == ["schema", "verdict", "exit_code", "regression_found", "summary"]
+    assert result["schema"] == "kvbench.compare/3"
+    assert list(result)[:6] == ["schema", "verdict", "exit_code", "regression_found", "summary", "settle"]
     assert set(result) >= {"warnings", "pairing", "repeats_needed", "match_on", "confidence", "tolerances", "baseline", "candidate", "cells", "only_in_baseline",
                            "only_in_candidate", "contract_mismatch", "failed", "summary", "regression_found",
                            "exit_code"}
@@ -78,7 +165,7 @@ def test_json_schema(runs):
     for m in cell["metrics"]:
         assert set(m) >= {"metric", "worse", "tolerance", "baseline", "candidate", "change", "ci_low", "ci_high",
                           "method", "n_baseline", "n_candidate", "verdict", "note", "paired", "noise_log_sd",
-                          "repeats_needed"}
+                          "repeats_needed", "repeats_to_settle"}
         assert m["verdict"] in {"regression", "improvement", "unchanged", "inconclusive", "not compared"}
     assert result["tolerances"]["ttft_s_p50"] == 0.05
 
@@ -142,8 +229,8 @@ def test_single_run_latency_intervals_come_from_the_requests(tmp_path):
     assert metrics["ttft_s_p50"]["verdict"] == "regression" and out.exit_code == 1
     assert any(w.startswith("SINGLE RUN") for w in as_json(out)["warnings"])
     assert metrics["itl_s_p50"]["method"].startswith("single run")
-    # throughput has no per-request samples: one repeat gives no interval, and says why
-    assert metrics["output_tokens_per_s"]["verdict"] == "not compared"
+    # throughput has no per-request samples: one repeat gives no interval, says why, and is no evidence
+    assert metrics["output_tokens_per_s"]["verdict"] == "inconclusive"
     assert "--repeats" in metrics["output_tokens_per_s"]["note"]
 
 
@@ -210,7 +297,7 @@ def _set_env(run: Path, **env):
 def test_the_verdict_comes_first_then_the_table(runs):
     out = kvbench("compare", runs["base"], runs["slower"])
     lines = [line for line in out.stdout.splitlines() if line.strip()]
-    assert lines[1].startswith("**REGRESSION**: ") and "regressions" in lines[1] and "inconclusive" in lines[1]
+    assert lines[1].startswith("**REGRESSION** (exit 1): ") and "regressions" in lines[1] and "inconclusive" in lines[1]
     assert out.stdout.index("**REGRESSION**") < out.stdout.index("| cell |")
     assert "needs about" in out.stdout and "repeats per side here" in out.stdout
 
@@ -218,7 +305,7 @@ def test_the_verdict_comes_first_then_the_table(runs):
 def test_the_same_engine_version_on_both_sides_is_warned_about(runs, tmp_path):
     again = make_run(tmp_path, "again", backends=[("vllm", "0.31.0")], seed=9, noise=0.01, repeats=5)
     out = kvbench("compare", runs["base"], again)
-    assert out.exit_code == 0
+    assert out.exit_code in (0, 3)  # no regression: unchanged, or inconclusive
     assert "SAME ENGINE VERSION" in out.stdout and "SAME ENGINE VERSION" in out.stderr
     # first thing after the verdict
     assert out.stdout.index("SAME ENGINE VERSION") < out.stdout.index("| cell |")
@@ -232,9 +319,9 @@ def test_runs_from_different_hardware_are_refused_unless_allowed(tmp_path):
     out = kvbench("compare", base, cand)
     assert out.exit_code == 2 and "DIFFERENT HARDWARE" in out.output and "--allow-different-hardware" in out.output
     allowed = kvbench("compare", base, cand, "--allow-different-hardware", "--format", "json")
-    assert allowed.exit_code == 0 and "DIFFERENT HARDWARE" in as_json(allowed)["warnings"][0]
+    assert allowed.exit_code in (0, 3) and "DIFFERENT HARDWARE" in as_json(allowed)["warnings"][0]
     _set_env(cand, cpu_flags=["avx2", "avx512f", "avx512_bf16"])
-    assert kvbench("compare", base, cand).exit_code == 0
+    assert kvbench("compare", base, cand).exit_code in (0, 3)  # compared: no bad-input exit
 
 
 def test_one_run_pairs_the_repeats_by_index(runs):

@@ -176,6 +176,9 @@ def test_attach_to_a_running_llamacpp_with_an_open_loop(tmp_path_factory, smollm
         assert row.token_contract == "token ids, output forced"
         info = load_run_info(run_dir)
         assert "tokenize endpoint" in info["token_checks"][row.backend]
+        # what it serves, read from its /v1/models: the GGUF --model names (else the cells would have failed)
+        (served,) = info["served_models"][row.backend]
+        assert served.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") or "SmolLM2" in served, served
         reqs = requests_of(run_dir)
         reqs = reqs[~reqs.warmup]  # the estimate's calibration requests are warm-ups, off the schedule
         # uvloop rounds timers to whole milliseconds: a request may leave up to about 1 ms early
@@ -220,7 +223,8 @@ def test_all_six_backends_in_one_run(tmp_path_factory, monkeypatch):
     stand_in(bin_dir, "ollama", "tests.fakes.ollama_server")
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     wl = Workload(name="six", seed=5, prompt_tokens=[32], output_tokens=4, concurrency=[1], warmup_requests=0)
-    with FakeOpenAI() as fake:
+    # a generic OpenAI-compatible server: text prompts only, no ignore_eos (the adapter asks, and uses text)
+    with FakeOpenAI(vllm_extensions=False, token_id_prompts=False) as fake:
         run_dir, cells = run_workload(tmp_path_factory, wl, "hf", "vllm", "llamacpp", "tgi",
                                       f"ollama:models_dir={tmp_path_factory.mktemp('ollama-models')}",
                                       f"openai:url={fake.url}")

@@ -23,7 +23,8 @@ def attached(tmp_path, fake, **options):
 
 
 def test_text_prompt_one_token_per_text_chunk_and_usage(tmp_path):
-    with FakeOpenAI(model="served-name") as fake:
+    # a server that takes text only and refuses vLLM's extensions: asked, and used as it is
+    with FakeOpenAI(model="served-name", vllm_extensions=False, token_id_prompts=False) as fake:
         backend = attached(tmp_path, fake)
         assert backend.model == "served-name"  # the first id of /v1/models
         (r,) = run(backend, [prompt(100, 16)])
@@ -52,13 +53,13 @@ def test_token_ids_ignore_eos_and_multi_token_chunks(tmp_path):
 def test_without_token_ids_a_packed_chunk_counts_once(tmp_path):
     # documented under-count: the usage's completion_tokens stays exact, and the two disagree
     with FakeOpenAI(tokens_per_chunk=4) as fake:
-        (r,) = run(attached(tmp_path, fake), [prompt(50, 16)])
+        (r,) = run(attached(tmp_path, fake, token_ids=False), [prompt(50, 16)])
     assert r.chunk_tokens == [1, 1, 1, 1] and r.output_tokens_reported == 16
 
 
 def test_eos_without_ignore_eos_stops_early(tmp_path):
     with FakeOpenAI(eos_after=5) as fake:
-        (r,) = run(attached(tmp_path, fake), [prompt(50, 16)])
+        (r,) = run(attached(tmp_path, fake, ignore_eos=False), [prompt(50, 16)])
     assert r.error is None and r.output_tokens_reported == 5 and r.engine_details["finish_reason"] == "stop"
 
 
@@ -67,15 +68,119 @@ def test_error_bodies_cut_off_and_missing_usage(tmp_path):
         backend = attached(tmp_path, fake)
         (too_long,) = run(backend, [prompt(120, 16)])
         assert too_long.error.startswith("HTTP 400: ") and "maximum context length is 128 tokens" in too_long.error
-        wrong = attached(tmp_path, fake, served_model="other")
-        (missing,) = run(wrong, [prompt(10, 4)])
-        assert missing.error.startswith("HTTP 404: ") and "The model `other` does not exist." in missing.error
+        # a served_model the server does not know fails the attach (its first probe), not every request
+        with pytest.raises(EngineStartError, match="HTTP 404: .*The model `other` does not exist."):
+            attached(tmp_path, fake, served_model="other")
         fake.cut_after = 2
         (cut,) = run(backend, [prompt(10, 8)])
         assert cut.error and cut.output_tokens_reported is None
         fake.cut_after, fake.include_usage = None, False
         (no_usage,) = run(backend, [prompt(10, 8)])
         assert no_usage.error and no_usage.output_tokens_reported is None
+
+
+def test_the_server_is_asked_what_it_supports_and_what_it_serves(tmp_path):
+    with FakeOpenAI() as vllm_like:  # vLLM's dialect: ids, ignore_eos and usage in the stream
+        backend = attached(tmp_path, vllm_like)
+        (r,) = run(backend, [prompt(50, 16)])
+    assert backend.capabilities() == {"stream usage": True, "token ids": True, "ignore_eos": True}
+    assert backend.served_models() == ["smollm2"] and backend.accepts_token_ids and backend.forces_output_length
+    assert vllm_like.last_request["prompt"] == list(range(100, 150)) and vllm_like.last_request["ignore_eos"] is True
+    assert r.error is None and r.output_tokens_reported == 16
+
+    with FakeOpenAI(vllm_extensions=False, token_id_prompts=False, include_usage=False) as plain:
+        backend = attached(tmp_path, plain)
+        (r,) = run(backend, [prompt(50, 16)])
+    assert backend.capabilities() == {"stream usage": False, "token ids": False, "ignore_eos": False}
+    assert not (backend.accepts_token_ids or backend.forces_output_length)
+    body = plain.last_request
+    assert isinstance(body["prompt"], str) and "ignore_eos" not in body and "stream_options" not in body
+    # no usage chunk from a server that was found to send none: the tokens received count, not an error
+    assert r.error is None and r.output_tokens_reported is None and sum(r.chunk_tokens) == 16
+
+    with FakeOpenAI() as told:  # an option given is used as given, not asked
+        backend = attached(tmp_path, told, token_ids=False, ignore_eos=False)
+    assert backend.capabilities() == {"stream usage": True}
+    assert not (backend.accepts_token_ids or backend.forces_output_length)
+
+    with FakeOpenAI() as unasked:  # probe=false: nothing sent before the cells, the options' defaults used
+        backend = attached(tmp_path, unasked, probe=False)
+    assert backend.capabilities() == {} and unasked.last_request is None
+    assert not (backend.accepts_token_ids or backend.forces_output_length)
+
+
+def test_a_server_without_a_version_endpoint_reports_none(tmp_path):
+    with FakeOpenAI(version=None) as fake:
+        assert attached(tmp_path, fake).reported_version() is None
+    with FakeOpenAI() as fake:
+        assert attached(tmp_path, fake).reported_version() == "0.32.0"
+
+
+# --- whole runs against the fake: the served model, the short outputs of a server without ignore_eos ---------
+
+TINY = """name = "tiny"
+seed = 3
+prompt_tokens = [32]
+output_tokens = 16
+concurrency = [1]
+rounds = 3
+warmup_requests = 1
+warmup_prompt_tokens = 16
+"""
+
+
+def whole_run(tmp_path, fake, run_id, **options):
+    import io
+    import json
+
+    from rich.console import Console
+
+    from kvbench.run.runner import Runner, RunOptions
+    from kvbench.store.readers import load_cells
+    from kvbench.workloads import load
+
+    (tmp_path / "tiny.toml").write_text(TINY)
+    out = io.StringIO()
+    opts = RunOptions(model="smollm2", workload=load(str(tmp_path / "tiny.toml")), results_dir=tmp_path,
+                      run_id=run_id, estimate=False, backends=[BackendConfig.parse(f"openai:url={fake.url}")],
+                      **options)
+    run_dir = Runner(opts, Console(file=out, width=200)).run()
+    return load_cells(run_dir), json.loads((run_dir / "run.json").read_text()), out.getvalue()
+
+
+def test_the_served_model_is_recorded_and_set_against_the_model(tmp_path, smollm2):
+    with FakeOpenAI(model="Qwen/Qwen2.5-7B-Instruct", version=None) as fake:
+        cells, info, console = whole_run(tmp_path, fake, "mismatch")
+        label = f"openai@127.0.0.1:{fake.port}"
+        assert info["served_models"] == {label: ["Qwen/Qwen2.5-7B-Instruct"]}
+        assert (cells.status == "failed").all()
+        assert "the server serves Qwen/Qwen2.5-7B-Instruct, not --model smollm2" in cells.error.iloc[0]
+        assert "--allow-model-mismatch" in cells.error.iloc[0]
+        cells, info, console = whole_run(tmp_path, fake, "allowed", allow_model_mismatch=True)
+    assert (cells.status != "failed").all() and "warning: the server serves Qwen/Qwen2.5-7B-Instruct" in console
+    from kvbench.reports import build
+
+    header = dict(build([tmp_path / "allowed"]).headers[0])
+    assert header["Served models"].startswith(f"{label}: Qwen/Qwen2.5-7B-Instruct (asked: stream usage yes")
+    assert header["Model"].startswith("smollm2")  # the model whose KV is predicted, the served one beside it
+    assert cells.engine_version_reported.isna().all()  # no /version: unknown, not "v1"
+    with FakeOpenAI(model="HuggingFaceTB/SmolLM2-135M-Instruct") as fake:  # the same model, named as the hub does
+        cells, info, _ = whole_run(tmp_path, fake, "same")
+    assert (cells.status == "ok").all() and info["capabilities"][f"openai@127.0.0.1:{fake.port}"] == {
+        "stream usage": True, "token ids": True, "ignore_eos": True}
+    assert set(cells.token_contract) == {"token ids, output forced"}
+
+
+def test_a_server_without_ignore_eos_keeps_the_timings_of_its_short_outputs(tmp_path, smollm2):
+    # the defaults, against a server that ends every output at EOS after 5 tokens and knows no ignore_eos
+    with FakeOpenAI(vllm_extensions=False, token_id_prompts=False, eos_after=5) as fake:
+        cells, info, _ = whole_run(tmp_path, fake, "short")
+    row = cells.iloc[0]
+    assert row.token_contract == "text, output as generated"
+    assert row.status == "flagged" and row.n_short == 3 and row.n_ok == 3 and row.ttft_s_p50 > 0
+    assert row.output_tokens_per_s > 0
+    assert all("short output: the server does not honour ignore_eos (output 16 asked / 5 generated)" in f
+               for f in row["flags"])
 
 
 def test_start_needs_a_url(tmp_path):

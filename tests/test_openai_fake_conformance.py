@@ -156,3 +156,20 @@ def test_an_api_key_is_sent_and_a_wrong_one_refused_as_openai_does(client):
     assert refused.value.body["message"] == "Incorrect API key provided"
     assert model.id == "smollm2" and len(chunks) == 2
     assert fake.auth_seen == ["Bearer sk-wrong", "Bearer sk-right", "Bearer sk-right"]
+
+
+def test_a_server_of_another_dialect_refuses_vllm_extensions_and_id_prompts_as_the_client_reads_it(client):
+    with FakeOpenAI(vllm_extensions=False, token_id_prompts=False) as fake:
+        c = client(fake)
+        with pytest.raises(openai.BadRequestError) as extension:
+            list(c.completions.create(model="smollm2", prompt="a", max_tokens=2, stream=True,
+                                      extra_body={"ignore_eos": True, "min_tokens": 2}))
+        with pytest.raises(openai.BadRequestError) as ids:
+            list(c.completions.create(model="smollm2", prompt=[1, 2, 3], max_tokens=2, stream=True))
+        # what it does take still parses: a text prompt with usage in the stream
+        events = list(c.completions.create(model="smollm2", prompt="a b", max_tokens=2, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert extension.value.status_code == 400 and extension.value.body["type"] == "invalid_request_error"
+    assert extension.value.body["message"] == "Unrecognized request argument supplied: ignore_eos"
+    assert ids.value.status_code == 400 and ids.value.body["param"] == "prompt"
+    assert events[-1].usage.completion_tokens == 2 and events[-1].usage.prompt_tokens == 2

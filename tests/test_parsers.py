@@ -49,3 +49,24 @@ def test_vllm_metrics():
     assert labels["num_gpu_blocks"] == "10" and labels["block_size"] == "128" and value == 1.0
     assert samples["vllm:kv_cache_usage_perc"][0][1] == 4 / 9
     assert samples["vllm:num_preemptions_total"][0][1] == 0.0
+
+
+def _slot(prompt, processed, decoded, processing=True):
+    """A /slots entry as this machine's llama-server (llama-cpp-python 0.3.36's sources) answered it, trimmed
+    to the fields read."""
+    return {"id": 0, "n_ctx": 4096, "is_processing": processing, "n_prompt_tokens": prompt,
+            "n_prompt_tokens_processed": processed,
+            "next_token": [{"has_next_token": True, "has_new_line": False, "n_remain": 8 - decoded, "n_decoded": decoded}]}
+
+
+def test_llama_slot_tokens_in_kv_count_only_the_processed_prompt_before_decoding():
+    from kvbench.backends.llamacpp.adapter import slot_tokens_in_kv
+
+    # polled while two 3,000-token prompts were prefilled (n_batch 2,048): n_prompt_tokens read 2,048 at 0.2 s
+    # with nothing computed, then 3,000 while 2,048 were
+    assert slot_tokens_in_kv(_slot(2048, 0, 0)) == 0
+    assert slot_tokens_in_kv(_slot(3000, 2048, 0)) == 2048
+    # decoding: the cached token list, prompt and fed-back tokens (n_decoded not added on top)
+    assert slot_tokens_in_kv(_slot(3003, 3000, 3)) == 3003
+    # a server that does not say how much is processed: the old figure
+    assert slot_tokens_in_kv({"n_prompt_tokens": 1500, "next_token": {"n_decoded": 0}}) == 1500

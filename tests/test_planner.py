@@ -373,3 +373,20 @@ def test_overhead_from_a_run_that_did_not_measure_it_says_so(tmp_path, extra, me
     assert out.exit_code == 2 and message in out.output, out.output
     missing = runner.invoke(app, ["plan", "llama-3.1-8b", "--context", "100", "--overhead-from", str(tmp_path)])
     assert missing.exit_code == 2 and "not a run folder" in missing.output
+
+
+def test_llamacpp_pool_holds_at_most_one_sequence_per_slot():
+    """The published CPU default's llama.cpp pool: 4 slots x 8,192 cells (log: "8192 cells, 30 layers, 4/4
+    seqs"). A 1,024 + 64-token sequence pads to 1,280 cells: 6 would fit one stream's cells, but each slot
+    serves one sequence, so 4 (the old rule said 32,768 // 1,280 = 25)."""
+    rules = REGISTRY["llamacpp"].kv_rules
+    g = geom("llama-3-8b")
+    split = {"caches": [{"cells": 8192, "streams": 4, "seqs": 4}]}
+    assert rules.sequences_in_pool(g, 32768, 1087, split) == 4
+    assert rules.sequences_in_pool(g, 32768, 8191, split) == 4  # 8,192 cells exactly: one per slot
+    assert rules.sequences_in_pool(g, 32768, 8193, split) == 0  # over a slot's cells: none fits
+    unified = {"caches": [{"cells": 32768, "streams": 1, "seqs": 4}]}  # --kv-unified: one stream for all slots
+    assert rules.sequences_in_pool(g, 32768, 8191, unified) == 4 and rules.sequences_in_pool(g, 32768, 16383, unified) == 2
+    # a sliding-window model logs a second, smaller cache: the full-attention one counts
+    swa = {"caches": [{"cells": 8192, "streams": 4, "seqs": 4}, {"cells": 1024, "streams": 4, "seqs": 4}]}
+    assert rules.sequences_in_pool(g, 32768, 2047, swa) == 4

@@ -87,3 +87,22 @@ def test_there_are_published_runs_to_recompute():
 def test_every_published_run_matches_a_recompute(path):
     result = rc.recompute(path)  # reads only: rc.write would rewrite it
     assert result.cells_recomputed and result.changes == [], rc.summary(result)
+
+
+@pytest.mark.parametrize("run, old", [("20261130-194844-cpu-default", {1024: 25, 2048: 14, 4096: 7, 8128: 4}),
+                                      ("20261129-143003-cpu-default", {1024: None, 2048: None, 4096: None, 8128: None})])
+def test_recompute_rederives_llamacpps_pool_sequences_from_its_log(tmp_path, run, old):
+    """The published CPU defaults' llama.cpp pool (its log: 8,192 cells x 4/4 seqs) holds 4 sequences at
+    every rung, one per slot; the record as the run wrote it (cells.jsonl.bak) had the old rule's figure."""
+    import shutil
+
+    folder = tmp_path / run
+    shutil.copytree(RESULTS / "published" / run, folder)
+    shutil.copy2(folder / "cells.jsonl.bak", folder / "cells.jsonl")
+    result = rc.recompute(folder)
+    llama = [r for r in result.rows if r["engine"] == "llamacpp"]
+    assert {r["prompt_tokens"]: r["kv_pool_sequences_predicted"] for r in llama} == dict.fromkeys(old, 4)
+    changed = {(c["cell_id"].split("_")[1], c["old"]) for c in result.changes if c["field"] == "kv_pool_sequences_predicted"}
+    assert changed == {(f"p{p}", o) for p, o in old.items() if o != 4}
+    # another engine's pool is not stated in its log: its figure stays as the run wrote it
+    assert all(c["cell_id"].startswith("llamacpp") for c in result.changes if c["field"] == "kv_pool_sequences_predicted")

@@ -55,7 +55,7 @@ def test_report_shows_numbers_failures_and_not_measured(tmp_path):
     no_rss = cell(cell_id="vllm-0.32.0_p2048_c1", prompt_tokens=2048, rss_peak_bytes=None)
     _, _, text = write([make_run(tmp_path, [cell(), failed, no_rss])])
     assert "Test CPU" in text and "vllm-0.32.0 (0.32.0)" in text and "`r1`" in text
-    assert "| vllm-0.32.0 | 1024 | 1 | bf16 | 23,040 |" in text
+    assert "| vllm-0.32.0 | 1024 | 1 | bf16 |  | 23,040 |" in text  # an empty failure column
     assert "1.0598" in text  # 1152 / 1087
     assert "engine failed to start" in text and "invalid argument: --bogus" in text
     assert "not measured" in text  # RSS of the third row, never 0

@@ -161,6 +161,8 @@ def available() -> list[str]:
 def load(name_or_path: str) -> Workload:
     """Load a workload by name (a file in workloads/) or by path to a TOML file."""
     path = Path(name_or_path)
+    if (path.suffix or len(path.parts) > 1) and not path.exists():  # a path, not a name
+        raise WorkloadError(f"no such file: {name_or_path} (the workload)")
     if not path.suffix:
         path = WORKLOAD_DIR / f"{name_or_path}.toml"
     if not path.exists():

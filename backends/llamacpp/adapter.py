@@ -70,6 +70,28 @@ def parse_kv_log(text: str) -> list[dict]:
     return caches
 
 
+def slot_tokens_in_kv(slot: dict) -> int:
+    """The tokens one /slots entry holds in the KV cache. Once it decodes, its n_prompt_tokens is the
+    length of its cached token list, which grows as generated tokens are fed back (so n_decoded is not added
+    on top). Before, while its prompt is processed, n_prompt_tokens already reads the tokens taken in (2,048
+    at 0.2 s for a 3,000-token prompt whose prefill took a minute, polled on this machine) and only
+    n_prompt_tokens_processed are in the cache: counting the former drew a KV line at its height before any
+    prefill ran, and dips as slots moved between batches."""
+    prompt = int(slot.get("n_prompt_tokens") or 0)
+    decoded = max((int(t.get("n_decoded") or 0) for t in _as_list(slot.get("next_token"))), default=0)
+    processed = slot.get("n_prompt_tokens_processed")
+    if decoded or processed is None:  # decoding, or a server that does not say (the older figure)
+        return prompt
+    return min(prompt, int(processed))
+
+
+def _as_list(value) -> list[dict]:
+    """``next_token`` is one object in some llama-server versions, a list (one per sequence) in others."""
+    if isinstance(value, dict):
+        return [value]
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
 class LlamaCppBackend(Backend):
     engine = "llamacpp"
     supports_prefix_caching = True
@@ -278,6 +300,13 @@ class LlamaCppBackend(Backend):
         except (httpx.HTTPError, ValueError):
             return self.version
 
+    def served_models(self) -> list[str] | None:
+        """The ids of llama-server's /v1/models (the -m path, or its --alias); None where it has no such route."""
+        try:
+            return [str(m["id"]) for m in self.http.get(self.base_url + "/v1/models").json()["data"]]
+        except (httpx.HTTPError, KeyError, ValueError, TypeError):
+            return None
+
     def tokenize(self, text: str) -> list[int] | None:
         response = self.http.post(self.base_url + "/tokenize", json={"content": text, "add_special": False})
         return response.json()["tokens"] if response.status_code == 200 else None
@@ -316,13 +345,17 @@ class LlamaCppBackend(Backend):
                                           and response.status_code == 501 else ""))
 
     def kv_pool(self) -> KVPool | None:
-        caches = parse_kv_log(self.server.log_path.read_text(errors="replace")) if self.server else []
+        return self.kv_pool_from_log(self.server.log_path.read_text(errors="replace")) if self.server else None
+
+    @classmethod
+    def kv_pool_from_log(cls, text: str) -> KVPool | None:
+        caches = parse_kv_log(text)
         if not caches:
             return None
         # "cells" is per stream: without a unified cache every slot has a stream of its own.
         # MiB with two decimals is all the log gives: the bytes are exact to 0.005 MiB.
         # A sliding-window model logs a second, smaller cache; the token capacity is the full-attention one.
-        buffers = parse_buffers(self.server.log_path.read_text(errors="replace"))
+        buffers = parse_buffers(text)
         gpu_kv = [b for dev, b in buffers["kv"].items() if not dev.upper().startswith("CPU")]
         gpu_model = [b for dev, b in buffers["model"].items() if not dev.upper().startswith("CPU")]
         weights = sum(buffers["model"].values()) or None
@@ -337,11 +370,9 @@ class LlamaCppBackend(Backend):
 
     def kv_in_use(self, client: httpx.Client) -> KVInUse | None:
         slots = client.get(self.base_url + "/slots").json()
-        # A slot's n_prompt_tokens is the length of its cached token list, which grows as generated
-        # tokens are fed back (so n_decoded must not be added on top).
-        tokens = sum(slot.get("n_prompt_tokens", 0) for slot in slots if slot.get("is_processing"))
+        tokens = sum(slot_tokens_in_kv(slot) for slot in slots if slot.get("is_processing"))
         return KVInUse(bytes=tokens * self.kv_bytes_per_token(), tokens=tokens,
-                       source="/slots n_prompt_tokens x bytes/token")
+                       source="/slots tokens in KV (prompt processed, then n_prompt_tokens) x bytes/token")
 
     def queue_state(self, client: httpx.Client) -> dict | None:
         """Deferred requests (no free slot) from /metrics; /slots lists slots only, so it cannot show them."""

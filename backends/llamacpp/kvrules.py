@@ -181,5 +181,13 @@ class LlamaCppKV(KVRules):
         return f"{tp} GPUs (--split-mode layer)"
 
     def sequences_in_pool(self, geometry: KVGeometry, pool_tokens: int, context: int, details: dict) -> int | None:
-        """One slot of n_ctx / slots cells (padded to 256) per sequence."""
-        return pool_tokens // round_up(context, PAD)
+        """Each slot (-np: the log's "N/N seqs") serves one sequence at a time, from its own stream of cells
+        (n_ctx / slots without a unified cache) or the one unified stream, a sequence's cells padded to 256:
+        at most the slots, fewer where a stream holds fewer sequences (none where one does not fit). Without
+        the logged caches (details["caches"]): the pool's tokens, one slot each."""
+        caches = details.get("caches") or []
+        padded = round_up(context, PAD)
+        if not caches:
+            return pool_tokens // padded
+        full = max(caches, key=lambda c: c["cells"] * c["streams"])  # the full-attention cache
+        return min(int(full["seqs"]), int(full["streams"]) * (int(full["cells"]) // padded))

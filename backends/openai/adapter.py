@@ -1,11 +1,15 @@
 """Any OpenAI-compatible server, attach only: ``-b openai:url=http://host:port``. kvbench neither starts nor
 stops it and reads no KV figure from it (pool and in-use: not measured).
 
-Requests: ``/v1/completions`` SSE with ``stream_options.include_usage`` (prompt and completion tokens from
-the server's usage chunk). Prompts go as text unless ``token_ids=true`` (servers that take a list of ids,
-e.g. vLLM, SGLang). ``ignore_eos=true`` adds ``ignore_eos`` and ``min_tokens`` (vLLM/SGLang extensions;
-other servers may reject them); without it a request may stop early at EOS. ``return_token_ids=true`` asks
-vLLM for the token ids of each chunk. The model is ``served_model`` or the first id of /v1/models.
+Requests: ``/v1/completions`` SSE. Once attached, the adapter reads /v1/models (the served models, recorded
+in run.json and checked against ``--model``) and asks the server what it supports with three tiny
+requests (:meth:`OpenAIBackend.probe`): a prompt as a list of token ids, ``ignore_eos`` with
+``min_tokens`` (vLLM/SGLang extensions; OpenAI's own API answers 400 "Unrecognized request argument"),
+and ``stream_options.include_usage`` (prompt and completion tokens from the server's usage chunk). What it
+supports it uses; ``token_ids=`` and ``ignore_eos=`` say it instead of asking. A server that cannot force
+the output length generates until EOS: its short outputs are flagged and keep their timings.
+``return_token_ids=true`` asks vLLM for the token ids of each chunk. The model is ``served_model`` or the
+first id of /v1/models.
 
 Tokens per chunk: the number of ``token_ids`` of the choice when the server sends them, else one per
 chunk with non-empty text (a server that packs several tokens into one chunk is then under-counted:
@@ -52,11 +56,14 @@ class OpenAIBackend(Backend):
     #: The options this adapter reads (-b openai:KEY=VALUE); checked by BackendConfig.parse, listed by `kvbench backends`.
     option_specs = (
         Option("served_model", str, None, "the model name requests use", default_text="the first of /v1/models"),
-        Option("token_ids", bool, False, "the server takes prompts as token ids"),
-        Option("ignore_eos", bool, False, "the server honours ignore_eos (exact output lengths)"),
+        Option("token_ids", bool, None, "the server takes prompts as token ids", default_text="asked of the server"),
+        Option("ignore_eos", bool, None, "the server honours ignore_eos (exact output lengths)",
+               default_text="asked of the server"),
         Option("return_token_ids", bool, False, "ask for the token ids (vLLM's return_token_ids)"),
+        Option("probe", bool, True, "ask the server what it supports (three 2-token requests) before the cells"),
     )
     accepts_token_ids = False
+    attach_only = NEEDS_URL
     health_path = "/v1/models"
     prefix_cache_report = "usage.prompt_tokens_details.cached_tokens per request, where the server sends it"
 
@@ -64,7 +71,10 @@ class OpenAIBackend(Backend):
         super().__init__(*args, **kwargs)
         self.accepts_token_ids = bool(self.options.get("token_ids", False))
         self.forces_output_length = bool(self.options.get("ignore_eos", False))
+        self.stream_usage = True
         self.model = ""
+        self.models: list[str] = []  # what /v1/models lists
+        self.probed: dict[str, bool | str] = {}
 
     @classmethod
     def recipe(cls, version: str) -> Recipe:
@@ -78,32 +88,80 @@ class OpenAIBackend(Backend):
 
     def attach(self, spec: ServerSpec, url: str, timeout_s: float = 30.0) -> None:
         super().attach(spec, url, timeout_s)
-        self.model = str(self.options.get("served_model") or "")
+        try:
+            data = self.http.get(self.base_url + "/v1/models").json().get("data") or []
+            self.models = [str(m["id"]) for m in data if isinstance(m, dict) and m.get("id")]
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            raise EngineStartError(f"{self.base_url}/v1/models: {exc}") from None
+        self.model = str(self.options.get("served_model") or "") or (self.models[0] if self.models else "")
         if not self.model:
-            try:
-                models = self.http.get(self.base_url + "/v1/models").json().get("data") or []
-            except (httpx.HTTPError, ValueError) as exc:
-                raise EngineStartError(f"{self.base_url}/v1/models: {exc}") from None
-            if not models:
-                raise EngineStartError(f"{self.base_url}/v1/models lists no model: give openai:served_model=NAME")
-            self.model = models[0]["id"]
+            raise EngineStartError(f"{self.base_url}/v1/models lists no model: give openai:served_model=NAME")
+        if self.options.get("probe", True):
+            self.probe()
 
-    def reported_version(self) -> str:
-        try:  # vLLM and SGLang answer /version; others do not
+    def probe(self) -> None:
+        """Ask the server, with requests of one or two output tokens, what it supports: usage in the stream,
+        prompts as token ids, ignore_eos; an option given (token_ids=, ignore_eos=) is used as given."""
+        ok, usage = self._try({"prompt": "Hello", "stream_options": {"include_usage": True}})
+        if not ok:  # a server that refuses stream_options altogether
+            ok, usage = self._try({"prompt": "Hello"})
+            if not ok:
+                raise EngineStartError(f"{self.base_url}/v1/completions refused a 2-token request: {usage}")
+        self.stream_usage = isinstance(usage, dict)
+        self.probed["stream usage"] = self.stream_usage
+        extra = {"stream_options": {"include_usage": True}} if self.stream_usage else {}
+        if self.options.get("token_ids") is None:
+            ids = list(range(100, 108))  # ids below any vocabulary's size; only whether a list is taken matters
+            ok, usage = self._try({"prompt": ids, **extra})
+            self.accepts_token_ids = ok and (not isinstance(usage, dict) or usage.get("prompt_tokens") == len(ids))
+            self.probed["token ids"] = self.accepts_token_ids
+        if self.options.get("ignore_eos") is None:
+            ok, _ = self._try({"prompt": "Hello", "ignore_eos": True, "min_tokens": 2, **extra})
+            self.forces_output_length = ok
+            self.probed["ignore_eos"] = ok
+
+    def _try(self, body: dict) -> tuple[bool, dict | str | None]:
+        """(accepted, the usage chunk or None; the error text when refused) of one streamed 2-token request."""
+        body = {"model": self.model, "max_tokens": 2, "temperature": 0.0, "stream": True, **body}
+        try:
+            with self.http.stream("POST", self.base_url + "/v1/completions", json=body, timeout=30.0) as response:
+                if response.status_code >= 400:
+                    return False, f"HTTP {response.status_code}: {response.read().decode(errors='replace')[:300]}"
+                usage = None
+                for line in response.iter_lines():
+                    if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
+                        event = json.loads(line[5:])
+                        if "error" in event:
+                            return False, str(event["error"])[:300]
+                        usage = event.get("usage") or usage
+                return True, usage
+        except Exception as exc:  # noqa: BLE001 - whatever the server answered, it is not "supported"
+            return False, f"{type(exc).__name__}: {exc}"
+
+    def served_models(self) -> list[str] | None:
+        return list(self.models)
+
+    def capabilities(self) -> dict[str, bool | str]:
+        return dict(self.probed)
+
+    def reported_version(self) -> str | None:
+        try:  # vLLM and SGLang answer /version; others do not: then the version is unknown
             return str(self.http.get(self.base_url + "/version").json()["version"])
         except (httpx.HTTPError, KeyError, ValueError, TypeError):
-            return self.version
+            return None
 
     async def stream(self, client, prompt) -> RequestResult:
         n = prompt.output_tokens
         body = {"model": self.model, "prompt": list(prompt.token_ids) if self.accepts_token_ids else prompt.text,
-                "max_tokens": n, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+                "max_tokens": n, "temperature": 0.0, "stream": True}
+        if self.stream_usage:
+            body["stream_options"] = {"include_usage": True}
         if self.forces_output_length:
             body.update(ignore_eos=True, min_tokens=n)
         if self.options.get("return_token_ids", False):
             body["return_token_ids"] = True
         result = await stream_sse(client, self.base_url + "/v1/completions", body, prompt, self._read_event)
-        if result.error is None and result.output_tokens_reported is None:
+        if result.error is None and result.output_tokens_reported is None and self.stream_usage:
             result.error = "stream ended without a usage chunk (does the server honour stream_options.include_usage?)"
         return result
 

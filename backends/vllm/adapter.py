@@ -236,6 +236,12 @@ class VLLMBackend(PrometheusPolled, Backend):
         except (httpx.HTTPError, KeyError, ValueError):
             return self.version
 
+    def served_models(self) -> list[str] | None:
+        try:
+            return [str(m["id"]) for m in self.http.get(self.base_url + "/v1/models").json()["data"]]
+        except (httpx.HTTPError, KeyError, ValueError, TypeError):
+            return None
+
     def tokenize(self, text: str) -> list[int] | None:
         response = self.http.post(self.base_url + "/tokenize",
                                json={"model": self.spec.model.name, "prompt": text, "add_special_tokens": False})

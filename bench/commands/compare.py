@@ -25,11 +25,15 @@ def compare(
     allow_different_hardware: bool = typer.Option(
         False, "--allow-different-hardware", help="Compare runs from different machines (CPU model or flags, cores, "
                                                    "GPUs, driver) with a warning instead of refusing."),
+    pass_unless_regression: bool = typer.Option(
+        False, "--pass-unless-regression", help="Exit 0 for an inconclusive or improved comparison too: a gate that "
+                                                 "asks only for no evidence of a regression."),
 ):
     """Compare a candidate run with a baseline, cell by cell: the verdict first, then the change and confidence
-    interval of every headline metric. Exit code 0: no regression; 1: a regression (or a cell that failed only
-    on the candidate); 2: bad input (unreadable runs, a run compared with itself, different hardware) or
-    nothing to compare."""
+    interval of every headline metric. Exit code 0: unchanged (every metric within its tolerance);
+    1: a regression (or a cell that failed only on the candidate); 3: inconclusive (an interval wider than
+    its tolerance: the verdict says how many repeats would settle it); 4: an improvement and nothing worse;
+    2: bad input (unreadable runs, a run compared with itself, different hardware) or nothing to compare."""
     if output_format not in ("table", "json"):
         raise typer.BadParameter("--format must be table or json")
     try:
@@ -43,7 +47,7 @@ def compare(
         config = load_config(tolerances, match_on.split(",") if match_on else None)
         base = load_side("baseline", [runs[0]], baseline_backend)
         cand = load_side("candidate", [runs[1]], candidate_backend)
-        result = run_compare(base, cand, config, allow_different_hardware)
+        result = run_compare(base, cand, config, allow_different_hardware, pass_unless_regression)
     except (CompareError, ResultsReadError) as exc:  # ResultsReadError: a run folder that cannot be read
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

@@ -3,7 +3,6 @@ import warnings
 from pathlib import Path
 
 import typer
-from rich.markdown import Markdown
 
 from kvbench import reports
 from kvbench.common import ui
@@ -45,7 +44,7 @@ def report(
                         ensure_parquet(run_dir)
                     except ResultsWriteError as exc:  # a derived copy: the report reads the JSONL instead
                         print(f"warning: Parquet copy not written: {exc}", file=sys.stderr)
-            output, target_html, text = reports.write(run_dirs, output, html_file, plots)
+            output, target_html, text, built = reports.write_report(run_dirs, output, html_file, plots)
         except ResultsReadError as exc:
             print(f"error: {exc}", file=sys.stderr)
             raise typer.Exit(2)
@@ -60,5 +59,7 @@ def report(
     if raw:
         print(text)
     else:
-        ui.console().print(Markdown(text))
+        from kvbench.reports import terminal
+
+        terminal.render(built, ui.console())  # within 120 columns: wide tables in parts
     print(f"\nreport written to {output} and {target_html}")

@@ -7,10 +7,10 @@ from kvbench import reports
 from kvbench.backends import DEFAULT_ENGINES, REGISTRY
 from kvbench.common import ui
 from kvbench.common.files import PlainNameError, check_plain_name
-from kvbench.common.models import ModelError
+from kvbench.common.models import ModelError, locate
 from kvbench.common.suggest import with_hint
 from kvbench.planner import model_names
-from kvbench.run.backend_config import BackendConfig, ConfigError
+from kvbench.run.backend_config import BackendConfig, ConfigError, check_attachable
 from kvbench.run.cells import PromptSalt
 from kvbench.run.runner import Runner, RunOptions
 from kvbench.run.telemetry import Prometheus
@@ -72,6 +72,9 @@ def run(
     reset_cache_between_cells: bool = typer.Option(False, "--reset-cache-between-cells",
                                                    help="Empty each engine's prefix cache before every cell "
                                                         "(engines that can: kvbench backends)."),
+    allow_model_mismatch: bool = typer.Option(
+        False, "--allow-model-mismatch", help="Run an attached server that serves another model than --model "
+                                               "(its /v1/models), with a warning, instead of failing its cells."),
 ):
     """Run a workload on each backend and write the results folder, then print the report."""
     console = ui.console()
@@ -92,6 +95,7 @@ def run(
                 raise ConfigError("--url attaches one backend: give exactly one --backend "
                                   "(or a url=... option per backend)")
             backends = [BackendConfig.parse(f"{backend[0]}{',' if ':' in backend[0] else ':'}url={url}")]
+        check_attachable(backends)
         wl = load_workload(workload)
         prom = Prometheus(prometheus, prometheus_selector, prometheus_gpu_selector) if prometheus else None
         memory_limit_bytes = memory_wall_bytes(memory_limit) if memory_limit is not None else None
@@ -105,15 +109,21 @@ def run(
                 able = ", ".join(sorted(e for e in REGISTRY if REGISTRY[e].prefix_cache_reset))
                 raise ConfigError(f"--reset-cache-between-cells: {', '.join(cannot)} cannot empty a prefix cache "
                                   f"(engines that can: {able})")
-    except (ConfigError, WorkloadError, ValueError) as exc:
-        raise typer.BadParameter(with_hint(str(exc), workload, available()) if isinstance(exc, WorkloadError)
-                                 else str(exc)) from None
+    except (ConfigError, WorkloadError, ValueError) as exc:  # one line, exit 2, nothing installed or created
+        text = with_hint(str(exc), workload, available()) if isinstance(exc, WorkloadError) else str(exc)
+        typer.echo(f"error: {text}", err=True)
+        raise typer.Exit(2)
+    try:
+        locate(model)  # a model that is not there is refused before a run folder exists
+    except ModelError as exc:
+        typer.echo(f"error: {with_hint(str(exc), model, model_names())}", err=True)
+        raise typer.Exit(2)
     options = RunOptions(model=model, workload=wl, backends=backends, results_dir=results_dir, run_id=run_id,
                          kv_dtype=kv_dtype, max_context=max_context, start_timeout_s=start_timeout,
                          request_timeout_s=request_timeout, repeats=repeats, results_mode=results_mode,
                          interleave=interleave, load_workers=load_workers, prometheus=prom,
                          memory_limit_bytes=memory_limit_bytes, prompt_salt=prompt_salt,
-                         reset_cache_between_cells=reset_cache_between_cells)
+                         reset_cache_between_cells=reset_cache_between_cells, allow_model_mismatch=allow_model_mismatch)
     # errors print with soft_wrap: one line even past the console width (greppable in CI logs)
     try:
         runner = Runner(options, console)
@@ -135,10 +145,13 @@ def run(
         console.print(f"[yellow]interrupted; finished cells are in {runner.run_dir}[/]")
         raise typer.Exit(130)
     try:
-        md, page, _ = reports.write([run_dir])
+        md, page, _, built = reports.write_report([run_dir])
     except ResultsWriteError as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}; the results are in {escape(str(run_dir))}", soft_wrap=True)
         raise typer.Exit(1)
+    from kvbench.reports import terminal
+
+    terminal.render(built, console)  # the report, as `kvbench report` prints it (and as --help promises)
     console.print(f"\nresults: {run_dir}\nreport:  {md} and {page}  (kvbench report {run_dir})")
     cells = load_cells(run_dir)
     if cells.empty or (cells.status == "failed").all():

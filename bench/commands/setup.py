@@ -22,6 +22,9 @@ def setup(
         raise typer.BadParameter(str(exc)) from None
     failed = False
     for cfg in configs:
+        if REGISTRY[cfg.engine].attach_only:  # nothing of its own to install: no empty environment made
+            console.print(f"{cfg.label}: nothing to install (it attaches to a running server)")
+            continue
         for recipe in REGISTRY[cfg.engine].recipes(cfg.version):
             try:
                 path = ensure_env(recipe, log=console.print)

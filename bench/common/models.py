@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,57 @@ def hf_copy_dir(gguf: Path, digest: str | None = None) -> Path:
     return kvbench_home() / "models" / (digest or sha256_file(gguf))[:16] / HF_FOLDER
 
 
+def locate(model: str) -> Path:
+    """The file or folder the user's model argument names (a hub id: its folder in the hub cache,
+    downloaded once), or ModelError in one line where it names nothing usable: cheap, so a bad ``--model``
+    is refused before a run folder exists."""
+    if model in EMBEDDED:
+        return embedded_gguf(model)
+    path = Path(model).expanduser()
+    if not path.exists() and hub.looks_like_hub_id(model):
+        try:
+            path = hub.model_folder(model)
+        except hub.HubError as exc:
+            raise ModelError(str(exc)) from None
+    elif not path.exists() and _looks_like_path(model):
+        raise ModelError(f"no such file or folder: {path} (the model)")
+    elif not path.exists():
+        raise ModelError(f"model {model!r} is neither a known name ({', '.join(EMBEDDED)}), a hub id (org/name) "
+                         "nor an existing path")
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelError(f"{path} is a folder without config.json: not an HF model folder")
+        if not (path / "tokenizer.json").exists():
+            raise ModelError(f"{path} has no tokenizer.json: kvbench builds token-exact prompts with it")
+    elif path.suffix != ".gguf":
+        raise ModelError(f"{path}: expected a .gguf file or an HF model folder")
+    return path
+
+
+def _looks_like_path(model: str) -> bool:
+    """A path, not a name or hub id (org/name has no leading slash or dot and no file suffix)."""
+    return model.startswith(("/", "./", "../", "~")) or Path(model).suffix in (".gguf", ".json")
+
+
+def _model_key(name: str) -> str:
+    """A model's name as servers spell it in many ways: the last part of a path or hub id, without .gguf,
+    case folded ("/models/SmolLM2-135M-Instruct" and "HuggingFaceTB/smollm2-135m-instruct" agree)."""
+    last = name.rstrip("/").rpartition("/")[2].removesuffix(".gguf")
+    return _QUANT_TAG.sub("", last).casefold()
+
+
+#: A GGUF file's quantisation tag ("SmolLM2-135M-Instruct.Q4_1", "model-q8_0"): the same model as served.
+_QUANT_TAG = re.compile(r"[.-](i?q\d\w*|f16|bf16|f32)$", re.IGNORECASE)
+
+
+def serves(served: list[str], model: ModelFiles, given: str) -> bool:
+    """Whether one of the ids a server says it serves names the model the run was given (``--model``):
+    its name, the argument as given, its GGUF or its HF folder."""
+    names = {model.name, given, *(p.name for p in (model.gguf_path, model.hf_dir) if p is not None)}
+    keys = {_model_key(str(n)) for n in names if n} - {_model_key(HF_FOLDER)}
+    return any(_model_key(s) in keys for s in served)
+
+
 def resolve(model: str, convert: GGUFConverter | None, log=print) -> ModelFiles:
     """Turn the user's model argument into :class:`ModelFiles`, converting a GGUF once if needed.
 
@@ -85,24 +137,10 @@ def resolve(model: str, convert: GGUFConverter | None, log=print) -> ModelFiles:
     if model in EMBEDDED:
         name, gguf = model, embedded_gguf(model)
     else:
-        path = Path(model).expanduser()
-        if not path.exists() and hub.looks_like_hub_id(model):
-            try:
-                path = hub.model_folder(model)
-            except hub.HubError as exc:
-                raise ModelError(str(exc)) from None
-        elif not path.exists():
-            raise ModelError(f"model {model!r} is neither a known name ({', '.join(EMBEDDED)}), a hub id (org/name) "
-                             "nor an existing path")
+        path = locate(model)
         if path.is_dir():
-            if not (path / "config.json").exists():
-                raise ModelError(f"{path} is a folder without config.json: not an HF model folder")
-            if not (path / "tokenizer.json").exists():
-                raise ModelError(f"{path} has no tokenizer.json: kvbench builds token-exact prompts with it")
             return ModelFiles(name=model if not Path(model).expanduser().exists() else path.name, hf_dir=path,
                               gguf_path=None, sha256=sha256_folder(path), geometry=_geometry(path))
-        if path.suffix != ".gguf":
-            raise ModelError(f"{path}: expected a .gguf file or an HF model folder")
         name, gguf = path.stem, path
     digest = sha256_file(gguf)
     hf_dir = hf_copy_dir(gguf, digest)

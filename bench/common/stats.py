@@ -143,6 +143,29 @@ def repeats_needed(log_sd: float, tolerance: float, confidence: float = 0.95, pa
     return None
 
 
+def repeats_to_settle(log_sd: float, change: float, tolerance: float, confidence: float = 0.95,
+                      paired: bool = False, max_repeats: int = 1000) -> int | None:
+    """Repeats per side (pairs when ``paired``) for an inconclusive metric's interval to clear the nearest
+    tolerance bound, were the observed ``change`` to stay: its half-width below the log distance from
+    ``log(1 + change)`` to ``log(1 + tolerance)`` or ``log(1 - tolerance)``, at a noise of ``log_sd``.
+    None when more than ``max_repeats`` (a change on a bound never settles)."""
+    if not math.isfinite(log_sd) or change <= -1:
+        return None
+    d = math.log1p(change)
+    bounds = [math.log1p(tolerance)] + ([math.log1p(-tolerance)] if tolerance < 1 else [])
+    margin = min(abs(d - b) for b in bounds)
+    if margin == 0:
+        return None
+    if log_sd == 0:
+        return 2
+    for n in range(2, max_repeats + 1):
+        se = log_sd / math.sqrt(n) if paired else log_sd * math.sqrt(2 / n)
+        df = n - 1 if paired else 2 * n - 2
+        if st.t.ppf(0.5 + confidence / 2, df) * se < margin:
+            return n
+    return None
+
+
 # --- a single run: the requests ------------------------------------------------------------------------
 
 def percentile_stat(q: float) -> Callable[[np.ndarray], np.ndarray]:

@@ -60,12 +60,38 @@ def _tol(t: float) -> str:
 
 
 def verdict_line(result: dict) -> str:
+    """The verdict, its exit code and summary, and for an inconclusive one how many repeats would settle it."""
     s = result["summary"]
-    return (f"**{result['verdict']}**: {s['regression']} regressions, {s['improvement']} improvements, "
-            f"{s['inconclusive']} inconclusive, {s['unchanged']} unchanged, {s['not_compared']} not compared "
-            f"(metrics over {s['compared_cells']} cells compared); {s['failed_on_candidate']} cells failed on the "
-            f"candidate; {s['only_in_baseline']} only in the baseline, {s['only_in_candidate']} only in the "
+    line = (f"**{result['verdict']}** (exit {result['exit_code']}): {s['regression']} regressions, "
+            f"{s['improvement']} improvements, {s['inconclusive']} inconclusive, {s['unchanged']} unchanged, "
+            f"{s['not_compared']} not compared (metrics over {s['compared_cells']} cells compared); "
+            f"{s['failed_on_candidate']} cells failed on the candidate only, {s.get('failed_on_baseline', 0)} on the "
+            f"baseline or both; {s['only_in_baseline']} only in the baseline, {s['only_in_candidate']} only in the "
             f"candidate, {s['contract_mismatch']} with different token contracts.")
+    settle = result.get("settle") or {}
+    if settle.get("inconclusive"):
+        line += " " + settle_sentence(settle)
+    if result["verdict"] in ("inconclusive", "improvement") and result["exit_code"] == 0:
+        line += " Passed as asked: no evidence of a regression (--pass-unless-regression)."
+    return line
+
+
+def settle_sentence(settle: dict) -> str:
+    """ "Settling the 40 inconclusive metrics needs about N repeats per side at the noise seen ..." """
+    how = "pairs" if settle["paired"] else "repeats per side"
+    parts = []
+    if settle["median"] is not None:
+        most = (f", {settle['most']} for all of them" if settle["most"] != settle["median"] and not settle["beyond"]
+                else "")
+        parts.append(f"settling the {settle['inconclusive']} inconclusive metrics needs about {settle['median']} "
+                     f"{how} for half of them{most} at the noise these repeats saw, were the changes to stay "
+                     f"(this run has {settle['repeats_now']})")
+    if settle["beyond"]:
+        parts.append(f"{settle['beyond']} would need more than 1000 (a change close to its tolerance)")
+    if settle["no_noise"]:
+        parts.append(f"{settle['no_noise']} had one repeat per side: no run-to-run noise to size from (--repeats 3 or more)")
+    text = "; ".join(parts)
+    return text[0].upper() + text[1:] + "."
 
 
 def repeats_lines(result: dict) -> list[str]:
@@ -81,6 +107,14 @@ def repeats_lines(result: dict) -> list[str]:
         out.append(f"{_tol(r['tolerance'])} on {r['metric']} needs about {r['median']} {how} here{worst} "
                    f"(this run has {r['repeats_now']})")
     return out
+
+
+def _contracts(contracts: list[str]) -> str:
+    return "; ".join(c or "not recorded" for c in contracts) or "not recorded"
+
+
+def failed(f: dict) -> str:
+    return f"{_where(f['key'])}: failed on the {f['failed_on']}" + (f" ({f['errors'][0]})" if f["errors"] else "")
 
 
 def markdown(result: dict) -> str:
@@ -112,12 +146,13 @@ def markdown(result: dict) -> str:
     if not frame.empty:
         out.append(md_table(frame, {"baseline", "candidate", "change", ci, "tolerance"}))
     for title, items, fmt in (
-            ("Failed cells (on the candidate: counted as regressions)", result["failed"],
-             lambda f: f"{_where(f['key'])}: failed on the {f['failed_on']}"
-                       + (f" ({f['errors'][0]})" if f["errors"] else "")),
+            ("Failed on the candidate only (counted as regressions)",
+             [f for f in result["failed"] if f["failed_on"] == "candidate"], failed),
+            ("Failed on the baseline or on both (not compared)",
+             [f for f in result["failed"] if f["failed_on"] != "candidate"], failed),
             ("Different token contracts (not compared)", result["contract_mismatch"],
-             lambda f: f"{_where(f['key'])}: baseline {f['baseline_contract'] or ['not recorded']}, "
-                       f"candidate {f['candidate_contract'] or ['not recorded']}"),
+             lambda f: f"{_where(f['key'])}: baseline {_contracts(f['baseline_contract'])}, "
+                       f"candidate {_contracts(f['candidate_contract'])}"),
             ("Only in the baseline (not compared)", result["only_in_baseline"],
              lambda f: f"{_where(f['key'])} ({f['baseline_backend']})"),
             ("Only in the candidate (not compared)", result["only_in_candidate"],

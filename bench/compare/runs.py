@@ -15,14 +15,21 @@ metric's change with a confidence interval, judged against a tolerance.
   noise); otherwise, for KV in use (deterministic up to the engine's rounding): the two values as they
   are; otherwise the metric is not compared (run with ``--repeats 2`` or more). From the repeats'
   noise, each metric says how many repeats its tolerance needs here (:func:`kvbench.common.stats.repeats_needed`).
-- **Verdict**: a regression only when the whole interval lies beyond the tolerance on the worse side.
+- **Verdict** per metric: a regression only when the whole interval lies beyond the tolerance on the worse
+  side, an improvement beyond it on the better side, unchanged within it; inconclusive when the interval
+  is wider than the tolerance allows (or one repeat per side gave no interval). The comparison's verdict:
+  REGRESSION over inconclusive over improvement over unchanged (inconclusive is no evidence, not a pass),
+  with how many repeats would settle the inconclusive metrics at the noise seen.
 - **Checks**: comparing a run (and backend) with itself is bad input; the same engine version on both
-  sides is warned about; runs from different hardware (CPU model, its AVX-512/AMX flags, cores, GPUs:
-  :func:`kvbench.common.hardware.hardware_differences`) are refused unless ``allow_different_hardware``, then
-  loudly warned about; a different GPU driver is warned about.
-- **Exit code**: 0 no regression; 1 a regression (or a cell that failed only on the candidate); 2 bad input:
-  unreadable runs, a bad tolerances file, a self-comparison, different hardware, or nothing comparable
-  (no cell matched, or every match was set aside).
+  sides (as the engines reported it: ``engine_version_reported``) is warned about, and so is a side whose
+  engine reported none ("unknown"); runs from different hardware (CPU model, its AVX-512/AMX flags, cores,
+  GPUs: :func:`kvbench.common.hardware.hardware_differences`) are refused unless
+  ``allow_different_hardware``, then loudly warned about; a different GPU driver is warned about.
+- **Exit code** (:data:`kvbench.compare.verdict.EXIT_CODES`): 0 unchanged; 1 a regression (or a cell that failed only on the
+  candidate); 3 inconclusive; 4 improvement; 2 bad input: unreadable runs, a bad tolerances file, a
+  self-comparison, different hardware, or nothing comparable (no cell matched, or every match was set
+  aside). ``pass_unless_regression`` (``--pass-unless-regression``) makes 3 and 4 exit 0: a gate that asks
+  only for no evidence of a regression.
 """
 from __future__ import annotations
 
@@ -38,10 +45,11 @@ import pandas as pd
 from kvbench.common import stats
 from kvbench.common.hardware import driver_differences, hardware_differences, hardware_line
 from kvbench.common.metrics import RequestTimes
+from kvbench.compare.verdict import EXIT_CODES, overall_verdict, settle_summary
 from kvbench.store.readers import load, load_run_info, not_a_run_dir
 from kvbench.store.schema import CELL_CONFIG_FIELDS, OK_STATUSES
 
-JSON_SCHEMA = "kvbench.compare/2"
+JSON_SCHEMA = "kvbench.compare/3"
 DEFAULT_TOLERANCES = Path(__file__).with_name("compare_tolerances.toml")
 DEFAULT_MATCH = tuple(f for f in CELL_CONFIG_FIELDS if f != "engine_version")
 
@@ -293,6 +301,17 @@ def _interval(metric: Metric, b_rows, c_rows, baseline: Side, candidate: Side, c
     return None, "one repeat per side: no interval (run with --repeats 2 or more)", None, False
 
 
+UNKNOWN_VERSION = "unknown"
+
+
+def reported_versions(side: Side) -> set[str]:
+    """The versions the side's engines reported (``engine_version_reported``), "unknown" where an engine
+    reported none: the label's version of an attached server is only what the user called it."""
+    if side.cells.empty:
+        return set()
+    return {v if isinstance(v, str) and v else UNKNOWN_VERSION for v in side.cells.engine_version_reported}
+
+
 def checks(baseline: Side, candidate: Side, allow_different_hardware: bool = False) -> list[str]:
     """Warnings about the pair of sides (printed before everything else); CompareError where the pair is
     bad input: a run compared with itself, or runs from different hardware (unless allowed)."""
@@ -306,9 +325,13 @@ def checks(baseline: Side, candidate: Side, allow_different_hardware: bool = Fal
             f"SELF-COMPARISON: the baseline and the candidate are the same run{'s' if len(baseline.runs) > 1 else ''} "
             f"({', '.join(baseline.runs)}) and the same backends: every change would be 0 and the verdict "
             "meaningless. Give two runs, or one run with --baseline-backend and --candidate-backend")
-    versions_b = set(baseline.cells.engine_version.dropna()) if not baseline.cells.empty else set()
-    versions_c = set(candidate.cells.engine_version.dropna()) if not candidate.cells.empty else set()
-    if versions_b and versions_b == versions_c:
+    versions_b, versions_c = reported_versions(baseline), reported_versions(candidate)
+    if UNKNOWN_VERSION in versions_b | versions_c:
+        sides = " and ".join(s.name for s, v in ((baseline, versions_b), (candidate, versions_c)) if UNKNOWN_VERSION in v)
+        warnings.append(f"ENGINE VERSION UNKNOWN on the {sides}: the engine reported no version, so whether the "
+                        f"engine changed is unknown (baseline: {', '.join(sorted(versions_b)) or '-'}; candidate: "
+                        f"{', '.join(sorted(versions_c)) or '-'})")
+    elif versions_b and versions_b == versions_c:
         warnings.append(f"SAME ENGINE VERSION: both sides ran {', '.join(sorted(versions_b))}: the changes below "
                         "are run-to-run noise (or a change other than the engine: driver, settings, machine)")
     envs_b = [i.get("environment") or {} for i in baseline.infos]
@@ -327,8 +350,9 @@ def checks(baseline: Side, candidate: Side, allow_different_hardware: bool = Fal
     return warnings
 
 
-def compare(baseline: Side, candidate: Side, config: CompareConfig, allow_different_hardware: bool = False) -> dict:
-    """Everything ``kvbench compare`` reports, as one JSON-ready dict (schema ``kvbench.compare/2``).
+def compare(baseline: Side, candidate: Side, config: CompareConfig, allow_different_hardware: bool = False,
+            pass_unless_regression: bool = False) -> dict:
+    """Everything ``kvbench compare`` reports, as one JSON-ready dict (schema ``kvbench.compare/3``).
     Raises CompareError for bad input (a self-comparison, different hardware unless allowed)."""
     fields = config.match_on
     warnings = checks(baseline, candidate, allow_different_hardware)
@@ -380,6 +404,8 @@ def compare(baseline: Side, candidate: Side, config: CompareConfig, allow_differ
                                                       pairing.pairable)
             verdict = stats.decide(interval, tol, metric.higher_is_worse)
             vb, vc = ub[name].dropna(), uc[name].dropna()
+            if interval is None and not vb.empty and not vc.empty and min(vb.min(), vc.min()) > 0:
+                verdict = "inconclusive"  # measured on both sides, but too few repeats for an interval
             metrics.append({
                 "metric": name, "unit": metric.unit, "worse": "higher" if metric.higher_is_worse else "lower",
                 "tolerance": tol, "baseline": _center(vb), "candidate": _center(vc),
@@ -389,7 +415,7 @@ def compare(baseline: Side, candidate: Side, config: CompareConfig, allow_differ
                 "n_candidate": interval.n_candidate if interval else len(vc),
                 "verdict": verdict, "note": note, "paired": paired, "noise_log_sd": noise,
                 "repeats_needed": stats.repeats_needed(noise, tol, config.confidence, paired)
-                if noise is not None else None})
+                if noise is not None else None, "repeats_to_settle": None})
         result["cells"].append({**ident(key, rb, rc), "repeats": [len(ub), len(uc)],
                                 "token_contract": contracts_b, "metrics": metrics})
 
@@ -399,15 +425,19 @@ def compare(baseline: Side, candidate: Side, config: CompareConfig, allow_differ
                **{v.replace(" ", "_"): verdicts.count(v) for v in
                   ("regression", "improvement", "unchanged", "inconclusive", "not compared")},
                "failed_on_candidate": failed_candidate,
+               "failed_on_baseline": sum(f["failed_on"] != "candidate" for f in result["failed"]),
                "only_in_baseline": len(result["only_in_baseline"]),
                "only_in_candidate": len(result["only_in_candidate"]),
                "contract_mismatch": len(result["contract_mismatch"])}
     result["summary"] = summary
     result["regression_found"] = bool(summary["regression"] or failed_candidate)
-    result["exit_code"] = 1 if result["regression_found"] else 2 if not result["cells"] else 0
-    result["verdict"] = ("REGRESSION" if result["regression_found"] else
-                         "nothing to compare" if result["exit_code"] == 2 else
-                         "no regression" if summary["inconclusive"] == 0 else "no regression found")
+    result["verdict"] = overall_verdict(summary)
+    result["exit_code"] = EXIT_CODES[result["verdict"]]
+    result["gate"] = "no evidence of regression (--pass-unless-regression)" if pass_unless_regression else \
+        "every metric settled (unchanged or improved)"
+    if pass_unless_regression and result["verdict"] in ("inconclusive", "improvement"):
+        result["exit_code"] = 0
+    result["settle"] = settle_summary(result, config.confidence)
     result["repeats_needed"] = repeats_needed_summary(result)
     single = [m for c in result["cells"] for m in c["metrics"]
               if m["verdict"] in ("regression", "improvement") and (m["method"] or "").startswith(stats.SINGLE_RUN)]
@@ -416,7 +446,7 @@ def compare(baseline: Side, candidate: Side, config: CompareConfig, allow_differ
             f"SINGLE RUN: {len(single)} regression/improvement verdict(s) rest on one run per side (intervals from "
             "the requests, blind to run-to-run noise: at 7 % run-to-run noise they call an unchanged engine a "
             "regression about 5 % of the time, python -m kvbench.compare.calibration); confirm with --repeats")
-    first = ("schema", "verdict", "exit_code", "regression_found", "summary", "warnings")
+    first = ("schema", "verdict", "exit_code", "regression_found", "summary", "settle", "warnings")
     return {**{k: result[k] for k in first}, **{k: v for k, v in result.items() if k not in first}}
 
 

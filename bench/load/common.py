@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -71,6 +72,8 @@ class LoadSettings:
     seed: int = 0  # the arrival schedule's seed (open loops)
     streak: TimeoutStreak | None = None  # shared by the cells of one engine start
     workers: int = 1  # load generator processes (bench/load/workers.py); 1: this process alone
+    # called with each request's result as it ends (the run's in-cell progress line); this process only
+    on_done: Callable[[RequestResult], None] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -119,7 +122,7 @@ async def send_one(backend: Backend, client, prompt, settings: LoadSettings) -> 
             result = await asyncio.wait_for(backend.stream(client, prompt), settings.timeout_s)
             if streak:
                 streak.record(False)
-            return result
+            return _done(result, settings)
         except (asyncio.TimeoutError, TimeoutError):
             error, timed_out = f"timed out after {settings.timeout_s:.0f} s", True
         except TRANSPORT_ERRORS as exc:
@@ -132,6 +135,12 @@ async def send_one(backend: Backend, client, prompt, settings: LoadSettings) -> 
             streak.record(timed_out)
     result = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, t0)
     result.error, result.t_done = error, time.perf_counter()
+    return _done(result, settings)
+
+
+def _done(result: RequestResult, settings: LoadSettings) -> RequestResult:
+    if settings.on_done is not None:
+        settings.on_done(result)
     return result
 
 

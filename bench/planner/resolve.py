@@ -198,6 +198,8 @@ def resolve_model(model: str, weights_dtype: str = "auto", trust_remote_code: bo
                 raise PlanError(str(exc)) from None
         elif (CATALOG_DIR / f"{model}.json").exists():
             path, source = CATALOG_DIR / f"{model}.json", f"catalog {model}"
+        elif model.startswith(("/", "./", "../", "~")) or path.suffix in (".json", ".gguf"):
+            raise PlanError(f"no such file or folder: {path}")
         elif hub.looks_like_hub_id(model):
             path, source = hub_folder(model), f"hub {model}"
         else:

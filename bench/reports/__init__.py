@@ -59,8 +59,21 @@ def run_header(info: dict) -> list[tuple[str, str]]:
         ("Model", f"{model.get('name', '?')} (sha256 `{str(model.get('sha256', '?'))[:16]}…`), "
                   f"context limit {model.get('max_context', '?')}"),
         ("Engines", engines(info)),
+        *([("Served models", served)] if (served := served_models(info)) else []),
         ("Workload", f"{wl.get('name', '?')}: {wl.get('description', '')} (seed {wl.get('seed', '?')})"),
     ]
+
+
+def served_models(info: dict) -> str:
+    """What each server said it serves (run.json's served_models; the KV predicted is --model's), and what an
+    attached server was found to support; "" where nothing was read."""
+    served = {k: v for k, v in (info.get("served_models") or {}).items() if v is not None}
+    caps = info.get("capabilities") or {}
+    parts = []
+    for label, models in served.items():
+        found = ", ".join(f"{name} {'yes' if ok else 'no'}" for name, ok in (caps.get(label) or {}).items())
+        parts.append(f"{label}: {', '.join(models) or 'none listed'}" + (f" (asked: {found})" if found else ""))
+    return "; ".join(parts)
 
 
 def hardware(info: dict) -> str:
@@ -195,7 +208,7 @@ def _build(run_dirs: list[Path], plots_dir: Path | None) -> Report:
     problems = tables.problems_table(agg)
     sections = [
         Section("kv", "KV cache: predicted from the config vs reported by the engine", KV_INTRO + repeats,
-                tables.kv_table(agg), tables.KV_RIGHT, cap),
+                tables.kv_table(agg), tables.KV_RIGHT, cap, note=tables.kv_source_notes(agg)),
         Section("performance", "Latency and throughput", PERF_INTRO + repeats, tables.performance_table(agg), tables.PERF_RIGHT, cap),
         Section("prefix_cache", "Prefix cache: meant cold or warm, and what the engine served", prefix_cache.INTRO,
                 prefix_cache.prefix_cache_table(agg), prefix_cache.RIGHT, cap),
@@ -243,6 +256,12 @@ def write(run_dirs: list[Path], output: Path | None = None, html_file: Path | No
           plots: bool = True) -> tuple[Path, Path, str]:
     """Write the Markdown report, its plots and the HTML page; returns (markdown path, HTML path, text).
     Default place: RUN_DIR/report.md for one run, results/reports/<ids>/report.md for several."""
+    return write_report(run_dirs, output, html_file, plots)[:3]
+
+
+def write_report(run_dirs: list[Path], output: Path | None = None, html_file: Path | None = None,
+                 plots: bool = True) -> tuple[Path, Path, str, Report]:
+    """:func:`write`, and the report itself (for the terminal: bench/reports/terminal.py)."""
     from kvbench.reports import html, markdown
 
     run_dirs = [Path(d) for d in run_dirs]
@@ -262,4 +281,4 @@ def write(run_dirs: list[Path], output: Path | None = None, html_file: Path | No
         raise
     except OSError as exc:
         raise ResultsWriteError(output.parent, "writing the report", exc, intact=False, what="report folder") from exc
-    return output, target_html, text
+    return output, target_html, text, result

@@ -15,7 +15,7 @@ import pandas as pd  # noqa: E402
 
 from kvbench.kv.units import MIB  # noqa: E402
 
-from .tables import sequences_fitting  # noqa: E402
+from .tables import load_label, sequences_fitting  # noqa: E402
 
 MARKERS = "osd^v<>PX*"
 DPI = 110
@@ -65,12 +65,24 @@ def kv_vs_context(cells: pd.DataFrame, out: Path) -> Path | None:
         for (label, group), marker in zip(part.groupby("label"), MARKERS * 4):
             group = group.sort_values("prompt_tokens")
             ax.plot(group.prompt_tokens, group.kv_in_use_peak_bytes / MIB, marker=marker, ls="", ms=7,
-                    color=color(label), label=f"{label} (engine)")
-        ax.set(title=f"concurrency {int(c)}", xlabel="prompt tokens", ylabel="KV in use at peak (MiB)")
+                    color=color(label), label=f"{label}: in use (engine)")
+            # the pool the engine allocated up front (what runs out of memory), beside what it used
+            pooled = group[group.kv_pool_bytes_engine.notna()]
+            if not pooled.empty:
+                ax.plot(pooled.prompt_tokens, pooled.kv_pool_bytes_engine / MIB, ls=":", lw=1.5, marker=marker,
+                        ms=4, mfc="none", color=color(label), label=f"{label}: pool allocated (engine)")
+        ax.set(title=f"concurrency {int(c)}", xlabel="prompt tokens", ylabel="KV (MiB)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("KV cache: engine-reported peak vs predicted")
+    fig.suptitle("KV cache: in use at the peak and the pool allocated (engine) vs predicted in use")
     return _save(fig, out)
+
+
+def cell_words(cell) -> str:
+    """The cell once (its id repeats the backend label): prompt, load and repeat."""
+    repeat = cell.get("repeat")
+    return f"prompt {int(cell.prompt_tokens)}, {load_label(cell)}" + (f", repeat {int(repeat) + 1}"
+                                                                      if pd.notna(repeat) and repeat else "")
 
 
 def memory_timeline(run_dir: Path, cell: pd.Series, requests: pd.DataFrame, out: Path) -> Path | None:
@@ -92,7 +104,7 @@ def memory_timeline(run_dir: Path, cell: pd.Series, requests: pd.DataFrame, out:
         ax.plot(mem.t_s, mem.rss_bytes / MIB, color="tab:blue", label="engine process tree RSS")
     if "gpu_process_bytes" in mem and mem.gpu_process_bytes.notna().any():
         ax.plot(mem.t_s, mem.gpu_process_bytes / MIB, color="tab:purple", label="engine GPU memory")
-    ax.set(xlabel="seconds since the cell started", ylabel="memory (MiB)", title=f"{cell.label}: {cell_id}")
+    ax.set(xlabel="seconds since the cell started", ylabel="memory (MiB)", title=f"{cell.label}: {cell_words(cell)}")
     ax2 = ax.twinx()
     ax2.plot(kv.t_s, kv.kv_bytes_in_use / MIB, color="tab:red", label="KV in use (engine)")
     for name, part in per_replica.groupby(replica[per_replica.index]):
@@ -323,7 +335,7 @@ def report_figures(run_dirs, agg: pd.DataFrame, requests: pd.DataFrame, folder: 
     largest = ok.sort_values(["prompt_tokens", "concurrency"]).groupby("label").tail(1)
     for _, cell in largest.iterrows():
         name = f"timeline_{cell.run_id}_{cell.cell_id}.png" if len(run_dirs) > 1 else f"timeline_{cell.cell_id}.png"
-        add(KV_SECTION, f"memory and KV over {cell.label}: {cell.cell_id}", name, memory_timeline,
+        add(KV_SECTION, f"memory and KV over {cell.label}: {cell_words(cell)}", name, memory_timeline,
             Path(cell.run_dir), cell, requests)
     add(PERF_SECTION, "Throughput and TTFT vs concurrency", "throughput_ttft_vs_concurrency.png",
         throughput_ttft_vs_concurrency, agg)

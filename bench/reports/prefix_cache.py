@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .tables import LEAD_RIGHT, _lead, _missing, fmt_bytes, fmt_num
+from kvbench.store.schema import OK_STATUSES
+
+from .tables import LEAD_RIGHT, _lead, _missing, fmt_bytes, fmt_num, with_failures
 
 INTRO = ("Meant cold: the cell's prompts share nothing with anything sent before (each run salts its prompts, "
          "`--prompt-salt`); a cold cell of which more than 1 % of the prompt tokens came from the cache is "
@@ -40,7 +42,7 @@ def prefix_cache_table(agg: pd.DataFrame) -> pd.DataFrame:
                                "TTFT p50 (s)", "TTFT p50, caching off (s)", "KV in use (engine)",
                                "KV predicted (rules)", "source")}
     for r in agg.itertuples():
-        failed = r.status not in ("ok", "flagged")
+        failed = r.status not in OK_STATUSES
         expected = getattr(r, "prefix_cache_expected", "") or ""
         columns["meant"].append(expected or "not recorded")
         columns["hit rate (ideal)"].append(_pct(getattr(r, "prefix_cache_expected_hit_rate", None)))
@@ -58,7 +60,7 @@ def prefix_cache_table(agg: pd.DataFrame) -> pd.DataFrame:
         columns["source"].append(source if isinstance(source, str) else "not recorded")
     for k, v in columns.items():
         out[k] = v
-    return out
+    return with_failures(out, agg, ~agg.status.isin(OK_STATUSES), "meant")
 
 
 RIGHT = LEAD_RIGHT | {"hit rate (ideal)", "hit rate (engine)", "tokens hit / looked up", "TTFT p50 (s)",

@@ -6,6 +6,8 @@ only lay them out. Repeats of one cell are averaged (the ``rep`` column says how
 """
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 
 from kvbench.backends import ENGINES, kv_rules
@@ -159,11 +161,49 @@ def kv_table(agg: pd.DataFrame) -> pd.DataFrame:
     out["RSS peak"] = agg.rss_peak_bytes.map(fmt_bytes)
     if agg.gpu_process_peak_bytes.notna().any():
         out["GPU memory peak (process)"] = agg.gpu_process_peak_bytes.map(fmt_bytes)
-    out["source of \"in use\""] = agg.kv_in_use_source.map(lambda s: s if isinstance(s, str) else NOT_MEASURED)
-    # a failed cell says so in the first figure column and nothing else
-    measured = list(out.columns[out.columns.get_loc("bytes/token (formula)"):])
+    # a key per source, the sources under the table (kv_source_notes): the long texts wrapped every row of a
+    # terminal's table to five lines
+    keys = source_keys(agg)
+
+    def source(s) -> str:
+        if not isinstance(s, str):
+            return NOT_MEASURED
+        polls = _POLLS.match(s)
+        return keys[_POLLS.sub("max of the polls of ", s)] + (f" {polls[1]} polls" if polls else "")
+
+    out["source of \"in use\""] = agg.kv_in_use_source.map(source)
+    return with_failures(out, agg, failed, "bytes/token (formula)")
+
+
+_POLLS = re.compile(r"max of (\d+) polls of ")  # "max of 49 polls of /slots ...": the count stays in the row
+
+
+def source_keys(agg: pd.DataFrame) -> dict[str, str]:
+    """Each distinct source of "KV in use" (its poll count aside) and its key in the table: [1], [2], ..."""
+    sources = dict.fromkeys(_POLLS.sub("max of the polls of ", s) for s in agg.kv_in_use_source if isinstance(s, str))
+    return {s: f"[{i}]" for i, s in enumerate(sources, 1)}
+
+
+def kv_source_notes(agg: pd.DataFrame) -> str:
+    """The sources the KV table's keys stand for, one line each."""
+    return "  \n".join(f"{key} {source}" for source, key in source_keys(agg).items())
+
+
+def failure_text(r, width: int = 60) -> str:
+    """A failed cell's status and the start of its first error (the problems section has it all)."""
+    error = next(iter(r.errors), "") if isinstance(r.errors, list) else ""
+    error = error.splitlines()[0] if error else ""
+    return f"{r.status}: {error[:width]}{'...' if len(error) > width else ''}" if error else str(r.status)
+
+
+def with_failures(out: pd.DataFrame, agg: pd.DataFrame, failed: pd.Series, first_figure: str) -> pd.DataFrame:
+    """A failed cell's figures blank from ``first_figure`` on, and its failure in a "failure" column of its
+    own (only when a cell failed), never in a figure's column."""
+    measured = list(out.columns[out.columns.get_loc(first_figure):])
     out.loc[failed, measured] = ""
-    out.loc[failed, "bytes/token (formula)"] = agg.status[failed]
+    if failed.any():
+        out.insert(out.columns.get_loc(first_figure), "failure",
+                   ["" if not bad else failure_text(r) for r, bad in zip(agg.itertuples(), failed)])
     return out
 
 
@@ -243,10 +283,7 @@ def boundary_table(agg: pd.DataFrame) -> pd.DataFrame:
     out["in flight (client, max)"] = agg.max_in_flight.map(fmt_int)
     out["waiting (peak)"] = agg.requests_waiting_peak.map(lambda x: NOT_MEASURED if _missing(x) else f"{x:g}")
     out["preemptions"] = agg.preemptions.map(lambda x: NOT_MEASURED if _missing(x) else f"{x:g}")
-    failed = ~agg.status.isin(OK_STATUSES)
-    out.loc[failed, list(out.columns[out.columns.get_loc("KV needed (predicted)"):])] = ""
-    out.loc[failed, "KV needed (predicted)"] = agg.status[failed]
-    return out
+    return with_failures(out, agg, ~agg.status.isin(OK_STATUSES), "KV needed (predicted)")
 
 
 BOUNDARY_RIGHT = LEAD_RIGHT | {"KV needed (predicted)", "KV pool (engine)", "sequences the pool holds (predicted)",

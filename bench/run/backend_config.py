@@ -107,6 +107,14 @@ class BackendConfig(BaseModel):
         return cfg
 
 
+def check_attachable(configs: list[BackendConfig]) -> None:
+    """ConfigError (one line, before anything is installed or a run folder made) for a backend that only
+    attaches to a running server (``Backend.attach_only``) but was given no url."""
+    for cfg in configs:
+        if not cfg.urls and (why := REGISTRY[cfg.engine].attach_only):
+            raise ConfigError(why)
+
+
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 

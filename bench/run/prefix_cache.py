@@ -7,8 +7,11 @@ requests' own cached-token counts, else its counters' difference over the cell.
 """
 from __future__ import annotations
 
-from kvbench.backends.types import PrefixCacheCounters, RequestResult
+from kvbench.backends.types import KVPool, PrefixCacheCounters, RequestResult
+from kvbench.kv.geometry import KVGeometry
+from kvbench.kv.rules import KVQuestion, KVRules
 from kvbench.run.cells import Cell
+from kvbench.store.schema import CellRow
 from kvbench.workloads import Workload
 
 COLD_HIT_RATE = 0.01  # a cell meant cold whose prefix cache served more of its prompt tokens is flagged
@@ -62,3 +65,27 @@ def cold_hit_flag(expected: str, hit_rate: float | None) -> str | None:
         return None
     return (f"prefix cache hit on a cell meant cold: {hit_rate:.1%} of its prompt tokens came from the cache "
             "(the same prompts sent before? see --prompt-salt)")
+
+
+def prefix_cache_columns(row: CellRow, w: Workload, cell: Cell, results: list[RequestResult], rules: KVRules | None,
+                         geometry: KVGeometry, kv_dtype: str, pool: KVPool | None,
+                         counters: tuple[PrefixCacheCounters | None, PrefixCacheCounters | None],
+                         prefix_seen: bool) -> None:
+    """A row's prefix-cache columns: meant cold or warm, the ideal hit rate at the engine's reuse unit (its
+    reported pool's block where it has one), what the engine says it hit, and a flag on a cold cell that hit."""
+    row.prefix_cache_expected = "warm" if meant_warm(w, cell) else "cold"
+    sent = sum(r.prompt_tokens_sent for r in results)
+    if rules is not None and sent:
+        details = pool.details if pool else {}
+        unit = rules.prefix_reuse_unit(KVQuestion(geometry, kv_dtype, device=details.get("device", "gpu")), details)
+        row.prefix_cache_expected_hit_rate = expected_hit_tokens(w, cell, len(results), unit, prefix_seen) / sent
+    hits = measured_hits(results, *counters)
+    if hits is None:
+        row.prefix_cache_source = "not reported"
+        return
+    row.prefix_cache_hit_tokens, row.prefix_cache_query_tokens, row.prefix_cache_source = hits
+    row.prefix_cache_hit_rate = hits[0] / hits[1] if hits[1] else None
+    if flag := cold_hit_flag(row.prefix_cache_expected, row.prefix_cache_hit_rate):
+        row.flags.insert(0, flag)
+        if row.status == "ok":
+            row.status = "flagged"

@@ -19,7 +19,7 @@ from kvbench.kv.rules import KVQuestion, KVRules
 from kvbench.kv.units import fmt_bytes
 from kvbench.load import LoadResult
 from kvbench.run.cells import Cell, load_label
-from kvbench.run.prefix_cache import cold_hit_flag, expected_hit_tokens, meant_warm, measured_hits
+from kvbench.run.prefix_cache import meant_warm, prefix_cache_columns
 from kvbench.run.samplers import KVSample, MemorySample, QueueSample
 from kvbench.store.schema import CellRow, RequestRow
 from kvbench.workloads import Workload
@@ -123,33 +123,11 @@ def summarize(run: EngineRun, m: CellMeasurement) -> CellRow:
     _memory(row, m)
     _per_gpu(row, run, m)
     _queued_first(row, m)
-    _prefix_cache(row, run, m)
+    prefix_cache_columns(row, w, m.cell, results, run.rules, run.model.geometry, m.kv_dtype, m.kv_pool,
+                         m.prefix_counters, m.prefix_seen)
     for k, v in (m.telemetry or {}).items():  # the cluster's own monitoring, as read from Prometheus
         setattr(row, k, v)
     return row
-
-
-def _prefix_cache(row: CellRow, run: EngineRun, m: CellMeasurement) -> None:
-    """What the cell should have hit in the prefix cache (bench/run/prefix_cache.py), what the engine says
-    it hit, and a flag on a cold cell that hit."""
-    w, results = run.workload, m.load.results
-    row.prefix_cache_expected = "warm" if meant_warm(w, m.cell) else "cold"
-    sent = sum(r.prompt_tokens_sent for r in results)
-    if run.rules is not None and sent:
-        details = m.kv_pool.details if m.kv_pool else {}
-        unit = run.rules.prefix_reuse_unit(KVQuestion(run.model.geometry, m.kv_dtype,
-                                                      device=details.get("device", "gpu")), details)
-        row.prefix_cache_expected_hit_rate = expected_hit_tokens(w, m.cell, len(results), unit, m.prefix_seen) / sent
-    hits = measured_hits(results, *m.prefix_counters)
-    if hits is None:
-        row.prefix_cache_source = "not reported"
-        return
-    row.prefix_cache_hit_tokens, row.prefix_cache_query_tokens, row.prefix_cache_source = hits
-    row.prefix_cache_hit_rate = hits[0] / hits[1] if hits[1] else None
-    if flag := cold_hit_flag(row.prefix_cache_expected, row.prefix_cache_hit_rate):
-        row.flags.insert(0, flag)
-        if row.status == "ok":
-            row.status = "flagged"
 
 
 def _queued_first(row: CellRow, m: CellMeasurement) -> None:
@@ -225,16 +203,28 @@ def _verdict(r: RequestResult) -> str:
                            r.output_tokens_reported, sum(r.chunk_tokens))
 
 
+#: The flag of a request that ended at EOS on a server that cannot force the output length.
+SHORT_OUTPUT = "short output: the server does not honour ignore_eos"
+
+
 def _token_contract(row: CellRow, results: list[RequestResult], engine_exit: str, log_tail: str) -> list:
     """Sort the requests by the token contract (what was sent and asked for against what the engine says
     it did), set the counts, status and flags, and return the requests that count."""
     good, flags, counts = [], [], {"failed": 0, "truncated": 0, "short": 0}
+    as_generated = "output as generated" in row.token_contract  # no ignore_eos: EOS may end it early
     for r in results:
         verdict = _verdict(r)
         if verdict == "ok":
             good.append(r)
             continue
         counts[verdict] = counts.get(verdict, 0) + 1
+        if verdict == "short" and as_generated:  # what the server could do: its timings count, flagged
+            good.append(r)
+            if len(flags) < MAX_FLAGS:
+                flags.append(f"{r.request_id}: {SHORT_OUTPUT} (output {r.output_tokens_requested} asked / "
+                             f"{r.output_tokens_reported if r.output_tokens_reported is not None else sum(r.chunk_tokens)} "
+                             "generated)")
+            continue
         if len(flags) < MAX_FLAGS:
             flags.append(f"{r.request_id}: {verdict}: " + (r.error or
                          f"prompt {r.prompt_tokens_sent} sent / {r.prompt_tokens_reported} read, output "
@@ -365,7 +355,6 @@ def _per_gpu(row: CellRow, run: EngineRun, m: CellMeasurement) -> None:
     # where the rules' answer for a load is what the engine's in-use figure counts (vLLM's blocks held,
     # transformers' cache); llama.cpp's answer is its whole allocation, checked by kvbench validate instead
     if run.rules is not None and run.rules.answer_is_in_use and row.kv_tokens_peak_predicted:
-        from kvbench.kv.rules import KVQuestion
 
         held = row.kv_tokens_peak_predicted // max(1, row.prompt_tokens + run.workload.output_tokens - 1)
         q = KVQuestion(run.model.geometry, m.kv_dtype, row.prompt_tokens + run.workload.output_tokens - 1,

@@ -8,6 +8,9 @@ alongside) into a raw :class:`~kvbench.run.rows.CellMeasurement`, which the pure
 :func:`~kvbench.run.rows.summarize` turns into the cell's row. Anything that goes wrong with one backend
 (install, start, crash, timeout) becomes failed rows with the engine's log tail; the other backends still
 run; a server kvbench started is always stopped, also on Ctrl-C.
+
+Long because one engine session's steps (install, start or attach, check, warm up and calibrate, the cells
+with their progress, prefix-cache resets and counters, stop and record) read in order in one class.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import httpx
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import Progress
 
 from kvbench.backends import REGISTRY, gguf_converter, kv_rules
 from kvbench.backends.base import Backend
@@ -36,6 +39,7 @@ from kvbench.common.redact import redact_text
 from kvbench.load import LoadPoint, LoadSettings, TimeoutStreak, frozen_heap, run, run_async
 from kvbench.load.open_loop import schedule_seed
 from kvbench.run import estimate
+from kvbench.run.progress import CellProgress, run_progress, set_eta
 from kvbench.run.backend_config import BackendConfig
 from kvbench.run.cells import Cell, CellPrompts, NothingFits, PromptSalt, RunPlan
 from kvbench.run.rows import (
@@ -92,6 +96,7 @@ class RunOptions:
     # "none" sends unsalted prompts (an earlier run's, token for token), else the salt itself
     prompt_salt: str | None = None
     reset_cache_between_cells: bool = False  # empty each engine's prefix cache before every cell
+    allow_model_mismatch: bool = False  # an attached server serving another model than --model: run anyway
 
 
 def new_run_id(workload: str) -> str:
@@ -172,11 +177,10 @@ class Runner:
                           kv_dtype=o.kv_dtype, kv_pool_sequences=w.kv_pool_sequences,
                           memory_limit_bytes=o.memory_limit_bytes, reset_prefix_cache=o.reset_cache_between_cells)
         status = "interrupted"
-        columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("cells"),
-                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
         try:
-            with Progress(*columns, console=self.console) as progress:
-                bar = progress.add_task("cells", total=plan.cells_per_start * len(plan.variants) * len(o.backends))
+            with run_progress(self.console) as progress:
+                bar = progress.add_task("cells", total=plan.cells_per_start * len(plan.variants) * len(o.backends),
+                                        unit="cells")
                 for repeat, backends in self.schedule(plan.repeats):
                     for cfg in backends:
                         for prefix_caching in plan.variants:
@@ -220,6 +224,8 @@ class _EngineSession:
         self.stop_reason = "interrupted"  # until the session says otherwise
         self.estimated: dict | None = None  # how long its cells were expected to take (bench/run/estimate.py)
         self.prefix_seen = False  # a cell of this start has sent the workload's shared prefix
+        self.cell_estimates: list[float] = []  # from cells done, monotonic time estimate_from: each one's seconds
+        self.estimate_from = (0, 0.0)
         variant = {None: "", True: " (prefix caching on)", False: " (prefix caching off)"}[spec.prefix_caching]
         self.key = cfg.label + variant + ("" if repeat is None else f" repeat {repeat}")  # in run.json's engine_stops
 
@@ -300,9 +306,19 @@ class _EngineSession:
         backend.start(self.spec, r.writer.log_path(cfg.label), r.o.start_timeout_s)
 
     def check(self, backend: Backend) -> None:
-        """The version the engine reports and how its prompts and tokenizer were checked, recorded."""
+        """The version the engine reports, the models it serves (an attached server's checked against
+        --model), what it supports and how its prompts and tokenizer were checked, recorded."""
         version = backend.reported_version()
         self.r.record.engine_versions[self.cfg.label] = version
+        self.r.record.served_models[self.cfg.label] = served = backend.served_models()
+        self.r.record.capabilities[self.cfg.label] = backend.capabilities()
+        self.r.record.save(self.r.writer)
+        if self.cfg.url and served is not None and not models.serves(served, self.spec.model, self.r.o.model):
+            problem = (f"the server serves {', '.join(served) or 'no model'}, not --model {self.r.o.model}: its "
+                       f"figures would be set against {self.spec.model.name}'s KV")
+            if not self.r.o.allow_model_mismatch:
+                raise EngineStartError(problem + " (--allow-model-mismatch to run anyway)")
+            self.r.console.print(f"[yellow]warning: {problem} (--allow-model-mismatch)[/]")
         self.info = replace(self.info, engine_version_reported=version, token_contract=self.token_contract(backend))
         self.r.record.save(self.r.writer)
 
@@ -327,6 +343,7 @@ class _EngineSession:
                 r.writer.write_cell(part)
             self.done += 1
             self.progress.advance(self.bar)
+            self.update_eta()
             r.console.print(summary_line(row))
             # a saturation sweep's closed loop found the rate: the open-loop rates follow it
             self.cells[self.done:self.done] = self.plan.saturation_cells(cell, row.requests_per_s or 0)
@@ -423,9 +440,11 @@ class _EngineSession:
             return
         cal = estimate.Calibration.from_points(min(points), max(points), itls[len(itls) // 2])
         w, cells = self.plan.workload, self.cells[self.done:]
-        seconds = sum(estimate.cell_seconds(cal, w.prompt_tokens_sent(c.prompt_tokens, c.turn), w.output_tokens,
-                                            w.requests_per_cell(c.load.concurrency, c.load.request_rate),
-                                            c.load.concurrency, c.load.request_rate) for c in cells)
+        self.cell_estimates = [estimate.cell_seconds(
+            cal, w.prompt_tokens_sent(c.prompt_tokens, c.turn), w.output_tokens, w.requests_per_cell(
+                c.load.concurrency, c.load.request_rate), c.load.concurrency, c.load.request_rate) for c in cells]
+        seconds, self.estimate_from = sum(self.cell_estimates), (self.done, time.monotonic())
+        self.update_eta()
         self.estimated = {"estimated_s": round(seconds, 1), "cells": len(cells), "started": time.monotonic(),
                           "prefill_tokens_per_s": round(1 / cal.prefill_s_per_token) if cal.prefill_s_per_token else None,
                           "decode_tokens_per_s": round(1 / cal.decode_s_per_token) if cal.decode_s_per_token else None}
@@ -433,13 +452,18 @@ class _EngineSession:
                              f"this machine (from its {min(points)[0]}- and {max(points)[0]}-token calibration "
                              f"prompts; rough, see bench/run/estimate.py)")
 
+    def update_eta(self) -> None:
+        """The bar's ETA from the calibrated estimate, at once and after each cell."""
+        set_eta(self.progress, self.bar, self.cell_estimates, self.estimate_from, self.done, len(self.cells))
+
     def measure(self, backend: Backend, cell: Cell) -> CellMeasurement:
         """One cell: the load with the samplers running alongside, and the engine's figures around it."""
         r, w = self.r, self.plan.workload
         prompts = self.prompts.for_cell(cell, w.requests_per_cell(cell.load.concurrency, cell.load.request_rate))
+        line = CellProgress(self.progress, cell.describe(), len(prompts)) if r.o.load_workers == 1 else None
         settings = LoadSettings(r.o.request_timeout_s, w.duration_s,
                                 schedule_seed(w.seed, cell.prompt_tokens, cell.repeat, cell.load.slug), self.streak,
-                                workers=r.o.load_workers)
+                                workers=r.o.load_workers, on_done=line)
         backend.reset_cell()
         if r.o.reset_cache_between_cells:
             backend.reset_prefix_cache()
@@ -459,6 +483,8 @@ class _EngineSession:
             finally:
                 for s in samplers:
                     s.stop()
+                if line:
+                    line.close()
         label = self.cfg.label
         counters = (counters_before, prefix_counters(backend))
         prom = measure_cell(r.o.prometheus, t0, load.t_end, r.run_dir, cell.cell_id(label))

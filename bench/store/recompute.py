@@ -97,7 +97,57 @@ def recompute(run_dir: str | Path) -> Recompute:
                                                "old": row.get(name), "new": value})
                     new[name] = value
         result.rows.append(CellRow.model_validate(new).model_dump(mode="json"))
+    _pool_sequences(run_dir, result)
     return result
+
+
+def _geometry(info: dict):
+    """The model's geometry as run.json records it (asdict of KVGeometry), or None."""
+    from kvbench.kv.geometry import KVGeometry, LayerKV, MLAShape
+
+    g = (info.get("model") or {}).get("geometry")
+    if not g:
+        return None
+    if "layers" not in g and "num_layers" in g:  # schema v1's run.json: uniform layers, some sliding
+        sliding = g.get("sliding_layers") or [False] * g["num_layers"]
+        return KVGeometry(layers=tuple(LayerKV("sliding" if s else "full", g["num_kv_heads"], g["head_dim_k"],
+                                               g["head_dim_v"], g.get("sliding_window") if s else None)
+                                       for s in sliding), max_context=g.get("max_context"))
+    return KVGeometry(layers=tuple(LayerKV(**layer) for layer in g["layers"]),
+                      **{k: g.get(k) for k in ("num_attention_heads", "max_context", "model_type", "dtype", "source")
+                         if g.get(k) is not None},
+                      mla=MLAShape(**g["mla"]) if g.get("mla") else None, flags=tuple(g.get("flags") or ()),
+                      notes=tuple(g.get("notes") or ()))
+
+
+def _pool_sequences(run_dir: Path, result: Recompute) -> None:
+    """Each cell's ``kv_pool_sequences_predicted`` under today's engine rules, where the engine's own log
+    (logs/<backend>.log) states its pool (``Backend.kv_pool_from_log``): the rule that counted llama.cpp's
+    pool tokens without its slots (25 sequences on 4 slots) is corrected in published runs so."""
+    from kvbench.backends import REGISTRY, kv_rules
+
+    try:
+        geometry = _geometry(json.loads((run_dir / "run.json").read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        return
+    pools: dict[str, object] = {}
+    for row in result.rows:
+        engine, label, tokens = row.get("engine"), row.get("backend"), row.get("kv_pool_tokens_engine")
+        if geometry is None or engine not in REGISTRY or tokens is None or row.get("status") not in OK_STATUSES:
+            continue
+        if label not in pools:
+            log = run_dir / "logs" / f"{label}.log"
+            pools[label] = REGISTRY[engine].kv_pool_from_log(log.read_text(errors="replace")) if log.exists() else None
+        pool = pools[label]
+        if pool is None or not pool.details:
+            continue
+        value = kv_rules(engine).sequences_in_pool(geometry, int(tokens), row["prompt_tokens"] + row["output_tokens"] - 1,
+                                                   pool.details)
+        if value != row.get("kv_pool_sequences_predicted"):
+            result.changes.append({"cell_id": row["cell_id"], "repeat": row["repeat"],
+                                   "field": "kv_pool_sequences_predicted",
+                                   "old": row.get("kv_pool_sequences_predicted"), "new": value})
+            row["kv_pool_sequences_predicted"] = value
 
 
 def changes_frame(result: Recompute) -> pd.DataFrame:
@@ -132,10 +182,11 @@ def write(result: Recompute) -> Path | None:
     info.setdefault("recomputed", []).append({
         "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "kvbench_version": kvbench.__version__, "kvbench_commit": environment_info().get("kvbench_commit"),
-        "schema_version": SCHEMA_VERSION, "fields": list(RECOMPUTED_FIELDS),
+        "schema_version": SCHEMA_VERSION, "fields": [*RECOMPUTED_FIELDS, "kv_pool_sequences_predicted"],
         "cells_recomputed": result.cells_recomputed, "cells_changed": result.changed_cells,
         "figures_changed": len(result.changes), "backup": backup.name,
-        "why": "figures rebuilt from requests.jsonl under the current definitions (docs/metrics.md)"})
+        "why": "figures rebuilt from requests.jsonl under the current definitions (docs/metrics.md); the "
+               "sequences a pool holds from the engine's log under today's engine rules"})
     atomic_write_text(info_path, json.dumps(info, indent=2) + "\n")
     if (run_dir / "cells.parquet").exists() or (run_dir / "requests.parquet").exists():
         from kvbench.store.readers import write_parquet

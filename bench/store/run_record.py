@@ -21,6 +21,8 @@ class RunRecord:
     estimates: dict[str, dict] = field(default_factory=dict)  # start key -> estimated and taken seconds
     engine_threads: dict[str, dict] = field(default_factory=dict)  # start key -> the threads it computed on
     memory_walls: dict[str, dict] = field(default_factory=dict)  # start key -> its wall: limit, peak, OOM kills
+    served_models: dict[str, list[str] | None] = field(default_factory=dict)  # label -> what the server serves
+    capabilities: dict[str, dict] = field(default_factory=dict)  # label -> what an attached server supports
 
     @classmethod
     def of_run(cls, run_dir: Path) -> RunRecord:

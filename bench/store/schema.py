@@ -198,12 +198,19 @@ class RequestRow(BaseModel):
 
 
 
+#: What every v1 row's requests were (not recorded then): every backend of schema v1 sent token ids and
+#: forced the output length (hf, vllm and llamacpp up to eb535a0, which added the field), as the
+#: runner's contract of today says it for those backends; so a v1 run compares with a later one.
+V1_TOKEN_CONTRACT = "token ids, output forced"
+
+
 def migrate_row(row: dict, model: type[BaseModel]) -> dict:
     """One stored row (any schema version) as a row of the current schema.
 
     v1 -> v2: the fields v2 added take their defaults (``repeat`` 0, ``load_profile`` "concurrent",
-    ``request_rate`` None, ``variant`` "", ``token_contract`` "" = not recorded, ``attached`` False, the
-    queueing and goodput fields None): a v1 run was one closed-loop repeat of each cell.
+    ``request_rate`` None, ``variant`` "", ``attached`` False, the queueing and goodput fields None): a v1
+    run was one closed-loop repeat of each cell; ``token_contract`` :data:`V1_TOKEN_CONTRACT`, what every v1
+    backend did.
     v2 -> v3: ``client_loop_lag_s_max`` None where the row lacks it (not measured). A stored cell's TPOT and
     goodput keep the figures its run wrote (a v2 TPOT may be 0.0 where v3 says undefined): ``kvbench report
     --recompute RUN`` rebuilds them from requests.jsonl under the current definitions.
@@ -221,6 +228,8 @@ def migrate_row(row: dict, model: type[BaseModel]) -> dict:
     version = int(row.get("schema_version", 1))
     if version > SCHEMA_VERSION:
         raise ValueError(f"row has schema version {version}, newer than this kvbench's {SCHEMA_VERSION}: upgrade kvbench")
+    if version < 2 and model is CellRow and not row.get("token_contract"):
+        row = {**row, "token_contract": V1_TOKEN_CONTRACT}
     out = model.model_validate(row).model_dump()
     if version < 7 and "prefix_cache_source" in out:
         out["prefix_cache_source"] = "not recorded"

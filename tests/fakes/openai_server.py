@@ -11,6 +11,13 @@ serving_completion.py; the OpenAI API reference for the base format):
   "param": "model", "code": 404}}``; HTTP 400 for a prompt + max_tokens over max_model_len (vLLM's
   "This model's maximum context length is N tokens. However, you requested M tokens ..." message).
 
+A server of another dialect: ``vllm_extensions=False`` answers a request with ``ignore_eos``,
+``min_tokens`` or ``return_token_ids`` as OpenAI's own API answers an argument it does not know (HTTP 400
+``{"error": {"message": "Unrecognized request argument supplied: ignore_eos", "type":
+"invalid_request_error", "param": null, "code": null}}``); ``token_id_prompts=False`` answers a prompt given
+as a list of ids with HTTP 400 ``{"error": {"message": "prompt must be a string", "type":
+"invalid_request_error", "param": "prompt", "code": null}}`` (as servers that take text only do).
+
 Knobs: ``tokens_per_chunk`` (several tokens per SSE chunk, as with vLLM's stream interval),
 ``eos_after`` (stop with finish_reason "stop" unless the request says ignore_eos), ``cut_after`` (close
 the connection after k chunks), ``include_usage`` (False: a server that ignores stream_options).
@@ -62,7 +69,7 @@ class OpenAIHandler(Handler):
             self.send_json(200, {"object": "list", "data": [
                 {"id": fake.model, "object": "model", "created": 1764000000, "owned_by": "vllm", "root": fake.model,
                  "parent": None, "max_model_len": fake.max_model_len}]})
-        elif self.path == "/version":
+        elif self.path == "/version" and fake.version is not None:  # version=None: a server without the route
             self.send_json(200, {"version": fake.version})
         else:
             self.send_json(404, {"detail": "Not Found"})
@@ -77,7 +84,14 @@ class OpenAIHandler(Handler):
         if req.get("model") != fake.model:
             return self.send_json(404, {"error": {"message": f"The model `{req.get('model')}` does not exist.",
                                                   "type": "NotFoundError", "param": "model", "code": 404}})
+        unknown = [k for k in ("ignore_eos", "min_tokens", "return_token_ids") if k in req]
+        if unknown and not fake.vllm_extensions:
+            return self.send_json(400, {"error": {"message": f"Unrecognized request argument supplied: {unknown[0]}",
+                                                  "type": "invalid_request_error", "param": None, "code": None}})
         prompt = req.get("prompt")
+        if isinstance(prompt, list) and not fake.token_id_prompts:
+            return self.send_json(400, {"error": {"message": "prompt must be a string", "type": "invalid_request_error",
+                                                  "param": "prompt", "code": None}})
         n_prompt = len(prompt) if isinstance(prompt, list) else count_words(prompt or "")
         max_tokens = int(req.get("max_tokens") or 16)
         if n_prompt + max_tokens > fake.max_model_len:
@@ -122,8 +136,10 @@ class FakeOpenAI(FakeServer):
 
     def __init__(self, host="127.0.0.1", port=0, model="smollm2", max_model_len=8192, version="0.32.0",
                  token_delay_s=0.002, tokens_per_chunk=1, eos_after=None, cut_after=None, include_usage=True,
-                 tls: ssl.SSLContext | None = None, require_auth: str | None = None):
+                 tls: ssl.SSLContext | None = None, require_auth: str | None = None, vllm_extensions=True,
+                 token_id_prompts=True):
         super().__init__(host, port)
+        self.vllm_extensions, self.token_id_prompts = vllm_extensions, token_id_prompts
         self.tls, self.require_auth = tls, require_auth
         self.auth_seen: list[str | None] = []
         self.model, self.max_model_len, self.version = model, max_model_len, version
