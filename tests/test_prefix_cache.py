@@ -224,3 +224,69 @@ def test_an_engine_that_does_not_share_holds_a_copy_per_request():
 def test_a_shared_prefix_the_plan_cannot_vouch_for_is_refused_in_one_line(args, says):
     code, out = plan_json(*args)
     assert code == 2 and says in out and len(out.strip().splitlines()) == 1, out
+
+
+# --- the published shared-prefix run -----------------------------------------------------------------
+
+PUBLISHED = Path(__file__).resolve().parent.parent / "results" / "published" / "20261201-shared-prefix-cpu"
+
+
+def test_the_published_shared_prefix_run_matches_the_ideal_and_the_plan():
+    """vLLM served exactly the ideal hit rate and held the prefix once, to the byte what `kvbench plan
+    --shared-prefix` says; llama.cpp, per slot, served less; caching off served nothing."""
+    from kvbench.store.readers import load_cells
+
+    cells = load_cells(PUBLISHED)
+    assert (cells.status == "ok").all() and (cells.schema_version == 7).all()
+    off = cells[cells.variant == "prefix_caching=off"]
+    assert (off.prefix_cache_hit_rate == 0).all() and (off.prefix_cache_expected == "cold").all()
+    on = cells[cells.variant == "prefix_caching=on"]
+    assert (on.prefix_cache_expected == "warm").all()
+    assert (on.prefix_cache_hit_rate <= on.prefix_cache_expected_hit_rate + 1e-12).all()
+    vllm = on[on.engine == "vllm"].set_index("concurrency")
+    assert (vllm.prefix_cache_hit_rate == vllm.prefix_cache_expected_hit_rate).all()
+    assert (vllm.kv_in_use_peak_bytes == vllm.kv_peak_bytes_per_gpu_predicted).all()
+    code, out = plan_json("smollm2", "--engine", "vllm", "--device", "cpu", "--context", "2080", "--batch", "4",
+                          "--shared-prefix", "1792")
+    assert code == 0 and json.loads(out)["shared_prefix"]["kv_bytes_per_gpu"] == vllm.kv_in_use_peak_bytes[4]
+    # warm beats cold at every load on both engines (TTFT p50)
+    for (engine, conc), group in cells.groupby(["engine", "concurrency"]):
+        by = group.set_index("variant").ttft_s_p50
+        assert by["prefix_caching=on"] < by["prefix_caching=off"], (engine, conc)
+    readme = (PUBLISHED.parent / "README.md").read_text()
+    assert "| vllm-0.32.0 | on | 4 | 87.5 % | 87.5 % |" in readme and "73.12 MiB | 73.12 MiB |" in readme
+
+
+# --- kvbench compare: a warm cell is not compared with a cold one ------------------------------------------
+
+def with_hit_rate(run_dir: Path, rate: float) -> Path:
+    """The run with every cell's measured prefix-cache hit rate set (its cells meant cold)."""
+    path = run_dir / "cells.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps(r | {"prefix_cache_expected": "cold", "prefix_cache_hit_rate": rate,
+                                            "prefix_cache_source": "synthetic"}) + "\n" for r in rows))
+    for parquet in run_dir.glob("*.parquet"):
+        parquet.unlink()
+    return run_dir
+
+
+def test_compare_leaves_out_a_cell_warm_on_one_side_and_cold_on_the_other(tmp_path):
+    from .synth import make_run
+    from .test_compare import kvbench
+
+    base = with_hit_rate(make_run(tmp_path, "b", prompts=(1024,), seed=1, repeats=3), 0.0)
+    warm = with_hit_rate(make_run(tmp_path, "w", backends=[("vllm", "0.32.0")], prompts=(1024,), seed=2,
+                                  repeats=3), 0.8)
+    refused = kvbench("compare", str(base), str(warm), "--format", "json")
+    result = json.loads(refused.stdout)
+    assert result["summary"]["cache_mismatch"] == 2 and result["summary"]["compared_cells"] == 0
+    assert {(m["baseline_cache"], m["candidate_cache"]) for m in result["cache_mismatch"]} == {("cold", "warm")}
+    assert refused.exit_code == 2  # nothing compared
+    assert "PREFIX CACHE: 6 cell(s) of the candidate meant cold were served" in refused.stderr
+    allowed = kvbench("compare", str(base), str(warm), "--allow-cache-mismatch")
+    assert "warm against cold" in allowed.stdout and "compared: --allow-cache-mismatch" in allowed.stdout
+    assert allowed.exit_code in (0, 1, 3, 4)
+    same = with_hit_rate(make_run(tmp_path, "s", backends=[("vllm", "0.32.0")], prompts=(1024,), seed=3,
+                                  repeats=3), 0.0)
+    assert json.loads(kvbench("compare", str(base), str(same), "--format", "json").stdout)["summary"][
+        "cache_mismatch"] == 0

@@ -25,6 +25,9 @@ def compare(
     allow_different_hardware: bool = typer.Option(
         False, "--allow-different-hardware", help="Compare runs from different machines (CPU model or flags, cores, "
                                                    "GPUs, driver) with a warning instead of refusing."),
+    allow_cache_mismatch: bool = typer.Option(
+        False, "--allow-cache-mismatch", help="Compare a cell served from the prefix cache (warm) with one that was "
+                                               "not (cold) instead of leaving it out: the change is then the cache's."),
     pass_unless_regression: bool = typer.Option(
         False, "--pass-unless-regression", help="Exit 0 for an inconclusive or improved comparison too: a gate that "
                                                  "asks only for no evidence of a regression."),
@@ -47,7 +50,8 @@ def compare(
         config = load_config(tolerances, match_on.split(",") if match_on else None)
         base = load_side("baseline", [runs[0]], baseline_backend)
         cand = load_side("candidate", [runs[1]], candidate_backend)
-        result = run_compare(base, cand, config, allow_different_hardware, pass_unless_regression)
+        result = run_compare(base, cand, config, allow_different_hardware, pass_unless_regression,
+                             allow_cache_mismatch)
     except (CompareError, ResultsReadError) as exc:  # ResultsReadError: a run folder that cannot be read
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

@@ -67,7 +67,8 @@ def verdict_line(result: dict) -> str:
             f"{s['not_compared']} not compared (metrics over {s['compared_cells']} cells compared); "
             f"{s['failed_on_candidate']} cells failed on the candidate only, {s.get('failed_on_baseline', 0)} on the "
             f"baseline or both; {s['only_in_baseline']} only in the baseline, {s['only_in_candidate']} only in the "
-            f"candidate, {s['contract_mismatch']} with different token contracts.")
+            f"candidate, {s['contract_mismatch']} with different token contracts"
+            + (f", {s['cache_mismatch']} warm against cold (prefix cache)" if s.get("cache_mismatch") else "") + ".")
     settle = result.get("settle") or {}
     if settle.get("inconclusive"):
         line += " " + settle_sentence(settle)
@@ -153,6 +154,12 @@ def markdown(result: dict) -> str:
             ("Different token contracts (not compared)", result["contract_mismatch"],
              lambda f: f"{_where(f['key'])}: baseline {_contracts(f['baseline_contract'])}, "
                        f"candidate {_contracts(f['candidate_contract'])}"),
+            ("Served from the prefix cache on one side only" + (
+                "" if all(f.get("compared") for f in result.get("cache_mismatch", [])) else " (not compared)"),
+             result.get("cache_mismatch", []),
+             lambda f: f"{_where(f['key'])}: baseline {f['baseline_cache']}, candidate {f['candidate_cache']}"
+                       + (" (compared: --allow-cache-mismatch)" if f.get("compared") else
+                          "; compare with --allow-cache-mismatch")),
             ("Only in the baseline (not compared)", result["only_in_baseline"],
              lambda f: f"{_where(f['key'])} ({f['baseline_backend']})"),
             ("Only in the candidate (not compared)", result["only_in_candidate"],

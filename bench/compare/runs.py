@@ -46,6 +46,7 @@ from kvbench.common import stats
 from kvbench.common.hardware import driver_differences, hardware_differences, hardware_line
 from kvbench.common.metrics import RequestTimes
 from kvbench.compare.verdict import EXIT_CODES, overall_verdict, settle_summary
+from kvbench.run.prefix_cache import COLD_HIT_RATE
 from kvbench.store.readers import load, load_run_info, not_a_run_dir
 from kvbench.store.schema import CELL_CONFIG_FIELDS, OK_STATUSES
 
@@ -350,8 +351,24 @@ def checks(baseline: Side, candidate: Side, allow_different_hardware: bool = Fal
     return warnings
 
 
+def cache_state(rows: pd.DataFrame) -> str:
+    """ "warm" where the prefix cache served more than COLD_HIT_RATE of a cell's prompt tokens in any of its
+    repeats, "cold" where it served less in all, "not reported" where the engine (or the run) said nothing."""
+    rates = rows.prefix_cache_hit_rate.dropna() if "prefix_cache_hit_rate" in rows else pd.Series(dtype=float)
+    if rates.empty:
+        return "not reported"
+    return "warm" if (rates > COLD_HIT_RATE).any() else "cold"
+
+
+def cold_cells_that_hit(cells: pd.DataFrame) -> int:
+    """Rows meant cold whose prefix cache served more than COLD_HIT_RATE of their prompt tokens."""
+    if "prefix_cache_expected" not in cells:
+        return 0
+    return int(((cells.prefix_cache_expected == "cold") & (cells.prefix_cache_hit_rate.fillna(0) > COLD_HIT_RATE)).sum())
+
+
 def compare(baseline: Side, candidate: Side, config: CompareConfig, allow_different_hardware: bool = False,
-            pass_unless_regression: bool = False) -> dict:
+            pass_unless_regression: bool = False, allow_cache_mismatch: bool = False) -> dict:
     """Everything ``kvbench compare`` reports, as one JSON-ready dict (schema ``kvbench.compare/3``).
     Raises CompareError for bad input (a self-comparison, different hardware unless allowed)."""
     fields = config.match_on
@@ -365,7 +382,8 @@ def compare(baseline: Side, candidate: Side, config: CompareConfig, allow_differ
                            "backends": sorted(set(baseline.cells.backend))},
               "candidate": {"runs": candidate.runs, "backend": candidate.backend,
                             "backends": sorted(set(candidate.cells.backend))},
-              "cells": [], "only_in_baseline": [], "only_in_candidate": [], "contract_mismatch": [], "failed": []}
+              "cells": [], "only_in_baseline": [], "only_in_candidate": [], "contract_mismatch": [],
+              "cache_mismatch": [], "failed": []}
 
     def ident(key, rows_b=None, rows_c=None) -> dict:
         out = {"key": dict(zip(fields, key))}
@@ -396,6 +414,14 @@ def compare(baseline: Side, candidate: Side, config: CompareConfig, allow_differ
             result["contract_mismatch"].append({**ident(key, rb, rc), "baseline_contract": contracts_b,
                                                 "candidate_contract": contracts_c})
             continue
+        # a cell served from the prefix cache against one that was not measures the cache, not the engine
+        cache_b, cache_c = cache_state(ub), cache_state(uc)
+        if {cache_b, cache_c} == {"warm", "cold"}:
+            mismatch = {**ident(key, rb, rc), "baseline_cache": cache_b, "candidate_cache": cache_c,
+                        "compared": allow_cache_mismatch}
+            result["cache_mismatch"].append(mismatch)
+            if not allow_cache_mismatch:
+                continue
         metrics = []
         for name, tol in config.tolerances.items():
             metric = METRICS[name]
@@ -417,7 +443,8 @@ def compare(baseline: Side, candidate: Side, config: CompareConfig, allow_differ
                 "repeats_needed": stats.repeats_needed(noise, tol, config.confidence, paired)
                 if noise is not None else None, "repeats_to_settle": None})
         result["cells"].append({**ident(key, rb, rc), "repeats": [len(ub), len(uc)],
-                                "token_contract": contracts_b, "metrics": metrics})
+                                "token_contract": contracts_b, "prefix_cache": [cache_b, cache_c],
+                                "metrics": metrics})
 
     verdicts = [m["verdict"] for c in result["cells"] for m in c["metrics"]]
     failed_candidate = sum(f["regression"] for f in result["failed"])
@@ -428,8 +455,15 @@ def compare(baseline: Side, candidate: Side, config: CompareConfig, allow_differ
                "failed_on_baseline": sum(f["failed_on"] != "candidate" for f in result["failed"]),
                "only_in_baseline": len(result["only_in_baseline"]),
                "only_in_candidate": len(result["only_in_candidate"]),
-               "contract_mismatch": len(result["contract_mismatch"])}
+               "contract_mismatch": len(result["contract_mismatch"]),
+               "cache_mismatch": len(result["cache_mismatch"])}
     result["summary"] = summary
+    for side in (baseline, candidate):
+        cold_hit = cold_cells_that_hit(side.cells)
+        if cold_hit:
+            result["warnings"].append(
+                f"PREFIX CACHE: {cold_hit} cell(s) of the {side.name} meant cold were served from the prefix cache "
+                "(over 1 % of their prompt tokens; the same prompts sent before? kvbench run --prompt-salt)")
     result["regression_found"] = bool(summary["regression"] or failed_candidate)
     result["verdict"] = overall_verdict(summary)
     result["exit_code"] = EXIT_CODES[result["verdict"]]
