@@ -74,7 +74,7 @@ def test_report_of_the_published_run(published_report):
     assert "| hf-5.24.0 | 8128 | 4 | ok | 99.100 |" in md
     # every table can be quoted alone: its caption names the run, hardware, model and engine versions
     captions = [line for line in md.splitlines() if line.startswith("<sub>run `20261129-143003-cpu-default`")]
-    assert len(captions) == 5  # KV, latency, prefix cache, boundary, validation
+    assert len(captions) == 4
     assert all("AMD EPYC, 2 cores" in c and "smollm2" in c and "vllm-0.32.0 (0.32.0)" in c for c in captions)
     for png in ("kv_vs_context", "kv_ratio_vs_context", "throughput_ttft_vs_concurrency", "latency_throughput",
                 "latency_cdfs", "kv_boundary", "timeline_vllm-0.32.0_p8128_c4"):
@@ -102,7 +102,7 @@ def test_html_is_self_contained(published_report):
 
 def test_html_renders_every_table_and_image_in_headless_chromium(published_report, tmp_path):
     seen = rendered(published_report / "report.html", tmp_path)
-    assert seen["tables"] == seen["expected_tables"] == 5  # KV, latency, prefix cache, boundary, validation
+    assert seen["tables"] == seen["expected_tables"] == 4  # KV, latency, boundary, validation (no failures)
     assert seen["tables_rendered"] == seen["tables"]
     assert seen["images"] == seen["expected_images"] == 9
     assert seen["images_rendered"] == seen["images"]
@@ -123,7 +123,7 @@ def test_report_of_several_runs_with_repeats_and_a_failure(tmp_path):
     # with -o the run folders are only read: no Parquet copy is written into them
     assert (tmp_path / "out" / "plots" / "kv_vs_context.png").exists() and not (a / "cells.parquet").exists()
     seen = rendered(out.with_suffix(".html"), tmp_path)
-    assert seen["tables_rendered"] == seen["expected_tables"] == 5  # KV, latency, prefix cache, boundary, failures
+    assert seen["tables_rendered"] == seen["expected_tables"] == 4  # KV, latency, boundary, failures
     assert seen["images_rendered"] == seen["expected_images"] > 0
 
 
