@@ -301,3 +301,16 @@ def test_the_reports_show_the_prefix_cache_or_say_it_was_not_recorded(tmp_path):
     assert "| 73.12 MiB | 73.12 MiB |" in text
     old, _, _ = reports.write([PUBLISHED.parent / "20261129-kv-boundary-cpu"], output=tmp_path / "old.md")
     assert "Not recorded: the run is from before kvbench recorded the prefix cache" in old.read_text()
+
+
+def test_kvbench_backends_lists_what_each_engine_has_for_its_prefix_cache():
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    engines = json.loads(CliRunner().invoke(app, ["backends", "--json"]).output)["engines"]
+    assert engines["vllm"]["prefix_cache"]["isolation_field"] == "cache_salt"
+    assert engines["vllm"]["prefix_cache"]["reset"].startswith("POST /reset_prefix_cache")
+    assert engines["llamacpp"]["prefix_cache"]["hits_reported"].startswith("timings.cache_n")
+    assert engines["sglang"]["prefix_cache"]["reset"].startswith("POST /flush_cache")
+    assert engines["hf"]["prefix_cache"] == {"isolation_field": None, "reset": None, "hits_reported": None}

@@ -58,7 +58,20 @@ def check_cold_then_warm(first, salted, again, warm_at_least):
     assert "prefix cache hit on a cell meant cold" in console_d
     # served from the cache: every TTFT of the unsalted run again below the first run's median
     assert max(ttfts(d)) < sorted(ttfts(a))[len(ttfts(a)) // 2], (ttfts(a), ttfts(d))
+    # kvbench compare: the salted run is no TTFT change from the first; the warm one is not compared with it
+    same = compared(a, b)
+    assert not {m["verdict"] for c in same["cells"] for m in c["metrics"] if m["metric"].startswith("ttft")} \
+        & {"regression", "improvement"}, same["cells"]
+    warm = compared(a, d)
+    assert warm["summary"]["cache_mismatch"] == 1 and warm["summary"]["compared_cells"] == 0
+    assert any(w.startswith("PREFIX CACHE: 1 cell(s) of the candidate meant cold") for w in warm["warnings"])
     return cells_d
+
+
+def compared(baseline, candidate) -> dict:
+    from kvbench.compare.runs import compare, load_config, load_side
+
+    return compare(load_side("baseline", [baseline]), load_side("candidate", [candidate]), load_config())
 
 
 # 384-token prompts: three of vLLM's 128-token CPU blocks; 6 requests, 2 at a time, 4 output tokens
