@@ -31,7 +31,7 @@ def run(
     kv_dtype: str = typer.Option("auto", help="KV cache dtype: auto (the model's), or e.g. fp32, bf16, q8_0."),
     max_context: int = typer.Option(None, help="Cap the context below the model's own limit."),
     results_dir: Path = typer.Option(Path("results/runs"), help="Where the run's folder is created."),
-    run_id: str = typer.Option(None, help="Name of the run folder (default: time, workload, host): letters, "
+    run_id: str = typer.Option(None, help="Name of the run folder (default: time, workload, host, pid): letters, "
                                           "digits, '.', '_', '-'. An existing run is refused unless --resume "
                                           "or --overwrite is given."),
     resume: bool = typer.Option(False, "--resume", help="Finish the run --run-id: run only the cells it has no row "

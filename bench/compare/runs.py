@@ -46,7 +46,7 @@ from kvbench.common import stats
 from kvbench.common.hardware import driver_differences, hardware_differences, hardware_line
 from kvbench.common.metrics import RequestTimes
 from kvbench.compare.verdict import EXIT_CODES, overall_verdict, settle_summary
-from kvbench.run.prefix_cache import COLD_HIT_RATE
+from kvbench.run.prefix_cache import cache_state, cold_cells_that_hit
 from kvbench.store.readers import load, load_run_info, not_a_run_dir
 from kvbench.store.schema import CELL_CONFIG_FIELDS, OK_STATUSES
 
@@ -349,22 +349,6 @@ def checks(baseline: Side, candidate: Side, allow_different_hardware: bool = Fal
     if drivers:
         warnings.append(f"DIFFERENT GPU DRIVER ({'; '.join(drivers)}): the changes below include the driver's")
     return warnings
-
-
-def cache_state(rows: pd.DataFrame) -> str:
-    """ "warm" where the prefix cache served more than COLD_HIT_RATE of a cell's prompt tokens in any of its
-    repeats, "cold" where it served less in all, "not reported" where the engine (or the run) said nothing."""
-    rates = rows.prefix_cache_hit_rate.dropna() if "prefix_cache_hit_rate" in rows else pd.Series(dtype=float)
-    if rates.empty:
-        return "not reported"
-    return "warm" if (rates > COLD_HIT_RATE).any() else "cold"
-
-
-def cold_cells_that_hit(cells: pd.DataFrame) -> int:
-    """Rows meant cold whose prefix cache served more than COLD_HIT_RATE of their prompt tokens."""
-    if "prefix_cache_expected" not in cells:
-        return 0
-    return int(((cells.prefix_cache_expected == "cold") & (cells.prefix_cache_hit_rate.fillna(0) > COLD_HIT_RATE)).sum())
 
 
 def compare(baseline: Side, candidate: Side, config: CompareConfig, allow_different_hardware: bool = False,

@@ -210,7 +210,10 @@ def _build(run_dirs: list[Path], plots_dir: Path | None) -> Report:
         Section("kv", "KV cache: predicted from the config vs reported by the engine", KV_INTRO + repeats,
                 tables.kv_table(agg), tables.KV_RIGHT, cap, note=tables.kv_source_notes(agg)),
         Section("performance", "Latency and throughput", PERF_INTRO + repeats, tables.performance_table(agg), tables.PERF_RIGHT, cap),
-        prefix_cache.section(agg, cap),
+        Section("prefix_cache", prefix_cache.TITLE, prefix_cache.INTRO,
+                prefix_cache.prefix_cache_table(agg) if prefix_cache.recorded(agg) else None, prefix_cache.RIGHT,
+                cap if prefix_cache.recorded(agg) else "",
+                note="" if prefix_cache.recorded(agg) else prefix_cache.NOT_RECORDED),
         Section("boundary", "The KV boundary", BOUNDARY_INTRO, tables.boundary_table(agg), tables.BOUNDARY_RIGHT, cap),
         Section("problems", "Failed and flagged cells", "Cells whose engine failed, or whose requests broke the token contract "
                 "(the reason is the error, then the flags).",

@@ -63,17 +63,15 @@ def prefix_cache_table(agg: pd.DataFrame) -> pd.DataFrame:
     return with_failures(out, agg, ~agg.status.isin(OK_STATUSES), "meant")
 
 
-def section(agg: pd.DataFrame, caption: str):
-    """The report's section: the table, or one line for runs from before kvbench recorded the prefix cache."""
-    from . import Section
+TITLE = "Prefix cache: meant cold or warm, and what the engine served"
+NOT_RECORDED = ("Not recorded: the run is from before kvbench recorded the prefix cache (results schema v7); its "
+                "prompts were unsalted.")
 
-    title = "Prefix cache: meant cold or warm, and what the engine served"
-    recorded = agg.prefix_cache_source.map(lambda x: isinstance(x, str) and x != "not recorded") \
-        if "prefix_cache_source" in agg else pd.Series(False, index=agg.index)
-    if not recorded.any():
-        return Section("prefix_cache", title, INTRO, note="Not recorded: the run is from before kvbench recorded "
-                       "the prefix cache (results schema v7); its prompts were unsalted.")
-    return Section("prefix_cache", title, INTRO, prefix_cache_table(agg), RIGHT, caption)
+
+def recorded(agg: pd.DataFrame) -> bool:
+    """Whether any row recorded its prefix cache (rows of runs before schema v7 read "not recorded")."""
+    return "prefix_cache_source" in agg and bool(
+        agg.prefix_cache_source.map(lambda x: isinstance(x, str) and x != "not recorded").any())
 
 
 RIGHT = LEAD_RIGHT | {"hit rate (ideal)", "hit rate (engine)", "tokens hit / looked up", "TTFT p50 (s)",

@@ -7,6 +7,8 @@ requests' own cached-token counts, else its counters' difference over the cell.
 """
 from __future__ import annotations
 
+import pandas as pd
+
 from kvbench.backends.types import KVPool, PrefixCacheCounters, RequestResult
 from kvbench.kv.geometry import KVGeometry
 from kvbench.kv.rules import KVQuestion, KVRules
@@ -89,3 +91,19 @@ def prefix_cache_columns(row: CellRow, w: Workload, cell: Cell, results: list[Re
         row.flags.insert(0, flag)
         if row.status == "ok":
             row.status = "flagged"
+
+
+def cache_state(rows: pd.DataFrame) -> str:
+    """ "warm" where the prefix cache served more than COLD_HIT_RATE of a cell's prompt tokens in any of its
+    repeats, "cold" where it served less in all, "not reported" where the engine (or the run) said nothing."""
+    rates = rows.prefix_cache_hit_rate.dropna() if "prefix_cache_hit_rate" in rows else pd.Series(dtype=float)
+    if rates.empty:
+        return "not reported"
+    return "warm" if (rates > COLD_HIT_RATE).any() else "cold"
+
+
+def cold_cells_that_hit(cells: pd.DataFrame) -> int:
+    """Rows meant cold whose prefix cache served more than COLD_HIT_RATE of their prompt tokens."""
+    if "prefix_cache_expected" not in cells:
+        return 0
+    return int(((cells.prefix_cache_expected == "cold") & (cells.prefix_cache_hit_rate.fillna(0) > COLD_HIT_RATE)).sum())

@@ -14,6 +14,7 @@ with their progress, prefix-cache resets and counters, stop and record) read in 
 """
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
@@ -59,7 +60,7 @@ from kvbench.run.telemetry import Prometheus, measure_cell
 from kvbench.store.errors import ResultsWriteError
 from kvbench.store.readers import ensure_parquet, load_cells, load_run_info
 from kvbench.store.run_record import RunRecord
-from kvbench.store.writer import RunMode, RunWriter
+from kvbench.store.writer import RunFolderLock, RunMode, RunWriter
 from kvbench.workloads import Workload
 from kvbench.workloads.prompts import PromptBuilder
 
@@ -100,7 +101,8 @@ class RunOptions:
 
 
 def new_run_id(workload: str) -> str:
-    return f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{workload}-{socket.gethostname()[:12]}"
+    """Time, workload, host and pid: two runs started in the same second (a CI matrix) get two folders."""
+    return f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{workload}-{socket.gethostname()[:12]}-{os.getpid()}"
 
 
 def _sigterm_as_interrupt(signum, frame):
@@ -117,6 +119,18 @@ class Runner:
         self.o = options
         self.console = console or Console()
         self.run_id = options.run_id or new_run_id(options.workload.name)
+        # one live harness per run folder: a second one (same --run-id, a --resume or --overwrite of a run
+        # still running) is refused before it touches anything
+        self.lock = RunFolderLock(options.results_dir / self.run_id)
+        try:
+            self._open(options)
+        except BaseException:
+            self.lock.release()
+            raise
+        self.nvml = NVML()
+
+    def _open(self, options: RunOptions) -> None:
+        """The run's writer, and for a resumed run what it finished and recorded, and its salt."""
         self.writer = RunWriter(options.results_dir / self.run_id, mode=options.results_mode)
         self.record = RunRecord()
         # resuming: the cells that have rows already (any status) are kept, not run again
@@ -133,7 +147,6 @@ class Runner:
         self.salt = (PromptSalt.resumed(load_run_info(self.writer.root).get("prompt_salt"), options.prompt_salt,
                                         isolated) if options.results_mode == "resume"
                      else PromptSalt.parse(options.prompt_salt, isolated))
-        self.nvml = NVML()
 
     @property
     def run_dir(self) -> Path:
@@ -146,6 +159,7 @@ class Runner:
             return self._run()
         finally:
             signal.signal(signal.SIGTERM, previous)
+            self.lock.release()
 
     def _run(self) -> Path:
         o, w = self.o, self.o.workload

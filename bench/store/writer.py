@@ -16,6 +16,7 @@ readers skip (and count, in a :class:`DamagedLinesWarning`) a torn line a crash 
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -65,6 +66,51 @@ def run_status(info: dict) -> str:
     except psutil.Error:  # e.g. access denied: it exists, so assume it runs
         return status
     return status
+
+
+class RunFolderLock:
+    """A run folder's one owner: an exclusive lock on the folder itself (flock), which the OS releases when
+    the process ends however it ends, so a killed harness leaves no stale lock. Emptying the folder for
+    --overwrite keeps the lock (it is on the folder, not a file in it)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise ResultsWriteError(self.root, "creating the run folder", exc) from exc
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = lock_holder(self._fd)
+            os.close(self._fd)
+            raise RunFolderError(f"run {self.root.name} in {self.root.parent} is in use by another kvbench"
+                                 + (f" (pid {holder})" if holder else "")
+                                 + ": wait for it to finish, or give another --run-id") from None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self):
+        self.release()
+
+
+def lock_holder(fd: int) -> int | None:
+    """The pid holding a flock on the file behind ``fd``, from /proc/locks (None where it cannot be read)."""
+    st = os.fstat(fd)
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 12345 fd:01:123456 0 EOF"
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5].endswith(f":{st.st_ino}"):
+            return int(parts[4])
+    return None
 
 
 class RunWriter:
