@@ -94,6 +94,17 @@ class Workload(BaseModel):
         return rates
 
     @model_validator(mode="after")
+    def _no_level_twice(self):
+        """A length, level or rate given twice would be two cells with one id (their rows mixed)."""
+        rates = self.request_rates if isinstance(self.request_rates, list) else []
+        for name, values in (("prompt_tokens", self.prompt_tokens), ("concurrency", self.concurrency),
+                             ("request_rates", rates)):
+            twice = sorted({v for v in values if values.count(v) > 1}, key=str)
+            if twice:
+                raise ValueError(f"{name} lists {', '.join(map(str, twice))} more than once: give each once")
+        return self
+
+    @model_validator(mode="after")
     def _consistent(self):
         if not self.open_loop:
             if not self.concurrency:

@@ -10,7 +10,7 @@ from kvbench.common.files import PlainNameError, check_plain_name
 from kvbench.common.models import ModelError, locate
 from kvbench.common.suggest import with_hint
 from kvbench.planner import model_names
-from kvbench.run.backend_config import BackendConfig, ConfigError, check_attachable
+from kvbench.run.backend_config import BackendConfig, ConfigError, check_attachable, distinct_labels
 from kvbench.run.cells import PromptSalt
 from kvbench.run.runner import Runner, RunOptions
 from kvbench.run.telemetry import Prometheus
@@ -96,6 +96,7 @@ def run(
                                   "(or a url=... option per backend)")
             backends = [BackendConfig.parse(f"{backend[0]}{',' if ':' in backend[0] else ':'}url={url}")]
         check_attachable(backends)
+        backends = distinct_labels(backends)  # two settings of one engine: a label, cell ids and log each
         wl = load_workload(workload)
         prom = Prometheus(prometheus, prometheus_selector, prometheus_gpu_selector) if prometheus else None
         memory_limit_bytes = memory_wall_bytes(memory_limit) if memory_limit is not None else None

@@ -36,6 +36,9 @@ class BackendConfig(BaseModel):
     #: ``user:password`` from the url's userinfo, sent as HTTP basic auth; never dumped, shown or written.
     #: One set for the whole backend: every url (and the gateway) is sent the same credentials.
     credentials: SecretStr | None = Field(default=None, exclude=True, repr=False)
+    #: Set where one run has two settings of one engine (:func:`distinct_labels`): the options that tell
+    #: them apart, so that each gets its own label, cell ids and log.
+    setting: str = ""
 
     @model_validator(mode="after")
     def _one_list_of_endpoints(self) -> "BackendConfig":
@@ -58,8 +61,8 @@ class BackendConfig(BaseModel):
         if self.deployment:
             return f"{self.engine}@" + "+".join(host_port(u) for u in self.urls)
         if self.url:
-            return f"{self.engine}@{host_port(self.url)}"
-        return f"{self.engine}-{self.version}"
+            return f"{self.engine}@{host_port(self.url)}" + (f"+{self.setting}" if self.setting else "")
+        return f"{self.engine}-{self.version}" + (f"+{self.setting}" if self.setting else "")
 
     def auth_headers(self) -> dict[str, str]:
         """The headers that authenticate every request to an attached server: ``Authorization: Bearer`` with
@@ -233,3 +236,24 @@ def _scalar(value: str):
         except ValueError:
             pass
     return value
+
+
+def distinct_labels(configs: list[BackendConfig]) -> list[BackendConfig]:
+    """The run's backends with one label each: two settings of one engine (``-b llamacpp -b
+    'llamacpp:threads=2'``) get the options that differ in their labels (``llamacpp-0.3.36+threads=2``); the
+    same backend given twice is refused (ConfigError)."""
+    out = list(configs)
+    by_label: dict[str, list[int]] = {}
+    for i, cfg in enumerate(out):
+        by_label.setdefault(cfg.label, []).append(i)
+    for label, indices in by_label.items():
+        if len(indices) < 2:
+            continue
+        options = [out[i].options for i in indices]
+        if any(options.count(o) > 1 for o in options):
+            raise ConfigError(f"backend {label} is given twice with the same settings: give it once")
+        keys = sorted({k for o in options for k in o if len({str(p.get(k)) for p in options}) > 1})
+        for i in indices:
+            tag = ",".join(f"{k}={out[i].options[k]}" for k in keys if k in out[i].options) or "default"
+            out[i] = out[i].model_copy(update={"setting": re.sub(r"[^A-Za-z0-9._=,-]", "_", tag)})
+    return out

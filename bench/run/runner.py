@@ -57,7 +57,7 @@ from kvbench.run.rows import (
 )
 from kvbench.run.samplers import EnginePoller, ProcessTreeMemorySampler, busy_threads, prefix_counters, tree_rss
 from kvbench.run.telemetry import Prometheus, measure_cell
-from kvbench.store.errors import ResultsWriteError
+from kvbench.store.errors import ResultsWriteError, RunFolderError
 from kvbench.store.readers import ensure_parquet, load_cells, load_run_info
 from kvbench.store.run_record import RunRecord
 from kvbench.store.writer import RunFolderLock, RunMode, RunWriter
@@ -105,6 +105,30 @@ def new_run_id(workload: str) -> str:
     return f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{workload}-{socket.gethostname()[:12]}-{os.getpid()}"
 
 
+def resumable(info: dict, o: RunOptions) -> None:
+    """A resumed run's unfinished cells must measure what its finished ones did: the same workload, backends
+    (labels and options) and KV dtype, else RunFolderError naming what differs."""
+    differ = []
+    try:
+        recorded = Workload.model_validate(info.get("workload") or {}).model_dump()
+    except ValueError:
+        recorded = info.get("workload")
+    now = o.workload.model_dump()
+    if recorded != now:
+        keys = sorted(k for k in now if not isinstance(recorded, dict) or recorded.get(k) != now[k])
+        differ.append(f"workload ({', '.join(keys)})")
+    before = {b.get("label"): b.get("options", {}) for b in info.get("backends", [])}
+    after = {b.label: b.options for b in o.backends}
+    if before != after:
+        differ.append(f"backends ({', '.join(sorted(before))} then, {', '.join(sorted(after))} now"
+                      + (", options differ" if set(before) == set(after) else "") + ")")
+    if info.get("kv_dtype", o.kv_dtype) != o.kv_dtype:
+        differ.append(f"--kv-dtype ({info['kv_dtype']} then, {o.kv_dtype} now)")
+    if differ:
+        raise RunFolderError(f"--resume: run {info.get('run_id')} was started with another {'; '.join(differ)}: "
+                             "resume it as it was started, or start a new run")
+
+
 def _sigterm_as_interrupt(signum, frame):
     """SIGTERM ends the run as Ctrl-C does, so that `finally` blocks stop the servers. Re-sent as SIGINT:
     inside the load's event loop asyncio then cancels the load cleanly, where a KeyboardInterrupt raised
@@ -136,6 +160,7 @@ class Runner:
         # resuming: the cells that have rows already (any status) are kept, not run again
         self.finished: dict[str, float | None] = {}
         if options.results_mode == "resume":
+            resumable(load_run_info(self.writer.root), options)
             done = load_cells(self.writer.root)
             self.finished = dict(zip(done.cell_id, done.requests_per_s))
             self.writer.discard_unfinished_requests()
