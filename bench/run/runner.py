@@ -37,12 +37,13 @@ from kvbench.load import LoadPoint, LoadSettings, TimeoutStreak, frozen_heap, ru
 from kvbench.load.open_loop import schedule_seed
 from kvbench.run import estimate
 from kvbench.run.backend_config import BackendConfig
-from kvbench.run.cells import Cell, CellPrompts, NothingFits, PromptSalt, RunPlan
+from kvbench.run.cells import Cell, CellPrompts, NothingFits, PromptSalt, RunPlan, kv_quant_dtypes
 from kvbench.run.rows import (
     CellMeasurement,
     EngineRun,
     engine_setup,
     failed_row,
+    logprob_records,
     replica_rows,
     request_row,
     request_verdicts,
@@ -92,6 +93,8 @@ class RunOptions:
     # "none" sends unsalted prompts (an earlier run's, token for token), else the salt itself
     prompt_salt: str | None = None
     reset_cache_between_cells: bool = False  # empty each engine's prefix cache before every cell
+    # a kv_quant workload's KV dtypes (`--kv-dtypes`; None: the workload's), one engine start each
+    kv_dtypes: list[str] | None = None
 
 
 def new_run_id(workload: str) -> str:
@@ -176,12 +179,24 @@ class Runner:
                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
         try:
             with Progress(*columns, console=self.console) as progress:
-                bar = progress.add_task("cells", total=plan.cells_per_start * len(plan.variants) * len(o.backends))
+                dtypes = {cfg.label: kv_quant_dtypes(w, kv_rules(cfg.engine), model.geometry, o.kv_dtypes)
+                          for cfg in o.backends}
+                if w.family == "kv_quant":  # what the report pairs and says: each engine's dtypes, baseline first
+                    self.writer.update_run_info(kv_quant={cfg.label: {
+                        "dtypes": dtypes[cfg.label], "baseline": dtypes[cfg.label][0],
+                        "top_logprobs": min(w.top_logprobs, REGISTRY[cfg.engine].top_logprobs_max),
+                        "prompt_logprobs": REGISTRY[cfg.engine].prompt_logprobs_source,
+                        "prompt_text": w.prompt_text} for cfg in o.backends})
+                bar = progress.add_task("cells", total=plan.cells_per_start * len(plan.variants)
+                                        * sum(len(d) for d in dtypes.values()))
                 for repeat, backends in self.schedule(plan.repeats):
                     for cfg in backends:
                         for prefix_caching in plan.variants:
-                            variant = replace(spec, prefix_caching=prefix_caching)
-                            _EngineSession(self, cfg, variant, plan, prompts, progress, bar, repeat).run()
+                            for kv in dtypes[cfg.label]:  # a kv_quant workload: one start per KV dtype
+                                variant = replace(spec, prefix_caching=prefix_caching,
+                                                  **({"kv_dtype": kv} if kv is not None else {}))
+                                _EngineSession(self, cfg, variant, plan, prompts, progress, bar, repeat,
+                                               kv_variant=kv).run()
             status = "finished"
         except ResultsWriteError:
             status = "stopped: results folder not writable"
@@ -205,11 +220,11 @@ class _EngineSession:
     with the reason when the engine cannot install, start or keep running."""
 
     def __init__(self, runner: Runner, cfg: BackendConfig, spec: ServerSpec, plan: RunPlan, prompts: CellPrompts,
-                 progress: Progress, bar, repeat: int | None = None):
+                 progress: Progress, bar, repeat: int | None = None, kv_variant: str | None = None):
         self.r, self.cfg, self.spec, self.plan, self.prompts = runner, cfg, spec, plan, prompts
         self.progress, self.bar = progress, bar
         # grows as a saturation sweep finds its rates; one repeat only when the run is interleaved
-        self.cells = [c for c in plan.cells(spec.prefix_caching) if repeat is None or c.repeat == repeat]
+        self.cells = [c for c in plan.cells(spec.prefix_caching, kv_variant) if repeat is None or c.repeat == repeat]
         self.expected = plan.cells_per_start // (1 if repeat is None else plan.repeats)  # its share of the bar
         self.done = 0  # cells[:done] have their rows written
         self.info = EngineRun(runner.run_id, cfg.label, cfg.engine, cfg.version, spec.model, plan.workload,
@@ -221,6 +236,8 @@ class _EngineSession:
         self.estimated: dict | None = None  # how long its cells were expected to take (bench/run/estimate.py)
         self.prefix_seen = False  # a cell of this start has sent the workload's shared prefix
         variant = {None: "", True: " (prefix caching on)", False: " (prefix caching off)"}[spec.prefix_caching]
+        variant += f" (KV {kv_variant})" if kv_variant else ""
+        self.kv_variant = kv_variant
         self.key = cfg.label + variant + ("" if repeat is None else f" repeat {repeat}")  # in run.json's engine_stops
 
     def skip_finished(self) -> None:
@@ -297,7 +314,9 @@ class _EngineSession:
         self.gpu_baseline = r.nvml.idle_baseline()  # None without a GPU
         r.record.gpu_baselines[cfg.label] = self.gpu_baseline.to_dict() if self.gpu_baseline else None
         r.record.save(r.writer)
-        backend.start(self.spec, r.writer.log_path(cfg.label), r.o.start_timeout_s)
+        # one log per KV dtype's start: the pool is read from the start's own log lines
+        log = cfg.label + (f"_kv-{self.kv_variant}" if self.kv_variant else "")
+        backend.start(self.spec, r.writer.log_path(log), r.o.start_timeout_s)
 
     def check(self, backend: Backend) -> None:
         """The version the engine reports and how its prompts and tokenizer were checked, recorded."""
@@ -466,6 +485,9 @@ class _EngineSession:
         replicas = backend.replica_polls(load.results)
         for result in load.results:
             r.writer.write_request(request_row(r.run_id, cell.cell_id(label), label, result, repeat=cell.repeat))
+        if w.family == "kv_quant":  # the greedy tokens and log-probabilities the divergence is computed from
+            r.writer.write_logprobs(cell.cell_id(label), logprob_records(load.results, w.top_logprobs,
+                                                                          backend.top_logprobs_max))
         # A killed engine closes its sockets a moment before its exit can be read: wait for it briefly,
         # so that requests cut off by a dead engine are put down to the engine.
         verdicts = request_verdicts(load.results)
