@@ -17,8 +17,8 @@ from kvbench.cli import app
 from kvbench.common import divergence as dv
 from kvbench.kv.geometry import KVGeometry, LayerKV
 from kvbench.load import LoadPoint
-from kvbench.run.cells import KVDtypeError, cells_for, kv_quant_dtypes
-from kvbench.run.rows import _declined_dtype, logprob_records
+from kvbench.run.cells import cells_for
+from kvbench.run.kvquant import KVDtypeError, declined_dtype, kv_quant_dtypes, logprob_records
 from kvbench.store.schema import CellRow
 from kvbench.workloads import Workload, load
 from kvbench.workloads.texts import paragraphs
@@ -142,7 +142,7 @@ def _row():
 @pytest.mark.parametrize("bytes_per_token, declined", [(23_040, True), (12_240, False)])
 def test_a_quantised_pool_the_size_of_the_baseline_is_flagged(bytes_per_token, declined):
     rules, row = kv_rules("llamacpp"), _row()
-    _declined_dtype(row, rules, GEOM, "q8_0", KVPool(512 * bytes_per_token, 512, "log"))
+    declined_dtype(row, rules, GEOM, "q8_0", KVPool(512 * bytes_per_token, 512, "log"))
     assert (row.status == "flagged") is declined
     assert any("KV dtype q8_0 declined" in f for f in row.flags) is declined
 

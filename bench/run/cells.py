@@ -13,8 +13,6 @@ import re
 import secrets
 from dataclasses import dataclass, replace
 
-from kvbench.kv.geometry import KVGeometry
-from kvbench.kv.rules import KVQuestion, KVRuleError, KVRules
 from kvbench.load import LoadPoint, sweep
 from kvbench.load.registry import profile_info
 from kvbench.store.errors import RunFolderError
@@ -74,41 +72,6 @@ def load_label(profile: str, concurrency: int | None, request_rate: float | None
 def server_variants(workload: Workload) -> list[bool | None]:
     """One engine start per prefix-caching setting the workload asks for ([None]: the engine's default)."""
     return list(workload.prefix_caching) or [None]
-
-
-class KVDtypeError(ValueError):
-    """A KV dtype a kv_quant run asks of an engine that does not offer it (refused before any run folder)."""
-
-
-def kv_quant_dtypes(workload: Workload, rules: KVRules | None, geometry: KVGeometry,
-                    asked: list[str] | None = None) -> list[str | None]:
-    """The KV dtypes one engine starts with, one start each, baseline first ([None]: not a kv_quant workload,
-    the run's --kv-dtype). ``asked`` (``kvbench run --kv-dtypes``) replaces the workload's list; "baseline"
-    is the engine's own 16-bit cache (its rules' :meth:`~KVRules.baseline_kv_dtype`), "quantised" every dtype
-    below 16 bits it takes (:meth:`~KVRules.quantised_kv_dtypes`). A name the engine does not take raises
-    KVDtypeError naming what it takes."""
-    if workload.family != "kv_quant":
-        return [None]
-    if rules is None:
-        raise KVDtypeError("a kv_quant run needs the engine's KV rules (its dtypes): this backend has none")
-    names = list(asked or workload.kv_dtypes)
-    if "baseline" not in names:
-        names.insert(0, "baseline")
-    out: list[str] = []
-    baseline = rules.baseline_kv_dtype(KVQuestion(geometry))
-    for name in names:
-        if name == "baseline":
-            found = [baseline]
-        elif name == "quantised":
-            found = rules.quantised_kv_dtypes()
-        else:
-            try:
-                found = [rules.resolve_dtype(KVQuestion(geometry, name))]
-            except KVRuleError as exc:
-                raise KVDtypeError(str(exc)) from None
-        out += [d for d in found if d not in out]
-    out.remove(baseline)
-    return [baseline, *out]
 
 
 def cells_for(workload: Workload, lengths: list[int], points: list[LoadPoint], repeat: int,

@@ -15,10 +15,11 @@ from kvbench.backends.types import KVInUse, KVPool, PrefixCacheCounters, Request
 from kvbench.common.metrics import RequestTimes, cell_metrics, percentiles, request_verdict
 from kvbench.common.models import ModelFiles
 from kvbench.kv.geometry import kv_bytes_for_sequence, kv_bytes_per_token
-from kvbench.kv.rules import KVQuestion, KVRuleError, KVRules
+from kvbench.kv.rules import KVQuestion, KVRules
 from kvbench.kv.units import fmt_bytes
 from kvbench.load import LoadResult
 from kvbench.run.cells import Cell, load_label
+from kvbench.run.kvquant import declined_dtype
 from kvbench.run.prefix_cache import cold_hit_flag, expected_hit_tokens, meant_warm, measured_hits
 from kvbench.run.samplers import KVSample, MemorySample, QueueSample
 from kvbench.store.schema import CellRow, RequestRow
@@ -294,24 +295,7 @@ def _kv(row: CellRow, run: EngineRun, m: CellMeasurement, windows) -> None:
     if row.kv_in_use_peak_bytes and row.kv_bytes_peak_predicted:
         row.kv_measured_over_predicted = row.kv_in_use_peak_bytes / row.kv_bytes_peak_predicted
     if pool and pool.bytes and pool.tokens and rules and not m.replicas:
-        _declined_dtype(row, rules, geometry, m.kv_dtype, pool)
-
-
-def _declined_dtype(row: CellRow, rules: KVRules, geometry, dtype: str, pool) -> None:
-    """A quantised KV dtype the engine silently declined: its pool is the size its 16-bit baseline's would be,
-    not the asked dtype's (Ollama's fallback to f16): flagged, the sizes said."""
-    try:
-        baseline = rules.baseline_kv_dtype(KVQuestion(geometry))
-        asked = pool.tokens * rules.pool_bytes_per_token(geometry, dtype, pool.details)
-        full = pool.tokens * rules.pool_bytes_per_token(geometry, baseline, pool.details)
-    except (KVRuleError, ValueError):
-        return
-    if dtype == baseline or abs(full - asked) < 1 or abs(pool.bytes - full) >= abs(pool.bytes - asked):
-        return
-    row.flags.insert(0, f"KV dtype {dtype} declined: the engine's pool of {pool.bytes:,} bytes is the size of a "
-                        f"{baseline} pool ({full:,.0f}), not of a {dtype} one ({asked:,.0f})")
-    if row.status == "ok":
-        row.status = "flagged"
+        declined_dtype(row, rules, geometry, m.kv_dtype, pool)
 
 
 def _deployment_pool(row: CellRow, rules: KVRules, geometry, m: CellMeasurement, context: int) -> None:
@@ -448,18 +432,6 @@ def polled_kv_peak(samples: list[KVSample], windows: list[tuple[float, float]], 
         return None, (f"not measured: none of {len(samples)} polls of {source} fell while a request was in "
                       "flight")
     return best, f"max of {len(samples)} polls of {source}"
-
-
-def logprob_records(results: list[RequestResult], asked_k: int, adapter_k: int) -> list[dict]:
-    """A kv_quant cell's per-request record of what the divergence is computed from: the greedy token ids,
-    each position's top-k [[id, logprob], ...] and the prompt's log-probabilities (None: not returned), with
-    the k asked for (the smaller of the workload's and the adapter's :attr:`top_logprobs_max`)."""
-    k = min(asked_k, adapter_k)
-    return [{"request_id": r.request_id, "error": r.error, "k": k if r.top_logprobs else 0,
-             "tokens": list(r.output_ids),
-             "top": [[[t, round(lp, 6)] for t, lp in top.items()] for top in r.top_logprobs],
-             "prompt_logprobs": None if r.prompt_logprobs is None else
-             [None if lp is None else round(lp, 6) for lp in r.prompt_logprobs]} for r in results]
 
 
 def request_row(run_id: str, cell_id: str, label: str, r: RequestResult, warmup: bool = False,

@@ -8,6 +8,9 @@ alongside) into a raw :class:`~kvbench.run.rows.CellMeasurement`, which the pure
 :func:`~kvbench.run.rows.summarize` turns into the cell's row. Anything that goes wrong with one backend
 (install, start, crash, timeout) becomes failed rows with the engine's log tail; the other backends still
 run; a server kvbench started is always stopped, also on Ctrl-C.
+
+Long because the engine session's steps (start, check, warm up, measure, stop and record) are one class
+that shares its state, and splitting it would pass that state around.
 """
 from __future__ import annotations
 
@@ -37,13 +40,13 @@ from kvbench.load import LoadPoint, LoadSettings, TimeoutStreak, frozen_heap, ru
 from kvbench.load.open_loop import schedule_seed
 from kvbench.run import estimate
 from kvbench.run.backend_config import BackendConfig
-from kvbench.run.cells import Cell, CellPrompts, NothingFits, PromptSalt, RunPlan, kv_quant_dtypes
+from kvbench.run import kvquant
+from kvbench.run.cells import Cell, CellPrompts, NothingFits, PromptSalt, RunPlan
 from kvbench.run.rows import (
     CellMeasurement,
     EngineRun,
     engine_setup,
     failed_row,
-    logprob_records,
     replica_rows,
     request_row,
     request_verdicts,
@@ -179,24 +182,7 @@ class Runner:
                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
         try:
             with Progress(*columns, console=self.console) as progress:
-                dtypes = {cfg.label: kv_quant_dtypes(w, kv_rules(cfg.engine), model.geometry, o.kv_dtypes)
-                          for cfg in o.backends}
-                if w.family == "kv_quant":  # what the report pairs and says: each engine's dtypes, baseline first
-                    self.writer.update_run_info(kv_quant={cfg.label: {
-                        "dtypes": dtypes[cfg.label], "baseline": dtypes[cfg.label][0],
-                        "top_logprobs": min(w.top_logprobs, REGISTRY[cfg.engine].top_logprobs_max),
-                        "prompt_logprobs": REGISTRY[cfg.engine].prompt_logprobs_source,
-                        "prompt_text": w.prompt_text} for cfg in o.backends})
-                bar = progress.add_task("cells", total=plan.cells_per_start * len(plan.variants)
-                                        * sum(len(d) for d in dtypes.values()))
-                for repeat, backends in self.schedule(plan.repeats):
-                    for cfg in backends:
-                        for prefix_caching in plan.variants:
-                            for kv in dtypes[cfg.label]:  # a kv_quant workload: one start per KV dtype
-                                variant = replace(spec, prefix_caching=prefix_caching,
-                                                  **({"kv_dtype": kv} if kv is not None else {}))
-                                _EngineSession(self, cfg, variant, plan, prompts, progress, bar, repeat,
-                                               kv_variant=kv).run()
+                self.run_sessions(plan, spec, prompts, progress, model.geometry)
             status = "finished"
         except ResultsWriteError:
             status = "stopped: results folder not writable"
@@ -207,6 +193,22 @@ class Runner:
                 if (self.run_dir / "cells.jsonl").exists():
                     ensure_parquet(self.run_dir)  # the columnar copy beside the JSONL record
         return self.run_dir
+
+    def run_sessions(self, plan: RunPlan, spec: ServerSpec, prompts: CellPrompts, progress: Progress, geometry) -> None:
+        """Every engine start of the run in order: per backend (and repeat, interleaved), per prefix-caching
+        variant, per KV dtype of a kv_quant run (recorded in run.json, baseline first, for the report)."""
+        o = self.o
+        dtypes, record = kvquant.engine_dtypes(o.workload, o.backends, geometry, o.kv_dtypes)
+        if record:
+            self.writer.update_run_info(kv_quant=record)
+        bar = progress.add_task("cells", total=plan.cells_per_start * len(plan.variants)
+                                * sum(len(d) for d in dtypes.values()))
+        for repeat, backends in self.schedule(plan.repeats):
+            for cfg in backends:
+                for prefix_caching in plan.variants:
+                    for kv in dtypes[cfg.label]:
+                        variant = replace(spec, prefix_caching=prefix_caching, **({"kv_dtype": kv} if kv else {}))
+                        _EngineSession(self, cfg, variant, plan, prompts, progress, bar, repeat, kv_variant=kv).run()
 
     def schedule(self, repeats: int) -> list[tuple[int | None, list[BackendConfig]]]:
         """Which repeat (None: all of them) each round of engine starts runs, and on which backends in order."""
@@ -486,8 +488,8 @@ class _EngineSession:
         for result in load.results:
             r.writer.write_request(request_row(r.run_id, cell.cell_id(label), label, result, repeat=cell.repeat))
         if w.family == "kv_quant":  # the greedy tokens and log-probabilities the divergence is computed from
-            r.writer.write_logprobs(cell.cell_id(label), logprob_records(load.results, w.top_logprobs,
-                                                                          backend.top_logprobs_max))
+            r.writer.write_logprobs(cell.cell_id(label), kvquant.logprob_records(load.results, w.top_logprobs,
+                                                                                  backend.top_logprobs_max))
         # A killed engine closes its sockets a moment before its exit can be read: wait for it briefly,
         # so that requests cut off by a dead engine are put down to the engine.
         verdicts = request_verdicts(load.results)
