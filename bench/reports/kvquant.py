@@ -98,7 +98,9 @@ def table(data: list[dict], ppl_note: dict[str, str]) -> pd.DataFrame:
         d: Divergence | None = r["divergence"]
         is_base = r["kv_dtype"] == r["baseline"]
         ppl = "-"
-        if d and d.ppl_baseline is not None and d.ppl_other is not None:
+        if is_base and d and d.ppl_baseline is not None:  # its pairing is itself: the baseline's own perplexity
+            ppl = f"{d.ppl_baseline:.4f}"
+        elif d and d.ppl_baseline is not None and d.ppl_other is not None:
             ppl = f"{d.ppl_baseline:.4f} -> {d.ppl_other:.4f}"
         elif not is_base:
             ppl = ppl_note.get(r["backend"], "not measured")
