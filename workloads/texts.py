@@ -41,8 +41,8 @@ ls *.deb > "$out/PACKAGES"
 
 
 def recipe() -> Recipe:
-    return Recipe("text-kjv", KJV_VERSION, (InstallStep(("bash", "-c", _INSTALL, "install_kjv", "{env}", KJV_VERSION)),),
-                  venv=False)
+    step = InstallStep(("bash", "-c", _INSTALL, "install_kjv", "{env}", KJV_VERSION))
+    return Recipe("text-kjv", KJV_VERSION, (step,), venv=False)
 
 
 def paragraphs(raw: str) -> str:

@@ -331,7 +331,8 @@ def load_logprobs(run_dir: str | Path) -> dict[str, dict[str, dict]]:
         try:
             data = json.loads(path.read_text())
             out[data["cell_id"]] = {
-                r["request_id"]: {"tokens": r["tokens"], "k": r.get("k", 0), "prompt_logprobs": r.get("prompt_logprobs"),
+                r["request_id"]: {"tokens": r["tokens"], "k": r.get("k", 0),
+                                  "prompt_logprobs": r.get("prompt_logprobs"),
                                   "top": [{int(t): float(lp) for t, lp in top} for top in r.get("top") or []]}
                 for r in data["requests"] if not r.get("error")}
         except (OSError, ValueError, KeyError, TypeError) as exc:
