@@ -52,6 +52,15 @@ class Backend(ABC):
     #: How the engine says which prompt tokens came from its prefix cache, per request or by counters
     #: (for the docs and the rows' source): "": it does not say, and a row's hit rate is "not reported".
     prefix_cache_report: ClassVar[str] = ""
+    #: The most top-k log-probabilities per generated token the adapter asks its engine for when a prompt
+    #: wants them (``Prompt.top_logprobs``; llama.cpp's ``n_probs``, vLLM's ``logprobs``), each normalised over
+    #: the whole vocabulary, filled into ``RequestResult.output_ids``/``top_logprobs``. 0: the adapter returns
+    #: none, and a KV-quantisation run compares its greedy tokens only (no KL divergence).
+    top_logprobs_max: ClassVar[int] = 0
+    #: How the engine returns the log-probabilities of a prompt's own tokens (teacher forcing; filled into
+    #: ``RequestResult.prompt_logprobs`` when ``Prompt.prompt_logprobs``), for the docs and reports; "": it
+    #: returns none, and a KV-quantisation run's perplexity is "not measured" for it.
+    prompt_logprobs_source: ClassVar[str] = ""
     #: How the engine stores and rounds KV (None: unknown, e.g. any OpenAI-compatible server).
     kv_rules: ClassVar[KVRules | None] = None
 

@@ -52,6 +52,11 @@ class RequestResult:
     output_tokens_reported: int | None = None  # what the engine says it generated
     engine_details: dict = field(default_factory=dict)
     error: str | None = None
+    # asked with Prompt.top_logprobs / prompt_logprobs (a KV-quantisation workload): the generated token ids,
+    # each position's top-k {token id: natural-log probability}, and the prompt tokens' log-probabilities
+    output_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
 
     def add_chunk(self, t: float, n_tokens: int) -> None:
         if n_tokens:

@@ -14,7 +14,7 @@ def builder(smollm2):
 
 def test_every_workload_file_loads():
     for name in ("long_context_ladder", "concurrency_ladder", "rate_sweep", "shared_prefix", "multi_turn",
-                 "kv_boundary", "smoke"):
+                 "kv_boundary", "smoke", "kv_quant", "kv_quant_smoke"):
         assert load(name).name == name
 
 

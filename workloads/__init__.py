@@ -26,7 +26,7 @@ class Workload(BaseModel):
 
     name: str
     description: str = ""
-    family: Literal["ladder", "shared_prefix", "multi_turn", "kv_boundary"] = "ladder"
+    family: Literal["ladder", "shared_prefix", "multi_turn", "kv_boundary", "kv_quant"] = "ladder"
     seed: int
     prompt_tokens: list[Union[int, Literal["max"]]] = Field(min_length=1)
     output_tokens: int = Field(gt=0)
@@ -54,6 +54,15 @@ class Workload(BaseModel):
     prefix_caching: list[bool] = Field(default_factory=list)  # one engine start per setting; []: engine default
     turns: int = Field(default=1, gt=0)  # multi_turn: prompt_tokens of new user text per turn
     kv_pool_sequences: int | None = Field(default=None, gt=0)  # kv_boundary: pool sized for this many sequences
+    # kv_quant: one engine start per KV dtype, the same prompts on each, greedy, with the top-k log-probabilities
+    # of every generated token (docs/kv-quant.md). kv_dtypes: "baseline" (the engine's own 16-bit cache),
+    # "quantised" (every KV dtype below 16 bits the engine takes) or dtype names (`kvbench run --kv-dtypes`
+    # overrides them); prompt_text: "synthetic" (seeded plain-word tokens) or "kjv" (natural text: the King
+    # James Bible from Debian's bible-kjv-text, read with teacher forcing where the engine returns prompt
+    # log-probabilities)
+    kv_dtypes: list[str] = Field(default_factory=lambda: ["baseline", "quantised"])
+    top_logprobs: int = Field(default=20, ge=0)
+    prompt_text: Literal["synthetic", "kjv"] = "synthetic"
 
     @field_validator("name")
     @classmethod
@@ -128,6 +137,10 @@ class Workload(BaseModel):
             raise ValueError("shared_prefix_tokens only applies to family \"shared_prefix\"")
         if self.family == "multi_turn" and self.turns < 2:
             raise ValueError("family \"multi_turn\" needs turns >= 2")
+        if self.family == "kv_quant" and "baseline" not in self.kv_dtypes:
+            raise ValueError("family \"kv_quant\" compares with each engine's 16-bit cache: kv_dtypes needs \"baseline\"")
+        if self.family != "kv_quant" and self.prompt_text != "synthetic":
+            raise ValueError("prompt_text applies to family \"kv_quant\" only")
         if self.family == "kv_boundary" and not self.kv_pool_sequences:
             raise ValueError("family \"kv_boundary\" needs kv_pool_sequences (the pool is sized for that many)")
         return self

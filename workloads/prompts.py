@@ -32,6 +32,10 @@ class Prompt:
     # sent in the engine's cache-isolation field (vLLM's cache_salt) where it has one: the run's prompt salt
     # when the tokens themselves are not salted (kvbench.run.cells.PromptSalt)
     cache_salt: str | None = None
+    # a KV-quantisation workload: ask for the top-k log-probabilities of every generated token (0: none) and
+    # for the prompt tokens' own log-probabilities (teacher forcing), where the adapter can (Backend hooks)
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -93,6 +97,26 @@ class PromptBuilder:
             raise ValueError(f"shared prefix of {len(shared_prefix)} tokens leaves nothing of a {n_tokens}-token prompt")
         rest = self.draw(n_tokens - len(shared_prefix), seed, request_id, salt)
         return self.from_words(np.concatenate([shared_prefix, rest]), request_id, output_tokens)
+
+    def from_text(self, text: str, n_tokens: int, seed: int, request_id: str, output_tokens: int) -> Prompt:
+        """``n_tokens`` consecutive tokens of natural ``text`` (its own tokenisation, no special tokens), from an
+        offset deterministic in (seed, request_id). Sent as token ids: engines that take text only may
+        tokenise the decoded text differently, which each request's usage report shows."""
+        ids = self._text_ids(text)
+        if len(ids) <= n_tokens:
+            raise ValueError(f"the natural text has {len(ids)} tokens: too few for a {n_tokens}-token prompt")
+        digest = int.from_bytes(hashlib.sha256(f"{seed}:{request_id}".encode()).digest()[:8], "little")
+        start = digest % (len(ids) - n_tokens)
+        window = tuple(ids[start:start + n_tokens])
+        return Prompt(request_id=request_id, token_ids=window, text=self.tokenizer.decode(list(window)),
+                      output_tokens=output_tokens)
+
+    def _text_ids(self, text: str) -> list[int]:
+        cache = self.__dict__.setdefault("_text_cache", {})
+        key = hashlib.sha256(text.encode()).hexdigest()
+        if key not in cache:
+            cache[key] = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return cache[key]
 
     def verify(self, prompt: Prompt) -> None:
         """Full decode/encode round trip of one prompt (the builder's check, repeated on a real prompt)."""

@@ -114,6 +114,10 @@ class LlamaCppBackend(Backend):
     prefix_cache_reset = ("POST /slots/N?action=erase for every slot (it needs --slot-save-path, which kvbench gives, "
                           "pointing at the run's logs folder, when it starts llama-server for "
                           "--reset-cache-between-cells); the host prompt cache (--cache-ram) is not erased by it")
+    # n_probs: the pre-sampling probabilities, a softmax over the whole vocabulary (server-context.cpp
+    # populate_token_probs with post_sampling_probs false); no prompt log-probabilities (n_probs covers
+    # generated tokens only)
+    top_logprobs_max = 20
     prefix_cache_report = "timings.cache_n of each request's last event (prompt tokens reused from the slot's cache)"
     kv_rules = LlamaCppKV()
     prometheus_metrics = {"llamacpp:kv_cache_usage_ratio": "kv_usage", "llamacpp:requests_processing": "requests_running",
@@ -316,6 +320,8 @@ class LlamaCppBackend(Backend):
                 "temperature": 0.0, "stream": True, "return_tokens": True,
                 # reuse of a slot's cached prompt prefix: off unless the workload switches it on
                 "cache_prompt": bool(self.spec.prefix_caching)}
+        if prompt.top_logprobs:
+            body["n_probs"] = min(prompt.top_logprobs, self.top_logprobs_max)
         return await stream_sse(client, self.base_url + "/completion", body, prompt, self._read_event)
 
     @staticmethod
@@ -324,6 +330,9 @@ class LlamaCppBackend(Backend):
             result.error = str(event["error"])[:500]
             return
         result.add_chunk(now, len(event.get("tokens") or []))
+        for p in event.get("completion_probabilities") or []:  # one per generated token, asked with n_probs
+            result.output_ids.append(int(p["id"]))
+            result.top_logprobs.append({int(t["id"]): float(t["logprob"]) for t in p.get("top_logprobs") or []})
         if event.get("stop"):
             result.prompt_tokens_reported = event.get("tokens_evaluated")
             result.output_tokens_reported = event.get("tokens_predicted")

@@ -65,6 +65,24 @@ _NOT_ON_CPU = ("torchvision", "torchaudio", "torchcodec", "triton")
 _DEPS_SCRIPT = "install_requires_except.py"
 
 
+def read_logprobs(event: dict, result: RequestResult) -> None:
+    """A chunk's ``logprobs`` (asked with ``logprobs`` and ``return_tokens_as_token_ids``): the generated ids
+    (its ``token_ids``), each position's top-k by id, and with ``echo`` the prompt's own log-probabilities, which
+    lead the first chunk's lists (the first prompt token has none)."""
+    for choice in event.get("choices") or []:
+        lp = choice.get("logprobs")
+        if not lp:
+            continue
+        ids = choice.get("token_ids") or []
+        values, tops = lp.get("token_logprobs") or [], lp.get("top_logprobs") or []
+        echoed = max(0, len(values) - len(ids))
+        if echoed and result.prompt_logprobs is None:
+            result.prompt_logprobs = [None if v is None else float(v) for v in values[:echoed]]
+        result.output_ids += [int(i) for i in ids]
+        for top in tops[echoed:]:
+            result.top_logprobs.append({int(str(k).rsplit(":", 1)[-1]): float(v) for k, v in (top or {}).items()})
+
+
 class VLLMBackend(PrometheusPolled, Backend):
     engine = "vllm"
     default_version = "0.32.0"
@@ -92,6 +110,10 @@ class VLLMBackend(PrometheusPolled, Backend):
     prefix_cache_report = ("usage.prompt_tokens_details.cached_tokens per request (--enable-prompt-tokens-details, "
                            "which kvbench passes), else the vllm:prefix_cache_hits/queries counters on /metrics")
     kv_rules = VLLMKV()
+    # /v1/completions logprobs: a log-softmax over the whole vocabulary (vLLM's default logprobs mode,
+    # raw_logprobs); its --max-logprobs default is 20
+    top_logprobs_max = 20
+    prompt_logprobs_source = "/v1/completions prompt_logprobs=0 with echo (streamed in the first chunk)"
     prometheus_metrics = {"vllm:kv_cache_usage_perc": "kv_usage", "vllm:num_requests_running": "requests_running",
                           "vllm:num_requests_waiting": "requests_waiting", "vllm:num_preemptions_total": "preemptions"}
     # The samples polled during a cell (gpu_cache_usage_perc: the KV gauge's name before vLLM 0.10).
@@ -253,6 +275,10 @@ class VLLMBackend(PrometheusPolled, Backend):
                 "stream_options": {"include_usage": True}, "return_token_ids": True}
         if prompt.cache_salt:
             body["cache_salt"] = prompt.cache_salt
+        if prompt.top_logprobs:  # ids as "token_id:N" keys, not text pieces
+            body.update(logprobs=min(prompt.top_logprobs, self.top_logprobs_max), return_tokens_as_token_ids=True)
+        if prompt.prompt_logprobs:  # streamed only with echo (completion/protocol.py): the first chunk leads with them
+            body.update(echo=True, prompt_logprobs=0, logprobs=body.get("logprobs", 1), return_tokens_as_token_ids=True)
         return await stream_sse(client, self.base_url + "/v1/completions", body, prompt, self._read_event)
 
     @staticmethod
@@ -260,6 +286,7 @@ class VLLMBackend(PrometheusPolled, Backend):
         if "error" in event:
             result.error = json.dumps(event["error"])[:500]
         read_completion_chunk(event, now, result)  # token_ids per chunk: return_token_ids is always on
+        read_logprobs(event, result)
 
     def reset_prefix_cache(self) -> None:
         """POST /reset_prefix_cache; vLLM refuses (success false) while running requests hold blocks: a

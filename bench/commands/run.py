@@ -29,6 +29,11 @@ def run(
     model: str = typer.Option("smollm2", help="'smollm2' (embedded), a .gguf file or an HF model folder."),
     workload: str = typer.Option("long_context_ladder", help=f"A workload name ({', '.join(available())}) or a .toml path."),
     kv_dtype: str = typer.Option("auto", help="KV cache dtype: auto (the model's), or e.g. fp32, bf16, q8_0."),
+    kv_dtypes: str = typer.Option(None, metavar="LIST",
+                                  help="A kv_quant workload's KV dtypes, one engine start each, e.g. q8_0,q4_0: "
+                                       "dtype names, 'baseline' (the engine's own 16-bit cache, always run "
+                                       "first) and 'quantised' (every dtype below 16 bits it takes); default: "
+                                       "the workload's (docs/kv-quant.md)."),
     max_context: int = typer.Option(None, help="Cap the context below the model's own limit."),
     results_dir: Path = typer.Option(Path("results/runs"), help="Where the run's folder is created."),
     run_id: str = typer.Option(None, help="Name of the run folder (default: time, workload, host, pid): letters, "
@@ -104,6 +109,7 @@ def run(
             raise ConfigError("--memory-limit walls in the engines kvbench starts: an attached server (url=) "
                               "has its own memory")
         PromptSalt.parse(prompt_salt, isolated=False)  # a bad salt is refused here, before any folder
+        kv_list = check_kv_dtypes(kv_dtypes, wl, backends)
         if reset_cache_between_cells:
             cannot = sorted({b.engine for b in backends if not REGISTRY[b.engine].prefix_cache_reset})
             if cannot:
@@ -124,7 +130,8 @@ def run(
                          request_timeout_s=request_timeout, repeats=repeats, results_mode=results_mode,
                          interleave=interleave, load_workers=load_workers, prometheus=prom,
                          memory_limit_bytes=memory_limit_bytes, prompt_salt=prompt_salt,
-                         reset_cache_between_cells=reset_cache_between_cells, allow_model_mismatch=allow_model_mismatch)
+                         reset_cache_between_cells=reset_cache_between_cells, allow_model_mismatch=allow_model_mismatch,
+                         kv_dtypes=kv_list)
     # errors print with soft_wrap: one line even past the console width (greppable in CI logs)
     try:
         runner = Runner(options, console)
@@ -157,6 +164,32 @@ def run(
     cells = load_cells(run_dir)
     if cells.empty or (cells.status == "failed").all():
         raise typer.Exit(1)
+
+
+def check_kv_dtypes(text: str | None, workload, backends) -> list[str] | None:
+    """``--kv-dtypes`` as a list, refused (ValueError, one line) before any run folder exists where the workload
+    is not a kv_quant one or an engine of the run does not take a dtype named (or has no KV rules)."""
+    from kvbench.backends import kv_rules
+    from kvbench.kv.rules import KVQuestion, KVRuleError
+
+    if text is not None and workload.family != "kv_quant":
+        raise ValueError(f"--kv-dtypes: workload {workload.name} is not a kv_quant workload (family "
+                         f"{workload.family!r}); the KV-quantisation workload is kv_quant")
+    names = [n.strip() for n in text.split(",") if n.strip()] if text is not None else None
+    if text is not None and not names:
+        raise ValueError("--kv-dtypes: give one or more dtype names, e.g. q8_0,q4_0")
+    if workload.family != "kv_quant":
+        return None
+    for b in backends:
+        rules = kv_rules(b.engine)
+        if rules is None:
+            raise ValueError(f"{b.engine} has no KV rules (no KV dtypes to sweep): a kv_quant run needs them")
+        for name in names or [n for n in workload.kv_dtypes if n not in ("baseline", "quantised")]:
+            try:
+                rules.resolve_dtype(KVQuestion(None, name))
+            except KVRuleError as exc:
+                raise ValueError(f"--kv-dtypes: {exc}") from None
+    return names
 
 
 def memory_wall_bytes(size: str) -> int:

@@ -172,6 +172,27 @@ class KVRules:
             return ["fp8"]
         return [d for d in self.kv_lever_dtypes if d in self.dtypes]
 
+    # --- KV quantisation: what a `kv_quant` workload sweeps ---------------------------------------------
+    def quantised_kv_dtypes(self) -> list[str]:
+        """The KV dtypes below 16 bits this engine takes (its own names, each once, in :attr:`dtypes`' order):
+        what a KV-quantisation run sweeps by default. The plain formula (no :attr:`dtypes`): none."""
+        out: list[str] = []
+        for own in self.dtypes.values():
+            try:
+                if dtype_bytes(own) < 2 and own not in out:
+                    out.append(own)
+            except UnknownKVDtype:
+                continue
+        return out
+
+    def baseline_kv_dtype(self, q: KVQuestion) -> str:
+        """The engine's own 16-bit KV dtype for the model, that quantised caches are compared with: its
+        ``auto`` where that is 16 bits or more, else its first 16-bit dtype."""
+        auto = self.resolve_dtype(replace(q, dtype="auto"))
+        if dtype_bytes(auto) >= 2:
+            return auto
+        return next((own for own in self.dtypes.values() if dtype_bytes(own) == 2), "bf16")
+
     def kv_dtype_flag(self, dtype: str) -> str:
         """How a user sets the KV dtype on this engine."""
         return f"--kv-dtype {dtype}"

@@ -231,7 +231,35 @@ def _build(run_dirs: list[Path], plots_dir: Path | None) -> Report:
                         Section("deployments", "Deployments: which replica queued first", DEPLOYMENT_INTRO, note=note))
     # the plots draw whole backends: a deployment's total, not its replicas beside it
     figures = make_plots(run_dirs, tables.totals(agg), plots_dir) if plots_dir is not None else []
+    _kv_quant_sections(run_dirs, infos, cells, sections, figures, plots_dir)
     return Report(title, headers, sections, figures)
+
+
+def _kv_quant_sections(run_dirs: list[Path], infos: list[dict], cells: pd.DataFrame, sections: list[Section],
+                       figures: list[Figure], plots_dir: Path | None) -> None:
+    """A kv_quant run's section (bench/reports/kvquant.py), after the KV table, and its plot."""
+    from . import kvquant
+
+    at = _after(sections, "kv")
+    for run_dir, info in zip(run_dirs, infos):
+        quant = info.get("kv_quant")
+        if not quant:
+            continue
+        mine = cells[cells.run_id == info["run_id"]] if "run_id" in cells else cells
+        data = kvquant.rows(run_dir, mine, {label: q["baseline"] for label, q in quant.items()})
+        notes = {label: ("not measured: synthetic prompts (the perplexity of random words means nothing)"
+                         if q.get("prompt_text") != "kjv" else
+                         "not measured: the engine returns no prompt log-probabilities") for label, q in quant.items()
+                 if q.get("prompt_text") != "kjv" or not q.get("prompt_logprobs")}
+        suffix = f" ({info['run_id']})" if len(run_dirs) > 1 else ""
+        sections.insert(at, Section("kv_quant", "KV quantisation: bytes saved against output change" + suffix,
+                                    kvquant.INTRO, kvquant.table(data, notes), kvquant.RIGHT, caption([info])))
+        at += 1
+        if plots_dir is not None:
+            path = plots_dir / (f"kv_quant_{info['run_id']}.png" if len(run_dirs) > 1 else "kv_quant.png")
+            plots_dir.mkdir(parents=True, exist_ok=True)
+            if _plot(kvquant.plot, path, data):
+                figures.append(Figure("KV quantisation: bytes saved against output change" + suffix, path, "kv_quant"))
 
 
 def _after(sections: list[Section], section_id: str) -> int:

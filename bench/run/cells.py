@@ -27,12 +27,15 @@ class Cell:
     repeat: int = 0
     turn: int = 0  # multi_turn: 1..turns
     prefix_caching: bool | None = None  # the server variant the cell runs on
+    kv_dtype: str | None = None  # kv_quant: the KV dtype of the engine start the cell runs on
 
     @property
     def variant(self) -> str:
         parts = []
         if self.prefix_caching is not None:
             parts.append(f"prefix_caching={'on' if self.prefix_caching else 'off'}")
+        if self.kv_dtype is not None:
+            parts.append(f"kv_dtype={self.kv_dtype}")
         if self.turn:
             parts.append(f"turn={self.turn}")
         return ",".join(parts)
@@ -41,6 +44,8 @@ class Cell:
         parts = [label]
         if self.prefix_caching is not None:
             parts.append("pc1" if self.prefix_caching else "pc0")
+        if self.kv_dtype is not None:
+            parts.append(f"kv-{self.kv_dtype}")
         parts += [f"p{self.prompt_tokens}", self.load.slug]
         if self.turn:
             parts.append(f"t{self.turn}")
@@ -70,10 +75,10 @@ def server_variants(workload: Workload) -> list[bool | None]:
 
 
 def cells_for(workload: Workload, lengths: list[int], points: list[LoadPoint], repeat: int,
-              prefix_caching: bool | None) -> list[Cell]:
+              prefix_caching: bool | None, kv_dtype: str | None = None) -> list[Cell]:
     """The cells of one repeat on one server variant, in the order they run."""
     turns = range(1, workload.turns + 1) if workload.family == "multi_turn" else [0]
-    return [Cell(p, point, repeat, t, prefix_caching) for p in lengths for point in points for t in turns]
+    return [Cell(p, point, repeat, t, prefix_caching, kv_dtype) for p in lengths for point in points for t in turns]
 
 
 class NothingFits(ValueError):
@@ -116,11 +121,11 @@ class RunPlan:
     def server_concurrency(self) -> int:
         return sweep.max_in_flight(self.workload)
 
-    def cells(self, prefix_caching: bool | None) -> list[Cell]:
+    def cells(self, prefix_caching: bool | None, kv_dtype: str | None = None) -> list[Cell]:
         """Every cell of one engine start (all repeats), in the order they run; a saturation sweep adds its
         open-loop rates once the closed loop has found the rate (:meth:`saturation_cells`)."""
         return [c for r in range(self.repeats)
-                for c in cells_for(self.workload, list(self.lengths), list(self.points), r, prefix_caching)]
+                for c in cells_for(self.workload, list(self.lengths), list(self.points), r, prefix_caching, kv_dtype)]
 
     def saturation_cells(self, finder: Cell, saturation_rate: float) -> list[Cell]:
         """The open-loop cells that follow ``finder``, a saturation sweep's closed loop, at the rate it found."""
@@ -224,6 +229,17 @@ class CellPrompts:
                 words = self.builder.draw(w.longest_prompt(cell.prompt_tokens), w.seed, f"{key}-conv{i}", salt)
                 out.append(self.builder.from_words(words[:length], f"{key}-conv{i}-t{cell.turn}", w.output_tokens))
             return out
+        if w.family == "kv_quant":  # the same prompts on every KV dtype: the dtype is not in the key
+            natural = w.prompt_text == "kjv"
+            if natural:
+                from kvbench.workloads.texts import kjv_genesis
+
+                text = kjv_genesis()
+            prompts = [self.builder.from_text(text, cell.prompt_tokens, w.seed, f"{key}-{i}", w.output_tokens)
+                       if natural else self.builder.build(cell.prompt_tokens, w.seed, f"{key}-{i}", w.output_tokens,
+                                                          None, salt)
+                       for i in range(n_requests)]
+            return [replace(p, top_logprobs=w.top_logprobs, prompt_logprobs=natural) for p in prompts]
         return [self.builder.build(cell.prompt_tokens, w.seed, f"{key}-{i}", w.output_tokens, self._prefix, salt)
                 for i in range(n_requests)]
 

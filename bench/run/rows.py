@@ -19,6 +19,7 @@ from kvbench.kv.rules import KVQuestion, KVRules
 from kvbench.kv.units import fmt_bytes
 from kvbench.load import LoadResult
 from kvbench.run.cells import Cell, load_label
+from kvbench.run.kvquant import declined_dtype
 from kvbench.run.prefix_cache import meant_warm, prefix_cache_columns
 from kvbench.run.samplers import KVSample, MemorySample, QueueSample
 from kvbench.store.schema import CellRow, RequestRow
@@ -283,6 +284,8 @@ def _kv(row: CellRow, run: EngineRun, m: CellMeasurement, windows) -> None:
         row.kv_allocator_reserved_delta_bytes = peak.details.get("allocator_reserved_delta_bytes")
     if row.kv_in_use_peak_bytes and row.kv_bytes_peak_predicted:
         row.kv_measured_over_predicted = row.kv_in_use_peak_bytes / row.kv_bytes_peak_predicted
+    if pool and pool.bytes and pool.tokens and rules and not m.replicas:
+        declined_dtype(row, rules, geometry, m.kv_dtype, pool)
 
 
 def _deployment_pool(row: CellRow, rules: KVRules, geometry, m: CellMeasurement, context: int) -> None:

@@ -42,6 +42,7 @@ from kvbench.load.open_loop import schedule_seed
 from kvbench.run import estimate
 from kvbench.run.progress import CellProgress, run_progress, set_eta
 from kvbench.run.backend_config import BackendConfig
+from kvbench.run import kvquant
 from kvbench.run.cells import Cell, CellPrompts, NothingFits, PromptSalt, RunPlan
 from kvbench.run.rows import (
     CellMeasurement,
@@ -98,6 +99,8 @@ class RunOptions:
     prompt_salt: str | None = None
     reset_cache_between_cells: bool = False  # empty each engine's prefix cache before every cell
     allow_model_mismatch: bool = False  # an attached server serving another model than --model: run anyway
+    # a kv_quant workload's KV dtypes (`--kv-dtypes`; None: the workload's), one engine start each
+    kv_dtypes: list[str] | None = None
 
 
 def new_run_id(workload: str) -> str:
@@ -218,13 +221,7 @@ class Runner:
         status = "interrupted"
         try:
             with run_progress(self.console) as progress:
-                bar = progress.add_task("cells", total=plan.cells_per_start * len(plan.variants) * len(o.backends),
-                                        unit="cells")
-                for repeat, backends in self.schedule(plan.repeats):
-                    for cfg in backends:
-                        for prefix_caching in plan.variants:
-                            variant = replace(spec, prefix_caching=prefix_caching)
-                            _EngineSession(self, cfg, variant, plan, prompts, progress, bar, repeat).run()
+                self.run_sessions(plan, spec, prompts, progress, model.geometry)
             status = "finished"
         except ResultsWriteError:
             status = "stopped: results folder not writable"
@@ -235,6 +232,22 @@ class Runner:
                 if (self.run_dir / "cells.jsonl").exists():
                     ensure_parquet(self.run_dir)  # the columnar copy beside the JSONL record
         return self.run_dir
+
+    def run_sessions(self, plan: RunPlan, spec: ServerSpec, prompts: CellPrompts, progress, geometry) -> None:
+        """Every engine start of the run in order: per backend (and repeat, interleaved), per prefix-caching
+        variant, per KV dtype of a kv_quant run (recorded in run.json, baseline first, for the report)."""
+        o = self.o
+        dtypes, record = kvquant.engine_dtypes(o.workload, o.backends, geometry, o.kv_dtypes)
+        if record:
+            self.writer.update_run_info(kv_quant=record)
+        bar = progress.add_task("cells", total=plan.cells_per_start * len(plan.variants)
+                                * sum(len(d) for d in dtypes.values()), unit="cells")
+        for repeat, backends in self.schedule(plan.repeats):
+            for cfg in backends:
+                for prefix_caching in plan.variants:
+                    for kv in dtypes[cfg.label]:
+                        variant = replace(spec, prefix_caching=prefix_caching, **({"kv_dtype": kv} if kv else {}))
+                        _EngineSession(self, cfg, variant, plan, prompts, progress, bar, repeat, kv_variant=kv).run()
 
     def schedule(self, repeats: int) -> list[tuple[int | None, list[BackendConfig]]]:
         """Which repeat (None: all of them) each round of engine starts runs, and on which backends in order."""
@@ -248,11 +261,11 @@ class _EngineSession:
     with the reason when the engine cannot install, start or keep running."""
 
     def __init__(self, runner: Runner, cfg: BackendConfig, spec: ServerSpec, plan: RunPlan, prompts: CellPrompts,
-                 progress: Progress, bar, repeat: int | None = None):
+                 progress: Progress, bar, repeat: int | None = None, kv_variant: str | None = None):
         self.r, self.cfg, self.spec, self.plan, self.prompts = runner, cfg, spec, plan, prompts
         self.progress, self.bar = progress, bar
         # grows as a saturation sweep finds its rates; one repeat only when the run is interleaved
-        self.cells = [c for c in plan.cells(spec.prefix_caching) if repeat is None or c.repeat == repeat]
+        self.cells = [c for c in plan.cells(spec.prefix_caching, kv_variant) if repeat is None or c.repeat == repeat]
         self.expected = plan.cells_per_start // (1 if repeat is None else plan.repeats)  # its share of the bar
         self.done = 0  # cells[:done] have their rows written
         self.info = EngineRun(runner.run_id, cfg.label, cfg.engine, cfg.version, spec.model, plan.workload,
@@ -266,6 +279,8 @@ class _EngineSession:
         self.cell_estimates: list[float] = []  # from cells done, monotonic time estimate_from: each one's seconds
         self.estimate_from = (0, 0.0)
         variant = {None: "", True: " (prefix caching on)", False: " (prefix caching off)"}[spec.prefix_caching]
+        variant += f" (KV {kv_variant})" if kv_variant else ""
+        self.kv_variant = kv_variant
         self.key = cfg.label + variant + ("" if repeat is None else f" repeat {repeat}")  # in run.json's engine_stops
 
     def skip_finished(self) -> None:
@@ -342,7 +357,9 @@ class _EngineSession:
         self.gpu_baseline = r.nvml.idle_baseline()  # None without a GPU
         r.record.gpu_baselines[cfg.label] = self.gpu_baseline.to_dict() if self.gpu_baseline else None
         r.record.save(r.writer)
-        backend.start(self.spec, r.writer.log_path(cfg.label), r.o.start_timeout_s)
+        # one log per KV dtype's start: the pool is read from the start's own log lines
+        log = cfg.label + (f"_kv-{self.kv_variant}" if self.kv_variant else "")
+        backend.start(self.spec, r.writer.log_path(log), r.o.start_timeout_s)
 
     def check(self, backend: Backend) -> None:
         """The version the engine reports, the models it serves (an attached server's checked against
@@ -531,6 +548,9 @@ class _EngineSession:
         replicas = backend.replica_polls(load.results)
         for result in load.results:
             r.writer.write_request(request_row(r.run_id, cell.cell_id(label), label, result, repeat=cell.repeat))
+        if w.family == "kv_quant":  # the greedy tokens and log-probabilities the divergence is computed from
+            r.writer.write_logprobs(cell.cell_id(label), kvquant.logprob_records(load.results, w.top_logprobs,
+                                                                                  backend.top_logprobs_max))
         # A killed engine closes its sockets a moment before its exit can be read: wait for it briefly,
         # so that requests cut off by a dead engine are put down to the engine.
         verdicts = request_verdicts(load.results)

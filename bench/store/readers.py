@@ -320,3 +320,21 @@ def load(*run_dirs: str | Path, what: Literal["cells", "requests"] = "cells") ->
         out = normalize_dtypes(pd.concat(frames, ignore_index=True), model)
     out.attrs = {"damaged_lines": damaged}  # {JSONL path: skipped line numbers}, as warned
     return out
+
+
+def load_logprobs(run_dir: str | Path) -> dict[str, dict[str, dict]]:
+    """A kv_quant run's per-cell records (logprobs/<cell_id>.json, written by ``RunWriter.write_logprobs``):
+    {cell_id: {request_id: {"tokens", "top" (one {id: logprob} per position), "prompt_logprobs", "k"}}}, the
+    failed requests left out. A file that cannot be read is skipped with a warning."""
+    out: dict[str, dict[str, dict]] = {}
+    for path in sorted((Path(run_dir) / "logprobs").glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+            out[data["cell_id"]] = {
+                r["request_id"]: {"tokens": r["tokens"], "k": r.get("k", 0),
+                                  "prompt_logprobs": r.get("prompt_logprobs"),
+                                  "top": [{int(t): float(lp) for t, lp in top} for top in r.get("top") or []]}
+                for r in data["requests"] if not r.get("error")}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            warnings.warn(f"{path}: unreadable ({type(exc).__name__}: {exc}); its cell has no divergence", stacklevel=2)
+    return out

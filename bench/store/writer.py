@@ -8,6 +8,7 @@ A run is a folder ``results/runs/<run_id>/``:
   finishes, so an interrupted run keeps what it finished;
 - ``requests.jsonl``: one :class:`RequestRow` per request with every chunk's timestamp;
 - ``timelines/<cell_id>.csv``: memory and KV-in-use samples of the cell on one time axis;
+- ``logprobs/<cell_id>.json`` (kv_quant workloads): each request's greedy tokens and top-k log-probabilities;
 - ``logs/<backend>.log``: each engine's own log.
 
 Rewritten files (run.json, timelines, the Parquet copies) are replaced atomically and appends are whole
@@ -266,6 +267,14 @@ class RunWriter:
         path = self.root / "timelines" / f"{_file_name(cell_id, 'cell id')}.csv"
         with self._writing(f"writing timelines/{path.name}"):
             atomic_write_text(path, frame.to_csv(index=False))
+
+    def write_logprobs(self, cell_id: str, records: list[dict]) -> None:
+        """A kv_quant cell's greedy tokens and log-probabilities per request (logprobs/<cell_id>.json),
+        written atomically: what the report's divergence from the baseline is computed from."""
+        path = self.root / "logprobs" / f"{_file_name(cell_id, 'cell id')}.json"
+        with self._writing(f"writing logprobs/{path.name}"):
+            path.parent.mkdir(exist_ok=True)
+            atomic_write_text(path, json.dumps({"cell_id": cell_id, "requests": records}, separators=(",", ":")))
 
     def log_path(self, backend: str) -> Path:
         return self.root / "logs" / f"{_file_name(backend, 'backend label')}.log"

@@ -1,0 +1,212 @@
+"""KV quantisation without an engine: the divergence math on hand-made distributions (the exact-zero
+self-comparison among them), the dtypes a kv_quant run sweeps per engine, its cells and prompts, the
+silent-fallback flag, the engines' logprob parsers on scripted events, the report on a hand-made run and
+`kvbench run --kv-dtypes` refusals. The real engine: tests/test_kvquant_engine.py."""
+import json
+import math
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from kvbench.backends import kv_rules
+from kvbench.backends.llamacpp.adapter import LlamaCppBackend
+from kvbench.backends.types import KVPool, RequestResult
+from kvbench.backends.vllm.adapter import read_logprobs
+from kvbench.cli import app
+from kvbench.common import divergence as dv
+from kvbench.kv.geometry import KVGeometry, LayerKV
+from kvbench.load import LoadPoint
+from kvbench.run.cells import cells_for
+from kvbench.run.kvquant import KVDtypeError, declined_dtype, kv_quant_dtypes, logprob_records
+from kvbench.store.schema import CellRow
+from kvbench.workloads import Workload, load
+from kvbench.workloads.texts import paragraphs
+
+L = math.log
+
+
+def top(**probs):
+    """{id: log p} from id=prob keyword pairs written t<id>."""
+    return {int(k[1:]): L(v) for k, v in probs.items()}
+
+
+# --- the math -------------------------------------------------------------------------------------
+def test_kl_of_a_distribution_with_itself_is_exactly_zero():
+    p = top(t1=0.5, t2=0.3, t3=0.1)
+    assert dv.topk_kl(p, dict(p)) == 0.0
+    seq = [p, top(t4=0.9, t5=0.05)]
+    m = dv.greedy_match([1, 4], [1, 4])
+    assert dv.sequence_kl(seq, seq, m) == [0.0, 0.0]
+    one = {"a": {"tokens": [1, 4], "top": seq, "k": 3}}
+    d = dv.compare_requests(one, {"a": dict(one["a"])})
+    assert (d.kl_mean, d.kl_max, d.identical_share, d.first_difference_min) == (0.0, 0.0, 1.0, None)
+
+
+def test_kl_with_full_support_is_the_exact_kl():
+    # both lists hold the whole distribution: no rest bucket, the textbook KL
+    p, q = top(t1=0.5, t2=0.5), top(t1=0.9, t2=0.1)
+    assert dv.topk_kl(p, q) == pytest.approx(0.5 * L(0.5 / 0.9) + 0.5 * L(0.5 / 0.1))
+
+
+def test_kl_pools_ids_outside_both_lists_into_one_bucket():
+    # baseline top-2 {1: .6, 2: .3} (rest .1); quantised top-2 {1: .5, 3: .3} (id 2 not in its list)
+    p, q = top(t1=0.6, t2=0.3), top(t1=0.5, t3=0.3)
+    # shared {1}; rest: p 0.4, q 0.5
+    expected = 0.6 * L(0.6 / 0.5) + 0.4 * L(0.4 / 0.5)
+    assert dv.topk_kl(p, q) == pytest.approx(expected)
+    # a lower bound on the full KL of any completion, e.g. p = (.6, .3, .05, .05), q = (.5, .1, .3, .1)
+    full = 0.6 * L(.6 / .5) + 0.3 * L(.3 / .1) + 0.05 * L(.05 / .3) + 0.05 * L(.05 / .1)
+    assert dv.topk_kl(p, q) <= full
+
+
+def test_greedy_match_first_difference_and_comparable_positions():
+    m = dv.greedy_match([5, 6, 7, 8], [5, 6, 9, 8])
+    assert (m.identical, m.first_difference, m.compared, m.matched_share) == (False, 2, 4, 0.5)
+    assert dv.comparable_positions(m) == 3  # positions 0, 1 and the first differing one share their context
+    assert dv.greedy_match([1, 2], [1, 2, 3]).first_difference == 2  # a length difference is a difference
+    assert dv.greedy_match([], []).matched_share == 1.0
+    # KL only over the comparable positions: the 4th position's distributions condition on different tokens
+    a = [top(t5=.9, t1=.1), top(t6=.9, t1=.1), top(t7=.6, t9=.4), top(t8=1.0)]
+    b = [top(t5=.9, t1=.1), top(t6=.8, t1=.2), top(t9=.6, t7=.4), top(t3=1.0)]
+    kls = dv.sequence_kl(a, b, m)
+    assert len(kls) == 3 and kls[0] == 0.0 and kls[1] > 0 and kls[2] > 0
+
+
+def test_perplexity_leaves_out_unknown_entries():
+    assert dv.perplexity([None, L(0.5), L(0.5)]) == pytest.approx(2.0)
+    assert dv.perplexity([None]) is None
+
+
+def test_compare_requests_pools_requests():
+    base = {"r0": {"tokens": [1, 2], "top": [top(t1=1.0), top(t2=1.0)], "k": 1, "prompt_logprobs": [None, L(.25)]},
+            "r1": {"tokens": [3, 4], "top": [top(t3=1.0), top(t4=1.0)], "k": 1, "prompt_logprobs": [None, L(.25)]}}
+    other = {"r0": {"tokens": [1, 2], "top": [top(t1=1.0), top(t2=1.0)], "k": 1, "prompt_logprobs": [None, L(.25)]},
+             "r1": {"tokens": [3, 5], "top": [top(t3=1.0), top(t5=1.0)], "k": 1, "prompt_logprobs": [None, L(.5)]}}
+    d = dv.compare_requests(base, other)
+    assert (d.requests, d.identical_share, d.first_difference_min, d.matched_share_mean) == (2, 0.5, 1, 0.75)
+    assert d.kl_positions == 4 and d.top_k == 1  # r0: 2 positions, r1: 2 (up to and including the difference)
+    assert d.ppl_baseline == pytest.approx(4.0) and d.ppl_other == pytest.approx(math.sqrt(8))
+    assert dv.compare_requests(base, {"x": base["r0"]}) is None
+
+
+# --- what a run sweeps ------------------------------------------------------------------------------
+GEOM = KVGeometry(layers=(LayerKV("full", 3, 64, 64),) * 30, dtype="bf16", model_type="llama", source="gguf")
+
+
+def test_each_engine_offers_its_own_quantised_dtypes_baseline_first():
+    w = load("kv_quant_smoke")
+    assert kv_quant_dtypes(w, kv_rules("llamacpp"), GEOM) == ["f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
+    assert kv_quant_dtypes(w, kv_rules("vllm"), GEOM) == ["bf16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+    assert kv_quant_dtypes(w, kv_rules("ollama"), GEOM) == ["f16", "q8_0", "q4_0"]  # from its rules only
+    assert kv_quant_dtypes(w, kv_rules("hf"), GEOM) == ["bf16"]  # transformers' quantised cache: not offered
+    assert kv_quant_dtypes(w, kv_rules("llamacpp"), GEOM, ["q4_0", "q8_0", "q4_0"]) == ["f16", "q4_0", "q8_0"]
+    with pytest.raises(KVDtypeError, match="llamacpp has no KV dtype 'fp8'"):
+        kv_quant_dtypes(w, kv_rules("llamacpp"), GEOM, ["fp8"])
+    assert kv_quant_dtypes(load("smoke"), kv_rules("llamacpp"), GEOM) == [None]  # not a kv_quant workload
+
+
+def test_kv_quant_cells_differ_by_dtype_and_send_the_same_prompts(smollm2):
+    from kvbench.run.cells import CellPrompts
+    from kvbench.workloads.prompts import PromptBuilder
+
+    w = load("kv_quant_smoke")
+    a, b = (cells_for(w, [64], [LoadPoint("concurrent", 1)], 0, None, d)[0] for d in ("f16", "q8_0"))
+    assert a.cell_id("llamacpp-0.3.36") == "llamacpp-0.3.36_kv-f16_p64_c1_r0" and b.variant == "kv_dtype=q8_0"
+    builder = PromptBuilder(smollm2.hf_dir / "tokenizer.json")
+    natural = builder.from_text("In the beginning God created the heaven and the earth. " * 20, 32, 1, "k", 4)
+    assert natural.prompt_tokens == 32
+    prompts = CellPrompts(builder, w)
+    pa, pb = prompts.for_cell(a, 2), prompts.for_cell(b, 2)
+    assert [p.token_ids for p in pa] == [p.token_ids for p in pb] and pa[0].top_logprobs == 20
+
+
+def test_workload_needs_a_baseline_and_natural_text_only_for_kv_quant():
+    base = dict(name="x", seed=1, prompt_tokens=[64], output_tokens=4, concurrency=[1])
+    with pytest.raises(ValueError, match="baseline"):
+        Workload(**base, family="kv_quant", kv_dtypes=["q8_0"])
+    with pytest.raises(ValueError, match="kv_quant\" only"):
+        Workload(**base, prompt_text="kjv")
+
+
+def test_paragraphs_of_the_bible_program_output():
+    raw = "\nGenesis 1\n\n  1 In the beginning.\n  2 And the earth.\n\nGenesis 2\n\n  1 Thus the heavens.\n"
+    assert paragraphs(raw) == "In the beginning. And the earth.\n\nThus the heavens."
+
+
+# --- the silent fallback --------------------------------------------------------------------------
+def _row():
+    return CellRow(run_id="r", cell_id="c", backend="b", engine="llamacpp", engine_version="v", model="m",
+                   workload="w", prompt_tokens=64, output_tokens=8, concurrency=1, kv_dtype="q8_0", status="ok")
+
+
+@pytest.mark.parametrize("bytes_per_token, declined", [(23_040, True), (12_240, False)])
+def test_a_quantised_pool_the_size_of_the_baseline_is_flagged(bytes_per_token, declined):
+    rules, row = kv_rules("llamacpp"), _row()
+    declined_dtype(row, rules, GEOM, "q8_0", KVPool(512 * bytes_per_token, 512, "log"))
+    assert (row.status == "flagged") is declined
+    assert any("KV dtype q8_0 declined" in f for f in row.flags) is declined
+
+
+# --- the engines' answers -------------------------------------------------------------------------
+def test_llamacpp_completion_probabilities_are_read_per_token():
+    r = RequestResult("x", 4, 2, 0.0)
+    event = {"tokens": [11], "completion_probabilities": [
+        {"id": 11, "logprob": -0.1, "top_logprobs": [{"id": 11, "logprob": -0.1, "token": "a"},
+                                                     {"id": 12, "logprob": -2.5, "token": "b"}]}]}
+    LlamaCppBackend._read_event(event, 1.0, r)
+    assert r.output_ids == [11] and r.top_logprobs == [{11: -0.1, 12: -2.5}]
+    recs = logprob_records([r], 20, LlamaCppBackend.top_logprobs_max)
+    assert recs[0]["k"] == 20 and recs[0]["top"] == [[[11, -0.1], [12, -2.5]]]
+
+
+def test_vllm_echoed_prompt_logprobs_lead_the_first_chunk():
+    r = RequestResult("x", 3, 1, 0.0)
+    event = {"choices": [{"token_ids": [7], "logprobs": {
+        "token_logprobs": [None, -1.0, -2.0, -0.5],
+        "top_logprobs": [None, {"token_id:5": -1.0}, {"token_id:6": -2.0}, {"token_id:7": -0.5, "token_id:8": -1.5}]}}]}
+    read_logprobs(event, r)
+    assert r.prompt_logprobs == [None, -1.0, -2.0]
+    assert r.output_ids == [7] and r.top_logprobs == [{7: -0.5, 8: -1.5}]
+
+
+# --- the report on a hand-made run ----------------------------------------------------------------
+def test_report_pairs_each_dtype_with_the_baseline(tmp_path):
+    from kvbench.reports import kvquant
+
+    def cell(dtype, bpt):
+        return {"cell_id": f"b_kv-{dtype}_p64_c1_r0", "backend": "b", "engine": "llamacpp", "kv_dtype": dtype,
+                "prompt_tokens": 64, "output_tokens": 8, "status": "ok", "replica": "", "flags": [],
+                "kv_pool_bytes_engine": 512 * bpt, "kv_pool_tokens_engine": 512, "kv_pool_bytes_predicted": 512 * bpt,
+                "itl_s_p50": 0.01}
+    cells = pd.DataFrame([cell("f16", 23_040), cell("q8_0", 12_240)])
+    (tmp_path / "logprobs").mkdir()
+    same = [{"request_id": "q0", "error": None, "k": 2, "tokens": [1, 2],
+             "top": [[[1, -0.1], [3, -2.4]], [[2, -0.2], [3, -1.8]]], "prompt_logprobs": None}]
+    for dtype in ("f16", "q8_0"):  # a planted bad cache: the baseline's own records under the q8_0 cell
+        (tmp_path / "logprobs" / f"b_kv-{dtype}_p64_c1_r0.json").write_text(
+            json.dumps({"cell_id": f"b_kv-{dtype}_p64_c1_r0", "requests": same}))
+    data = kvquant.rows(tmp_path, cells, {"b": "f16"})
+    q = next(r for r in data if r["kv_dtype"] == "q8_0")
+    assert q["divergence"].kl_mean == 0.0 and q["divergence"].identical_share == 1.0
+    assert q["saved"] == pytest.approx(1 - 12_240 / 23_040)
+    assert q["sequences"] == 2**30 // (12_240 * 72)
+    frame = kvquant.table(data, {"b": "not measured: synthetic prompts"})
+    assert frame.iloc[1]["KL mean"] == "0 (top-2)" and frame.iloc[1]["identical"] == "100 % of 1"
+    assert kvquant.plot(data, tmp_path / "p.png") is not None  # a zero KL is drawn at the floor
+
+
+# --- the command ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--workload", "kv_quant_smoke", "--kv-dtypes", "fp8"], "llamacpp has no KV dtype 'fp8'"),
+    (["--workload", "smoke", "--kv-dtypes", "q8_0"], "not a kv_quant workload"),
+    (["--workload", "kv_quant_smoke", "-b", "openai:url=http://127.0.0.1:9"], "no KV rules"),
+])
+def test_bad_kv_dtypes_are_refused_before_any_run_folder(tmp_path, args, message):
+    argv = ["run", "--results-dir", str(tmp_path / "runs"), *args]
+    if "-b" not in args:
+        argv += ["-b", "llamacpp"]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())
+    assert not (tmp_path / "runs").exists()
