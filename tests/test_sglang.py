@@ -440,7 +440,7 @@ def test_an_attached_run_records_the_cached_tokens_and_flushes_between_cells(tmp
     row's hit rate, and --reset-cache-between-cells flushes it before every cell."""
     workload = Workload(name="sgl", seed=3, prompt_tokens=[48, 64], output_tokens=8, concurrency=[2],
                         warmup_requests=0)
-    with FakeSGLang(token_delay_s=0.005) as fake:
+    with FakeSGLang(served_model_name="smollm2", token_delay_s=0.005) as fake:
         opts = RunOptions(model="smollm2", workload=workload, backends=[BackendConfig.parse(f"sglang:url={fake.url}")],
                           results_dir=tmp_path, run_id="sgl", reset_cache_between_cells=True, estimate=False)
         cells = load_cells(Runner(opts, Console(file=io.StringIO(), width=200)).run())
@@ -481,3 +481,21 @@ def test_a_real_prometheus_reads_sglangs_metrics_into_the_row(tmp_path, smollm2)
     (engine,) = row.prom_engines
     assert engine["instance"] == f"127.0.0.1:{fake.port}" and row.prom_preemptions == 0
     assert row.kv_pool_tokens_engine == 1000 and row.kv_in_use_peak_tokens <= 2 * 182
+
+
+def test_an_attached_sglang_serving_another_model_fails_its_cells_unless_allowed(tmp_path):
+    workload = Workload(name="sgl", seed=3, prompt_tokens=[48], output_tokens=8, concurrency=[1], warmup_requests=0)
+    with FakeSGLang(served_model_name="meta-llama/Llama-3.1-8B-Instruct", token_delay_s=0.005) as fake:
+        for allow, run_id in ((False, "refused"), (True, "allowed")):
+            opts = RunOptions(model="smollm2", workload=workload,
+                              backends=[BackendConfig.parse(f"sglang:url={fake.url}")], results_dir=tmp_path,
+                              run_id=run_id, estimate=False, allow_model_mismatch=allow)
+            run_dir = Runner(opts, Console(file=io.StringIO(), width=200)).run()
+            cells = load_cells(run_dir)
+            served = json.loads((run_dir / "run.json").read_text())["served_models"]
+            assert list(served.values()) == [["meta-llama/Llama-3.1-8B-Instruct"]]
+            if allow:
+                assert (cells.status == "ok").all()
+            else:
+                assert (cells.status == "failed").all()
+                assert "serves meta-llama/Llama-3.1-8B-Instruct, not --model smollm2" in cells.error.iloc[0]

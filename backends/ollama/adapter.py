@@ -166,6 +166,14 @@ class OllamaBackend(Backend):
         # An empty prompt loads the model (done_reason "load") with the options every request uses.
         client.generate(self.model, "", keep_alive=-1, options=self._options(0))
 
+    def served_models(self) -> list[str] | None:
+        """The model the requests use: the server's own (``served_model``), or the benchmark's GGUF that
+        kvbench imported under its tag (then it is the run's model by construction: its file's name)."""
+        if self.options.get("served_model"):
+            return [str(self.options["served_model"])]
+        gguf = self.spec.model.gguf_path if self.spec else None
+        return [gguf.name] if gguf is not None else None
+
     def reported_version(self) -> str:
         import ollama
         try:  # the client has no version call: its transport asks /api/version with its headers and errors

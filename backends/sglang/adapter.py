@@ -221,6 +221,13 @@ class SGLangBackend(PrometheusPolled, Backend):
                     continue
         return self._info or {}
 
+    def served_models(self) -> list[str] | None:
+        """The ids of SGLang's /v1/models (its --served-model-name, else its model path)."""
+        try:
+            return [str(m["id"]) for m in self.http.get(self.base_url + "/v1/models").json()["data"]]
+        except (httpx.HTTPError, KeyError, ValueError, TypeError):
+            return None
+
     def reported_version(self) -> str:
         version = _find(self.server_info(), "version")
         return str(version) if version else self.version

@@ -149,6 +149,13 @@ class TGIBackend(PrometheusPolled, Backend):
                            capture_output=True, timeout=30, check=False)
         return super().stop()
 
+    def served_models(self) -> list[str] | None:
+        """The model_id of TGI's /info (the folder or hub id the launcher was given)."""
+        try:
+            return [str(self.http.get(self.base_url + "/info").json()["model_id"])]
+        except (httpx.HTTPError, KeyError, ValueError, TypeError):
+            return None
+
     def reported_version(self) -> str:
         # /info on the adapter's own client, not huggingface_hub's InferenceClient.get_endpoint_info: that
         # call refuses every request, even to a local server, when HF_HUB_OFFLINE=1 (which offline benchmark
