@@ -156,6 +156,17 @@ class Deployment(Backend):
             return versions[0]
         return ", ".join(f"{label} {v or 'unknown'}" for label, v in zip(self.labels, versions))
 
+    def served_models(self) -> list[str] | None:
+        """What the replicas serve, once every replica that says agrees (a replica serving another model fails
+        the deployment here, before any cell); None where none says."""
+        said = [(label, sorted(m)) for label, r in zip(self.labels, self.replicas)
+                if (m := r.served_models()) is not None]
+        for label, models in said[1:]:
+            if models != said[0][1]:
+                raise ValueError(f"replica {label} serves {', '.join(models) or 'no model'}, replica {said[0][0]} "
+                                 f"{', '.join(said[0][1]) or 'no model'}: the replicas do not serve the same model")
+        return said[0][1] if said else None
+
     def tokenize(self, text: str) -> list[int] | None:
         """The first replica's token ids, once every replica agrees (a replica serving another model or
         tokenizer fails the deployment here, before any cell)."""

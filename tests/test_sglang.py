@@ -422,7 +422,8 @@ def test_backends_lists_sglang_and_its_options():
 def test_a_deployment_of_two_replicas_runs_unchanged(tmp_path, smollm2):
     workload = Workload(name="sgl", seed=3, prompt_tokens=[48], output_tokens=16, concurrency=[2], rounds=2,
                         warmup_requests=0)
-    with FakeSGLang(pool_tokens=5000, token_delay_s=0.01) as a, FakeSGLang(pool_tokens=7000, token_delay_s=0.01) as b:
+    with FakeSGLang(served_model_name="smollm2", pool_tokens=5000, token_delay_s=0.01) as a, \
+            FakeSGLang(served_model_name="smollm2", pool_tokens=7000, token_delay_s=0.01) as b:
         opts = RunOptions(model="smollm2", workload=workload, backends=[BackendConfig.parse(
             f"sglang:url={a.url},url={b.url}")], results_dir=tmp_path, run_id="sgl")
         run_dir = Runner(opts, Console(file=io.StringIO(), width=200)).run()
@@ -499,3 +500,14 @@ def test_an_attached_sglang_serving_another_model_fails_its_cells_unless_allowed
             else:
                 assert (cells.status == "failed").all()
                 assert "serves meta-llama/Llama-3.1-8B-Instruct, not --model smollm2" in cells.error.iloc[0]
+
+
+def test_a_deployment_whose_replicas_serve_different_models_fails_before_any_cell(tmp_path):
+    workload = Workload(name="sgl", seed=3, prompt_tokens=[48], output_tokens=8, concurrency=[1], warmup_requests=0)
+    with FakeSGLang(served_model_name="smollm2") as a, FakeSGLang(served_model_name="other-model") as b:
+        opts = RunOptions(model="smollm2", workload=workload, backends=[BackendConfig.parse(
+            f"sglang:url={a.url},url={b.url}")], results_dir=tmp_path, run_id="mixed", estimate=False)
+        cells = load_cells(Runner(opts, Console(file=io.StringIO(), width=200)).run())
+        assert a.running == b.running == 0
+    total = cells[cells.replica.fillna("") == ""]
+    assert (total.status == "failed").all() and "the replicas do not serve the same model" in total.error.iloc[0]
