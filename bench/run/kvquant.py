@@ -3,7 +3,7 @@ with, what run.json records of them, each cell's per-request record of greedy to
 and the flag of a quantised dtype the engine silently declined. Pure: no I/O (the runner writes)."""
 from __future__ import annotations
 
-from kvbench.backends.types import KVPool, RequestResult
+from kvbench.backends.types import RequestResult
 from kvbench.kv.geometry import KVGeometry
 from kvbench.kv.rules import KVQuestion, KVRuleError, KVRules
 from kvbench.store.schema import CellRow
