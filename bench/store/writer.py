@@ -76,6 +76,7 @@ class RunFolderLock:
 
     def __init__(self, root: Path):
         self.root = Path(root)
+        self._fd: int | None = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
@@ -85,7 +86,7 @@ class RunFolderLock:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = lock_holder(self._fd)
-            os.close(self._fd)
+            self.release()
             raise RunFolderError(f"run {self.root.name} in {self.root.parent} is in use by another kvbench"
                                  + (f" (pid {holder})" if holder else "")
                                  + ": wait for it to finish, or give another --run-id") from None
