@@ -22,6 +22,7 @@ from kvbench.kv.rules import KVCheck, KVQuestion, KVRules
 from kvbench.kv.units import MIB
 
 from ..base import Backend, extra_args
+from ..openai.adapter import served_model_ids
 from ..options import EXTRA_ARGS, Option
 from ..process import last_error_line
 from ..prometheus import gauge_sum, metric_samples
@@ -306,10 +307,7 @@ class LlamaCppBackend(Backend):
 
     def served_models(self) -> list[str] | None:
         """The ids of llama-server's /v1/models (the -m path, or its --alias); None where it has no such route."""
-        try:
-            return [str(m["id"]) for m in self.http.get(self.base_url + "/v1/models").json()["data"]]
-        except (httpx.HTTPError, KeyError, ValueError, TypeError):
-            return None
+        return served_model_ids(self.http, self.base_url)
 
     def tokenize(self, text: str) -> list[int] | None:
         response = self.http.post(self.base_url + "/tokenize", json={"content": text, "add_special": False})

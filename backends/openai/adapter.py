@@ -50,6 +50,15 @@ def read_completion_chunk(event: dict, now: float, result: RequestResult) -> Non
             result.prompt_tokens_cached = details["cached_tokens"]
 
 
+def served_model_ids(http: httpx.Client, base_url: str) -> list[str] | None:
+    """The ids an OpenAI-compatible server's /v1/models lists (vLLM, llama-server, SGLang): what their
+    ``served_models`` say; None where the server has no such route or answers something else."""
+    try:
+        return [str(m["id"]) for m in http.get(base_url + "/v1/models").json()["data"]]
+    except (httpx.HTTPError, KeyError, ValueError, TypeError):
+        return None
+
+
 class OpenAIBackend(Backend):
     engine = "openai"
     default_version = "v1"  # the API; the server's own version is whatever /version says, if it has one

@@ -32,6 +32,7 @@ from kvbench.kv.geometry import round_up
 from kvbench.kv.rules import KVQuestion
 
 from ..base import Backend, extra_args
+from ..openai.adapter import served_model_ids
 from ..options import EXTRA_ARGS, Option
 from ..prometheus import PrometheusPolled, gauge_sum
 from ..streaming import stream_sse
@@ -223,10 +224,7 @@ class SGLangBackend(PrometheusPolled, Backend):
 
     def served_models(self) -> list[str] | None:
         """The ids of SGLang's /v1/models (its --served-model-name, else its model path)."""
-        try:
-            return [str(m["id"]) for m in self.http.get(self.base_url + "/v1/models").json()["data"]]
-        except (httpx.HTTPError, KeyError, ValueError, TypeError):
-            return None
+        return served_model_ids(self.http, self.base_url)
 
     def reported_version(self) -> str:
         version = _find(self.server_info(), "version")

@@ -23,7 +23,7 @@ from kvbench.kv.geometry import kv_bytes_per_token
 from kvbench.kv.rules import KVCheck, KVQuestion
 
 from ..base import Backend, extra_args
-from ..openai.adapter import read_completion_chunk
+from ..openai.adapter import read_completion_chunk, served_model_ids
 from ..options import EXTRA_ARGS, Option
 from ..process import last_error_line
 from ..prometheus import PrometheusPolled, gauge_sum
@@ -259,10 +259,7 @@ class VLLMBackend(PrometheusPolled, Backend):
             return self.version
 
     def served_models(self) -> list[str] | None:
-        try:
-            return [str(m["id"]) for m in self.http.get(self.base_url + "/v1/models").json()["data"]]
-        except (httpx.HTTPError, KeyError, ValueError, TypeError):
-            return None
+        return served_model_ids(self.http, self.base_url)
 
     def tokenize(self, text: str) -> list[int] | None:
         response = self.http.post(self.base_url + "/tokenize",
