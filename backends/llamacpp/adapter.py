@@ -25,7 +25,7 @@ from ..base import Backend, extra_args
 from ..openai.adapter import served_model_ids
 from ..options import EXTRA_ARGS, Option
 from ..process import last_error_line
-from ..prometheus import gauge_sum, metric_samples
+from ..prometheus import capped_get, gauge_sum, metric_samples, note_dropped
 from ..streaming import stream_sse
 from ..types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 from .kvrules import EMBEDDED_CASES, FAMILY_CASE, LlamaCppKV
@@ -84,6 +84,21 @@ def slot_tokens_in_kv(slot: dict) -> int:
     if decoded or processed is None:  # decoding, or a server that does not say (the older figure)
         return prompt
     return min(prompt, int(processed))
+
+
+def readable_slot_tokens(slots) -> list[int]:
+    """The tokens in KV of each processing slot of a /slots answer; a slot that cannot be read (not an
+    object, a count that is not a number) is dropped and counted, not the whole poll."""
+    out = []
+    for slot in slots if isinstance(slots, list) else []:
+        try:
+            if slot.get("is_processing"):
+                out.append(slot_tokens_in_kv(slot))
+        except (AttributeError, TypeError, ValueError):
+            note_dropped("/slots", "slot not readable")
+    if not isinstance(slots, list):
+        note_dropped("/slots", "not a list of slots")
+    return out
 
 
 def _as_list(value) -> list[dict]:
@@ -376,14 +391,14 @@ class LlamaCppBackend(Backend):
                                "weights_source": "llama.cpp log: model buffer size" if weights else None})
 
     def kv_in_use(self, client: httpx.Client) -> KVInUse | None:
-        slots = client.get(self.base_url + "/slots").json()
-        tokens = sum(slot_tokens_in_kv(slot) for slot in slots if slot.get("is_processing"))
+        slots = capped_get(client, self.base_url + "/slots").json()
+        tokens = sum(readable_slot_tokens(slots))
         return KVInUse(bytes=tokens * self.kv_bytes_per_token(), tokens=tokens,
                        source="/slots tokens in KV (prompt processed, then n_prompt_tokens) x bytes/token")
 
     def queue_state(self, client: httpx.Client) -> dict | None:
         """Deferred requests (no free slot) from /metrics; /slots lists slots only, so it cannot show them."""
-        response = client.get(self.base_url + "/metrics")
+        response = capped_get(client, self.base_url + "/metrics")
         if response.status_code != 200:  # started without --metrics
             return None
         samples = metric_samples(response.text, ("llamacpp:requests_deferred", "llamacpp:requests_processing"))

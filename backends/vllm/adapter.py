@@ -309,7 +309,10 @@ class VLLMBackend(PrometheusPolled, Backend):
 
     def _read_cache_info(self) -> dict | None:
         if self._cache_info is None:
-            rows = self.metrics(self.http).get("vllm:cache_config_info")
+            try:
+                rows = self.metrics(self.http).get("vllm:cache_config_info")
+            except httpx.HTTPError:  # a page over the cap, a hang: the pool is not read (retried next time)
+                return None
             if rows:
                 self._cache_info = rows[0][0]
         return self._cache_info
