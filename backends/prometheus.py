@@ -28,6 +28,14 @@ class ResponseTooLarge(httpx.HTTPError):
     ``httpx.HTTPError``, so every caller that treats a failed telemetry call as "not read" treats it so."""
 
 
+class MetricsSkipped(httpx.HTTPError):
+    """A page that hung or overflowed moments ago, not asked again yet: a failed read that costs nothing."""
+
+
+#: How long a page that hung or overflowed is not asked again.
+SKIP_AFTER_FAILURE_S = 5.0
+
+
 def capped_get(client: httpx.Client, url: str, cap: int = RESPONSE_CAP_BYTES, deadline_s: float | None = None,
                **kwargs) -> httpx.Response:
     """``client.get(url)`` reading at most ``cap`` bytes of the body, within ``deadline_s`` in all (default:
@@ -37,18 +45,19 @@ def capped_get(client: httpx.Client, url: str, cap: int = RESPONSE_CAP_BYTES, de
     if deadline_s is None:
         deadline_s = 2 * (client.timeout.read or 5.0)
     give_up = time.monotonic() + deadline_s
+    what = httpx.URL(url).path or url  # the path alone: a URL may carry credentials
     with client.stream("GET", url, **kwargs) as response:
         length = response.headers.get("content-length", "")
         if length.isdigit() and int(length) > cap:
-            raise ResponseTooLarge(f"{url} answered {int(length) / (1 << 20):.0f} MiB, over the "
+            raise ResponseTooLarge(f"{what} answered {int(length) / (1 << 20):.0f} MiB, over the "
                                    f"{cap / (1 << 20):g} MiB read at most")
         chunks, size = [], 0
         for chunk in response.iter_bytes():
             size += len(chunk)
             if size > cap:
-                raise ResponseTooLarge(f"{url} answered over {cap / (1 << 20):g} MiB: not read further")
+                raise ResponseTooLarge(f"{what} answered over {cap / (1 << 20):g} MiB: not read further")
             if time.monotonic() > give_up:
-                raise ResponseTooLarge(f"{url} took over {deadline_s:g} s to answer: not read further")
+                raise ResponseTooLarge(f"{what} took over {deadline_s:g} s to answer: not read further")
             chunks.append(chunk)
     headers = [(k, v) for k, v in response.headers.multi_items()
                if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")]  # decoded already
@@ -95,11 +104,22 @@ class PrometheusPolled:
     :meth:`queue_from_samples`)."""
 
     POLLED: tuple[str, ...] = ()
+    _metrics_failed: tuple[float, str] | None = None  # (monotonic time, why) of the last read that hung or overflowed
 
     def metrics(self, client: httpx.Client, names=None) -> dict[str, list]:
         """The server's /metrics samples (of ``names`` only, when given), read at most
-        :data:`RESPONSE_CAP_BYTES`; bad samples dropped and counted (:func:`metric_samples`)."""
-        return metric_samples(capped_get(client, self.base_url + "/metrics").text, names)
+        :data:`RESPONSE_CAP_BYTES`; bad samples dropped and counted (:func:`metric_samples`). For
+        :data:`SKIP_AFTER_FAILURE_S` after a read that timed out or overflowed, not asked again
+        (:class:`MetricsSkipped`): the harness's reads around each cell would each wait out the timeout."""
+        failed = self._metrics_failed
+        if failed and time.monotonic() - failed[0] < SKIP_AFTER_FAILURE_S:
+            raise MetricsSkipped(f"not asked again within {SKIP_AFTER_FAILURE_S:g} s of {failed[1]}")
+        try:
+            response = capped_get(client, self.base_url + "/metrics")
+        except (httpx.TimeoutException, ResponseTooLarge) as exc:
+            self._metrics_failed = (time.monotonic(), f"{type(exc).__name__}: {str(exc)[:120]}")
+            raise
+        return metric_samples(response.text, names)
 
     def kv_from_samples(self, samples: dict) -> KVInUse | None:
         raise NotImplementedError
@@ -142,7 +162,7 @@ def _families(text: str):
         try:
             families += text_string_to_metric_families(line + "\n")
         except Exception:  # noqa: BLE001
-            note_dropped(_sample_name(line)[:80] or "?", "not a number or not readable")
+            note_dropped(_sample_name(line)[:80] or "?", "not a number")
     return families
 
 
