@@ -100,10 +100,16 @@ def kvbench_json(head: bytes) -> bool:
     return head.lstrip().startswith(b"{") and b'"schema": "kvbench.compare/' in head[:200]
 
 
+def kvbench_jsonl(head: bytes) -> bool:
+    """A table of ``kvbench validate`` (kv_validation.jsonl, kv_families.jsonl): rows led by the engine."""
+    return head.startswith(b'{"engine": ')
+
+
 def check_output(path: str | Path, made_by_kvbench: Callable[[bytes], bool], what: str = "output") -> None:
-    """Nothing when ``path`` may be written: it does not exist, or it is a regular file whose first bytes
-    ``made_by_kvbench`` recognises. Else :class:`OutputRefused`: a symbolic link (not followed), a FIFO,
-    device, socket or folder, or another program's file. Only reads (a FIFO is never opened)."""
+    """Nothing when ``path`` may be written: it does not exist, or it is a regular file that is empty or
+    whose first bytes ``made_by_kvbench`` recognises. Else :class:`OutputRefused`: a symbolic link (not
+    followed), a FIFO, device, socket or folder, or another program's file. Only reads (a FIFO is never
+    opened)."""
     path = Path(path)
     try:
         mode = os.lstat(path).st_mode
@@ -125,7 +131,7 @@ def check_output(path: str | Path, made_by_kvbench: Callable[[bytes], bool], wha
             os.close(fd)
     except OSError as exc:
         raise OutputRefused(f"{what} {path}: {exc.strerror}") from None
-    if not made_by_kvbench(head):
+    if head and not made_by_kvbench(head):  # an empty file holds nothing to lose
         raise OutputRefused(f"{what} {path} exists and kvbench did not write it: give a new path, or remove it "
                             f"first")
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.common.files import (NEW_FILE_MODE, OutputRefused, atomic_write_text, check_output, check_output_folder, kvbench_html,
-                                  kvbench_markdown, kvbench_png)
+from kvbench.common.files import (NEW_FILE_MODE, OutputRefused, atomic_write_text, check_output, check_output_folder,
+                                  kvbench_html, kvbench_markdown, kvbench_png)
 from kvbench.reports import plots, prefix_cache, tables
 from kvbench.store.errors import DamagedLinesWarning, ResultsReadError, ResultsWarning, ResultsWriteError
 from kvbench.store.readers import load, load_run_info, read_jsonl_rows
