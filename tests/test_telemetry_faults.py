@@ -5,6 +5,7 @@ the bad samples are dropped and counted in the row's sources, a peak is the fini
 harness's memory and the cell's time stay bounded."""
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import re
@@ -157,6 +158,18 @@ def test_capped_get_stops_reading_at_the_cap():
         assert capped_get(client, "http://e/metrics", cap=100 * MIB).status_code == 200  # what is left
     with httpx.Client(transport=httpx.MockTransport(lambda r: httpx.Response(200, text="ok 1\n"))) as client:
         assert capped_get(client, "http://e/metrics").text == "ok 1\n"
+    # prometheus_client gzips /metrics for a client that accepts it (httpx does): the cap counts what it
+    # decodes to, so a small compressed answer that decodes past it is stopped too
+    page, bomb = gzip.compress(b"ok 1\n"), gzip.compress(b"x" * (2 * RESPONSE_CAP_BYTES))
+
+    def gzipped(request):
+        body = bomb if request.url.path == "/bomb" else page
+        return httpx.Response(200, content=body, headers={"Content-Encoding": "gzip"})
+
+    with httpx.Client(transport=httpx.MockTransport(gzipped)) as client:
+        assert capped_get(client, "http://e/metrics").text == "ok 1\n"
+        with pytest.raises(ResponseTooLarge):
+            capped_get(client, "http://e/bomb")
 
 
 T0 = 1796064517.0
@@ -208,3 +221,20 @@ def test_a_prometheus_answer_never_fails_the_cell(answer, said):
     cell = prom.cell(T0 - offset, T0 + 2.0 - offset)
     assert re.search(said, cell.figures["prom_source"]), cell.figures["prom_source"]
     json.dumps(cell.figures, allow_nan=False)  # no NaN or Inf reaches the row
+
+
+def test_llamacpp_slots_and_log_figures_that_cannot_be_read_are_dropped():
+    from kvbench.backends.llamacpp.adapter import parse_buffers, parse_kv_log, readable_slot_tokens
+
+    take_dropped()
+    good = {"id": 0, "is_processing": True, "n_prompt_tokens": 40, "next_token": [{"n_decoded": 3}]}
+    slots = [good, "junk", {"is_processing": True, "n_prompt_tokens": "many"}, {"is_processing": False}]
+    assert readable_slot_tokens(slots) == [40]
+    assert take_dropped() == {("/slots", "slot not readable"): 2}
+    assert readable_slot_tokens({"error": "no slots"}) == [] and take_dropped() == {("/slots", "not a list of slots"): 1}
+    log = ("load_tensors:          CPU model buffer size =   1.2.3 MiB\n"
+           "llama_kv_cache:        CPU KV buffer size =   720.00 MiB\n"
+           "llama_kv_cache: size =  7x0.00 MiB (  8192 cells,  30 layers,  4/4 seqs), K (f16): 360.00 MiB, "
+           "V (f16): 360.00 MiB\n")
+    assert parse_buffers(log) == {"model": {}, "kv": {"CPU": 720 * MIB}}  # the garbled line not read
+    assert parse_kv_log(log) == []

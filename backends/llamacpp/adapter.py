@@ -37,16 +37,17 @@ CONVERT = SCRIPTS / "llamacpp_convert.py"
 _NATIVE_FLAG = '-DGGML_NATIVE="${KVBENCH_GGML_NATIVE:-ON}"'
 
 # llama_kv_cache: size =   90.00 MiB (  4096 cells,  30 layers,  1/1 seqs), K (f16):   45.00 MiB, V (f16):   45.00 MiB
-# (older builds prefix the line with llama_kv_cache_unified: and use the same fields)
+# (older builds prefix the line with llama_kv_cache_unified: and use the same fields); sizes are decimal numbers
+# (a garbled "1.2.3" does not match: the line is not read, rather than failing the pool read)
 KV_LINE = re.compile(
-    r"llama_kv_cache(?:_unified)?: size =\s*(?P<mib>[\d.]+) MiB \(\s*(?P<cells>\d+) cells,\s*(?P<layers>\d+) layers,"
-    r"\s*(?P<streams>\d+)/(?P<seqs_max>\d+) seqs\), K \((?P<type_k>\w+)\):\s*(?P<k_mib>[\d.]+) MiB, "
-    r"V \((?P<type_v>\w+)\):\s*(?P<v_mib>[\d.]+) MiB")
+    r"llama_kv_cache(?:_unified)?: size =\s*(?P<mib>\d+(?:\.\d+)?) MiB \(\s*(?P<cells>\d+) cells,\s*(?P<layers>\d+) layers,"
+    r"\s*(?P<streams>\d+)/(?P<seqs_max>\d+) seqs\), K \((?P<type_k>\w+)\):\s*(?P<k_mib>\d+(?:\.\d+)?) MiB, "
+    r"V \((?P<type_v>\w+)\):\s*(?P<v_mib>\d+(?:\.\d+)?) MiB")
 
 
 # load_tensors:        CUDA0 model buffer size =  4403.49 MiB   /   llama_kv_cache:      CUDA0 KV buffer size =   720.00 MiB
 BUFFER_LINE = re.compile(r"(?P<what>load_tensors|llama_kv_cache(?:_unified)?):\s+(?P<device>\S+) (?P<kind>model|KV) "
-                         r"buffer size =\s*(?P<mib>[\d.]+) MiB")
+                         r"buffer size =\s*(?P<mib>\d+(?:\.\d+)?) MiB")
 
 
 def parse_buffers(text: str) -> dict:

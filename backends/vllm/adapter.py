@@ -44,7 +44,7 @@ ALLOCATORS = ("{env}/lib/python3*/site-packages/vllm/libs/libtcmalloc_minimal*.s
               "/usr/lib/*-linux-gnu/libjemalloc.so.2", "/usr/lib64/libjemalloc.so.2")
 OPENMP = ("{env}/lib/libiomp5.so",)
 # "Model loading took 14.99 GiB memory and 5.21 seconds" (GPU model runner; one line per tensor-parallel worker)
-WEIGHTS_LINE = re.compile(r"Model loading took ([\d.]+) (GiB|GB|MiB|MB) memory")
+WEIGHTS_LINE = re.compile(r"Model loading took (\d+(?:\.\d+)?) (GiB|GB|MiB|MB) memory")  # a garbled number: not read
 _UNITS = {"GiB": 2**30, "GB": 1e9, "MiB": 2**20, "MB": 1e6}
 
 
