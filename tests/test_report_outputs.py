@@ -106,9 +106,13 @@ def test_dev_null_is_refused_and_stays_a_device(run_a):
     assert not Path("/dev/null.html").exists() and not Path("/dev/null_plots").exists()
 
 
-def test_a_folder_as_the_report_is_refused(tmp_path, run_a):
+def test_a_folder_as_the_report_or_one_file_for_both_is_refused(tmp_path, run_a):
     refused(kvbench("report", run_a, "-o", tmp_path), "is a folder")
-    assert written(tmp_path) == set()
+    refused(kvbench("report", run_a, "-o", tmp_path / "r.html"), "the Markdown and the HTML page would be one file")
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    refused(kvbench("report", run_a, "-o", fifo / "r.md"), "report folder", "is a FIFO, not a folder")
+    assert written(tmp_path) == {"pipe"}
 
 
 def test_two_reports_in_one_folder_each_have_their_own_plots(tmp_path):
