@@ -173,6 +173,10 @@ class EnginePoller(_Sampler):
         self.dropped: Counter = Counter()  # samples dropped while parsing, {(metric, reason): count}
         self.polls_ok = 0
 
+    def start(self):
+        take_dropped()  # the first poll runs in the caller's thread: its earlier reads are not this cell's polls
+        super().start()
+
     def sample(self):
         try:
             record_poll(self, self.backend.poll(self.client), time.perf_counter())
@@ -193,7 +197,7 @@ class EnginePoller(_Sampler):
         value that is not a number, NaN, infinite) and polls that failed, with the reasons."""
         parts = []
         if self.dropped:
-            parts.append(describe_dropped(self.dropped) + " over the cell's polls")
+            parts.append(f"{describe_dropped(self.dropped)} in {self.errors + self.polls_ok} polls")
         if self.errors:
             reasons = "; ".join(f"{n} x {reason}" if n > 1 else reason
                                 for reason, n in sorted(self.error_reasons.items(), key=lambda kv: -kv[1])[:3])
