@@ -288,7 +288,7 @@ class Deployment(Backend):
             rot.probe_every_s = min(2 * rot.probe_every_s, PROBE_EVERY_MAX_S)
         reason = (f"{rot.failures} requests in a row {what}" if not rot.probation else
                   f"{what} again right after a probe put it back")
-        # "_t_out"/"_t_back": perf_counter, to place it in cells; left out of what is recorded (outage_records)
+        # "_t_out"/"_t_back": perf_counter, to place it in cells; never recorded (_public)
         rot.outage = {"replica": self.labels[i], "out_at": _utc_now(), "reason": reason, "back_at": None,
                       "out_s": None, "probes": 0, "failures_while_out": 0, "put_back_by": None, "_t_out": now}
         self.outages.append(rot.outage)

@@ -55,6 +55,8 @@ def test_a_hung_replica_is_taken_out_of_rotation_and_costs_a_few_timeouts(tmp_pa
     measured = requests[~requests.warmup]
     assert len(measured) == 24 and "Traceback" not in console
     failed = measured[measured.error.notna()]
+    print(f"\nhung replica: {len(failed)} request timeouts paid of the 12 round-robin routed to it, "
+          f"{sent_to_hung} completions sent to it (probes included), run {took:.1f} s")
     # round-robin would have sent it 12 requests, each paying the timeout: it got OUT_AFTER plus the other
     # worker's request in flight, then none; the probes (one every 2 s, each timed out) are all it saw after
     assert deployment.OUT_AFTER <= len(failed) <= deployment.OUT_AFTER + 1, failed[["request_id", "error"]]
@@ -84,7 +86,7 @@ def test_a_hung_replica_is_taken_out_of_rotation_and_costs_a_few_timeouts(tmp_pa
 def test_a_replica_back_after_a_stall_is_put_back_by_a_probe(tmp_path, smollm2):
     """A stalls for 3 s from its first request, then serves again: out after its timeouts, back after
     the first probe that finds it answering; the last cell is served by both replicas again."""
-    wl = WORKLOAD.model_copy(update={"prompt_tokens": [16, 24, 32], "rounds": 12})
+    wl = WORKLOAD.model_copy(update={"prompt_tokens": [16, 24, 32], "rounds": 8})
     with FakeMisbehaving("hang", fault_for_s=3.0, token_delay_s=0.02) as stalled, \
             FakeOpenAI(token_delay_s=0.02) as good:
         run_dir, took, console = run(tmp_path, f"openai:url={stalled.url},url={good.url},probe=false", wl)
@@ -105,17 +107,16 @@ def test_a_replica_back_after_a_stall_is_put_back_by_a_probe(tmp_path, smollm2):
 
 
 def test_when_every_replica_is_out_the_wedge_rule_applies(tmp_path, smollm2):
-    wl = WORKLOAD.model_copy(update={"prompt_tokens": [16, 24, 32]})
     with FakeMisbehaving("hang") as a, FakeMisbehaving("hang") as b:
-        run_dir, took, console = run(tmp_path, f"openai:url={a.url},url={b.url},probe=false", wl)
+        run_dir, took, console = run(tmp_path, f"openai:url={a.url},url={b.url},probe=false")
         sent = a.completions + b.completions
     cells, _ = totals(run_dir)
     assert (cells.status == "failed").all()
-    # the first cell's requests time out; the later two are not sent (a probe before each finds no answer)
-    assert cells.error.iloc[1:].str.contains("wedged: the engine stopped answering").all(), cells.error.tolist()
-    # a few timeouts (each replica's 3, then the wedge rule's), not the 12 of the first cell and 24 more
-    assert sent <= 2 * (deployment.OUT_AFTER + 1) + 2 + 6, sent
-    assert took < 4 * TIMEOUT_S + 2 * 0.5 + 10, took
+    # the first cell's requests time out; the second's are not sent (a probe before it finds no answer)
+    assert cells.error.iloc[1].startswith("wedged: the engine stopped answering"), cells.error.tolist()
+    # a few timeouts (each replica's 3, then the wedge rule's), not the 12 of the first cell and 12 more
+    assert sent <= 2 * (deployment.OUT_AFTER + 1) + 2 + 1 + 2, sent
+    assert took < 4 * TIMEOUT_S + 0.5 + 10, took
     outages = load_run_info(run_dir)["replica_outages"].popitem()[1]
     assert {o["replica"] for o in outages} == {label(a), label(b)}
 
@@ -130,6 +131,8 @@ def test_a_server_back_after_a_20_s_stall_runs_its_last_cells(tmp_path, smollm2)
         run_dir, took, console = run(tmp_path, f"openai:url={server.url},probe=false", wl, request_timeout_s=2.0)
         hit = server.faulted
     cells = load_cells(run_dir)
+    print(f"\n20 s stall: cells {' '.join(cells.status)}; {hit} completions hung; "
+          f"run {took:.1f} s")
     assert len(cells) == 24 and "Traceback" not in console
     status = list(cells.status)
     first_ok = status.index("ok") - 1  # the flagged one before the first plain "ok"

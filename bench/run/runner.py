@@ -393,8 +393,9 @@ class _EngineSession:
                 return self.fail_remaining(self.stop_reason, backend.log_tail())
             if self.streak.tripped and not self.answers_again(backend):
                 # this cell fails unsent; the next one probes the engine again (it may be back by then)
+                said = self.stop_reason.startswith("wedged")
                 self.stop_reason = f"wedged: {self.streak.describe()}"
-                self.fail_remaining(self.stop_reason, backend.log_tail(), only_next=True)
+                self.fail_remaining(self.stop_reason, backend.log_tail(), only_next=True, quiet=said)
                 continue
             self.progress.update(self.bar, description=f"{label}: {cell.describe()}")
             m = self.measure(backend, cell)
@@ -493,12 +494,15 @@ class _EngineSession:
             r.record.engine_stops[self.key] = {"reason": self.stop_reason, "survivors": survivors}
         r.record.save(r.writer)
 
-    def fail_remaining(self, error: str, log_tail: str = "", status: str = "failed", only_next: bool = False) -> None:
+    def fail_remaining(self, error: str, log_tail: str = "", status: str = "failed", only_next: bool = False,
+                       quiet: bool = False) -> None:
+        """Failed rows for the cells not run (``only_next``: the next one only), said on the console unless ``quiet``."""
         for cell in self.cells[self.done:self.done + 1 if only_next else None]:
             self.r.writer.write_cell(failed_row(self.info, cell, status, error, log_tail))
             self.done += 1  # one row per cell, however many failures follow
             self.progress.advance(self.bar)
-        self.r.console.print(f"[red]{self.cfg.label}: {error}[/]" + (f"\n{log_tail}" if log_tail else ""))
+        if not quiet:
+            self.r.console.print(f"[red]{self.cfg.label}: {error}[/]" + (f"\n{log_tail}" if log_tail else ""))
 
     def token_contract(self, backend: Backend) -> str:
         """How prompts reach the engine and how output length is forced, plus a check of the prompt
