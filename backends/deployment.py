@@ -358,10 +358,14 @@ class Deployment(Backend):
 
     def poll(self, client: httpx.Client) -> EngineState:
         """Each replica's KV in use and queue (through its own adapter, each sample timed as it came), and
-        the deployment's: the sum over the replicas at this poll (None where a replica's is not known)."""
+        the deployment's: the sum over the replicas at this poll (None where a replica's is not known, also
+        while one is out of rotation)."""
         states, failures = [], []
-        for label, replica in zip(self.labels, self.replicas):
+        for label, replica, rot in zip(self.labels, self.replicas, self._rotation):
             polls = self._polls[label]
+            if rot.out:  # not polled: a hung replica would hold every poll of the others for the client's timeout
+                states.append(None)
+                continue
             try:
                 state = replica.poll(client)
             except Exception as exc:  # noqa: BLE001 - one replica's failed poll must not hide the others'
@@ -371,7 +375,7 @@ class Deployment(Backend):
                 continue
             record_poll(polls, state, time.perf_counter())
             states.append(state)
-        if len(failures) == len(self.replicas):
+        if failures and len(failures) == self.in_rotation():
             raise failures[0]
         return EngineState(self._total_kv(states), self._total_queue(states))
 

@@ -20,6 +20,8 @@ from kvbench.workloads import Workload
 
 from .fakes.misbehaving_server import FakeMisbehaving
 from .fakes.openai_server import FakeOpenAI
+from .fakes.replica_server import FakeReplica
+from .fakes.testkit import spec
 
 TIMEOUT_S = 1.0
 # 2 cells (16- and 24-token prompts), 2 workers, 12 requests each
@@ -149,3 +151,26 @@ def test_a_server_back_after_a_20_s_stall_runs_its_last_cells(tmp_path, smollm2)
     assert hit <= 4 + len(probes) - 1, hit
     assert 20 <= took < 20 + 2 * 2.0 + 10, took
     assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
+
+
+def test_a_replica_out_of_rotation_is_not_polled(tmp_path, smollm2):
+    """Its KV and queue are not asked for while it is out (a hung one would hold every poll of the others
+    for the poller's timeout): the deployment's total is not known meanwhile, the other's samples go on."""
+    from kvbench.backends.vllm.adapter import VLLMBackend
+
+    a, b = FakeReplica(), FakeReplica()
+    with a, b:
+        dep = deployment.Deployment.of(VLLMBackend, "0.32.0", {}, [a.url, b.url])
+        dep.attach(spec(tmp_path), None, timeout_s=5)
+        dep.reset_cell()
+        dep._routed.update({f"r{i}": label(b) for i in range(deployment.OUT_AFTER)})  # its requests, timed out
+        wheres = [dep.timed_out(f"r{i}") for i in range(deployment.OUT_AFTER)]
+        assert wheres == [f"replica {label(b)}"] * 2 + [f"replica {label(b)} (out of rotation)"]
+        assert dep.in_rotation() == 1 and [o["replica"] for o in dep.outages] == [label(b)]
+        b.stop()  # polled, it would fail now
+        state = dep.poll(dep.http_client(2.0))
+        polls = dep.replica_polls()
+        assert state.kv is None and polls[label(b)].poll_errors == 0 and not polls[label(b)].kv_samples
+        assert len(polls[label(a)].kv_samples) == 1
+        assert polls[label(b)].outages[0]["back_at"] is None and polls[label(b)].outages[0]["seconds_in_cell"] >= 0
+        dep.stop()
