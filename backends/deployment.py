@@ -17,14 +17,15 @@ gateway's business): after :data:`OUT_AFTER` of its requests in a row time out o
 requests that were its turn go to the others, and its timeouts do not count toward the runner's wedge rule
 (:meth:`Deployment.timed_out`). While it is out it is probed every :data:`PROBE_EVERY_S` (doubling, up to
 :data:`PROBE_EVERY_MAX_S`, each time it fails again right after coming back) with a one-token request of
-the first 8 tokens of the prompt that would have gone to it, timed out after :data:`PROBE_TIMEOUT_S`: a
-completion, not its health route, because a replica whose scheduler hangs still answers /health and
-/v1/models. One that answers (a probe, or a request sent to it before it went out) is put back on
-probation: one more failure takes it out again. When every replica is out, requests go round-robin to all
-of them and their timeouts count toward the wedge rule (3 in a row: the rest of the cells fail unsent, each
-probed first). Each outage (which replica, when, why, for how long) is in :attr:`Deployment.outages` and in
-the :class:`ReplicaPolls` of every cell it overlapped, which the runner turns into flags and run.json's
-``replica_outages``. Probes are not requests of the cell: they are in no row. With several load workers
+the first 8 tokens of the request being sent when the probe falls due, timed out after
+:data:`PROBE_TIMEOUT_S`: a completion, not its health route, because a replica whose scheduler hangs still
+answers /health and /v1/models. One that answers (a probe, or a request sent to it before it went out) is
+put back on probation: one more failure takes it out again. An out replica is not polled. When every
+replica is out, requests go round-robin to all of them and their timeouts count toward the wedge rule (3 in
+a row; then each later cell probes the deployment first and fails unsent without an answer). Each outage
+(which replica, when, why, for how long) is in :attr:`Deployment.outages` and in the :class:`ReplicaPolls`
+of every cell it overlapped, which the runner turns into flags and run.json's ``replica_outages``. Probes
+are no request of the cell and in no row (a prefix cache sees their 8 tokens). With several load workers
 (``--load-workers``) each worker's copy rotates on its own and only the requests' errors come back.
 
 The runner turns the total into the cell's row and :meth:`Deployment.replica_polls` into one row per
