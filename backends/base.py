@@ -209,6 +209,12 @@ class Backend(ABC):
         None where it ran without one."""
         return self.server.wall_record() if self.server else None
 
+    def timed_out(self, request_id: str) -> str | None:
+        """The request ``request_id`` ran out of its time. A backend that sends its next requests elsewhere (a
+        deployment with a replica still in rotation) says where this one went ("replica H:P"): the timeout
+        is then that replica's, and does not count toward the runner's wedge rule. None: it counts."""
+        return None
+
     def replica_polls(self, results: list[RequestResult] = ()) -> dict | None:
         """Each replica's KV and queue figures of the cell, for a deployment of several servers (None: one
         server, whose figures are the row itself)."""
