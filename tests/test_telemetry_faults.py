@@ -104,7 +104,7 @@ def clean_run(tmp_path_factory, smollm2):
     ("inf", r"dropped .*\+Inf: vllm:kv_cache_usage_perc"),
     ("huge", r"polls failed \(.*ResponseTooLarge: /metrics answered over 8 MiB"),
     ("hang", r"polls failed \(.*(ReadTimeout|ResponseTooLarge)"),
-])
+], ids=["non-numeric", "NaN", "+Inf", "137MB", "hang"])
 def test_a_bad_metrics_page_leaves_every_cell_ok_and_says_what_was_dropped(tmp_path, clean_run, fault, said):
     clean, clean_took = clean_run
     rss_before = psutil.Process().memory_info().rss
@@ -214,7 +214,7 @@ def test_a_prometheus_answer_with_garbage_gives_the_finite_peaks_and_says_what_w
      "not measured: .*ResponseTooLarge: .* over the 16 MiB"),
     (lambda: httpx.Response(200, json={"status": "success", "data": {"resultType": "matrix", "result": 7}}),
      "not measured: .*TypeError"),
-])
+], ids=["NaN-beside-finite", "only-non-finite", "over-16MiB", "unforeseen-shape"])
 def test_a_prometheus_answer_never_fails_the_cell(answer, said):
     prom = Prometheus("http://prom:9090", settle_s=0.0)
     def handler(request):  # the engines' query only: the GPUs' answers nothing
