@@ -44,7 +44,7 @@ ALLOCATORS = ("{env}/lib/python3*/site-packages/vllm/libs/libtcmalloc_minimal*.s
               "/usr/lib/*-linux-gnu/libjemalloc.so.2", "/usr/lib64/libjemalloc.so.2")
 OPENMP = ("{env}/lib/libiomp5.so",)
 # "Model loading took 14.99 GiB memory and 5.21 seconds" (GPU model runner; one line per tensor-parallel worker)
-WEIGHTS_LINE = re.compile(r"Model loading took ([\d.]+) (GiB|GB|MiB|MB) memory")
+WEIGHTS_LINE = re.compile(r"Model loading took (\d+(?:\.\d+)?) (GiB|GB|MiB|MB) memory")  # a garbled number: not read
 _UNITS = {"GiB": 2**30, "GB": 1e9, "MiB": 2**20, "MB": 1e6}
 
 
@@ -309,7 +309,10 @@ class VLLMBackend(PrometheusPolled, Backend):
 
     def _read_cache_info(self) -> dict | None:
         if self._cache_info is None:
-            rows = self.metrics(self.http).get("vllm:cache_config_info")
+            try:
+                rows = self.metrics(self.http).get("vllm:cache_config_info")
+            except httpx.HTTPError:  # a page over the cap, a hang: the pool is not read (retried next time)
+                return None
             if rows:
                 self._cache_info = rows[0][0]
         return self._cache_info
