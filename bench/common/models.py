@@ -78,12 +78,50 @@ def hf_copy_dir(gguf: Path, digest: str | None = None) -> Path:
     return kvbench_home() / "models" / (digest or sha256_file(gguf))[:16] / HF_FOLDER
 
 
+def check_model_name(model: str) -> None:
+    """ModelError (one line) where the model argument can be neither a path nor a hub id: a name the OS
+    refuses as a path (too long, a NUL), or an ``org/name`` that is no existing path and breaks the hub's
+    rules for repository ids (huggingface_hub's own check, which would otherwise raise mid-download)."""
+    if model in EMBEDDED:
+        return
+    shown = model if len(model) <= 80 else f"{model[:60]}... ({len(model)} characters)"
+    if "\0" in model or any(c in model for c in "\r\n"):
+        raise ModelError(f"model {shown!r}: a model name or path holds no NUL or line break")
+    try:
+        if Path(model).expanduser().exists():
+            return
+    except OSError as exc:  # ENAMETOOLONG: not a path, and no hub id is that long either
+        raise ModelError(f"model {shown!r} cannot be a path ({(exc.strerror or str(exc)).lower()}) nor a hub "
+                         "id (org/name, at most 96 characters each)") from None
+    if _looks_like_path(model) or "/" not in model:
+        return  # a missing path or an unknown name: locate() and the planner say which
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError as exc:
+        reason = str(exc).rpartition(": '")[0] or str(exc)  # the hub's rule, without the id repeated
+        raise ModelError(f"model {shown!r} is neither an existing path nor a hub id: {reason}") from None
+
+
+def max_context_known(path: Path) -> int | None:
+    """The context limit of a located model where it costs no conversion (an HF folder's config), else None."""
+    if not path.is_dir():
+        return None
+    try:
+        return _geometry(path).max_context
+    except ModelError:
+        return None
+
+
 def locate(model: str) -> Path:
     """The file or folder the user's model argument names (a hub id: its folder in the hub cache,
     downloaded once), or ModelError in one line where it names nothing usable: cheap, so a bad ``--model``
     is refused before a run folder exists."""
     if model in EMBEDDED:
         return embedded_gguf(model)
+    check_model_name(model)
     path = Path(model).expanduser()
     if not path.exists() and hub.looks_like_hub_id(model):
         try:

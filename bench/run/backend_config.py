@@ -121,17 +121,30 @@ def check_attachable(configs: list[BackendConfig]) -> None:
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+def url_problem(text: str) -> str | None:
+    """What makes ``text`` no http(s) URL to connect to (a scheme, a host, a port 1-65535 when a ``:``
+    is given: ``http://host:`` would otherwise mean port 80), or None."""
+    try:
+        parts = urlsplit(str(text))
+        port = parts.port  # raises ValueError for a port that is not a number or above 65535
+    except ValueError:
+        return "must look like http://host:port or https://host[:port][/path] (a port is 1-65535)"
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        return "must look like http://host:port or https://host[:port][/path]"
+    if parts.netloc.endswith(":"):
+        return "has no port after the ':' (a port is 1-65535): give one, or leave the ':' out"
+    if port == 0:
+        return "has port 0: a port is 1-65535"
+    return None
+
+
 def _split_url(value, where: str) -> tuple[str | None, SecretStr | None]:
     """The url option as (url without userinfo, ``user:password`` from its userinfo or None)."""
     if value is None:
         return None, None
-    try:
-        parts = urlsplit(str(value))
-        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
-    except ValueError:
-        parts = None
-    if parts is None or parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"the url in {where} must look like http://host:port or https://host[:port][/path]")
+    if problem := url_problem(str(value)):
+        raise ConfigError(f"the url in {where} {problem}")
+    parts = urlsplit(str(value))
     if parts.query or parts.fragment:
         hint = (": give an API key through an environment variable instead (api_key_env=NAME)"
                 if any(SECRET_NAME.search(p.partition("=")[0]) for p in parts.query.split("&")) else "")
