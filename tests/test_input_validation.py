@@ -141,6 +141,13 @@ def test_a_workload_with_no_length_that_fits_is_refused_before_the_run_folder(tm
             "no prompt length of tiny fits the context limit 32")
 
 
+def test_a_workload_longer_than_the_embedded_models_context_is_refused_before_the_run_folder(tmp_path, smollm2):
+    # the GGUF's limit, read from the HF copy an earlier run made (the hash is cached for the run itself)
+    (tmp_path / "w.toml").write_text(TINY.replace("[64]", "[100000]"))
+    refused(kvbench_run(tmp_path, "--workload", str(tmp_path / "w.toml"), *ATTACH),
+            f"no prompt length of tiny fits the context limit {smollm2.geometry.max_context}")
+
+
 def test_valid_input_still_passes_the_checks():
     assert BackendConfig.parse("vllm:gpu_memory_utilization=1,tp=2").options == {"gpu_memory_utilization": 1.0,
                                                                                   "tp": 2}

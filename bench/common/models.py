@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import re
@@ -46,8 +47,15 @@ class ModelError(RuntimeError):
 
 
 def sha256_file(path: Path) -> str:
+    st = Path(path).stat()
+    return _sha256(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _sha256(path: str, mtime_ns: int, size: int) -> str:
+    """Cached per file version: the run's checks before its folder exists and the run itself hash a GGUF once."""
     h = hashlib.sha256()
-    with path.open("rb") as f:
+    with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -106,11 +114,13 @@ def check_model_name(model: str) -> None:
 
 
 def max_context_known(path: Path) -> int | None:
-    """The context limit of a located model where it costs no conversion (an HF folder's config), else None."""
-    if not path.is_dir():
+    """The context limit of a located model where it costs no conversion (an HF folder's config, or the HF
+    copy of a GGUF made by an earlier run), else None."""
+    folder = path if path.is_dir() else hf_copy_dir(path)
+    if not (folder / "config.json").exists():
         return None
     try:
-        return _geometry(path).max_context
+        return _geometry(folder).max_context
     except ModelError:
         return None
 
