@@ -93,6 +93,7 @@ def test_a_model_that_is_neither_a_path_nor_a_hub_id_is_refused_by_run_and_plan(
     (["-b", "llamacpp:threads=0"], "option 'threads' for llamacpp takes an integer 1 or more, not 0"),
     (["-b", "vllm:gpu_memory_utilization=nan"], "takes a finite number, not nan"),
     (["-b", "vllm:gpu_memory_utilization=1.5"], "takes a number up to 1, not 1.5"),
+    (["-b", "vllm@../../x"], "the version of vllm '../../x' is not a plain name"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_numbers_urls_and_option_values_are_refused_before_the_run_folder(tmp_path, args, says):
     backend = [] if "-b" in args else ATTACH if "--url" not in args else ["-b", "openai"]

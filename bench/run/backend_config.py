@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field, SecretStr, model_validator
 
 from kvbench.backends import REGISTRY
 from kvbench.backends.options import OptionError, validate
+from kvbench.common.files import PlainNameError, check_plain_name
 from kvbench.common.redact import SECRET_NAME, SECRET_OPTIONS, host_port, redact_text
 from kvbench.common.suggest import hint as did_you_mean
 
@@ -93,6 +94,11 @@ class BackendConfig(BaseModel):
         engine = engine.strip().lower()
         if engine not in REGISTRY:
             raise ConfigError(f"backend {engine!r} is not known; {did_you_mean(engine, REGISTRY)}allowed: {', '.join(sorted(REGISTRY))}")
+        if version:
+            try:  # the version names the engine's environment folder and is in the label, hence file names
+                check_plain_name(version.strip(), f"the version of {engine}")
+            except PlainNameError as exc:
+                raise ConfigError(str(exc)) from None
         # each option redacted on its own: a url's userinfo must not hide in the next option's url
         where = repr(",".join(redact_text(part) for part in text.split(",")))
         options = parse_options(opts, where, repeatable=("url",))
@@ -104,7 +110,7 @@ class BackendConfig(BaseModel):
         credentials = _one_credential([credentials, gateway_credentials], where)
         _check_credential_options(options, urls[0] if urls else None, where, [*urls, *filter(None, [gateway])])
         options = check_options(engine, options)
-        cfg = cls(engine=engine, version=version or REGISTRY[engine].default_version, options=options,
+        cfg = cls(engine=engine, version=version.strip() or REGISTRY[engine].default_version, options=options,
                   urls=urls, gateway=gateway, credentials=credentials)
         cfg.auth_headers()  # an unset api_key_env variable is an error now, not in the middle of the run
         return cfg
