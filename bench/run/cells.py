@@ -1,8 +1,9 @@
 """The cells of a run and the prompts of each cell, from a workload (no engine involved).
 
-A cell is one (server variant, prompt length, load point, repeat[, turn]). Prompts are built per cell,
-just before it runs, from the seed, the run's prompt salt and a request id that names the rung, load point,
-repeat and request, so the same model gives the same prompts on every engine of a run. The salt keeps two
+A cell is one (server variant, prompt length, load point, repeat[, turn]). Each request's prompt is built
+when the load takes it (:class:`CellPromptList`: a cell of 10^6 requests holds none up front), from the
+seed, the run's prompt salt and a request id that names the rung, load point, repeat and request, so the
+same model gives the same prompts on every engine of a run. The salt keeps two
 runs from sharing a prefix (a server kvbench attaches to has cached the last run's prompts): each run draws
 its own, unless it is pinned (``--prompt-salt TEXT``) or switched off (``--prompt-salt none``: the prompts
 of every earlier unsalted run, token for token).
