@@ -85,6 +85,8 @@ def test_a_model_that_is_neither_a_path_nor_a_hub_id_is_refused_by_run_and_plan(
     (["--start-timeout", "nan"], "--start-timeout takes a number of seconds above 0"),
     (["--max-context", "0"], "--max-context takes a number of tokens of 1 or more, not 0"),
     (["--max-context", "-8"], "not -8"),
+    (["--max-context", "abc"], "Invalid value for '--max-context'"),  # click's own: one line here too
+    (["--repeats", "0"], "Invalid value for '--repeats'"),
     (["--url", "http://127.0.0.1:"], "has no port after the ':'"),
     (["--url", "http://127.0.0.1:0"], "has port 0"),
     (["--url", "http://127.0.0.1:70000"], "a port is 1-65535"),
