@@ -77,7 +77,7 @@ def test_a_model_that_is_neither_a_path_nor_a_hub_id_is_refused_by_run_and_plan(
     refused(CliRunner().invoke(app, ["plan", model]), says)
 
 
-@pytest.mark.parametrize("args, says", [
+REFUSED_ARGS = [
     (["--request-timeout", "0"], "--request-timeout takes a number of seconds above 0, not 0.0"),
     (["--request-timeout", "-5"], "not -5.0"),
     (["--request-timeout", "nan"], "not nan"),
@@ -96,7 +96,10 @@ def test_a_model_that_is_neither_a_path_nor_a_hub_id_is_refused_by_run_and_plan(
     (["-b", "vllm:gpu_memory_utilization=nan"], "takes a finite number, not nan"),
     (["-b", "vllm:gpu_memory_utilization=1.5"], "takes a number up to 1, not 1.5"),
     (["-b", "vllm@../../x"], "the version of vllm '../../x' is not a plain name"),
-], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+]
+
+
+@pytest.mark.parametrize("args, says", REFUSED_ARGS, ids=[" ".join(args) for args, _ in REFUSED_ARGS])
 def test_numbers_urls_and_option_values_are_refused_before_the_run_folder(tmp_path, args, says):
     backend = [] if "-b" in args else ATTACH if "--url" not in args else ["-b", "openai"]
     args = [f"{a},url=http://127.0.0.1:9" if "=" in a else a for a in args]  # attach: nothing to start
