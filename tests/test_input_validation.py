@@ -242,3 +242,16 @@ def test_a_million_request_cell_has_its_first_prompt_at_once_and_holds_none(buil
     with pytest.raises(IndexError):
         prompts[10**6]
     assert len(prompts[10:20]) == 10
+
+
+def test_a_nan_inside_a_requests_list_field_is_a_damaged_row(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(PUBLISHED / "run.json", run / "run.json")
+    lines = (PUBLISHED / "requests.jsonl").read_text().splitlines()
+    row = json.loads(lines[2])
+    lines[2] = lines[2].replace(f'"chunk_times":[{row["chunk_times"][0]!r}', '"chunk_times":[NaN', 1)
+    assert '"chunk_times":[NaN' in lines[2]
+    (run / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ResultsReadError, match=r"requests.jsonl line 3: damaged row: chunk_times is NaN"):
+        load(run, what="requests")
