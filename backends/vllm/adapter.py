@@ -98,7 +98,7 @@ class VLLMBackend(PrometheusPolled, Backend):
                default_text="true on a CPU in sized mode (a 20-25 s start), else false"),
         Option("tp", int, 1, "GPUs to split the model over (--tensor-parallel-size)"),
         Option("gpu_memory_utilization", float, None, "share of each GPU vLLM may use (--gpu-memory-utilization)",
-               default_text="vLLM's own (0.92); deployed mode only"),
+               default_text="vLLM's own (0.92); deployed mode only", maximum=1.0),
         Option("cpu_preload", bool, True, "on a CPU, LD_PRELOAD TCMalloc (or jemalloc) and Intel OpenMP where "
                "installed, as vLLM's CPU docs ask"),
         EXTRA_ARGS,
