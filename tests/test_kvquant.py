@@ -16,6 +16,7 @@ from kvbench.backends.vllm.adapter import read_logprobs
 from kvbench.cli import app
 from kvbench.common import divergence as dv
 from kvbench.kv.geometry import KVGeometry, LayerKV
+from kvbench.kv.rules import KVRuleError
 from kvbench.load import LoadPoint
 from kvbench.run.cells import cells_for
 from kvbench.run.kvquant import KVDtypeError, declined_dtype, kv_quant_dtypes, logprob_records
@@ -99,7 +100,7 @@ def test_each_engine_offers_its_own_quantised_dtypes_baseline_first():
     assert kv_quant_dtypes(w, kv_rules("llamacpp"), GEOM) == ["f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
     assert kv_quant_dtypes(w, kv_rules("vllm"), GEOM) == ["bf16", "fp8", "fp8_e4m3", "fp8_e5m2"]
     assert kv_quant_dtypes(w, kv_rules("ollama"), GEOM) == ["f16", "q8_0", "q4_0"]  # from its rules only
-    assert kv_quant_dtypes(w, kv_rules("hf"), GEOM) == ["bf16"]  # transformers' quantised cache: not offered
+    assert kv_quant_dtypes(w, kv_rules("hf"), GEOM) == ["bf16", "quanto-int4", "quanto-int2"]  # QuantizedCache
     assert kv_quant_dtypes(w, kv_rules("llamacpp"), GEOM, ["q4_0", "q8_0", "q4_0"]) == ["f16", "q4_0", "q8_0"]
     with pytest.raises(KVDtypeError, match="llamacpp has no KV dtype 'fp8'"):
         kv_quant_dtypes(w, kv_rules("llamacpp"), GEOM, ["fp8"])
@@ -146,6 +147,59 @@ def test_a_quantised_pool_the_size_of_the_baseline_is_flagged(bytes_per_token, d
     declined_dtype(row, rules, GEOM, "q8_0", KVPool(512 * bytes_per_token, 512, "log"))
     assert (row.status == "flagged") is declined
     assert any("KV dtype q8_0 declined" in f for f in row.flags) is declined
+
+
+# --- transformers' QuantizedCache: the bytes it holds, from quanto's layout -----------------------
+SMOL = GEOM  # SmolLM2-135M's: 30 layers of 3 KV heads of 64, bf16
+
+
+@pytest.mark.parametrize("dtype, nbits", [("quanto-int4", 4), ("quanto-int2", 2)])
+def test_hf_quantised_cache_rule_is_quantos_layout(dtype, nbits):
+    from kvbench.kv.rules import KVQuestion
+
+    rules = kv_rules("hf")
+
+    def by_hand(tokens, decoded, batch=1):  # per K or V tensor of a layer: packed rows, scale + shift, residual
+        residual = decoded % 128
+        rows = batch * 3 * (tokens - residual) * 64 // 64
+        return 30 * 2 * (math.ceil(rows * nbits / 8) * 64 + 2 * rows * 2 + batch * 3 * residual * 64 * 2)
+
+    for tokens, decoded, batch in ((71, 7, 1), (259, 2, 1), (269, 139, 1), (300, 0, 3), (64, 0, 1)):
+        q = KVQuestion(SMOL, dtype, tokens, batch, options={"decoded_tokens": decoded})
+        assert rules.answer(q).bytes_per_gpu == by_hand(tokens, decoded, batch), (tokens, decoded, batch)
+    # the long-run figure per token: nbits codes and a bf16 scale and shift per group of 64
+    assert rules.bytes_per_token(KVQuestion(SMOL, dtype)) == 30 * 2 * 3 * 64 * (nbits / 8 + 4 / 64)
+    assert "cache_implementation=\"quantized\"" in rules.kv_dtype_flag(dtype)
+    sliding = KVGeometry(layers=(LayerKV("full", 3, 64, 64), LayerKV("sliding", 3, 64, 64, span=32)))
+    with pytest.raises(KVRuleError, match="full-attention layers only"):
+        rules.answer(KVQuestion(sliding, dtype, 100))
+
+
+def test_hf_worker_done_event_carries_ids_and_topk():
+    from kvbench.backends.hf.adapter import HFBackend
+
+    r = RequestResult("x", 4, 2, 0.0)
+    HFBackend._read_event({"token_ids": [11], "worker_time": 1.0}, 1.0, r)
+    HFBackend._read_event({"done": True, "usage": {"prompt_tokens": 4, "completion_tokens": 2}, "kv": {},
+                           "output_ids": [11, 12], "top_logprobs": [[[11, -0.1], [12, -2.5]], [[12, -0.3]]]}, 1.1, r)
+    assert r.output_ids == [11, 12] and r.top_logprobs == [{11: -0.1, 12: -2.5}, {12: -0.3}]
+    assert logprob_records([r], 20, HFBackend.top_logprobs_max)[0]["k"] == 20
+
+
+def test_report_reads_an_engine_without_a_pool_from_its_cache_bytes(tmp_path):
+    from kvbench.reports import kvquant
+
+    def cell(dtype, held):
+        return {"cell_id": f"h_kv-{dtype}_p64_c1_r0", "backend": "h", "engine": "hf", "kv_dtype": dtype,
+                "prompt_tokens": 64, "output_tokens": 8, "status": "ok", "replica": "", "flags": [],
+                "kv_pool_bytes_engine": None, "kv_pool_tokens_engine": None, "kv_pool_bytes_predicted": None,
+                "kv_in_use_peak_bytes": held, "kv_in_use_peak_tokens": 71, "kv_peak_bytes_per_gpu_predicted": held,
+                "gpus_used": 1, "itl_s_p50": 0.01}
+    cells = pd.DataFrame([cell("bf16", 71 * 23_040), cell("quanto-int4", 576_000)])
+    data = {r["kv_dtype"]: r for r in kvquant.rows(tmp_path, cells, {"h": "bf16"})}
+    assert data["bf16"]["bytes_per_token"] == 23_040
+    assert data["quanto-int4"]["bytes_per_token"] == data["quanto-int4"]["bytes_per_token_predicted"] == 576_000 / 71
+    assert data["quanto-int4"]["saved"] == pytest.approx(1 - 576_000 / (71 * 23_040))
 
 
 # --- the engines' answers -------------------------------------------------------------------------
