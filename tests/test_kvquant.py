@@ -264,3 +264,26 @@ def test_bad_kv_dtypes_are_refused_before_any_run_folder(tmp_path, args, message
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split())
     assert not (tmp_path / "runs").exists()
+
+
+# --- the GPU check's step (f) on hand-made probe events ---------------------------------------------
+def test_gpu_check_kv_quant_rows_from_probe_events():
+    from kvbench.selfcheck import gpu_check as gc
+
+    caches = gc.kv_quant_caches()
+    assert caches["bf16"] is None and caches["quanto-int4"]["nbits"] == 4 and caches["quanto-int2"]["nbits"] == 2
+    reqs = [{"tokens": [5, 6], "top": [[[5, -0.1], [7, -2.5]], [[6, -0.2], [8, -1.9]]]}]
+    other = [{"tokens": [5, 8], "top": [[[5, -0.1], [7, -2.5]], [[8, -0.3], [6, -1.5]]]}]
+    events = [{"event": "ready"},
+              {"event": "kvq_cell", "kv_dtype": "bf16", "cache_bytes": [23040 * 7], "requests": reqs},
+              {"event": "kvq_cell", "kv_dtype": "quanto-int4", "cache_bytes": [999], "requests": other},
+              {"event": "kvq_cell", "kv_dtype": "quanto-int2", "error": "ValueError: planted"}]
+    rows = {r["kv_dtype"]: r for r in gc.kv_quant_rows("m", GEOM, events, 6, 2)}
+    assert rows["bf16"]["cache_ok"] is True and rows["bf16"]["kl_mean"] == 0.0  # the baseline against itself
+    assert rows["quanto-int4"]["cache_ok"] is False and rows["quanto-int4"]["first_difference"] == 1
+    assert rows["quanto-int4"]["kl_mean"] > 0 and rows["quanto-int4"]["top_k"] == 2
+    problems = gc.verdict({"kv_quant": list(rows.values())})[1]
+    assert "(f) m quanto-int4: cache bytes disagree with the hf rules" in problems
+    assert "(f) m quanto-int2: ValueError: planted" in problems
+    md = gc.render_markdown({"kv_quant": list(rows.values())})
+    assert "## (f) KV quantisation" in md and "| m | quanto-int2 | 6 + 2 | ValueError: planted" in md

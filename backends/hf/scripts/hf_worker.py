@@ -252,19 +252,24 @@ class Worker:
             job.events.put(done)
         self.cache = None
 
+    @classmethod
+    def top_logprobs(cls, out, batch: list[Job], width: int) -> list[tuple[list[int], list[list]]]:
+        """Per row: its generated ids and, per position, its top k [[id, logprob], ...]."""
+        return [cls.top_logprobs_of(out, row, width, job.max_new_tokens, job.top_logprobs)
+                for row, job in enumerate(batch)]
+
     @staticmethod
-    def top_logprobs(out, batch: list[Job], width: int) -> list[tuple[list[int], list[list]]]:
-        """Per row: its generated ids and, per position, its top k [[id, logprob], ...] of log_softmax (fp32)
-        over the raw logits (generate's ``output_logits``: before min_new_tokens masks the EOS id)."""
-        steps = torch.stack(out.logits, dim=1).float()  # [batch, new tokens, vocab]
-        logprobs = torch.log_softmax(steps, dim=-1)
-        rows = []
-        for row, job in enumerate(batch):
-            n = min(job.max_new_tokens, logprobs.shape[1])
-            values, ids = torch.topk(logprobs[row, :n], k=job.top_logprobs, dim=-1) if job.top_logprobs else (None, None)
-            rows.append((out.sequences[row, width:width + n].tolist(),
-                         [[[int(i), float(v)] for i, v in zip(ids[p].tolist(), values[p].tolist())] for p in range(n)]))
-        return rows
+    def top_logprobs_of(out, row: int, width: int, new: int, k: int) -> tuple[list[int], list[list]]:
+        """One row of a generate output (``output_logits``, ``return_dict_in_generate``): its ``new`` generated
+        ids and, per position, the top ``k`` [[id, logprob], ...] of log_softmax (fp32) over the raw logits
+        (before generate's logits processors: min_new_tokens masks the EOS id there, not here)."""
+        n = min(new, len(out.logits))
+        ids = out.sequences[row, width:width + n].tolist()
+        if not k:
+            return ids, []
+        logprobs = torch.log_softmax(torch.stack([step[row] for step in out.logits[:n]]).float(), dim=-1)
+        values, top = torch.topk(logprobs, k=k, dim=-1)
+        return ids, [[[int(i), float(v)] for i, v in zip(top[p].tolist(), values[p].tolist())] for p in range(n)]
 
 
 def make_handler(worker: Worker):
