@@ -706,7 +706,7 @@ def run_kv_quant(result: dict, python: str, device: str, budget: Budget, logs: P
         result["skipped"].append(f"(f) smollm2: {exc}")
     if device == "cuda":
         targets += [(Path(c).stem, CONFIG_DIR / c) for c in KVQ_CONFIGS]
-    shape = (KVQ_PROMPT, KVQ_NEW, KVQ_REQUESTS) if device == "cuda" else (64, 6, 2)
+    shape = (KVQ_PROMPT, KVQ_NEW, KVQ_REQUESTS) if device == "cuda" else (64, 4, 1)
     end = time.monotonic() + KVQ_BUDGET_S
     for name, source in targets:
         left = min(end - time.monotonic(), budget.left() - 60)

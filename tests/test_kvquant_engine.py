@@ -182,12 +182,12 @@ def test_gpu_check_kv_quant_step_runs_on_the_cpu(tmp_path, smollm2):
     python = str(env_python(engine_env("hf")))
     budget = gc.Budget(300)
     rows = gc.check_kv_quant(python, smollm2.hf_dir / "config.json", "smollm2-random", budget, tmp_path,
-                             device="cpu", prompt=64, new=6, requests=2, limit_s=240)
+                             device="cpu", prompt=64, new=4, requests=1, limit_s=240)
     by = {r["kv_dtype"]: r for r in rows}
     assert sorted(by) == ["bf16", "quanto-int2", "quanto-int4"], rows
     for r in rows:  # the bytes the cache object held equal the hf rules, on every request
         assert r["cache_ok"] is True and r["cache_bytes"] == r["predicted_bytes"], r
-    assert by["bf16"]["cache_bytes"] == 23040 * 69
+    assert by["bf16"]["cache_bytes"] == 23040 * 67
     assert by["bf16"]["kl_mean"] == 0.0 and by["bf16"]["identical_share"] == 1.0  # the baseline against itself
     assert by["quanto-int2"]["top_k"] == 20 and by["quanto-int2"]["saved"] > by["quanto-int4"]["saved"] > 0.5
     result = {"kv_quant": rows}
