@@ -25,7 +25,7 @@ CONVERTER = SCRIPTS / "hf_convert_gguf.py"
 PROBE = SCRIPTS / "hf_kv_probe.py"
 BUILDER = SCRIPTS / "hf_build_tiny.py"
 # The embedded model's cases: (dtype, prompt, new tokens, batch)
-EMBEDDED_CASES = (("bf16", 300, 8, 2), ("fp32", 100, 4, 1))
+EMBEDDED_CASES = (("bf16", 300, 8, 2), ("fp32", 100, 4, 1), ("quanto-int4", 300, 8, 2))
 FAMILY_CASE = (100, 4, 2)  # prompt, new tokens, batch: past the validation families' windows and chunks (64)
 # optimum-quanto: transformers' QuantizedCache backend (the quanto-int4/int2 KV dtypes). It builds a C++ unpack
 # extension (torch cpp_extension, with its ninja dependency and the C++ compiler `make` already needs) on first
@@ -103,11 +103,14 @@ class HFBackend(Backend):
 
     @classmethod
     def kv_checks(cls, env: Path, model: ModelFiles, log_dir: Path) -> list[KVCheck]:
-        jobs = [{"model": str(model.hf_dir), "prompt": p, "new": n, "batch": b, "dtype": d}
+        serving = cls.kv_rules.serving_dtype(model.geometry)
+        jobs = [{"model": str(model.hf_dir), "prompt": p, "new": n, "batch": b, "dtype": serving if d in QUANTIZED else d,
+                 "cache_config": QUANTIZED[d].cache_config() if d in QUANTIZED else None}
                 for d, p, n, b in EMBEDDED_CASES]
         checks = []
         for (dtype, prompt, new, batch), got in zip(EMBEDDED_CASES, cls.run_script(PROBE, [], jobs, env_python(env))):
-            predicted = cls.kv_rules.answer(KVQuestion(model.geometry, dtype, prompt + new - 1, batch)).bytes_per_gpu
+            q = KVQuestion(model.geometry, dtype, prompt + new - 1, batch, options={"decoded_tokens": new - 1})
+            predicted = cls.kv_rules.answer(q).bytes_per_gpu
             checks.append(KVCheck("hf", f"{model.name} {dtype}, {batch} x ({prompt} + {new})", "cache tensor bytes",
                                   predicted, None, got.get("cache_bytes"), tolerance=0,
                                   note=got.get("error") or f"transformers {got['transformers']}"))
