@@ -37,7 +37,7 @@ def test_vllm_bytes_per_block_exact_for_two_dtypes(smollm2, tmp_path):
 
 def test_transformers_cache_bytes_of_the_embedded_model(smollm2, tmp_path):
     checks = HFBackend.kv_checks(engine_env("hf"), smollm2, tmp_path)
-    assert [c.case.split()[1] for c in checks] == ["bf16,", "fp32,"]
+    assert [c.case.split()[1] for c in checks] == ["bf16,", "fp32,", "quanto-int4,"]  # the last: QuantizedCache
     assert_all_ok(checks)
 
 

@@ -16,6 +16,7 @@ from kvbench.backends.vllm.adapter import read_logprobs
 from kvbench.cli import app
 from kvbench.common import divergence as dv
 from kvbench.kv.geometry import KVGeometry, LayerKV
+from kvbench.kv.rules import KVRuleError
 from kvbench.load import LoadPoint
 from kvbench.run.cells import cells_for
 from kvbench.run.kvquant import KVDtypeError, declined_dtype, kv_quant_dtypes, logprob_records
@@ -99,7 +100,10 @@ def test_each_engine_offers_its_own_quantised_dtypes_baseline_first():
     assert kv_quant_dtypes(w, kv_rules("llamacpp"), GEOM) == ["f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
     assert kv_quant_dtypes(w, kv_rules("vllm"), GEOM) == ["bf16", "fp8", "fp8_e4m3", "fp8_e5m2"]
     assert kv_quant_dtypes(w, kv_rules("ollama"), GEOM) == ["f16", "q8_0", "q4_0"]  # from its rules only
-    assert kv_quant_dtypes(w, kv_rules("hf"), GEOM) == ["bf16"]  # transformers' quantised cache: not offered
+    assert kv_quant_dtypes(w, kv_rules("hf"), GEOM) == ["bf16", "quanto-int4", "quanto-int2"]  # QuantizedCache
+    assert kv_quant_dtypes(w, kv_rules("hf"), GEOM, ["auto", "quanto-int2"]) == ["bf16", "quanto-int2"]
+    from kvbench.kv.rules import KVQuestion
+    assert kv_rules("hf").resolve_dtype(KVQuestion(None, "auto")) == "bf16"  # --kv-dtypes checked before the model
     assert kv_quant_dtypes(w, kv_rules("llamacpp"), GEOM, ["q4_0", "q8_0", "q4_0"]) == ["f16", "q4_0", "q8_0"]
     with pytest.raises(KVDtypeError, match="llamacpp has no KV dtype 'fp8'"):
         kv_quant_dtypes(w, kv_rules("llamacpp"), GEOM, ["fp8"])
@@ -146,6 +150,59 @@ def test_a_quantised_pool_the_size_of_the_baseline_is_flagged(bytes_per_token, d
     declined_dtype(row, rules, GEOM, "q8_0", KVPool(512 * bytes_per_token, 512, "log"))
     assert (row.status == "flagged") is declined
     assert any("KV dtype q8_0 declined" in f for f in row.flags) is declined
+
+
+# --- transformers' QuantizedCache: the bytes it holds, from quanto's layout -----------------------
+SMOL = GEOM  # SmolLM2-135M's: 30 layers of 3 KV heads of 64, bf16
+
+
+@pytest.mark.parametrize("dtype, nbits", [("quanto-int4", 4), ("quanto-int2", 2)])
+def test_hf_quantised_cache_rule_is_quantos_layout(dtype, nbits):
+    from kvbench.kv.rules import KVQuestion
+
+    rules = kv_rules("hf")
+
+    def by_hand(tokens, decoded, batch=1):  # per K or V tensor of a layer: packed rows, scale + shift, residual
+        residual = decoded % 128
+        rows = batch * 3 * (tokens - residual) * 64 // 64
+        return 30 * 2 * (math.ceil(rows * nbits / 8) * 64 + 2 * rows * 2 + batch * 3 * residual * 64 * 2)
+
+    for tokens, decoded, batch in ((71, 7, 1), (259, 2, 1), (269, 139, 1), (300, 0, 3), (64, 0, 1)):
+        q = KVQuestion(SMOL, dtype, tokens, batch, options={"decoded_tokens": decoded})
+        assert rules.answer(q).bytes_per_gpu == by_hand(tokens, decoded, batch), (tokens, decoded, batch)
+    # the long-run figure per token: nbits codes and a bf16 scale and shift per group of 64
+    assert rules.bytes_per_token(KVQuestion(SMOL, dtype)) == 30 * 2 * 3 * 64 * (nbits / 8 + 4 / 64)
+    assert "cache_implementation=\"quantized\"" in rules.kv_dtype_flag(dtype)
+    sliding = KVGeometry(layers=(LayerKV("full", 3, 64, 64), LayerKV("sliding", 3, 64, 64, span=32)))
+    with pytest.raises(KVRuleError, match="full-attention layers only"):
+        rules.answer(KVQuestion(sliding, dtype, 100))
+
+
+def test_hf_worker_done_event_carries_ids_and_topk():
+    from kvbench.backends.hf.adapter import HFBackend
+
+    r = RequestResult("x", 4, 2, 0.0)
+    HFBackend._read_event({"token_ids": [11], "worker_time": 1.0}, 1.0, r)
+    HFBackend._read_event({"done": True, "usage": {"prompt_tokens": 4, "completion_tokens": 2}, "kv": {},
+                           "output_ids": [11, 12], "top_logprobs": [[[11, -0.1], [12, -2.5]], [[12, -0.3]]]}, 1.1, r)
+    assert r.output_ids == [11, 12] and r.top_logprobs == [{11: -0.1, 12: -2.5}, {12: -0.3}]
+    assert logprob_records([r], 20, HFBackend.top_logprobs_max)[0]["k"] == 20
+
+
+def test_report_reads_an_engine_without_a_pool_from_its_cache_bytes(tmp_path):
+    from kvbench.reports import kvquant
+
+    def cell(dtype, held):
+        return {"cell_id": f"h_kv-{dtype}_p64_c1_r0", "backend": "h", "engine": "hf", "kv_dtype": dtype,
+                "prompt_tokens": 64, "output_tokens": 8, "status": "ok", "replica": "", "flags": [],
+                "kv_pool_bytes_engine": None, "kv_pool_tokens_engine": None, "kv_pool_bytes_predicted": None,
+                "kv_in_use_peak_bytes": held, "kv_in_use_peak_tokens": 71, "kv_peak_bytes_per_gpu_predicted": held,
+                "gpus_used": 1, "itl_s_p50": 0.01}
+    cells = pd.DataFrame([cell("bf16", 71 * 23_040), cell("quanto-int4", 576_000)])
+    data = {r["kv_dtype"]: r for r in kvquant.rows(tmp_path, cells, {"h": "bf16"})}
+    assert data["bf16"]["bytes_per_token"] == 23_040
+    assert data["quanto-int4"]["bytes_per_token"] == data["quanto-int4"]["bytes_per_token_predicted"] == 576_000 / 71
+    assert data["quanto-int4"]["saved"] == pytest.approx(1 - 576_000 / (71 * 23_040))
 
 
 # --- the engines' answers -------------------------------------------------------------------------
@@ -210,3 +267,26 @@ def test_bad_kv_dtypes_are_refused_before_any_run_folder(tmp_path, args, message
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split())
     assert not (tmp_path / "runs").exists()
+
+
+# --- the GPU check's step (f) on hand-made probe events ---------------------------------------------
+def test_gpu_check_kv_quant_rows_from_probe_events():
+    from kvbench.selfcheck import gpu_check as gc
+
+    caches = gc.kv_quant_caches()
+    assert caches["bf16"] is None and caches["quanto-int4"]["nbits"] == 4 and caches["quanto-int2"]["nbits"] == 2
+    reqs = [{"tokens": [5, 6], "top": [[[5, -0.1], [7, -2.5]], [[6, -0.2], [8, -1.9]]]}]
+    other = [{"tokens": [5, 8], "top": [[[5, -0.1], [7, -2.5]], [[8, -0.3], [6, -1.5]]]}]
+    events = [{"event": "ready"},
+              {"event": "kvq_cell", "kv_dtype": "bf16", "cache_bytes": [23040 * 7], "requests": reqs},
+              {"event": "kvq_cell", "kv_dtype": "quanto-int4", "cache_bytes": [999], "requests": other},
+              {"event": "kvq_cell", "kv_dtype": "quanto-int2", "error": "ValueError: planted"}]
+    rows = {r["kv_dtype"]: r for r in gc.kv_quant_rows("m", GEOM, events, 6, 2)}
+    assert rows["bf16"]["cache_ok"] is True and rows["bf16"]["kl_mean"] == 0.0  # the baseline against itself
+    assert rows["quanto-int4"]["cache_ok"] is False and rows["quanto-int4"]["first_difference"] == 1
+    assert rows["quanto-int4"]["kl_mean"] > 0 and rows["quanto-int4"]["top_k"] == 2
+    problems = gc.verdict({"kv_quant": list(rows.values())})[1]
+    assert "(f) m quanto-int4: cache bytes disagree with the hf rules" in problems
+    assert "(f) m quanto-int2: ValueError: planted" in problems
+    md = gc.render_markdown({"kv_quant": list(rows.values())})
+    assert "## (f) KV quantisation" in md and "| m | quanto-int2 | 6 + 2 | ValueError: planted" in md

@@ -17,7 +17,7 @@ from ..base import Backend
 from ..options import Option
 from ..streaming import stream_sse
 from ..types import KVInUse, KVPool, RequestResult, ServerSpec
-from .kvrules import TransformersKV
+from .kvrules import QUANTIZED, TransformersKV
 
 SCRIPTS = Path(__file__).with_name("scripts")
 WORKER = SCRIPTS / "hf_worker.py"
@@ -25,8 +25,14 @@ CONVERTER = SCRIPTS / "hf_convert_gguf.py"
 PROBE = SCRIPTS / "hf_kv_probe.py"
 BUILDER = SCRIPTS / "hf_build_tiny.py"
 # The embedded model's cases: (dtype, prompt, new tokens, batch)
-EMBEDDED_CASES = (("bf16", 300, 8, 2), ("fp32", 100, 4, 1))
+EMBEDDED_CASES = (("bf16", 300, 8, 2), ("fp32", 100, 4, 1), ("quanto-int4", 300, 8, 2))
 FAMILY_CASE = (100, 4, 2)  # prompt, new tokens, batch: past the validation families' windows and chunks (64)
+# optimum-quanto: transformers' QuantizedCache backend (the quanto-int4/int2 KV dtypes). It builds a C++ unpack
+# extension (torch cpp_extension, with its ninja dependency and the C++ compiler `make` already needs) on first
+# use: built at install, so no engine start waits for it.
+QUANTO = "optimum-quanto==0.2.7"
+BUILD_QUANTO = InstallStep(("{python}", "-c", "import torch; from optimum.quanto.library.extensions import get_extension; "
+                            "get_extension('quanto_cpp').lib; print('quanto_cpp built for torch', torch.__version__)"))
 # What the scripts run with: offline, and nothing of the harness's environment.
 SCRIPT_ENV = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
 
@@ -46,22 +52,24 @@ class HFBackend(Backend):
                default_text="the whole model on cuda:0 (or the CPU)"),
     )
     kv_rules = TransformersKV()
+    #: the worker's top_logprobs: log_softmax of the raw logits, top k per generated token (hf_worker.py)
+    top_logprobs_max = 20
     BUILDER = BUILDER  # what builds the random-weight validation models (its bytes key their cache)
 
     @classmethod
     def recipe(cls, version: str) -> Recipe:
         # torch 2.13.0 is the CPU build on these machines; gguf + accelerate let transformers read GGUF files.
         torch = "torch==2.13.0"
-        packages = (torch, f"transformers=={version}", "gguf", "accelerate", "safetensors", "sentencepiece")
+        packages = (torch, f"transformers=={version}", "gguf", "accelerate", "safetensors", "sentencepiece", QUANTO)
         if has_nvidia_gpu():
             # PyPI's Linux torch wheel is the CUDA build; a local CPU wheel (a find-links folder) would win
             # the resolution, so the environment is refused unless its torch sees CUDA.
-            return Recipe("hf", version, (pip_install(*packages), InstallStep((
+            return Recipe("hf", version, (pip_install(*packages), BUILD_QUANTO, InstallStep((
                 "{python}", "-c", "import sys, torch; ok = torch.version.cuda and torch.cuda.is_available(); "
                 "print('torch', torch.__version__, 'cuda', torch.version.cuda); "
                 "sys.exit(0 if ok else 'this torch is not a CUDA build that sees the GPU: the GPU profile needs one')")),),
                           extra_key=("cuda",))
-        return Recipe("hf", version, (pip_install(*packages),))
+        return Recipe("hf", version, (pip_install(*packages), BUILD_QUANTO))
 
     @classmethod
     def gguf_converter(cls, log=print, python: Path | None = None):
@@ -96,11 +104,14 @@ class HFBackend(Backend):
 
     @classmethod
     def kv_checks(cls, env: Path, model: ModelFiles, log_dir: Path) -> list[KVCheck]:
-        jobs = [{"model": str(model.hf_dir), "prompt": p, "new": n, "batch": b, "dtype": d}
+        serving = cls.kv_rules.serving_dtype(model.geometry)
+        jobs = [{"model": str(model.hf_dir), "prompt": p, "new": n, "batch": b, "dtype": serving if d in QUANTIZED else d,
+                 "cache_config": QUANTIZED[d].cache_config() if d in QUANTIZED else None}
                 for d, p, n, b in EMBEDDED_CASES]
         checks = []
         for (dtype, prompt, new, batch), got in zip(EMBEDDED_CASES, cls.run_script(PROBE, [], jobs, env_python(env))):
-            predicted = cls.kv_rules.answer(KVQuestion(model.geometry, dtype, prompt + new - 1, batch)).bytes_per_gpu
+            q = KVQuestion(model.geometry, dtype, prompt + new - 1, batch, options={"decoded_tokens": new - 1})
+            predicted = cls.kv_rules.answer(q).bytes_per_gpu
             checks.append(KVCheck("hf", f"{model.name} {dtype}, {batch} x ({prompt} + {new})", "cache tensor bytes",
                                   predicted, None, got.get("cache_bytes"), tolerance=0,
                                   note=got.get("error") or f"transformers {got['transformers']}"))
@@ -122,10 +133,15 @@ class HFBackend(Backend):
 
     def command(self, spec: ServerSpec):
         dtype = "bf16" if spec.kv_dtype == "auto" else spec.kv_dtype
+        quantized = QUANTIZED.get(dtype)
+        if quantized:  # the model in its serving dtype (the baseline's), the cache quantised
+            dtype = self.kv_rules.serving_dtype(spec.model.geometry)
         argv = [str(env_python(self.env_path)), str(WORKER), "--model", str(spec.model.hf_dir),
                 "--host", spec.host, "--port", str(spec.port), "--dtype", dtype,
                 "--max-batch", str(spec.max_concurrency),
                 "--batch-wait-ms", str(self.options.get("batch_wait_ms", 200))]
+        if quantized:
+            argv += ["--cache-config", json.dumps(quantized.cache_config())]
         if "threads" in self.options:
             argv += ["--threads", str(self.options["threads"])]
         # deployed on a GPU machine: device_map=auto (every GPU), as transformers is deployed there
@@ -153,6 +169,8 @@ class HFBackend(Backend):
 
     async def stream(self, client, prompt) -> RequestResult:
         body = {"prompt_token_ids": list(prompt.token_ids), "max_new_tokens": prompt.output_tokens, "ignore_eos": True}
+        if prompt.top_logprobs:
+            body["top_logprobs"] = min(prompt.top_logprobs, self.top_logprobs_max)
         return await stream_sse(client, self.base_url + "/generate", body, prompt, self._read_event)
 
     @staticmethod
@@ -165,6 +183,8 @@ class HFBackend(Backend):
             result.prompt_tokens_reported = event["usage"]["prompt_tokens"]
             result.output_tokens_reported = event["usage"]["completion_tokens"]
             result.engine_details = event.get("kv", {})
+            result.output_ids = [int(t) for t in event.get("output_ids") or []]
+            result.top_logprobs = [{int(t): float(lp) for t, lp in top} for top in event.get("top_logprobs") or []]
 
     def kv_pool(self) -> KVPool | None:
         # Static batching has no pool: the cache grows with the batch and is freed after it.

@@ -10,7 +10,7 @@ and every lever that applies, each planned (:mod:`.levers`). Pure functions over
 """
 from __future__ import annotations
 
-from kvbench.kv.geometry import heads_per_rank, kv_bytes_per_token
+from kvbench.kv.geometry import UnknownKVDtype, heads_per_rank, kv_bytes_per_token
 from kvbench.kv.rules import KVRuleError
 
 from .deploy import Outcome, PlanInput, Setup, setup
@@ -80,6 +80,15 @@ __all__ = [
 ]
 
 
+def _formula_per_token(geom, typical, tp: int) -> float:
+    """The plain formula's bytes per token; for a KV format of the engine's own (transformers' quanto-int4),
+    which the formula has no element size for, the engine's rules' figure."""
+    try:
+        return kv_bytes_per_token(geom, typical.dtype, tp) * tp
+    except UnknownKVDtype:
+        return typical.bytes_per_token * tp
+
+
 def plan(p: PlanInput, with_levers: bool = True) -> dict:
     """The plan of ``p`` as one dict (what ``kvbench plan --json`` prints)."""
     s = setup(p)
@@ -104,7 +113,7 @@ def plan(p: PlanInput, with_levers: bool = True) -> dict:
         # the batch at its typical length (all GPUs, per GPU), as the engine holds it
         "kv_bytes": kv_total, "kv_bytes_per_gpu": typical.bytes_per_gpu, "kv_pool_extra_bytes": typical.pool_extra_bytes,
         "kv_bytes_per_token": kv_total / (s.batch * s.context),
-        "kv_bytes_per_token_formula": kv_bytes_per_token(geom, typical.dtype, s.tp) * s.tp,
+        "kv_bytes_per_token_formula": _formula_per_token(geom, typical, s.tp),
         "kv_bytes_per_token_stored": typical.bytes_per_token * s.tp,
         "kv_scope": kv_scope(s),
         # what the deployment holds per GPU: one request at the limit and the batch at its typical length

@@ -24,7 +24,8 @@ RIGHT = {"context", "bytes/token measured", "predicted", "saved", "seqs in 1 GiB
          "first diff", "matched", "KL mean", "KL max", "positions", "PPL"}
 INTRO = ("Each KV dtype is one engine start on the same prompts (greedy, ignore_eos) as the engine's own 16-bit "
          "cache, the baseline. Bytes/token measured = the engine's pool bytes over its tokens (its own log or "
-         "blocks), predicted = its KV rules for that pool; saved = against the baseline's measured figure; seqs "
+         "blocks; transformers, which has no pool: its cache tensors' bytes at the end of generate over the "
+         "tokens cached), predicted = its KV rules for that pool (or load); saved = against the baseline's measured figure; seqs "
          "in 1 GiB = sequences of the cell's prompt + output that 1 GiB of that cache holds (no engine rounding). "
          "ITL p50 at the cell's context, one request at a time. Output change against the baseline on the same "
          "prompts: identical = share of requests whose greedy tokens are all the same; first diff = the "
@@ -64,8 +65,8 @@ def rows(run_dir: Path, cells: pd.DataFrame, baselines: dict[str, str]) -> list[
         baseline = baselines.get(label)
         ok = group[group.status.isin(("ok", "flagged"))]
         base_cells = cells[(cells.backend == label) & (cells.kv_dtype == baseline) & (cells.prompt_tokens == context)]
-        bpt = _per_token(ok.kv_pool_bytes_engine, ok.kv_pool_tokens_engine)
-        base_bpt = _per_token(base_cells.kv_pool_bytes_engine, base_cells.kv_pool_tokens_engine)
+        bpt, bpt_predicted = _measured(ok)
+        base_bpt = _measured(base_cells)[0]
         mine, theirs = {}, {}
         for cell_id in ok.cell_id:
             other = baseline_cell(cell_id, dtype, baseline) if baseline else None
@@ -77,13 +78,29 @@ def rows(run_dir: Path, cells: pd.DataFrame, baselines: dict[str, str]) -> list[
         per_seq = (bpt * (context + int(group.output_tokens.iloc[0]))) if bpt else None
         out.append({"backend": label, "engine": group.engine.iloc[0], "kv_dtype": dtype, "baseline": baseline,
                     "context": int(context), "bytes_per_token": bpt,
-                    "bytes_per_token_predicted": _per_token(ok.kv_pool_bytes_predicted, ok.kv_pool_tokens_engine),
+                    "bytes_per_token_predicted": bpt_predicted,
                     "saved": (1 - bpt / base_bpt) if bpt and base_bpt else None,
                     "sequences": int(FIXED_MEMORY // per_seq) if per_seq else None,
                     "itl_p50": ok.itl_s_p50.mean() if not ok.empty else None, "divergence": div,
                     "flags": [f for fl in group["flags"] for f in (fl or []) if "declined" in f],
                     "status": "ok" if not ok.empty else "failed"})
     return out
+
+
+def _measured(cells: pd.DataFrame) -> tuple[float | None, float | None]:
+    """(measured, predicted) bytes per token of cells: the engine's pool over its tokens, and its rules for
+    that pool; an engine without a pool (transformers' static batching): the cache tensors it held at the
+    peak over the tokens cached, and its rules' answer for that load (KV dtypes of its own: a quantised
+    cache's codes, scales and residual)."""
+    measured = _per_token(cells.kv_pool_bytes_engine, cells.kv_pool_tokens_engine)
+    if measured is not None:
+        return measured, _per_token(cells.kv_pool_bytes_predicted, cells.kv_pool_tokens_engine)
+    if "kv_in_use_peak_bytes" not in cells:
+        return None, None
+    gpus = cells.gpus_used.fillna(1).clip(lower=1) if "gpus_used" in cells else 1
+    predicted = cells.kv_peak_bytes_per_gpu_predicted * gpus if "kv_peak_bytes_per_gpu_predicted" in cells else None
+    return (_per_token(cells.kv_in_use_peak_bytes, cells.kv_in_use_peak_tokens),
+            None if predicted is None else _per_token(predicted, cells.kv_in_use_peak_tokens))
 
 
 def _per_token(num: pd.Series, den: pd.Series) -> float | None:

@@ -4,7 +4,7 @@ and the flag of a quantised dtype the engine silently declined. Pure: no I/O (th
 from __future__ import annotations
 
 from kvbench.backends.types import RequestResult
-from kvbench.kv.geometry import KVGeometry
+from kvbench.kv.geometry import KVGeometry, UnknownKVDtype, kv_bytes_for_sequence, kv_bytes_per_token
 from kvbench.kv.rules import KVQuestion, KVRuleError, KVRules
 from kvbench.store.schema import CellRow
 from kvbench.workloads import Workload
@@ -77,6 +77,24 @@ def logprob_records(results: list[RequestResult], asked_k: int, adapter_k: int) 
              "top": [[[t, round(lp, 6)] for t, lp in top.items()] for top in r.top_logprobs],
              "prompt_logprobs": None if r.prompt_logprobs is None else
              [None if lp is None else round(lp, 6) for lp in r.prompt_logprobs]} for r in results]
+
+
+def formula_bytes(geometry: KVGeometry, rules: KVRules | None, dtype: str, cached: int, decoded: int
+                  ) -> tuple[float | None, float | None]:
+    """(bytes per token, bytes of one sequence of ``cached`` tokens) by the plain formula; for a KV format of
+    the engine's own that the formula has no element size for (transformers' quanto-int4: packed codes,
+    per-group scales, a residual), by the engine's rules, the last ``decoded`` tokens fed one at a time
+    (``decoded_tokens``). (None, None) where neither knows the dtype."""
+    try:
+        return kv_bytes_per_token(geometry, dtype), kv_bytes_for_sequence(geometry, dtype, cached)
+    except UnknownKVDtype:
+        if rules is None:
+            return None, None
+    try:
+        q = KVQuestion(geometry, dtype, cached, 1, options={"decoded_tokens": decoded})
+        return rules.bytes_per_token(q), rules.answer(q).bytes_per_gpu
+    except (KVRuleError, UnknownKVDtype):
+        return None, None
 
 
 def declined_dtype(row: CellRow, rules: KVRules, geometry, dtype: str, pool) -> None:

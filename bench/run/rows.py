@@ -14,12 +14,11 @@ import pandas as pd
 from kvbench.backends.types import KVInUse, KVPool, PrefixCacheCounters, RequestResult
 from kvbench.common.metrics import RequestTimes, cell_metrics, percentiles, request_verdict
 from kvbench.common.models import ModelFiles
-from kvbench.kv.geometry import kv_bytes_for_sequence, kv_bytes_per_token
 from kvbench.kv.rules import KVQuestion, KVRules
 from kvbench.kv.units import fmt_bytes
 from kvbench.load import LoadResult
 from kvbench.run.cells import Cell, load_label
-from kvbench.run.kvquant import declined_dtype
+from kvbench.run.kvquant import declined_dtype, formula_bytes
 from kvbench.run.prefix_cache import meant_warm, prefix_cache_columns
 from kvbench.run.samplers import KVSample, MemorySample, QueueSample
 from kvbench.store.schema import CellRow, RequestRow
@@ -255,7 +254,10 @@ def _kv(row: CellRow, run: EngineRun, m: CellMeasurement, windows) -> None:
     w = run.workload
     row.kv_dtype = m.kv_dtype
     geometry, rules = run.model.geometry, run.rules
-    row.kv_bytes_per_token_predicted = kv_bytes_per_token(geometry, m.kv_dtype)
+    # The last sampled token is never fed back, so its K/V never exist: prompt + output - 1 per sequence.
+    cached = row.prompt_tokens + w.output_tokens - 1
+    row.kv_bytes_per_token_predicted, per_sequence = formula_bytes(geometry, rules, m.kv_dtype, cached,
+                                                                   w.output_tokens - 1)
     pool = m.kv_pool
     if pool:
         row.kv_pool_bytes_engine, row.kv_pool_tokens_engine, row.kv_pool_source = pool.bytes, pool.tokens, pool.source
@@ -265,13 +267,11 @@ def _kv(row: CellRow, run: EngineRun, m: CellMeasurement, windows) -> None:
             row.kv_pool_bytes_predicted = pool.tokens * rules.pool_bytes_per_token(geometry, m.kv_dtype, pool.details)
             row.kv_pool_sequences_predicted = rules.sequences_in_pool(
                 geometry, pool.tokens, row.prompt_tokens + w.output_tokens, pool.details)
-    # The last sampled token is never fed back, so its K/V never exist: prompt + output - 1 per sequence.
     # Sequences held at once: as many as were in flight, unless the pool holds fewer (the KV boundary).
     held = max(1, min(row.max_in_flight or 1, row.kv_pool_sequences_predicted or 10**9))
-    cached = row.prompt_tokens + w.output_tokens - 1
     row.kv_tokens_peak_predicted = held * cached
     # the model's own need by the plain formula (windows applied); an engine's rounding shows in the ratio
-    row.kv_bytes_peak_predicted = held * kv_bytes_for_sequence(geometry, m.kv_dtype, cached)
+    row.kv_bytes_peak_predicted = held * per_sequence if per_sequence is not None else None
     peak = m.kv_peak
     if peak is None and m.kv_samples:
         best, row.kv_in_use_source = polled_kv_peak(m.kv_samples, windows, m.kv_source)
@@ -364,7 +364,7 @@ def _per_gpu(row: CellRow, run: EngineRun, m: CellMeasurement) -> None:
         held = row.kv_tokens_peak_predicted // max(1, row.prompt_tokens + run.workload.output_tokens - 1)
         q = KVQuestion(run.model.geometry, m.kv_dtype, row.prompt_tokens + run.workload.output_tokens - 1,
                        max(1, held), gpus, details.get("block_size"), details.get("device", "gpu"),
-                       details.get("version"))
+                       details.get("version"), {"decoded_tokens": run.workload.output_tokens - 1})
         w = run.workload
         try:
             if w.shared_prefix_tokens and meant_warm(w, m.cell):  # the prefix held once where the engine shares

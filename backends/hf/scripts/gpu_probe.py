@@ -6,6 +6,10 @@ for a line on stdin, so the parent reads NVML while this process holds exactly w
     python gpu_probe.py alloc --bytes N
     python gpu_probe.py kv (--model DIR | --config JSON_FILE) --cells 1024x1,4096x4 --new 16 [--dtype bf16]
       (--config: a random-weight model of that config, built on the GPU)
+    python gpu_probe.py kvquant (--model DIR | --config JSON_FILE) --caches JSON --prompt N --new M
+      [--requests R] [--top K] [--device cuda|cpu] [--torch-unpack]
+      (the KV-quantisation step: one generate per request and cache, {"name": cache_config or null}; events
+      without waiting on stdin: ready, kvq_cell per cache, done; --device cpu: the same code on a CPU)
 
 Events (one JSON object a line, ``event`` first): info; ready (CUDA context up, nothing allocated);
 allocated / freed (alloc); loaded, cell_before, cell_after, cell_freed, cell_error (kv); done.
@@ -119,6 +123,82 @@ def cmd_kv(args):
     emit("done", wait=False)
 
 
+def torch_unpack(device_type: str) -> None:
+    """Serve quanto's unpack on ``device_type`` by quanto's own torch implementation (library/unpack.py, the
+    "default" kernel): its CUDA kernel is a JIT-compiled extension (nvcc; AWQ and Marlin kernels built with
+    it) that would take the check's time. The packed layout, and so the bytes held, is the same."""
+    import optimum.quanto  # noqa: F401  registers quanto::unpack and its device kernels
+
+    def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:  # optimum-quanto 0.2.7 library/unpack.py
+        return torch.cat([(packed & (2 ** (bits * (i + 1)) - 1)) >> (bits * i) for i in range(8 // bits)]).to(torch.uint8)
+
+    global _UNPACK_LIB
+    _UNPACK_LIB = torch.library.Library("quanto", "IMPL")
+    _UNPACK_LIB.impl("unpack", unpack, device_type.upper())
+
+
+_UNPACK_LIB = None
+
+
+def cmd_kvquant(args):
+    from hf_worker import CACHE_KWARG, Worker, cache_bytes
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, QuantizedCache
+
+    device = args.device
+    cuda = device == "cuda"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    if args.torch_unpack:
+        torch_unpack(device)
+    if cuda:
+        torch.zeros(1, device="cuda")
+    if args.config:
+        values = json.load(open(args.config))
+        values.pop("quantization_config", None)
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    emit("ready", wait=False, **(allocator() if cuda else {}))
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (1, args.prompt), generator=generator).to(device) for _ in range(args.requests)]
+    text_config = model.config.get_text_config(decoder=True)
+    for name, setting in json.loads(args.caches).items():
+        requests, held, seconds, deltas = [], [], 0.0, []
+        try:
+            for ids in prompts:
+                if setting:
+                    setting = dict(setting)
+                    cache = QuantizedCache(backend=setting.pop("backend", "quanto"), config=text_config, **setting)
+                else:
+                    cache = DynamicCache(config=model.config)
+                if cuda:
+                    torch.cuda.empty_cache()
+                    before = allocator()["allocated"]
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
+                                         min_new_tokens=args.new, do_sample=False, pad_token_id=0,
+                                         output_logits=True, return_dict_in_generate=True, **{CACHE_KWARG: cache})
+                seconds += time.perf_counter() - t0
+                tokens, top = Worker.top_logprobs_of(out, 0, args.prompt, args.new, args.top)
+                logits = out.logits
+                del out, logits
+                if cuda:
+                    deltas.append(allocator()["allocated"] - before)  # the cache is what is left of the call
+                held.append(cache_bytes(cache))
+                requests.append({"tokens": tokens, "top": top})
+                del cache
+        except Exception as exc:  # one cache that fails is its own row
+            emit("kvq_cell", wait=False, kv_dtype=name, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            continue
+        emit("kvq_cell", wait=False, kv_dtype=name, cache_bytes=[b for b, _ in held], cache_seq_len=held[0][1],
+             allocator_delta=deltas or None, seconds=seconds, requests=requests)
+    emit("done", wait=False)
+
+
 def main():
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command", required=True)
@@ -132,7 +212,21 @@ def main():
     k.add_argument("--cells", required=True, help="PROMPTxBATCH,...")
     k.add_argument("--new", type=int, default=16)
     k.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    q = sub.add_parser("kvquant")
+    source = q.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model")
+    source.add_argument("--config")
+    q.add_argument("--caches", required=True, help='{"bf16": null, "quanto-int4": {"backend": "quanto", ...}}')
+    q.add_argument("--prompt", type=int, default=2048)
+    q.add_argument("--new", type=int, default=32)
+    q.add_argument("--requests", type=int, default=2)
+    q.add_argument("--top", type=int, default=20)
+    q.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    q.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    q.add_argument("--torch-unpack", action="store_true", help="quanto's torch unpack on the device, not its JIT kernel")
     args = parser.parse_args()
+    if args.command == "kvquant":
+        return cmd_kvquant(args)
     if args.command == "info":
         print(json.dumps(info()), flush=True)
     elif args.command == "alloc":
