@@ -290,3 +290,14 @@ def test_gpu_check_kv_quant_rows_from_probe_events():
     assert "(f) m quanto-int2: ValueError: planted" in problems
     md = gc.render_markdown({"kv_quant": list(rows.values())})
     assert "## (f) KV quantisation" in md and "| m | quanto-int2 | 6 + 2 | ValueError: planted" in md
+
+
+@pytest.mark.parametrize("engine", ["vllm", "llamacpp", "hf", "sglang", "tgi", "ollama"])
+def test_kv_dtypes_auto_is_taken_by_every_engine_before_the_model_is_read(engine, tmp_path):
+    """``--kv-dtypes auto,...`` is checked before the model is located: ``auto`` needs no geometry (it used to
+    raise AttributeError for engines whose auto reads the model's dtype)."""
+    r = CliRunner().invoke(app, ["run", "-b", engine, "--workload", "kv_quant_smoke", "--kv-dtypes", "auto",
+                                 "--model", str(tmp_path / "absent"), "--results-dir", str(tmp_path / "r")])
+    assert r.exit_code == 2, r.output
+    assert "no such file or folder" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "r").exists()

@@ -57,8 +57,7 @@ class TransformersKV(KVRules):
     def serving_dtype(self, geometry: KVGeometry, capability: tuple[int, int] | None = None) -> str:
         """from_pretrained's dtype defaults to "auto" in transformers 5 (modeling_utils.py): the config's
         dtype, float32 included; a config naming none takes its weights' dtype (bf16 assumed here)."""
-        # geometry None: a dtype name checked before the model is read (`kvbench run --kv-dtypes auto,...`)
-        return {"fp32": "fp32", "fp16": "fp16"}.get(getattr(geometry, "dtype", None) or "", "bf16")
+        return {"fp32": "fp32", "fp16": "fp16"}.get(geometry.dtype or "", "bf16")
 
     def serving_note(self, geometry: KVGeometry, capability: tuple[int, int] | None = None) -> str:
         if geometry.dtype:

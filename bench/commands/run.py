@@ -208,6 +208,8 @@ def check_kv_dtypes(text: str | None, workload, backends) -> list[str] | None:
         if rules is None:
             raise ValueError(f"{b.engine} has no KV rules (no KV dtypes to sweep): a kv_quant run needs them")
         for name in names or [n for n in workload.kv_dtypes if n not in ("baseline", "quantised")]:
+            if name.lower() == "auto":  # every engine takes it; what it means needs the model, read later
+                continue
             try:
                 rules.resolve_dtype(KVQuestion(None, name))
             except KVRuleError as exc:
