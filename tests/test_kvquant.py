@@ -102,8 +102,6 @@ def test_each_engine_offers_its_own_quantised_dtypes_baseline_first():
     assert kv_quant_dtypes(w, kv_rules("ollama"), GEOM) == ["f16", "q8_0", "q4_0"]  # from its rules only
     assert kv_quant_dtypes(w, kv_rules("hf"), GEOM) == ["bf16", "quanto-int4", "quanto-int2"]  # QuantizedCache
     assert kv_quant_dtypes(w, kv_rules("hf"), GEOM, ["auto", "quanto-int2"]) == ["bf16", "quanto-int2"]
-    from kvbench.kv.rules import KVQuestion
-    assert kv_rules("hf").resolve_dtype(KVQuestion(None, "auto")) == "bf16"  # --kv-dtypes checked before the model
     assert kv_quant_dtypes(w, kv_rules("llamacpp"), GEOM, ["q4_0", "q8_0", "q4_0"]) == ["f16", "q4_0", "q8_0"]
     with pytest.raises(KVDtypeError, match="llamacpp has no KV dtype 'fp8'"):
         kv_quant_dtypes(w, kv_rules("llamacpp"), GEOM, ["fp8"])
