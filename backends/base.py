@@ -209,6 +209,11 @@ class Backend(ABC):
         None where it ran without one."""
         return self.server.wall_record() if self.server else None
 
+    def guard_restarts(self) -> list[dict]:
+        """The guards of the engine's tree that died while it ran, each replaced at once (normally none):
+        ``{"at", "guard_pid", "guard_exit"}``, for the run's record."""
+        return list(self.server.guard_restarts) if self.server else []
+
     def replica_polls(self, results: list[RequestResult] = ()) -> dict | None:
         """Each replica's KV and queue figures of the cell, for a deployment of several servers (None: one
         server, whose figures are the row itself)."""

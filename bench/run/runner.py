@@ -446,6 +446,8 @@ class _EngineSession:
             r.console.print(f"[red]{label}: processes of the engine survived its stop: {names}[/]")
         if not self.cfg.url:
             r.record.engine_stops[self.key] = {"reason": self.stop_reason, "survivors": survivors}
+            if restarts := backend.guard_restarts():  # its supervisor died and was replaced (backends/process.py)
+                r.record.engine_stops[self.key]["guard_restarts"] = restarts
         r.record.save(r.writer)
 
     def fail_remaining(self, error: str, log_tail: str = "", status: str = "failed") -> None:
