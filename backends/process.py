@@ -35,6 +35,7 @@ LAUNCHER_SCRIPT = Path(__file__).with_name("launcher.py")  # run as a script: th
 # An environment value an adapter gives for a folder of the server's own (e.g. TMPDIR): made at start, short
 # (unix socket paths end at 108 bytes), and removed once the server has stopped or kvbench has died
 PRIVATE_TMP = "{kvbench:private-tmp}"
+MAX_GUARD_RESTARTS = 5  # a guard that dies this often is not started again (it would fail the same way)
 
 
 def free_port(host: str = LOCALHOST) -> int:
@@ -237,6 +238,9 @@ class ServerProcess:
                     return  # told to stop, or it ended because the engine did: nothing to restart
                 self.guard_restarts.append({"at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                             "guard_pid": guard.pid, "guard_exit": _describe_exit(code)})
+                if len(self.guard_restarts) > MAX_GUARD_RESTARTS:  # a guard that cannot run: the launcher remains
+                    self.guard_restarts[-1]["replaced"] = False
+                    return
                 self.guard = self._start_guard()
 
     @property

@@ -80,8 +80,9 @@ ORDERS = {"guard-then-harness": ["guard", "harness"], "harness-then-guard": ["ha
           "both-at-once": ["both"], "guard-only-then-harness-much-later": ["guard", "sleep", "harness"]}
 
 
-@pytest.mark.parametrize("starting_up", [False, True], ids=["running", "starting-up"])
-@pytest.mark.parametrize("order", list(ORDERS))
+@pytest.mark.parametrize("order, starting_up", [(order, False) for order in ORDERS] + [("both-at-once", True),
+                                                                                   ("guard-then-harness", True)],
+                         ids=[*ORDERS, "both-at-once-starting-up", "guard-then-harness-starting-up"])
 def test_whatever_of_kvbench_dies_no_engine_process_survives(tmp_path, order, starting_up):
     """SIGKILL of the guard and of the harness in every order: the launcher (the tree's root, a subreaper
     tied to the harness) or the guard stops the tree, within its 5 s grace for a process that ignores
@@ -189,9 +190,10 @@ def test_vllm_gets_its_own_temp_folder_and_keeps_its_compile_cache(tmp_path):
 
 @pytest.mark.engine
 def test_a_killed_guard_is_replaced_then_a_killed_harness_leaves_no_vllm_process(tmp_path):
-    """vLLM: kill -9 of its guard mid-run is recorded in run.json (engine_stops' guard_restarts, written
-    when the engine stops) and the run goes on; kill -9 of the guard's replacement and of the harness at
-    once then leaves no process of vLLM's (API server, EngineCore, resource_tracker) and no temp folder."""
+    """vLLM: kill -9 of its guard mid-run is noticed (a new guard at once) and the engine runs on; kill -9
+    of the replacement and of the harness at once then leaves no process of vLLM's (API server, EngineCore,
+    resource_tracker: they once ran on under PID 1) and removes its temp folder, where its vllm_dist_*
+    rendezvous file was (not in /tmp)."""
     from .conftest import engine_env
     from .test_failures import _gone as vllm_gone, _kvbench, _wait_for_cells, processes_of
 
@@ -201,30 +203,42 @@ def test_a_killed_guard_is_replaced_then_a_killed_harness_leaves_no_vllm_process
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for_cells(run_dir, 1, proc, timeout=600)
-        guards = lambda: [p for p in psutil.Process(proc.pid).children() if "guard.py" in " ".join(p.cmdline())]  # noqa: E731
+        def guards():
+            found = []
+            for p in psutil.Process(proc.pid).children():
+                try:
+                    if "guard.py" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                        found.append(p)
+                except psutil.Error:
+                    continue
+            return found
+
         (first,) = guards()
         first.kill()
         assert _wait_for(lambda: [g for g in guards() if g.pid != first.pid], 5.0), "no new guard"
         assert len(processes_of(vllm_env)) >= 2  # the engine runs on
         (second,) = [g for g in guards() if g.pid != first.pid]
-        tmp_dirs = _vllm_tmp_dirs(proc.pid)
+        tmp_dirs = _vllm_tmp_dirs(proc.pid, vllm_env)
+        assert tmp_dirs and all(d.startswith("/tmp/kvbench-") for d in tmp_dirs), tmp_dirs
+        assert any(n.startswith("vllm_dist_") for d in tmp_dirs for n in os.listdir(d)), "no rendezvous file there"
         second.kill()
         proc.kill()
         proc.wait()
     finally:
         proc.kill()
     assert vllm_gone(vllm_env, timeout_s=15) == []
-    assert tmp_dirs and all(d.startswith("/tmp/kvbench-") for d in tmp_dirs), tmp_dirs
     assert _wait_for(lambda: not any(Path(d).exists() for d in tmp_dirs), 10.0), "vLLM's temp folder was left"
     info = json.loads((run_dir / "run.json").read_text())
     assert info["status"] == "running"  # the harness was killed: nobody wrote its end
 
 
-def _vllm_tmp_dirs(harness_pid: int) -> list[str]:
-    """The TMPDIR each of the harness's engines runs with."""
+def _vllm_tmp_dirs(harness_pid: int, vllm_env: Path) -> list[str]:
+    """The TMPDIR the harness's vLLM processes run with."""
     found = []
     for p in psutil.Process(harness_pid).children(recursive=True):
         try:
+            if str(vllm_env) not in " ".join(p.cmdline()):
+                continue
             tmp = p.environ().get("TMPDIR")
         except psutil.Error:
             continue
