@@ -55,16 +55,22 @@ def requests_read(client: httpx.Client, url: str) -> int:
     return len(client.get(f"{url}/mock/records").json()["records"])
 
 
-def interrupted_run(tmp_path: Path, url: str, workload: str, signals: list[int], *args: str) -> tuple:
-    """Start `kvbench run`, signal it (``signals``, 0.1 s apart) once the server has read
-    DONE_BEFORE_SIGNAL requests; its completed process, the seconds from the first signal to its exit, and
-    its run.json."""
+def _ignore_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def interrupted_run(tmp_path: Path, url: str, workload: str, signals: list[int], *args: str,
+                    sigint_ignored: bool = False) -> tuple:
+    """Start `kvbench run` (``sigint_ignored``: with SIGINT ignored, as a shell starts a job with `&`),
+    signal it (``signals``, 0.1 s apart) once the server has read DONE_BEFORE_SIGNAL requests; its completed
+    process, the seconds from the first signal to its exit, and its run.json."""
     path = tmp_path / "w.toml"
     path.write_text(workload)
     proc = subprocess.Popen([sys.executable, "-m", "kvbench.cli", "run", "-b", f"openai:url={url}", "--model", "smollm2",
                              "--allow-model-mismatch", "--workload", str(path), "--results-dir", str(tmp_path),
                              "--run-id", "r", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            preexec_fn=_ignore_sigint if sigint_ignored else None)
     try:
         with httpx.Client() as client:
             requests_read(client, url)  # what an earlier test left
@@ -103,6 +109,13 @@ SIGNALS = {"sigint": [signal.SIGINT], "sigterm": [signal.SIGTERM], "two_sigints"
 @pytest.mark.parametrize("name", list(SIGNALS))
 def test_a_signal_ends_a_closed_loop_under_load(tmp_path, server, smollm2, name):
     check_interrupted(*interrupted_run(tmp_path, server, CLOSED, SIGNALS[name]))
+
+
+@pytest.mark.parametrize("name", ["sigint", "sigterm"])
+def test_a_signal_ends_a_run_started_with_sigint_ignored(tmp_path, server, smollm2, name):
+    """A job a script starts with `&` inherits SIGINT ignored: there SIGINT once went unheeded and SIGTERM
+    printed "Fatal error on transport" while the run went on to "finished"."""
+    check_interrupted(*interrupted_run(tmp_path, server, CLOSED, SIGNALS[name], sigint_ignored=True))
 
 
 @pytest.mark.parametrize("profile, name", [("poisson", "sigterm"), ("constant", "two_sigints")])

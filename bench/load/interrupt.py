@@ -44,8 +44,8 @@ def reset() -> None:
 
 @contextmanager
 def signals_call(on_signal: Callable[[int], None]) -> Iterator[None]:
-    """While the block runs, SIGINT and SIGTERM are noted and passed to ``on_signal`` instead of raising
-    (a signal ignored on entry, e.g. SIGINT of a job started with ``&``, stays ignored); the previous
+    """While the block runs, SIGINT and SIGTERM are noted and passed to ``on_signal`` instead of raising,
+    also a SIGINT ignored on entry (see the runner's :func:`~kvbench.run.runner._interrupt`); the previous
     handlers come back at the end. Only the main thread can set handlers: elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -57,8 +57,7 @@ def signals_call(on_signal: Callable[[int], None]) -> Iterator[None]:
 
     previous = {}
     for sig in STOP_SIGNALS:
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            previous[sig] = signal.signal(sig, handler)
+        previous[sig] = signal.signal(sig, handler)
     try:
         yield
     finally:

@@ -136,7 +136,10 @@ def _interrupt(signum, frame):
     """SIGINT and SIGTERM end the run as Ctrl-C does, so that `finally` blocks stop the servers and run.json
     says "interrupted". Only the first raises KeyboardInterrupt (inside a load, :mod:`kvbench.load.interrupt`
     handles it without raising); later ones are noted only: a second Ctrl-C must not cut the wind-down short
-    (an engine left running, run.json left "running", a traceback)."""
+    (an engine left running, run.json left "running", a traceback). SIGINT is handled also where it was
+    ignored on entry, as a shell does for a job started with `&`: that SIGINT once went unheeded, and a
+    SIGTERM raised KeyboardInterrupt inside the load's event loop ("Fatal error on transport", run going on);
+    whoever sends kvbench a SIGINT means it to stop."""
     first = not interrupt.stopping()
     interrupt.note(signum)
     if first:
@@ -185,10 +188,7 @@ class Runner:
     # --- the whole run ---------------------------------------------------------------------------
     def run(self) -> Path:
         interrupt.reset()
-        # a SIGINT ignored on entry (a job started with & by a shell) stays ignored; SIGTERM always stops
-        handled = [sig for sig in interrupt.STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN
-                   or sig == signal.SIGTERM]
-        previous = {sig: signal.signal(sig, _interrupt) for sig in handled}
+        previous = {sig: signal.signal(sig, _interrupt) for sig in interrupt.STOP_SIGNALS}
         try:
             return self._run()
         finally:
