@@ -21,7 +21,7 @@ import pytest
 from kvbench.backends.process import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-DONE_BEFORE_SIGNAL = 400  # requests the server has read before the signal: the load is in full flow
+DONE_BEFORE_SIGNAL = 300  # requests the server has read before the signal: the load is in full flow
 END_WITHIN_S = 3.0  # the issue: "within a second"; generous for a shared 2-core machine
 
 CLOSED = """name = "sigload"
@@ -106,16 +106,12 @@ def check_interrupted(out, took: float, info: dict) -> None:
 SIGNALS = {"sigint": [signal.SIGINT], "sigterm": [signal.SIGTERM], "two_sigints": [signal.SIGINT, signal.SIGINT]}
 
 
-@pytest.mark.parametrize("name", list(SIGNALS))
-def test_a_signal_ends_a_closed_loop_under_load(tmp_path, server, smollm2, name):
-    check_interrupted(*interrupted_run(tmp_path, server, CLOSED, SIGNALS[name]))
-
-
-@pytest.mark.parametrize("name", ["sigint", "sigterm"])
-def test_a_signal_ends_a_run_started_with_sigint_ignored(tmp_path, server, smollm2, name):
-    """A job a script starts with `&` inherits SIGINT ignored: there SIGINT once went unheeded and SIGTERM
-    printed "Fatal error on transport" while the run went on to "finished"."""
-    check_interrupted(*interrupted_run(tmp_path, server, CLOSED, SIGNALS[name], sigint_ignored=True))
+@pytest.mark.parametrize("name, sigint_ignored", [("sigint", False), ("sigterm", True), ("two_sigints", True)],
+                         ids=["sigint", "sigterm-sigint-ignored", "two-sigints-sigint-ignored"])
+def test_a_signal_ends_a_closed_loop_under_load(tmp_path, server, smollm2, name, sigint_ignored):
+    """``sigint_ignored``: started as a script starts a job with `&` (SIGINT ignored), where SIGINT once went
+    unheeded and SIGTERM printed "Fatal error on transport" while the run went on to "finished"."""
+    check_interrupted(*interrupted_run(tmp_path, server, CLOSED, SIGNALS[name], sigint_ignored=sigint_ignored))
 
 
 @pytest.mark.parametrize("profile, name", [("poisson", "sigterm"), ("constant", "two_sigints")])
