@@ -214,6 +214,12 @@ class Backend(ABC):
         ``{"at", "guard_pid", "guard_exit"}``, for the run's record."""
         return list(self.server.guard_restarts) if self.server else []
 
+    def timed_out(self, request_id: str) -> str | None:
+        """The request ``request_id`` ran out of its time. A backend that sends its next requests elsewhere (a
+        deployment with a replica still in rotation) says where this one went ("replica H:P"): the timeout
+        is then that replica's, and does not count toward the runner's wedge rule. None: it counts."""
+        return None
+
     def replica_polls(self, results: list[RequestResult] = ()) -> dict | None:
         """Each replica's KV and queue figures of the cell, for a deployment of several servers (None: one
         server, whose figures are the row itself)."""

@@ -3,6 +3,7 @@ checked here: an unknown key or a value of the wrong type is an error naming the
 option silently ignored. ``kvbench backends`` lists them."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvbench.common.suggest import hint
@@ -20,6 +21,10 @@ class Option:
     help: str = ""
     choices: tuple[str, ...] = ()  # for a str option: its allowed values
     default_text: str = ""  # how the default is shown when it is computed, e.g. "1 on <= 2 cores"
+    # the range of a number option: an int is a count (threads, GPUs, tokens, bytes): 1 or more unless
+    # ``minimum`` says otherwise; a float is finite and above 0, at most ``maximum`` (a fraction: 1)
+    minimum: float | None = None
+    maximum: float | None = None
 
     @property
     def type_name(self) -> str:
@@ -62,17 +67,29 @@ def coerce(engine: str, spec: Option, value):
         raise wrong("true or false")
     if spec.type is int:
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            return _in_range(engine, spec, value, 1)
         raise wrong("an integer")
     if spec.type is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise wrong("a number")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return _in_range(engine, spec, float(value), None)
+        raise wrong("a finite number")
     text = str(value).lower() if isinstance(value, bool) else str(value)
     if spec.choices and text not in spec.choices:
         raise OptionError(f"option {spec.name!r} for {engine} takes one of {', '.join(spec.choices)}, not "
                           f"{value!r}; {hint(text, spec.choices)}".rstrip("; "))
     return text
+
+
+def _in_range(engine: str, spec: Option, value: float, least: int | None):
+    """``value`` when it is within ``spec``'s range (``least``: the type's own minimum; None: above 0)."""
+    low = spec.minimum if spec.minimum is not None else least
+    kind = "an integer" if spec.type is int else "a number"
+    if (value < low) if low is not None else (value <= 0):
+        bound = f"{low:g} or more" if low is not None else "above 0"
+        raise OptionError(f"option {spec.name!r} for {engine} takes {kind} {bound}, not {value:g}")
+    if spec.maximum is not None and value > spec.maximum:
+        raise OptionError(f"option {spec.name!r} for {engine} takes {kind} up to {spec.maximum:g}, not {value:g}")
+    return value
 
 
 def validate(engine: str, cls, options: dict) -> dict:

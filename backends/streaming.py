@@ -348,7 +348,7 @@ async def _stream(client: Client, url: str, body: dict, prompt, split_events,
     unfinished tail of the body and whether the SSE [DONE] marker came. A 200 answer of a Content-Type
     other than ``accept`` fails with ``what`` (the kind of stream asked for) in its error."""
     result = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, perf_counter())
-    state = {"buf": b"", "done": False, "result": result}
+    state = {"buf": bytearray(), "done": False, "result": result}
 
     def on_body(data: bytes, now: float):
         split_events(data, now, state)
@@ -372,7 +372,26 @@ async def _stream(client: Client, url: str, body: dict, prompt, split_events,
     finally:
         if conn.failure is not None and not isinstance(conn.failure, ConnectionError):
             raise conn.failure  # the adapter's own error (e.g. a malformed event), not the transport's
-    return result, state["buf"], state["done"]
+    return result, bytes(state["buf"]), state["done"]
+
+
+def _complete_lines(data: bytes, tail: bytearray) -> list[bytes]:
+    """The lines that ``data`` completes, the first one prefixed with ``tail`` (the unfinished line of the
+    reads before); what follows the last newline becomes the new ``tail``, in place. Linear in the bytes: a
+    read without a newline is appended to the tail (not joined with it into a new object), and only the
+    new read is split at newlines. (Joining every read onto the whole unfinished line and re-splitting
+    it cost 13.8 s of TTFT for one 100 MB event on localhost.)"""
+    lines = data.split(b"\n")  # a read without a newline: [data] itself, no copy
+    rest = lines.pop()
+    if tail:
+        if lines:
+            tail += lines[0]
+            lines[0] = bytes(tail)
+            tail.clear()
+        tail += rest
+    elif rest:
+        tail += rest
+    return lines
 
 
 def _ended_early(result: RequestResult, done_marker: bool, final_event: str) -> None:
@@ -388,12 +407,8 @@ async def stream_sse(client, url: str, body: dict, prompt, handle,
     loads, JSONDecodeError = orjson.loads, orjson.JSONDecodeError
 
     def split_events(data: bytes, now: float, state: dict) -> None:
-        if state["buf"]:
-            data = state["buf"] + data
-        lines = data.split(b"\n")
-        state["buf"] = lines.pop()  # the unfinished last line (b"" when the read ended on a newline)
         result = state["result"]
-        for line in lines:
+        for line in _complete_lines(data, state["buf"]):
             if line[:5] == b"data:":
                 try:  # orjson skips the space after "data:" and a trailing "\r" itself
                     event = loads(line[5:])
@@ -427,11 +442,7 @@ async def stream_ndjson(client, url: str, body: dict, prompt, handle,
 
     def split_events(data: bytes, now: float, state: dict) -> None:
         last["now"] = now
-        if state["buf"]:
-            data = state["buf"] + data
-        lines = data.split(b"\n")
-        state["buf"] = lines.pop()
-        for line in lines:
+        for line in _complete_lines(data, state["buf"]):
             if line.strip():
                 handle(loads(line), now, state["result"])
 

@@ -15,6 +15,7 @@ import importlib.util
 import inspect
 
 import typer
+from typer._click.exceptions import NoArgsIsHelpError, UsageError  # typer's own click, as its commands raise
 from typer.core import TyperCommand, TyperGroup
 
 from kvbench.common.suggest import closest
@@ -75,11 +76,32 @@ class LazyGroup(TyperGroup):
                 exc.message = f"{exc.message.rstrip('.')}; did you mean {match!r}?"
             raise
 
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except UsageError as exc:
+            raise one_line(exc) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except UsageError as exc:
+            raise one_line(exc) from None
+
     def format_commands(self, ctx, formatter) -> None:
         limit = formatter.width - 6 - max(map(len, COMMANDS))
         rows = [(name, TyperCommand(name, help=docstring(name)).get_short_help_str(limit)) for name in COMMANDS]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
+
+
+def one_line(exc: UsageError) -> UsageError:
+    """A usage error as one line on stderr ("error: Invalid value for '--repeats': ..."), as every other
+    refusal is: click would print the usage and a --help hint above it. Asking for help (no arguments) is
+    left as it is."""
+    if not isinstance(exc, NoArgsIsHelpError):
+        exc.show = lambda file=None: typer.echo(f"error: {exc.format_message()}", err=True)
+    return exc
 
 
 app = typer.Typer(cls=LazyGroup, no_args_is_help=True, add_completion=False, rich_markup_mode=None)

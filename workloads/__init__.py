@@ -22,7 +22,8 @@ WORKLOAD_DIR = Path(__file__).parent
 class Workload(BaseModel):
     """One workload file. Cells are every (variant, prompt length, load point, repeat)."""
 
-    model_config = {"extra": "forbid"}
+    # nan and inf are floats to TOML and pydantic, but no duration, rate or SLO
+    model_config = {"extra": "forbid", "allow_inf_nan": False}
 
     name: str
     description: str = ""
@@ -63,6 +64,30 @@ class Workload(BaseModel):
     kv_dtypes: list[str] = Field(default_factory=lambda: ["baseline", "quantised"])
     top_logprobs: int = Field(default=20, ge=0)
     prompt_text: Literal["synthetic", "kjv"] = "synthetic"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_true_as_a_number(cls, data):
+        """TOML's true/false are no lengths, counts or rates (pydantic would read them as 1 and 0)."""
+        if not isinstance(data, dict):
+            return data
+        for key, value in data.items():
+            field = cls.model_fields.get(key)
+            if field is None or "bool" in str(field.annotation):
+                continue
+            if any(isinstance(v, bool) for v in (value if isinstance(value, list) else [value])):
+                raise ValueError(f"{key} = {value!r}: true and false are not numbers".replace("True", "true")
+                                 .replace("False", "false"))
+        return data
+
+    @field_validator("request_rates", mode="before")
+    @classmethod
+    def _finite_rates(cls, rates):
+        if isinstance(rates, list):
+            for r in rates:
+                if isinstance(r, (int, float)) and not (math.isfinite(r) and r > 0):
+                    raise ValueError(f"request rate {r} must be a finite number of requests/s above 0")
+        return rates
 
     @field_validator("name")
     @classmethod

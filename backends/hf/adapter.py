@@ -40,7 +40,8 @@ class HFBackend(Backend):
         Option("engine_mode", str, "sized", "transformers has no pool to size; deployed loads the model with "
                "device_map=auto (accelerate spreads it over every GPU) unless device_map says otherwise",
                choices=("sized", "deployed")),
-        Option("batch_wait_ms", int, 200, "how long the worker waits to fill a batch (--batch-wait-ms)"),
+        Option("batch_wait_ms", int, 200, "how long the worker waits to fill a batch (--batch-wait-ms)",
+               minimum=0),
         Option("threads", int, None, "torch threads of the worker (--threads)", default_text="torch's own"),
         Option("device_map", str, None, "from_pretrained's device_map, e.g. auto: the layers over every GPU",
                default_text="the whole model on cuda:0 (or the CPU)"),

@@ -25,7 +25,7 @@ from ..base import Backend, extra_args
 from ..openai.adapter import served_model_ids
 from ..options import EXTRA_ARGS, Option
 from ..process import last_error_line
-from ..prometheus import gauge_sum, metric_samples
+from ..prometheus import capped_get, gauge_sum, metric_samples, note_dropped
 from ..streaming import stream_sse
 from ..types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 from .kvrules import EMBEDDED_CASES, FAMILY_CASE, LlamaCppKV
@@ -37,16 +37,17 @@ CONVERT = SCRIPTS / "llamacpp_convert.py"
 _NATIVE_FLAG = '-DGGML_NATIVE="${KVBENCH_GGML_NATIVE:-ON}"'
 
 # llama_kv_cache: size =   90.00 MiB (  4096 cells,  30 layers,  1/1 seqs), K (f16):   45.00 MiB, V (f16):   45.00 MiB
-# (older builds prefix the line with llama_kv_cache_unified: and use the same fields)
+# (older builds prefix the line with llama_kv_cache_unified: and use the same fields); sizes are decimal numbers
+# (a garbled "1.2.3" does not match: the line is not read, rather than failing the pool read)
 KV_LINE = re.compile(
-    r"llama_kv_cache(?:_unified)?: size =\s*(?P<mib>[\d.]+) MiB \(\s*(?P<cells>\d+) cells,\s*(?P<layers>\d+) layers,"
-    r"\s*(?P<streams>\d+)/(?P<seqs_max>\d+) seqs\), K \((?P<type_k>\w+)\):\s*(?P<k_mib>[\d.]+) MiB, "
-    r"V \((?P<type_v>\w+)\):\s*(?P<v_mib>[\d.]+) MiB")
+    r"llama_kv_cache(?:_unified)?: size =\s*(?P<mib>\d+(?:\.\d+)?) MiB \(\s*(?P<cells>\d+) cells,\s*(?P<layers>\d+) layers,"
+    r"\s*(?P<streams>\d+)/(?P<seqs_max>\d+) seqs\), K \((?P<type_k>\w+)\):\s*(?P<k_mib>\d+(?:\.\d+)?) MiB, "
+    r"V \((?P<type_v>\w+)\):\s*(?P<v_mib>\d+(?:\.\d+)?) MiB")
 
 
 # load_tensors:        CUDA0 model buffer size =  4403.49 MiB   /   llama_kv_cache:      CUDA0 KV buffer size =   720.00 MiB
 BUFFER_LINE = re.compile(r"(?P<what>load_tensors|llama_kv_cache(?:_unified)?):\s+(?P<device>\S+) (?P<kind>model|KV) "
-                         r"buffer size =\s*(?P<mib>[\d.]+) MiB")
+                         r"buffer size =\s*(?P<mib>\d+(?:\.\d+)?) MiB")
 
 
 def parse_buffers(text: str) -> dict:
@@ -84,6 +85,21 @@ def slot_tokens_in_kv(slot: dict) -> int:
     if decoded or processed is None:  # decoding, or a server that does not say (the older figure)
         return prompt
     return min(prompt, int(processed))
+
+
+def readable_slot_tokens(slots) -> list[int]:
+    """The tokens in KV of each processing slot of a /slots answer; a slot that cannot be read (not an
+    object, a count that is not a number) is dropped and counted, not the whole poll."""
+    out = []
+    for slot in slots if isinstance(slots, list) else []:
+        try:
+            if slot.get("is_processing"):
+                out.append(slot_tokens_in_kv(slot))
+        except (AttributeError, TypeError, ValueError):
+            note_dropped("/slots", "slot not readable")
+    if not isinstance(slots, list):
+        note_dropped("/slots", "not a list of slots")
+    return out
 
 
 def _as_list(value) -> list[dict]:
@@ -376,14 +392,14 @@ class LlamaCppBackend(Backend):
                                "weights_source": "llama.cpp log: model buffer size" if weights else None})
 
     def kv_in_use(self, client: httpx.Client) -> KVInUse | None:
-        slots = client.get(self.base_url + "/slots").json()
-        tokens = sum(slot_tokens_in_kv(slot) for slot in slots if slot.get("is_processing"))
+        slots = capped_get(client, self.base_url + "/slots").json()
+        tokens = sum(readable_slot_tokens(slots))
         return KVInUse(bytes=tokens * self.kv_bytes_per_token(), tokens=tokens,
                        source="/slots tokens in KV (prompt processed, then n_prompt_tokens) x bytes/token")
 
     def queue_state(self, client: httpx.Client) -> dict | None:
         """Deferred requests (no free slot) from /metrics; /slots lists slots only, so it cannot show them."""
-        response = client.get(self.base_url + "/metrics")
+        response = capped_get(client, self.base_url + "/metrics")
         if response.status_code != 200:  # started without --metrics
             return None
         samples = metric_samples(response.text, ("llamacpp:requests_deferred", "llamacpp:requests_processing"))

@@ -97,7 +97,7 @@ class SGLangBackend(PrometheusPolled, Backend):
         Option("max_total_tokens", int, None, "KV pool in tokens (--max-total-tokens; SGLang only lowers its own)",
                default_text="sized: every sequence of the workload at full length"),
         Option("mem_fraction_static", float, None, "share of the GPU for weights + KV pool (--mem-fraction-static)",
-               default_text="SGLang's own (auto, by GPU memory)"),
+               default_text="SGLang's own (auto, by GPU memory)", maximum=1.0),
         Option("page_size", int, None, "tokens per KV page (--page-size)", default_text="SGLang's own: 1, or its "
                "attention backend's"),
         Option("attention_backend", str, None, "--attention-backend", default_text="SGLang's choice"),

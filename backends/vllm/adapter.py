@@ -46,7 +46,7 @@ ALLOCATORS = ("{env}/lib/python3*/site-packages/vllm/libs/libtcmalloc_minimal*.s
               "/usr/lib/*-linux-gnu/libjemalloc.so.2", "/usr/lib64/libjemalloc.so.2")
 OPENMP = ("{env}/lib/libiomp5.so",)
 # "Model loading took 14.99 GiB memory and 5.21 seconds" (GPU model runner; one line per tensor-parallel worker)
-WEIGHTS_LINE = re.compile(r"Model loading took ([\d.]+) (GiB|GB|MiB|MB) memory")
+WEIGHTS_LINE = re.compile(r"Model loading took (\d+(?:\.\d+)?) (GiB|GB|MiB|MB) memory")  # a garbled number: not read
 _UNITS = {"GiB": 2**30, "GB": 1e9, "MiB": 2**20, "MB": 1e6}
 
 
@@ -100,7 +100,7 @@ class VLLMBackend(PrometheusPolled, Backend):
                default_text="true on a CPU in sized mode (a 20-25 s start), else false"),
         Option("tp", int, 1, "GPUs to split the model over (--tensor-parallel-size)"),
         Option("gpu_memory_utilization", float, None, "share of each GPU vLLM may use (--gpu-memory-utilization)",
-               default_text="vLLM's own (0.92); deployed mode only"),
+               default_text="vLLM's own (0.92); deployed mode only", maximum=1.0),
         Option("cpu_preload", bool, True, "on a CPU, LD_PRELOAD TCMalloc (or jemalloc) and Intel OpenMP where "
                "installed, as vLLM's CPU docs ask"),
         EXTRA_ARGS,
@@ -319,7 +319,10 @@ class VLLMBackend(PrometheusPolled, Backend):
 
     def _read_cache_info(self) -> dict | None:
         if self._cache_info is None:
-            rows = self.metrics(self.http).get("vllm:cache_config_info")
+            try:
+                rows = self.metrics(self.http).get("vllm:cache_config_info")
+            except httpx.HTTPError:  # a page over the cap, a hang: the pool is not read (retried next time)
+                return None
             if rows:
                 self._cache_info = rows[0][0]
         return self._cache_info

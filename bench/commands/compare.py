@@ -3,6 +3,8 @@ from pathlib import Path
 
 import typer
 
+from kvbench.common.files import (OutputRefused, atomic_write_text, check_output, check_output_folder, kvbench_html,
+                                  kvbench_json, kvbench_markdown, kvbench_png)
 from kvbench.compare.render import markdown, write_html, write_outputs
 from kvbench.compare.runs import CompareError, load_config, load_side
 from kvbench.compare.runs import compare as run_compare
@@ -39,6 +41,11 @@ def compare(
     2: bad input (unreadable runs, a run compared with itself, different hardware) or nothing to compare."""
     if output_format not in ("table", "json"):
         raise typer.BadParameter("--format must be table or json")
+    try:  # only new files or kvbench's own: never through a link, onto a device or over another's file
+        _check_outputs(output_dir, json_file, html_file)
+    except OutputRefused as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
     try:
         if len(runs) == 1:
             if not (baseline_backend and candidate_backend):
@@ -62,7 +69,7 @@ def compare(
         if output_dir:
             write_outputs(result, text, output_dir)
         if json_file:
-            json_file.write_text(json.dumps(result, indent=2))
+            atomic_write_text(json_file, json.dumps(result, indent=2))
         if html_file:
             write_html(result, html_file)
     except OSError as exc:
@@ -73,3 +80,15 @@ def compare(
     else:
         typer.echo(text)
     raise typer.Exit(result["exit_code"])
+
+
+def _check_outputs(output_dir: Path | None, json_file: Path | None, html_file: Path | None) -> None:
+    if output_dir:
+        check_output_folder(output_dir, "compare folder",
+                            {"compare.md": kvbench_markdown, "compare.json": kvbench_json, "compare.html": kvbench_html,
+                             "compare_forest.png": kvbench_png})
+    if json_file:
+        check_output(json_file, kvbench_json, "JSON file")
+    if html_file:
+        check_output(html_file, kvbench_html, "HTML page")
+        check_output(html_file.with_name(html_file.stem + "_forest.png"), kvbench_png, "plot")

@@ -1,6 +1,7 @@
 """`kvbench plan`: will a deployment fit, and what should change (the verdict line first, then the ledger per
 GPU and the levers, best first). Every numeric option is read here, so that bad input is one line, exit 2."""
 import json
+import math
 from dataclasses import asdict
 
 import typer
@@ -129,7 +130,7 @@ def plan_command(
         device = device or ("cpu" if wall is not None else "gpu")
         _check_choices(engine, device, weights_dtype)
         _check_engine_options(engine, options)
-        overhead = parse_float(overhead_gib, "--overhead-gib")
+        overhead = _finite(parse_float(overhead_gib, "--overhead-gib"), "--overhead-gib")
         if overhead_from is not None and overhead is not None:
             raise PlanError("--overhead-gib and --overhead-from: give one")
         source = "given: --overhead-gib"
@@ -138,12 +139,13 @@ def plan_command(
             overhead, source = found.fixed_bytes / GIB, found.source
         if compare_engines and engine:
             raise PlanError("--compare-engines sets every engine side by side: not with --engine")
+        _check_model_name(model)
         m = resolve_model(model, weights_dtype, trust_remote_code, parse_bytes(weights_bytes, "--weights-bytes"))
         p = PlanInput(
             model=m, context=parse_tokens(context, "--context"), batch=parse_int(batch, "--batch"),
             kv_dtype=kv_dtype, tp=parse_int(tp, "--tp"), engine=engine.lower() if engine else None, gpu=gpu,
             overhead_gib=overhead, overhead_source=source, memory=wall,
-            margin=parse_float(margin, "--margin") if margin is not None else (0.0 if wall is not None else 0.10), block_size=parse_int(block_size, "--block-size", 0),
+            margin=_finite(parse_float(margin, "--margin"), "--margin") if margin is not None else (0.0 if wall is not None else 0.10), block_size=parse_int(block_size, "--block-size", 0),
             device=device, engine_version=engine_version, engine_options=options,
             allow_long_context=allow_long_context, max_model_len=parse_tokens(max_model_len, "--max-model-len"),
             node_gpus=parse_int(node_gpus, "--node-gpus"),
@@ -241,6 +243,23 @@ def _print_pools(s, pools, as_json: bool) -> None:
                 "; ".join(f"{p.engine}'s {p.overhead_source.split(';')[0]}" for p in pools))
     typer.echo(f"KV budget: the usable memory less each engine's weights (as it serves them) and overhead "
                f"({overhead}). Measured pools: `kvbench report` of a run (its KV and boundary tables).")
+
+
+def _finite(value: float | None, option: str) -> float | None:
+    """A number option that is a number: nan and inf parse as floats but compare false with every bound."""
+    if value is not None and not math.isfinite(value):
+        raise PlanError(f"{option} takes a finite number, not {value}")
+    return value
+
+
+def _check_model_name(model: str) -> None:
+    """A model argument that is neither a path nor a valid hub id, refused before any hub request."""
+    from kvbench.common.models import ModelError, check_model_name
+
+    try:
+        check_model_name(model)
+    except ModelError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def _check_choices(engine: str | None, device: str, weights_dtype: str) -> None:

@@ -6,6 +6,7 @@ import typer
 
 from kvbench import reports
 from kvbench.common import ui
+from kvbench.common.files import OutputRefused
 from kvbench.store.errors import ResultsReadError, ResultsWarning, ResultsWriteError
 from kvbench.store.readers import ensure_parquet, not_a_run_dir
 
@@ -18,7 +19,8 @@ def report(
                                                              "with -o nothing is written into the run folders."),
     html_file: Path = typer.Option(None, "--html", help="Write the HTML page here (default: beside the Markdown)."),
     raw: bool = typer.Option(False, "--raw", help="Print the Markdown source instead of rendering it."),
-    plots: bool = typer.Option(True, "--plots/--no-plots", help="Make the PNG plots (into plots/ beside the Markdown)."),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="Make the PNG plots (into plots/ beside a report.md, "
+                                                                 "NAME_plots/ beside NAME.md: each report its own)."),
     recompute: bool = typer.Option(False, "--recompute", help="First rebuild every cell's figures from requests.jsonl "
                                                               "under today's definitions and say what changed "
                                                               "(cells.jsonl rewritten, the old one kept as cells.jsonl.bak)."),
@@ -26,10 +28,17 @@ def report(
     """Turn one or more runs into Markdown tables (KV predicted vs engine vs measured, latency and throughput,
     the KV boundary, failures), PNG plots and one self-contained HTML page; without -o also writes each run's
     Parquet copy (cells.parquet, requests.parquet) when it is missing or stale. A damaged line of a run's
-    records (a crash's torn last line) is skipped and named in the report."""
+    records (a crash's torn last line) is skipped and named in the report. Outputs are written only as new
+    files or over kvbench's own: a symbolic link, a FIFO or device, or another program's file at an output
+    path is refused (exit 2, nothing written)."""
     for run_dir in run_dirs:
         if problem := not_a_run_dir(run_dir):
             raise typer.BadParameter(problem, param_hint="RUN_DIR")
+    try:  # before anything is written (a Parquet copy, a recomputed cells.jsonl)
+        reports.check_outputs(*reports.output_paths(run_dirs, output, html_file, plots))
+    except OutputRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise typer.Exit(2)
     if recompute:  # rebuild the figures first, so the report shows today's definitions
         from kvbench.store.recompute import recompute_runs
 
@@ -45,7 +54,7 @@ def report(
                     except ResultsWriteError as exc:  # a derived copy: the report reads the JSONL instead
                         print(f"warning: Parquet copy not written: {exc}", file=sys.stderr)
             output, target_html, text, built = reports.write_report(run_dirs, output, html_file, plots)
-        except ResultsReadError as exc:
+        except (ResultsReadError, OutputRefused) as exc:
             print(f"error: {exc}", file=sys.stderr)
             raise typer.Exit(2)
         except ResultsWriteError as exc:

@@ -1,3 +1,4 @@
+import math
 import signal
 from pathlib import Path
 
@@ -8,11 +9,12 @@ from kvbench import reports
 from kvbench.backends import DEFAULT_ENGINES, REGISTRY
 from kvbench.common import ui
 from kvbench.common.files import PlainNameError, check_plain_name
-from kvbench.common.models import ModelError, locate
+from kvbench.common.models import ModelError, locate, max_context_known
+from kvbench.common.redact import redact_text
 from kvbench.common.suggest import with_hint
 from kvbench.planner import model_names
-from kvbench.run.backend_config import BackendConfig, ConfigError, check_attachable, distinct_labels
-from kvbench.run.cells import PromptSalt
+from kvbench.run.backend_config import BackendConfig, ConfigError, check_attachable, distinct_labels, url_problem
+from kvbench.run.cells import NothingFits, PromptSalt, RunPlan
 from kvbench.run.runner import Runner, RunOptions
 from kvbench.run.telemetry import Prometheus
 from kvbench.store.errors import ResultsReadError, ResultsWriteError, RunFolderError
@@ -95,6 +97,7 @@ def run(
             raise typer.BadParameter(str(exc), param_hint="--run-id") from None
     results_mode = "resume" if resume else "overwrite" if overwrite else "new"
     try:
+        check_numbers(start_timeout=start_timeout, request_timeout=request_timeout, max_context=max_context)
         backends = [BackendConfig.parse(b) for b in backend]
         if url:
             if len(backends) != 1:
@@ -104,6 +107,8 @@ def run(
         check_attachable(backends)
         backends = distinct_labels(backends)  # two settings of one engine: a label, cell ids and log each
         wl = load_workload(workload)
+        if prometheus is not None and (problem := url_problem(prometheus)):
+            raise ConfigError(f"--prometheus {redact_text(prometheus)!r} {problem}")
         prom = Prometheus(prometheus, prometheus_selector, prometheus_gpu_selector) if prometheus else None
         memory_limit_bytes = memory_wall_bytes(memory_limit) if memory_limit is not None else None
         if memory_limit_bytes is not None and any(b.url for b in backends):
@@ -122,9 +127,17 @@ def run(
         typer.echo(f"error: {text}", err=True)
         raise typer.Exit(2)
     try:
-        locate(model)  # a model that is not there is refused before a run folder exists
+        path = locate(model)  # a model that is not there is refused before a run folder exists
     except ModelError as exc:
         typer.echo(f"error: {with_hint(str(exc), model, model_names())}", err=True)
+        raise typer.Exit(2)
+    try:
+        # what the runner would refuse after creating the folder, refused before it where it costs nothing
+        limit = max_context_known(path) or max_context  # a GGUF's limit is known once its HF copy is read
+        if limit:
+            RunPlan.make(wl, limit, max_context, repeats)
+    except NothingFits as exc:
+        typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     options = RunOptions(model=model, workload=wl, backends=backends, results_dir=results_dir, run_id=run_id,
                          kv_dtype=kv_dtype, max_context=max_context, start_timeout_s=start_timeout,
@@ -169,6 +182,16 @@ def run(
     cells = load_cells(run_dir)
     if cells.empty or (cells.status == "failed").all():
         raise typer.Exit(1)
+
+
+def check_numbers(start_timeout: float, request_timeout: float, max_context: int | None) -> None:
+    """ValueError (one line) for a time that is not a finite number of seconds above 0 (nan, inf, 0 and -5
+    parse as floats; the engine would then be blamed for timing out), or a --max-context below 1."""
+    for option, seconds in (("--start-timeout", start_timeout), ("--request-timeout", request_timeout)):
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"{option} takes a number of seconds above 0, not {seconds}")
+    if max_context is not None and max_context < 1:
+        raise ValueError(f"--max-context takes a number of tokens of 1 or more, not {max_context}")
 
 
 def check_kv_dtypes(text: str | None, workload, backends) -> list[str] | None:

@@ -10,6 +10,7 @@ from rich.markdown import Markdown
 from kvbench.backends import DEFAULT_ENGINES, REGISTRY, gguf_converter
 from kvbench.common import models, ui
 from kvbench.common.envs import EnvInstallError, ensure_env
+from kvbench.common.files import OutputRefused, atomic_write_text, check_output_folder, kvbench_jsonl
 from kvbench.common.hardware import environment_info
 from kvbench.run.backend_config import BackendConfig, ConfigError
 from kvbench.run.validate import families, family_markdown, markdown, measure_families, run_all
@@ -17,6 +18,7 @@ from kvbench.run.validate import families, family_markdown, markdown, measure_fa
 VALIDATION_FILE = "kv_validation.jsonl"
 FAMILIES_FILE = "kv_families.jsonl"
 FAMILIES_TABLE = "kv_families.md"
+FAMILIES_TITLE = "# KV rules against the engines, by attention family"
 
 
 def validate(
@@ -35,6 +37,14 @@ def validate(
         chosen = families(only or None) if (with_families or only) else []
     except (ConfigError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
+    out_dir = into or Path("results/validation")
+    try:  # only new files or kvbench's own: never through a link, onto a device or over another's file
+        check_output_folder(out_dir, "--into folder",
+                            {VALIDATION_FILE: kvbench_jsonl, FAMILIES_FILE: kvbench_jsonl,
+                             FAMILIES_TABLE: lambda head: head.startswith(FAMILIES_TITLE.encode())})
+    except OutputRefused as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
     model = models.resolve("smollm2", gguf_converter(console.print), log=console.print)
     envs = {}
     for cfg in configs:
@@ -42,7 +52,6 @@ def validate(
             envs[cfg.engine] = ensure_env(REGISTRY[cfg.engine].recipe(cfg.version), log=console.print)
         except EnvInstallError as exc:
             console.print(f"[red]{exc}[/]\n{exc.log_tail}")
-    out_dir = into or Path("results/validation")
     out_dir.mkdir(parents=True, exist_ok=True)
     ok = True
     if embedded:
@@ -56,7 +65,7 @@ def validate(
         _write_jsonl(out_dir / FAMILIES_FILE, rows)
         table = family_markdown(rows)
         env = environment_info()
-        header = ["# KV rules against the engines, by attention family", "",
+        header = [FAMILIES_TITLE, "",
                   f"Command: `{shlex.join(['kvbench', *sys.argv[1:]])}` ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC)",
                   f"Machine: {env['cpu']}, {env['cpu_count']} cores ({', '.join(env['cpu_flags']) or 'no AVX flags read'}), "
                   f"GPU: {', '.join(g['name'] for g in env['gpus']) or 'none'}; engines: "
@@ -65,7 +74,7 @@ def validate(
                   "rules: kvbench's prediction under that engine's rules (its adapter's kv_rules). Engine's own: "
                   "what the engine allocated, measured here (equal: to the byte, or to the 0.01 MiB its log prints).",
                   ""]
-        (out_dir / FAMILIES_TABLE).write_text("\n".join(header) + "\n" + table + "\n")
+        atomic_write_text(out_dir / FAMILIES_TABLE, "\n".join(header) + "\n" + table + "\n")
         console.print(Markdown(table))
         console.print(f"written to {out_dir / FAMILIES_TABLE} and {out_dir / FAMILIES_FILE}")
         # a family an engine cannot load here is reported, not failed; a measured difference fails
@@ -76,6 +85,4 @@ def validate(
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    tmp.replace(path)  # written whole or not at all
+    atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in rows))  # written whole or not at all

@@ -5,14 +5,21 @@ folder, is fsynced and then renamed over the old one: a crash or a full disk lea
 new one, never a truncated mix. An appended line (cells.jsonl, requests.jsonl) goes out in one write and
 is fsynced; if the write fails the file is cut back to its previous size, so a failed append leaves no
 partial line behind.
+
+An output at a path the user gave (``kvbench report -o``, ``--html``, ``compare -o``/``--json``/``--html``,
+``validate --into``) is written only as a new regular file or over a file kvbench made, recognised by its
+first bytes (:func:`check_output`): never through a symbolic link, never onto a FIFO, device or socket
+(as root, ``-o /dev/null`` once replaced the machine's /dev/null), never over someone else's file.
 """
 from __future__ import annotations
 
 import errno
 import os
 import re
+import stat
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 # letters, digits, '.', '_', '-', not starting with '.': a name that stays one folder or file name
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
@@ -41,6 +48,7 @@ def _read_umask() -> int:
 
 
 _UMASK = _read_umask()
+NEW_FILE_MODE = 0o666 & ~_UMASK  # what open() gives a new file; mkstemp's 0600 is changed to this
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -57,10 +65,108 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+class OutputRefused(ValueError):
+    """An output path kvbench will not write (a symbolic link, a special file, a folder, a file it did not
+    make): one line that says which and why; nothing was written."""
+
+
+HEAD_BYTES = 4096  # what is read of an existing file to tell whether kvbench made it
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def kvbench_markdown(head: bytes) -> bool:
+    """A report or comparison kvbench wrote: its first line is "# kvbench run(s) ..." or "# kvbench compare: ..."."""
+    return head.startswith((b"# kvbench run", b"# kvbench compare"))
+
+
+def kvbench_html(head: bytes) -> bool:
+    """A kvbench page: its head carries the ``kvbench-tables`` meta tag (bench/reports/html.py)."""
+    return b'<meta name="kvbench-tables"' in head
+
+
+def kvbench_png(head: bytes) -> bool:
+    """A plot kvbench drew: a PNG whose metadata names matplotlib (its tEXt chunk follows the header)."""
+    return head.startswith(b"\x89PNG\r\n\x1a\n") and b"Matplotlib" in head
+
+
+def kvbench_json(head: bytes) -> bool:
+    """A comparison's JSON (``kvbench compare --json``): its first key names kvbench's compare schema."""
+    return head.lstrip().startswith(b"{") and b'"schema": "kvbench.compare/' in head[:200]
+
+
+def kvbench_jsonl(head: bytes) -> bool:
+    """A table of ``kvbench validate`` (kv_validation.jsonl, kv_families.jsonl): rows led by the engine."""
+    return head.startswith(b'{"engine": ')
+
+
+def check_output(path: str | Path, made_by_kvbench: Callable[[bytes], bool], what: str = "output") -> None:
+    """Nothing when ``path`` may be written: it does not exist, or it is a regular file that is empty or
+    whose first bytes ``made_by_kvbench`` recognises. Else :class:`OutputRefused`: a symbolic link (not
+    followed), a FIFO, device, socket or folder, or another program's file. Only reads (a FIFO is never
+    opened)."""
+    path = Path(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise OutputRefused(f"{what} {path}: {exc.strerror}") from None
+    if stat.S_ISLNK(mode):
+        raise OutputRefused(f"{what} {path} is a symbolic link: kvbench writes no file through one "
+                            f"(give the path it points to, or a new one)")
+    if not stat.S_ISREG(mode):
+        raise OutputRefused(f"{what} {path} is {_kind(mode)}, not a regular file: kvbench writes only new "
+                            f"files or its own (give a file path)")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            head = os.read(fd, HEAD_BYTES)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise OutputRefused(f"{what} {path}: {exc.strerror}") from None
+    if head and not made_by_kvbench(head):  # an empty file holds nothing to lose
+        raise OutputRefused(f"{what} {path} exists and kvbench did not write it: give a new path, or remove it "
+                            f"first")
+
+
+def check_output_folder(folder: str | Path, what: str = "output folder",
+                        files: dict[str, Callable[[bytes], bool]] | None = None) -> None:
+    """Nothing when ``folder`` may hold outputs: absent, or a folder (a link to one is followed: results on
+    another disk are common); and each of ``files`` ({name: recogniser}) in it absent or kvbench's
+    (:func:`check_output`). Else :class:`OutputRefused`."""
+    folder = Path(folder)
+    try:
+        mode = os.stat(folder).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise OutputRefused(f"{what} {folder}: {exc.strerror}") from None
+    if not stat.S_ISDIR(mode):
+        raise OutputRefused(f"{what} {folder} is {_kind(mode)}, not a folder")
+    for name, recognise in (files or {}).items():
+        check_output(folder / name, recognise, "output")
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically: temp file in the same folder, fsync, ``os.replace``.
-    On any error the old file (if any) is untouched and the temp file is removed; the OSError propagates."""
+    On any error the old file (if any) is untouched and the temp file is removed; the OSError propagates.
+    A symbolic link or special file (FIFO, device, socket) at ``path`` is never replaced: OSError
+    (EEXIST), nothing written."""
     path = Path(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else _kind(mode)
+        raise OSError(errno.EEXIST, f"{os.strerror(errno.EEXIST)}: {kind} there, not replaced", str(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -70,7 +176,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         if path.exists():  # keep the old file's permissions (mkstemp makes 0600)
             os.chmod(tmp, path.stat().st_mode & 0o7777)
         else:
-            os.chmod(tmp, 0o666 & ~_UMASK)
+            os.chmod(tmp, NEW_FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         try:

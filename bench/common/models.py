@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import re
@@ -46,8 +47,15 @@ class ModelError(RuntimeError):
 
 
 def sha256_file(path: Path) -> str:
+    st = Path(path).stat()
+    return _sha256(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _sha256(path: str, mtime_ns: int, size: int) -> str:
+    """Cached per file version: the run's checks before its folder exists and the run itself hash a GGUF once."""
     h = hashlib.sha256()
-    with path.open("rb") as f:
+    with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -78,12 +86,52 @@ def hf_copy_dir(gguf: Path, digest: str | None = None) -> Path:
     return kvbench_home() / "models" / (digest or sha256_file(gguf))[:16] / HF_FOLDER
 
 
+def check_model_name(model: str) -> None:
+    """ModelError (one line) where the model argument can be neither a path nor a hub id: a name the OS
+    refuses as a path (too long, a NUL), or an ``org/name`` that is no existing path and breaks the hub's
+    rules for repository ids (huggingface_hub's own check, which would otherwise raise mid-download)."""
+    if model in EMBEDDED:
+        return
+    shown = model if len(model) <= 80 else f"{model[:60]}... ({len(model)} characters)"
+    if "\0" in model or any(c in model for c in "\r\n"):
+        raise ModelError(f"model {shown!r}: a model name or path holds no NUL or line break")
+    try:
+        if Path(model).expanduser().exists():
+            return
+    except OSError as exc:  # ENAMETOOLONG: not a path, and no hub id is that long either
+        raise ModelError(f"model {shown!r} cannot be a path ({(exc.strerror or str(exc)).lower()}) nor a hub "
+                         "id (org/name, at most 96 characters each)") from None
+    if _looks_like_path(model) or "/" not in model:
+        return  # a missing path or an unknown name: locate() and the planner say which
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError as exc:
+        reason = str(exc).rpartition(": '")[0] or str(exc)  # the hub's rule, without the id repeated
+        raise ModelError(f"model {shown!r} is neither an existing path nor a hub id: {reason}") from None
+
+
+def max_context_known(path: Path) -> int | None:
+    """The context limit of a located model where it costs no conversion (an HF folder's config, or the HF
+    copy of a GGUF made by an earlier run), else None."""
+    folder = path if path.is_dir() else hf_copy_dir(path)
+    if not (folder / "config.json").exists():
+        return None
+    try:
+        return _geometry(folder).max_context
+    except ModelError:
+        return None
+
+
 def locate(model: str) -> Path:
     """The file or folder the user's model argument names (a hub id: its folder in the hub cache,
     downloaded once), or ModelError in one line where it names nothing usable: cheap, so a bad ``--model``
     is refused before a run folder exists."""
     if model in EMBEDDED:
         return embedded_gguf(model)
+    check_model_name(model)
     path = Path(model).expanduser()
     if not path.exists() and hub.looks_like_hub_id(model):
         try:

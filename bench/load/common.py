@@ -60,6 +60,12 @@ class TimeoutStreak:
     def record(self, timed_out: bool) -> None:
         self.count = self.count + 1 if timed_out else 0
 
+    def probation(self) -> None:
+        """The engine answered a probe after the streak tripped: send its requests again, and let one more
+        timeout (before any answer) trip it again."""
+        if self.limit:
+            self.count = self.limit - 1
+
     def describe(self) -> str:
         return f"the engine stopped answering: {self.count} requests in a row timed out"
 
@@ -125,7 +131,11 @@ async def send_one(backend: Backend, client, prompt, settings: LoadSettings) -> 
                 streak.record(False)
             return _done(result, settings)
         except (asyncio.TimeoutError, TimeoutError):
-            error, timed_out = f"timed out after {settings.timeout_s:.0f} s", True
+            # a replica's timeout while the deployment still answers: "replica H:P: timed out ...", which
+            # neither counts here nor, not starting "timed out", in the load workers' parent
+            where = backend.timed_out(prompt.request_id)
+            error, timed_out = f"timed out after {settings.timeout_s:g} s", where is None
+            error = error if where is None else f"{where}: {error}"
         except TRANSPORT_ERRORS as exc:
             error = f"{type(exc).__name__}: {exc}"
         except ValueError as exc:  # malformed stream

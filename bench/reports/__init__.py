@@ -8,13 +8,15 @@ be quoted alone.
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
-from kvbench.common.files import atomic_write_text
+from kvbench.common.files import (NEW_FILE_MODE, OutputRefused, atomic_write_text, check_output, check_output_folder,
+                                  kvbench_html, kvbench_markdown, kvbench_png)
 from kvbench.reports import plots, prefix_cache, tables
 from kvbench.store.errors import DamagedLinesWarning, ResultsReadError, ResultsWarning, ResultsWriteError
 from kvbench.store.readers import load, load_run_info, read_jsonl_rows
@@ -141,12 +143,16 @@ def _validation(run_dirs: list[Path], infos: list[dict]) -> list[Section]:
 
 
 def _plot(draw, path: Path, *args) -> bool:
-    """``draw(*args, temp_path)`` into a temp file beside ``path``, then renamed over it: a full disk leaves
-    the old PNG (or none), never a truncated one. True when the plot was drawn."""
-    temp = path.with_name(f".{path.stem}.tmp{path.suffix}")  # the suffix tells matplotlib the format
+    """``draw(*args, temp_path)`` into a new temp file beside ``path``, then renamed over it: a full disk
+    leaves the old PNG (or none), never a truncated one. The temp file is made new (O_EXCL): a link or FIFO
+    planted under a temp name is never written through. True when the plot was drawn."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+    os.close(fd)  # the suffix tells matplotlib the format
+    temp = Path(name)
     try:
         drawn = draw(*args, temp)
         if drawn:
+            os.chmod(temp, NEW_FILE_MODE)  # mkstemp makes 0600; a plot is as readable as its report
             os.replace(temp, path)
         return bool(drawn)
     finally:
@@ -285,23 +291,56 @@ def _gpu_sections(sections: list[Section], agg: pd.DataFrame, cap: str) -> None:
 def write(run_dirs: list[Path], output: Path | None = None, html_file: Path | None = None,
           plots: bool = True) -> tuple[Path, Path, str]:
     """Write the Markdown report, its plots and the HTML page; returns (markdown path, HTML path, text).
-    Default place: RUN_DIR/report.md for one run, results/reports/<ids>/report.md for several."""
+    Default place: RUN_DIR/report.md for one run, results/reports/<ids>/report.md for several
+    (:func:`output_paths`); the plots in :func:`plots_folder`."""
     return write_report(run_dirs, output, html_file, plots)[:3]
 
 
-def write_report(run_dirs: list[Path], output: Path | None = None, html_file: Path | None = None,
-                 plots: bool = True) -> tuple[Path, Path, str, Report]:
-    """:func:`write`, and the report itself (for the terminal: bench/reports/terminal.py)."""
-    from kvbench.reports import html, markdown
+def plots_folder(output: Path) -> Path:
+    """Where a report's plots go: each report its own folder beside it, ``plots/`` for ``report.md`` (a run
+    folder's), ``<stem>_plots/`` for any other name, so that two reports in one folder never share one."""
+    return output.parent / ("plots" if output.name == "report.md" else f"{output.stem}_plots")
 
+
+def output_paths(run_dirs: list[Path], output: Path | None = None, html_file: Path | None = None,
+                 plots: bool = True) -> tuple[Path, Path, Path | None]:
+    """(Markdown, HTML, plots folder or None) of a report. Default place: RUN_DIR/report.md for one run,
+    results/reports/<ids>/report.md for several; the HTML beside the Markdown."""
     run_dirs = [Path(d) for d in run_dirs]
     if output is None:
         folder = run_dirs[0] if len(run_dirs) == 1 else Path("results/reports") / "+".join(d.name for d in run_dirs)
         output = folder / "report.md"
-    target_html = html_file or output.with_suffix(".html")
+    output = Path(output)
+    return output, Path(html_file) if html_file else output.with_suffix(".html"), plots_folder(output) if plots else None
+
+
+def check_outputs(output: Path, target_html: Path, plots_dir: Path | None) -> None:
+    """Refuse (:class:`kvbench.common.files.OutputRefused`) before anything is written, when the report
+    would go through a symbolic link, onto a FIFO, device or socket, or over a file kvbench did not write:
+    the Markdown, the HTML page, their folders, the plots folder and the PNGs already in it."""
+    if output.resolve() == target_html.resolve():
+        raise OutputRefused(f"report {output}: the Markdown and the HTML page would be one file (give -o a .md name)")
+    for folder in dict.fromkeys([output.parent, target_html.parent]):
+        check_output_folder(folder, "report folder")
+    check_output(output, kvbench_markdown, "report")
+    check_output(target_html, kvbench_html, "HTML page")
+    if plots_dir is not None:
+        pngs = {p.name: kvbench_png for p in plots_dir.glob("*.png")} if plots_dir.is_dir() else {}
+        check_output_folder(plots_dir, "plots folder", pngs)
+
+
+def write_report(run_dirs: list[Path], output: Path | None = None, html_file: Path | None = None,
+                 plots: bool = True) -> tuple[Path, Path, str, Report]:
+    """:func:`write`, and the report itself (for the terminal: bench/reports/terminal.py). Refused
+    (:class:`~kvbench.common.files.OutputRefused`, nothing written) where :func:`check_outputs` says so."""
+    from kvbench.reports import html, markdown
+
+    run_dirs = [Path(d) for d in run_dirs]
+    output, target_html, plots_dir = output_paths(run_dirs, output, html_file, plots)
+    check_outputs(output, target_html, plots_dir)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        result = build(run_dirs, output.parent / "plots" if plots else None)
+        result = build(run_dirs, plots_dir)
         text = markdown.render(result, output.parent)
         # replaced whole: a full disk leaves the previous report, never a truncated one
         atomic_write_text(output, text)

@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field, SecretStr, model_validator
 
 from kvbench.backends import REGISTRY
 from kvbench.backends.options import OptionError, validate
+from kvbench.common.files import PlainNameError, check_plain_name
 from kvbench.common.redact import SECRET_NAME, SECRET_OPTIONS, host_port, redact_text
 from kvbench.common.suggest import hint as did_you_mean
 
@@ -93,6 +94,11 @@ class BackendConfig(BaseModel):
         engine = engine.strip().lower()
         if engine not in REGISTRY:
             raise ConfigError(f"backend {engine!r} is not known; {did_you_mean(engine, REGISTRY)}allowed: {', '.join(sorted(REGISTRY))}")
+        if version:
+            try:  # the version names the engine's environment folder and is in the label, hence file names
+                check_plain_name(version.strip(), f"the version of {engine}")
+            except PlainNameError as exc:
+                raise ConfigError(str(exc)) from None
         # each option redacted on its own: a url's userinfo must not hide in the next option's url
         where = repr(",".join(redact_text(part) for part in text.split(",")))
         options = parse_options(opts, where, repeatable=("url",))
@@ -104,7 +110,7 @@ class BackendConfig(BaseModel):
         credentials = _one_credential([credentials, gateway_credentials], where)
         _check_credential_options(options, urls[0] if urls else None, where, [*urls, *filter(None, [gateway])])
         options = check_options(engine, options)
-        cfg = cls(engine=engine, version=version or REGISTRY[engine].default_version, options=options,
+        cfg = cls(engine=engine, version=version.strip() or REGISTRY[engine].default_version, options=options,
                   urls=urls, gateway=gateway, credentials=credentials)
         cfg.auth_headers()  # an unset api_key_env variable is an error now, not in the middle of the run
         return cfg
@@ -121,17 +127,30 @@ def check_attachable(configs: list[BackendConfig]) -> None:
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+def url_problem(text: str) -> str | None:
+    """What makes ``text`` no http(s) URL to connect to (a scheme, a host, a port 1-65535 when a ``:``
+    is given: ``http://host:`` would otherwise mean port 80), or None."""
+    try:
+        parts = urlsplit(str(text))
+        port = parts.port  # raises ValueError for a port that is not a number or above 65535
+    except ValueError:
+        return "must look like http://host:port or https://host[:port][/path] (a port is 1-65535)"
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        return "must look like http://host:port or https://host[:port][/path]"
+    if parts.netloc.endswith(":"):
+        return "has no port after the ':' (a port is 1-65535): give one, or leave the ':' out"
+    if port == 0:
+        return "has port 0: a port is 1-65535"
+    return None
+
+
 def _split_url(value, where: str) -> tuple[str | None, SecretStr | None]:
     """The url option as (url without userinfo, ``user:password`` from its userinfo or None)."""
     if value is None:
         return None, None
-    try:
-        parts = urlsplit(str(value))
-        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
-    except ValueError:
-        parts = None
-    if parts is None or parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"the url in {where} must look like http://host:port or https://host[:port][/path]")
+    if problem := url_problem(str(value)):
+        raise ConfigError(f"the url in {where} {problem}")
+    parts = urlsplit(str(value))
     if parts.query or parts.fragment:
         hint = (": give an API key through an environment variable instead (api_key_env=NAME)"
                 if any(SECRET_NAME.search(p.partition("=")[0]) for p in parts.query.split("&")) else "")

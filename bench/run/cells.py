@@ -1,8 +1,9 @@
 """The cells of a run and the prompts of each cell, from a workload (no engine involved).
 
-A cell is one (server variant, prompt length, load point, repeat[, turn]). Prompts are built per cell,
-just before it runs, from the seed, the run's prompt salt and a request id that names the rung, load point,
-repeat and request, so the same model gives the same prompts on every engine of a run. The salt keeps two
+A cell is one (server variant, prompt length, load point, repeat[, turn]). Each request's prompt is built
+when the load takes it (:class:`CellPromptList`: a cell of 10^6 requests holds none up front), from the
+seed, the run's prompt salt and a request id that names the rung, load point, repeat and request, so the
+same model gives the same prompts on every engine of a run. The salt keeps two
 runs from sharing a prefix (a server kvbench attaches to has cached the last run's prompts): each run draws
 its own, unless it is pinned (``--prompt-salt TEXT``) or switched off (``--prompt-salt none``: the prompts
 of every earlier unsalted run, token for token).
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from kvbench.load import LoadPoint, sweep
@@ -202,20 +204,31 @@ class CellPrompts:
     def _token_salt(self) -> str | None:
         return self.salt.value if self.salt.in_tokens else None
 
-    def _salted(self, prompts: list[Prompt]) -> list[Prompt]:
+    def _salted(self, prompt: Prompt) -> Prompt:
         if self.salt.value and not self.salt.in_tokens:
-            return [replace(p, cache_salt=self.salt.value) for p in prompts]
-        return prompts
+            return replace(prompt, cache_salt=self.salt.value)
+        return prompt
 
     def build(self, n_tokens: int, key: str, output_tokens: int) -> Prompt:
         """One prompt of the run outside the cells (a calibration or tokenizer probe), salted like them."""
-        return self._salted([self.builder.build(n_tokens, self.w.seed, key, output_tokens,
-                                                salt=self._token_salt)])[0]
+        return self._salted(self.builder.build(n_tokens, self.w.seed, key, output_tokens, salt=self._token_salt))
 
-    def for_cell(self, cell: Cell, n_requests: int) -> list[Prompt]:
-        return self._salted(self._for_cell(cell, n_requests))
+    def for_cell(self, cell: Cell, n_requests: int) -> "CellPromptList":
+        """The cell's ``n_requests`` prompts, each built when the load asks for it (:class:`CellPromptList`)."""
+        if self.w.family == "kv_quant" and self.w.prompt_text == "kjv":
+            from kvbench.workloads.texts import kjv_genesis
 
-    def _for_cell(self, cell: Cell, n_requests: int) -> list[Prompt]:
+            kjv_genesis()  # read (and checked) now: a missing text fails the cell before its first request
+        prompts = CellPromptList(self, cell, n_requests)
+        if n_requests:
+            prompts[0]  # noqa: B018 - a cell that cannot have its prompts fails here, before any is sent
+        return prompts
+
+    def prompt(self, cell: Cell, i: int) -> Prompt:
+        """Request ``i`` of ``cell``: deterministic in (seed, salt, cell, i), so built alone, in any order."""
+        return self._salted(self._prompt(cell, i))
+
+    def _prompt(self, cell: Cell, i: int) -> Prompt:
         w = self.w
         # the prefix-caching variant is not in the key: both variants send identical prompts
         key, salt = f"p{cell.prompt_tokens}-{cell.load.slug}-r{cell.repeat}", self._token_salt
@@ -224,24 +237,53 @@ class CellPrompts:
             # output_tokens, user text, ... Turn t sends everything up to its own user text, so each turn's
             # prompt extends the previous one (the stand-in replies keep every engine's prompts identical).
             length = w.prompt_tokens_sent(cell.prompt_tokens, cell.turn)
-            out = []
-            for i in range(n_requests):
-                words = self.builder.draw(w.longest_prompt(cell.prompt_tokens), w.seed, f"{key}-conv{i}", salt)
-                out.append(self.builder.from_words(words[:length], f"{key}-conv{i}-t{cell.turn}", w.output_tokens))
-            return out
+            words = self.builder.draw(w.longest_prompt(cell.prompt_tokens), w.seed, f"{key}-conv{i}", salt)
+            return self.builder.from_words(words[:length], f"{key}-conv{i}-t{cell.turn}", w.output_tokens)
         if w.family == "kv_quant":  # the same prompts on every KV dtype: the dtype is not in the key
             natural = w.prompt_text == "kjv"
             if natural:
                 from kvbench.workloads.texts import kjv_genesis
 
-                text = kjv_genesis()
-            prompts = [self.builder.from_text(text, cell.prompt_tokens, w.seed, f"{key}-{i}", w.output_tokens)
-                       if natural else self.builder.build(cell.prompt_tokens, w.seed, f"{key}-{i}", w.output_tokens,
-                                                          None, salt)
-                       for i in range(n_requests)]
-            return [replace(p, top_logprobs=w.top_logprobs, prompt_logprobs=natural) for p in prompts]
-        return [self.builder.build(cell.prompt_tokens, w.seed, f"{key}-{i}", w.output_tokens, self._prefix, salt)
-                for i in range(n_requests)]
+                prompt = self.builder.from_text(kjv_genesis(), cell.prompt_tokens, w.seed, f"{key}-{i}",
+                                                w.output_tokens)
+            else:
+                prompt = self.builder.build(cell.prompt_tokens, w.seed, f"{key}-{i}", w.output_tokens, None, salt)
+            return replace(prompt, top_logprobs=w.top_logprobs, prompt_logprobs=natural)
+        return self.builder.build(cell.prompt_tokens, w.seed, f"{key}-{i}", w.output_tokens, self._prefix, salt)
 
     def warmup(self) -> list[Prompt]:
         return [self.build(self.w.warmup_prompt_tokens, f"warmup-{i}", 8) for i in range(self.w.warmup_requests)]
+
+
+class CellPromptList(Sequence):
+    """A cell's prompts as a sequence whose items are built when asked for (indexing, iterating) and not
+    kept: a cell of 10^6 requests holds none up front (building them all first took 40 s and 2.2 GB), and
+    prompt i is the same however often and in whatever order it is built. Equal to any sequence of the
+    same prompts."""
+
+    def __init__(self, source: CellPrompts, cell: Cell, n_requests: int):
+        self.source, self.cell, self.n = source, cell, n_requests
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self.source.prompt(self.cell, i) for i in range(*index.indices(self.n))]
+        i = index + self.n if index < 0 else index
+        if not 0 <= i < self.n:
+            raise IndexError(f"prompt {index} of a cell of {self.n}")
+        return self.source.prompt(self.cell, i)
+
+    def __iter__(self) -> Iterator[Prompt]:
+        return (self.source.prompt(self.cell, i) for i in range(self.n))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # equal to lists, which have none
+
+    def __repr__(self) -> str:
+        return f"CellPromptList({self.cell.describe()!r}, {self.n} prompts)"

@@ -282,6 +282,8 @@ def _kv(row: CellRow, run: EngineRun, m: CellMeasurement, windows) -> None:
         row.kv_allocator_bytes_peak = peak.details.get("allocator_bytes")
         row.kv_allocator_generate_peak_bytes = peak.details.get("allocator_generate_peak_bytes")
         row.kv_allocator_reserved_delta_bytes = peak.details.get("allocator_reserved_delta_bytes")
+    elif m.kv_source:  # no poll read a figure: the poller says why (e.g. every poll failed)
+        row.kv_in_use_source = m.kv_source
     if row.kv_in_use_peak_bytes and row.kv_bytes_peak_predicted:
         row.kv_measured_over_predicted = row.kv_in_use_peak_bytes / row.kv_bytes_peak_predicted
     if pool and pool.bytes and pool.tokens and rules and not m.replicas:

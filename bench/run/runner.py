@@ -66,6 +66,7 @@ from kvbench.workloads import Workload
 from kvbench.workloads.prompts import PromptBuilder
 
 ENGINE_EXIT_WAIT_S = 2.0  # how long a cell with failed requests waits to learn whether the engine died
+REPROBE_TIMEOUT_S = 5.0  # a wedged engine's probe before each later cell (at most half the request timeout)
 WARMUP_POINT = LoadPoint("concurrent", 1)  # warm-up requests go one at a time
 
 
@@ -281,6 +282,8 @@ class _EngineSession:
                               **engine_setup(REGISTRY[cfg.engine], cfg.options, bool(cfg.url)))
         self.gpu_baseline: GPUBaseline | None = None
         self.streak = TimeoutStreak(runner.o.max_consecutive_timeouts)
+        self.recovered = ""  # the flag of the first cell run after a wedged engine answered its probe again
+        self.outages: dict[tuple, dict] = {}  # a deployment's replicas out of rotation: (replica, out_at) -> record
         self.stop_reason = "interrupted"  # until the session says otherwise
         self.estimated: dict | None = None  # how long its cells were expected to take (bench/run/estimate.py)
         self.prefix_seen = False  # a cell of this start has sent the workload's shared prefix
@@ -396,22 +399,73 @@ class _EngineSession:
             if died := backend.exit_description():
                 self.stop_reason = f"engine {died} during the run"
                 return self.fail_remaining(self.stop_reason, backend.log_tail())
-            if self.streak.tripped:
+            if self.streak.tripped and not self.answers_again(backend):
+                # this cell fails unsent; the next one probes the engine again (it may be back by then)
+                said = self.stop_reason.startswith("wedged")
                 self.stop_reason = f"wedged: {self.streak.describe()}"
-                return self.fail_remaining(self.stop_reason, backend.log_tail())
+                self.fail_remaining(self.stop_reason, backend.log_tail(), only_next=True, quiet=said)
+                continue
             self.progress.update(self.bar, description=f"{label}: {cell.describe()}")
             m = self.measure(backend, cell)
             row = summarize(self.info, m)
-            r.writer.write_cell(row)
-            for part in replica_rows(self.info, m, row):  # a deployment's rows per replica
-                r.writer.write_cell(part)
+            parts = replica_rows(self.info, m, row)  # a deployment's rows per replica
+            self.note_stalls(row, parts, m)
+            for each in (row, *parts):
+                r.writer.write_cell(each)
             self.done += 1
             self.progress.advance(self.bar)
             self.update_eta()
             r.console.print(summary_line(row))
             # a saturation sweep's closed loop found the rate: the open-loop rates follow it
             self.cells[self.done:self.done] = self.plan.saturation_cells(cell, row.requests_per_s or 0)
-        self.stop_reason = "finished"
+            self.stop_reason = "finished"
+        if not self.stop_reason.startswith("wedged"):
+            self.stop_reason = "finished"
+
+    def answers_again(self, backend: Backend) -> bool:
+        """A wedged engine (its timeout streak tripped) is probed before each later cell: one request of 8
+        prompt tokens and 1 output token, with a short timeout (a completion: an engine whose scheduler hangs
+        still answers its health route). Answered: the cell runs on probation (one more timeout before an
+        answer trips the streak again) and its row says the engine had stopped answering."""
+        probe = self.prompts.build(8, f"reprobe-{self.done}", 1)
+        timeout_s = min(REPROBE_TIMEOUT_S, self.r.o.request_timeout_s / 2)
+        result = run_async(run(backend, [probe], WARMUP_POINT, LoadSettings(timeout_s))).results[0]
+        self.r.writer.write_request(request_row(self.r.run_id, f"{self.cfg.label}_reprobe", self.cfg.label, result,
+                                                warmup=True))
+        # an answer the adapter could not read, or a 4xx, is an answer; a timeout, a refused connection or a
+        # 5xx is not
+        if result.error and not result.error.startswith(("bad response", "HTTP 4")):
+            return False
+        self.recovered = (f"the engine had stopped answering ({self.streak.describe()}) and answered a probe "
+                          f"before this cell")
+        self.streak.probation()
+        return True
+
+    def note_stalls(self, row, parts: list, m: CellMeasurement) -> None:
+        """Flag a cell run after its engine was wedged, and a deployment's cell during which a replica was
+        out of rotation (its row, the total's, and run.json's ``replica_outages``)."""
+        notes = [self.recovered] if self.recovered else []
+        self.recovered = ""
+        for rp in (m.replicas or {}).values():
+            for outage in rp.outages:
+                back = (f"back by {outage['put_back_by']} after {outage['out_s']:.1f} s" if outage["back_at"]
+                        else "still out at the cell's end")
+                note = (f"replica {outage['replica']} out of rotation for {outage['seconds_in_cell']:.1f} s of this "
+                        f"cell ({outage['reason']}; {back})")
+                notes.append(note)
+                for part in parts:
+                    if part.replica == outage["replica"]:
+                        part.flags.insert(0, note)
+                self.outages[(outage["replica"], outage["out_at"])] = {k: v for k, v in outage.items()
+                                                                       if k != "seconds_in_cell"}
+        if self.outages:
+            self.r.record.replica_outages[self.key] = list(self.outages.values())
+            self.r.record.save(self.r.writer)
+        for each in (row, *parts) if notes else ():
+            if each is row:
+                each.flags[:0] = notes
+            if each.status == "ok" and each.flags:
+                each.status = "flagged"
 
     def fail_engine(self, backend: Backend, exc: Exception, started: bool) -> None:
         """The engine failed to start or during the run (an HTTP error here is one of the harness's own
@@ -450,12 +504,15 @@ class _EngineSession:
                 r.record.engine_stops[self.key]["guard_restarts"] = restarts
         r.record.save(r.writer)
 
-    def fail_remaining(self, error: str, log_tail: str = "", status: str = "failed") -> None:
-        for cell in self.cells[self.done:]:
+    def fail_remaining(self, error: str, log_tail: str = "", status: str = "failed", only_next: bool = False,
+                       quiet: bool = False) -> None:
+        """Failed rows for the cells not run (``only_next``: the next one only), said on the console unless ``quiet``."""
+        for cell in self.cells[self.done:self.done + 1 if only_next else None]:
             self.r.writer.write_cell(failed_row(self.info, cell, status, error, log_tail))
             self.done += 1  # one row per cell, however many failures follow
             self.progress.advance(self.bar)
-        self.r.console.print(f"[red]{self.cfg.label}: {error}[/]" + (f"\n{log_tail}" if log_tail else ""))
+        if not quiet:
+            self.r.console.print(f"[red]{self.cfg.label}: {error}[/]" + (f"\n{log_tail}" if log_tail else ""))
 
     def token_contract(self, backend: Backend) -> str:
         """How prompts reach the engine and how output length is forced, plus a check of the prompt

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import httpx
 import psutil
 
+from kvbench.backends.prometheus import describe_dropped, take_dropped
 from kvbench.backends.types import KVSample, QueueSample, record_poll  # shared with deployments
 from kvbench.common.hardware import NVML, GPUBaseline
 
@@ -79,6 +81,7 @@ class _Sampler(threading.Thread):
         self.period = 1.0 / hz
         self.stop_event = threading.Event()
         self.errors = 0
+        self.error_reasons: dict[str, int] = {}  # each failure's type and words, and how often
 
     def start(self):
         """Take the first sample in the caller's thread, then the rest at ``hz`` in the background. The
@@ -99,8 +102,10 @@ class _Sampler(threading.Thread):
     def _sample(self):
         try:
             self.sample()
-        except Exception:  # the engine may be gone; the runner notices that itself
-            self.errors += 1
+        except Exception as exc:  # noqa: BLE001 - the engine may be gone (the runner notices that itself);
+            self.errors += 1  # a sampler's failure is never the cell's
+            reason = f"{type(exc).__name__}: {str(exc)[:160]}"
+            self.error_reasons[reason] = self.error_reasons.get(reason, 0) + 1
 
     def sample(self):
         raise NotImplementedError
@@ -165,13 +170,39 @@ class EnginePoller(_Sampler):
         self.queue_samples: list[QueueSample] = []
         self.kv_source: str | None = None
         self.queue_source: str | None = None
+        self.dropped: Counter = Counter()  # samples dropped while parsing, {(metric, reason): count}
+        self.polls_ok = 0
+
+    def start(self):
+        take_dropped()  # the first poll runs in the caller's thread: its earlier reads are not this cell's polls
+        super().start()
 
     def sample(self):
-        record_poll(self, self.backend.poll(self.client), time.perf_counter())
+        try:
+            record_poll(self, self.backend.poll(self.client), time.perf_counter())
+        finally:
+            self.dropped.update(take_dropped())  # counted in this thread by the adapter's parsing
+        self.polls_ok += 1
 
     def stop(self):
         super().stop()
         self.client.close()
+        note = self.problems()
+        if note:  # said once, in the row's sources; an unread figure says why
+            self.kv_source = f"{self.kv_source}; {note}" if self.kv_source else f"not measured: {note}"
+            self.queue_source = f"{self.queue_source}; {note}" if self.queue_source else None
+
+    def problems(self) -> str:
+        """What went wrong with the polls of this cell, in one line ("" for nothing): samples dropped (a
+        value that is not a number, NaN, infinite) and polls that failed, with the reasons."""
+        parts = []
+        if self.dropped:
+            parts.append(f"{describe_dropped(self.dropped)} in {self.errors + self.polls_ok} polls")
+        if self.errors:
+            reasons = "; ".join(f"{n} x {reason}" if n > 1 else reason
+                                for reason, n in sorted(self.error_reasons.items(), key=lambda kv: -kv[1])[:3])
+            parts.append(f"{self.errors} of {self.errors + self.polls_ok} polls failed ({reasons})")
+        return "; ".join(parts)
 
 
 def prefix_counters(backend):

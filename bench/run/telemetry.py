@@ -42,9 +42,13 @@ import httpx
 import pandas as pd
 
 from kvbench.backends import REGISTRY
+from kvbench.backends.prometheus import capped_get, describe_dropped, note_dropped, take_dropped
 from kvbench.common.redact import redact_text, redact_url
 
 MIB = 1 << 20
+#: The most of one Prometheus answer read: a cell's raw samples of a few dozen series are well under 1 MiB;
+#: beyond this the cell's telemetry is "not measured" rather than the harness's memory taken.
+ANSWER_CAP_BYTES = 16 << 20
 
 #: DCGM exporter's framebuffer gauges (MiB) and the name of each in the samples' ``metric`` column.
 GPU_METRICS = {"DCGM_FI_DEV_FB_USED": "gpu_used", "DCGM_FI_DEV_FB_FREE": "gpu_free",
@@ -119,9 +123,31 @@ def parse_matrix(payload: dict) -> list[Series]:
         raise TelemetryError(f"expected a matrix from Prometheus, got {data.get('resultType')!r}")
     out = []
     for item in data.get("result") or []:
-        points = [(float(ts), float(value)) for ts, value in item.get("values") or []]
-        out.append(Series(dict(item.get("metric") or {}), points))
+        try:
+            labels, values = dict(item.get("metric") or {}), list(item.get("values") or [])
+        except (AttributeError, TypeError, ValueError):
+            note_dropped("?", "series not readable")
+            continue
+        out.append(Series(labels, finite_points(labels.get("__name__", "?"), values)))
     return out
+
+
+def finite_points(name: str, values: list) -> list[tuple[float, float]]:
+    """A series' [timestamp, "value"] pairs as floats; a pair that is not two numbers, and a NaN or infinite
+    value, dropped and counted (:func:`kvbench.backends.prometheus.note_dropped`)."""
+    points = []
+    for pair in values:
+        try:
+            ts, value = pair
+            ts, value = float(ts), float(value)
+        except (TypeError, ValueError):
+            note_dropped(name, "not a number")
+            continue
+        if not (math.isfinite(value) and math.isfinite(ts)):
+            note_dropped(name, "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf"))
+            continue
+        points.append((ts, value))
+    return points
 
 
 def parse_duration(text: str) -> float | None:
@@ -280,10 +306,10 @@ class Prometheus:
         """Every sample of ``query``'s series scraped in [start, end] (Unix seconds), as scraped."""
         window_ms = max(1, math.ceil((end_unix - start_unix) * 1000))
         try:
-            response = self.http.get(self.url + "/api/v1/query",
-                                     params={"query": f"{query}[{window_ms}ms]", "time": f"{end_unix:.3f}"})
+            response = capped_get(self.http, self.url + "/api/v1/query", cap=ANSWER_CAP_BYTES,
+                                  params={"query": f"{query}[{window_ms}ms]", "time": f"{end_unix:.3f}"})
             payload = response.json()
-        except httpx.HTTPError as exc:
+        except httpx.HTTPError as exc:  # ResponseTooLarge included: an answer over the cap is not read
             raise TelemetryError(f"{type(exc).__name__}: {redact_text(str(exc))}") from None
         except ValueError:
             raise TelemetryError(f"HTTP {response.status_code}, not JSON: {response.text[:200]}") from None
@@ -322,8 +348,10 @@ class Prometheus:
         started, settle = time.monotonic(), None
         while True:
             now = time.time()
+            take_dropped()  # the last read's drops only: each series is read again until it is complete
             series = [s for q in self.queries() for s in self.raw_series(q, start_unix - self.lookback_s,
                                                                            max(now, end_unix))]
+            dropped = take_dropped()
             late = [s for s in series if not s.points or s.points[-1][0] < end_unix]
             if late and settle is None:
                 settle = self.settle_for(series)
@@ -335,6 +363,8 @@ class Prometheus:
             gap = max(end_unix - (s.points[-1][0] if s.points else start_unix) for s in late)
             note = (f"; {len(late)} series without a scrape after the cell's end within {settle:g} s "
                     f"(last up to {gap:.1f} s before it)")
+        if dropped:  # a peak is then the finite samples' peak
+            note += f"; {describe_dropped(dropped)}"
         return series, note
 
     def cell(self, t0: float, t1: float) -> CellTelemetry:
@@ -344,9 +374,15 @@ class Prometheus:
         start_unix, end_unix = t0 + offset, t1 + offset
         base = {"t_cell_start_unix": start_unix}
         try:
-            series, note = self.read(start_unix, end_unix)
+            return self._cell(start_unix, end_unix, base)
         except TelemetryError as exc:
             return CellTelemetry({**base, "prom_source": f"not measured: {self.describe()}: {exc}"})
+        except Exception as exc:  # noqa: BLE001 - telemetry never fails a cell: an answer of a shape not foreseen
+            return CellTelemetry({**base, "prom_source": f"not measured: {self.describe()}: "
+                                                         f"{type(exc).__name__}: {redact_text(str(exc))[:200]}"})
+
+    def _cell(self, start_unix: float, end_unix: float, base: dict) -> CellTelemetry:
+        series, note = self.read(start_unix, end_unix)
         figures = cell_figures(series, start_unix, end_unix)
         found = sorted({s.name for s in series if any(start_unix <= ts <= end_unix for ts, _ in s.points)})
         if not figures["prom_samples"]:

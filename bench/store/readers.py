@@ -4,6 +4,7 @@ beside them (rebuilt when stale) and :func:`load`, the one public loader of tidy
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 from typing import Literal
@@ -52,6 +53,22 @@ def _numbered_rows(path: Path) -> tuple[list[tuple[int, dict]], list[int]]:
     return rows, damaged
 
 
+INT64_MAX = 2**63 - 1
+
+
+def _damaged_number(row: dict) -> str | None:
+    """The field of a row (or an item of a list field) holding a number no writer writes: NaN or Infinity
+    (pydantic writes null where nothing was measured) or an integer beyond 64 bits (no count or size is;
+    pandas cannot hold it). None for a sound row."""
+    for key, value in row.items():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, float) and not math.isfinite(item):
+                return f"{key} is {json.dumps(item)}, where a number (or null, not measured) belongs"
+            if isinstance(item, int) and not isinstance(item, bool) and abs(item) > INT64_MAX:
+                return f"{key} is {item}, beyond a 64-bit integer"
+    return None
+
+
 def _read_jsonl(path: Path, model: type[BaseModel]) -> pd.DataFrame:
     """A JSONL record as a DataFrame of the current schema. Damaged lines are skipped with a
     :class:`DamagedLinesWarning` and counted in ``frame.attrs["damaged_lines"]`` ({path: [line numbers]});
@@ -59,6 +76,8 @@ def _read_jsonl(path: Path, model: type[BaseModel]) -> pd.DataFrame:
     numbered, damaged = _numbered_rows(path)
     rows = []
     for number, row in numbered:
+        if problem := _damaged_number(row):
+            raise ResultsReadError(f"{path} line {number}: damaged row: {problem}")
         try:
             rows.append(migrate_row(row, model))
         except ValidationError as exc:

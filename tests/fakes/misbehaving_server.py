@@ -7,6 +7,10 @@ Faults: ``hang`` (reads the request, never answers), ``stall`` (one event, then 
 ``data: [1,2,3]``, ``data: null``, ``{"choices": "abc"}``, ``data: {oops``), ``http_500`` / ``http_429``
 (vLLM's error body), ``reset`` (TCP reset mid-stream), ``html`` (a 200 ``text/html`` page, as a proxy's
 login page). ``fault_every`` = n: only every n-th completion misbehaves, the others are served normally.
+``fault_after`` = n: the first n completions are served normally (a server that hangs after n requests);
+``fault_for_s`` = s: the fault lasts s seconds from the first completion it hit, then the server recovers
+(a stall: the completions hung meanwhile are let go, unanswered, and later ones are served). ``faulted``
+counts the completions the fault hit.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import json
 import socket
 import struct
 import threading
+import time
 
 from tests.fakes.openai_server import FakeOpenAI, OpenAIHandler
 
@@ -31,13 +36,18 @@ class MisbehavingHandler(OpenAIHandler):
             return super().do_POST()
         with fake.lock:
             fake.completions += 1
-            faulty = fake.completions % fake.fault_every == 0
+            faulty = fake.completions > fake.fault_after and fake.completions % fake.fault_every == 0
+            now = time.monotonic()
+            if faulty and fake.fault_for_s is not None:
+                fake.fault_began = fake.fault_began or now
+                faulty = now < fake.fault_began + fake.fault_for_s
+            fake.faulted += faulty
         if not faulty:
             return super().do_POST()
         self.read_json()
         fault = fake.fault
         if fault == "hang":
-            fake.released.wait()
+            fake.wait_out()
             return
         if fault == "http_500":
             return self.send_json(500, {"error": {"message": "EngineCore encountered an issue. See stack trace.",
@@ -58,7 +68,7 @@ class MisbehavingHandler(OpenAIHandler):
             return self.end_stream()
         if fault == "stall":
             self.chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
-            fake.released.wait()
+            fake.wait_out()
             return
         if fault == "infinite":
             while not fake.released.is_set():
@@ -81,13 +91,20 @@ class MisbehavingHandler(OpenAIHandler):
 class FakeMisbehaving(FakeOpenAI):
     handler = MisbehavingHandler
 
-    def __init__(self, fault: str, fault_every: int = 1, **kwargs):
+    def __init__(self, fault: str, fault_every: int = 1, fault_after: int = 0, fault_for_s: float | None = None,
+                 **kwargs):
         if fault not in FAULTS:
             raise ValueError(f"fault must be one of {', '.join(FAULTS)}, not {fault!r}")
         super().__init__(**kwargs)
-        self.fault, self.fault_every = fault, fault_every
-        self.completions = 0
+        self.fault, self.fault_every, self.fault_after, self.fault_for_s = fault, fault_every, fault_after, fault_for_s
+        self.completions = self.faulted = 0
+        self.fault_began: float | None = None  # monotonic time of the first completion the fault hit
         self.released = threading.Event()  # set at stop: hanging handlers return
+
+    def wait_out(self) -> None:
+        """Hang until the server stops, or until its stall is over."""
+        self.released.wait(None if self.fault_for_s is None else
+                           max(0.0, self.fault_began + self.fault_for_s - time.monotonic()))
 
     def stop(self) -> None:
         self.released.set()
