@@ -82,10 +82,17 @@ def _pids(log, n=3, timeout_s=20.0):
     raise AssertionError(f"the server did not start its tree: {log.read_text()}")
 
 
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # also one that ended between two looks
+        return False
+
+
 def _gone(pids, timeout_s=15.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in pids if _running(p)]
         if not alive:
             return []
         time.sleep(0.1)
