@@ -209,6 +209,11 @@ class Backend(ABC):
         None where it ran without one."""
         return self.server.wall_record() if self.server else None
 
+    def guard_restarts(self) -> list[dict]:
+        """The guards of the engine's tree that died while it ran, each replaced at once (normally none):
+        ``{"at", "guard_pid", "guard_exit"}``, for the run's record."""
+        return list(self.server.guard_restarts) if self.server else []
+
     def timed_out(self, request_id: str) -> str | None:
         """The request ``request_id`` ran out of its time. A backend that sends its next requests elsewhere (a
         deployment with a replica still in rotation) says where this one went ("replica H:P"): the timeout

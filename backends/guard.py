@@ -7,6 +7,10 @@ vLLM's EngineCore and workers, and any process re-parented to PID 1 after its pa
 a killed harness. The guard reads its stdin from a pipe the harness holds; when the harness dies, for any
 reason (SIGKILL included), the pipe closes and the guard stops the tree.
 
+The guard's sid is the launcher's pid (:mod:`.launcher`, the root of the tree, which takes the tree along
+when the harness dies even if this guard was killed first); a guard that dies while the harness lives is
+replaced by the harness (:class:`~kvbench.backends.process.ServerProcess`) and recorded.
+
 A process belongs to the tree when it is in the engine's session (the session id is the server's pid), or
 when it was ever seen as a descendant of the server (a process that left the session with setsid is still
 recorded). Recorded processes are matched by pid *and* start time, so a reused pid is never signalled.

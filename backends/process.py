@@ -10,12 +10,16 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -27,6 +31,11 @@ from .guard import describe, running, terminate
 from .types import LOCALHOST, EngineStartError
 
 GUARD_SCRIPT = Path(__file__).with_name("guard.py")  # run as a script: it imports only psutil
+LAUNCHER_SCRIPT = Path(__file__).with_name("launcher.py")  # run as a script: the standard library only
+# An environment value an adapter gives for a folder of the server's own (e.g. TMPDIR): made at start, short
+# (unix socket paths end at 108 bytes), and removed once the server has stopped or kvbench has died
+PRIVATE_TMP = "{kvbench:private-tmp}"
+MAX_GUARD_RESTARTS = 5  # a guard that dies this often is not started again (it would fail the same way)
 
 
 def free_port(host: str = LOCALHOST) -> int:
@@ -38,11 +47,28 @@ def free_port(host: str = LOCALHOST) -> int:
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        # PR_SET_PDEATHSIG: a harness killed before the guard is up does not orphan the server. SIGKILL, as
-        # vLLM ignores SIGTERM while it starts up; the guard stops the rest of the tree.
+        # PR_SET_PDEATHSIG: a harness killed before the launcher has set its own parent-death signal (it
+        # then has no child yet) takes the launcher with it
         libc.prctl(1, signal.SIGKILL)
     except OSError:
         pass
+
+
+def run_in_own_group(argv: list[str], **popen_kwargs) -> int:
+    """Run ``argv`` to its end, in a process group of its own that goes with this process: killed (SIGKILL,
+    the whole group) when this call ends early (KeyboardInterrupt, including a SIGTERM the caller turns into
+    one), and its root killed by the kernel when this process dies (PR_SET_PDEATHSIG). For one-off tools
+    such as a model converter, which otherwise ran on for seconds after `kvbench setup` was stopped."""
+    proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with_parent, **popen_kwargs)
+    try:
+        return proc.wait()
+    finally:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
 
 
 def _is_error_line(line: str) -> bool:
@@ -122,6 +148,11 @@ class ServerProcess:
         self.guard: subprocess.Popen | None = None
         self.log_offset = 0  # where this start's part of the log begins
         self.survivors: list[dict] = []  # processes of the tree that outlived stop() (normally none)
+        self.server_pid: int | None = None  # the server itself, the launcher's child
+        self.private_tmp: Path | None = None  # the server's own folder (PRIVATE_TMP), while it exists
+        self.guard_restarts: list[dict] = []  # guards that died while the engine ran, each replaced
+        self._guard_lock = threading.Lock()
+        self._stopping = False
 
     def _make_wall(self) -> None:
         cleanup_stale()  # the empty walls of harnesses that died (the guard removes them; this is a second net)
@@ -155,27 +186,67 @@ class ServerProcess:
         self.log_offset = log.tell()
         log.write(("$ " + " ".join(self.argv) + "\n").encode())
         log.flush()
+        env = {**os.environ, **self.env}
+        if PRIVATE_TMP in env.values():
+            base = tempfile.gettempdir()
+            self.private_tmp = Path(tempfile.mkdtemp(prefix="kvbench-", dir=base if len(base) <= 40 else "/tmp"))
+            env = {k: str(self.private_tmp) if v == PRIVATE_TMP else v for k, v in env.items()}
+        tmp = ["--tmp", str(self.private_tmp)] if self.private_tmp else []
+        pid_read, pid_write = os.pipe()
         try:
-            # its own session: Ctrl-C in the terminal reaches the harness only, which then stops it
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, **self.env}, start_new_session=True,
-                                         preexec_fn=self._preexec())
+            # its own session: Ctrl-C in the terminal reaches the harness only, which then stops it. The root
+            # is the launcher (.launcher), which starts the server and takes its tree along when kvbench dies;
+            # -I -S: the standard library only, no site-packages (and the script's folder not on sys.path)
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", str(LAUNCHER_SCRIPT), str(os.getpid()),
+                                          str(pid_write), *tmp, "--", *self.argv], stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                         start_new_session=True, preexec_fn=self._preexec(), pass_fds=(pid_write,))
         except (OSError, subprocess.SubprocessError) as exc:  # SubprocessError: the wall refused it before exec
+            os.close(pid_read)
+            self._remove_private_tmp()
             raise EngineStartError(f"could not start {self.argv[0]}: {exc}") from None
         finally:
+            os.close(pid_write)
             log.close()
+        with os.fdopen(pid_read) as f:  # written at once after the fork; end of file if the launcher failed
+            line = f.readline().strip()
+        self.server_pid = int(line) if line.isdigit() else self.proc.pid
+        with self._guard_lock:
+            self.guard = self._start_guard()
+        threading.Thread(target=self._watch_guard, name="kvbench-guard-watch", daemon=True).start()
+
+    def _start_guard(self) -> subprocess.Popen:
         # the guard is in a session of its own too, so that stopping the engine's session spares it; it is
         # outside the wall, and removes the wall when the harness dies
         wall = ["--wall", str(self.wall.path)] if self.wall else []
         # -P: the script's folder is not put on sys.path, where backends/types.py would shadow the standard
         # library's types module (the guard then died at its first import, and guarded nothing)
-        self.guard = subprocess.Popen([sys.executable, "-P", str(GUARD_SCRIPT), str(self.proc.pid), *wall],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                      start_new_session=True, text=True)
+        return subprocess.Popen([sys.executable, "-P", str(GUARD_SCRIPT), str(self.proc.pid), *wall],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                start_new_session=True, text=True)
+
+    def _watch_guard(self) -> None:
+        """A guard that dies while the engine runs (killed, out of memory) is replaced at once and recorded
+        (:attr:`guard_restarts`). Restarted rather than failing the engine's cells: the guard measures
+        nothing, the engine is unharmed, and in the gap the launcher still takes the tree along if the
+        harness dies too; a new guard brings back the graceful stop when the harness dies."""
+        while True:
+            guard = self.guard
+            code = guard.wait()
+            with self._guard_lock:
+                if self._stopping or guard is not self.guard or not self.alive():
+                    return  # told to stop, or it ended because the engine did: nothing to restart
+                self.guard_restarts.append({"at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                            "guard_pid": guard.pid, "guard_exit": _describe_exit(code)})
+                if len(self.guard_restarts) > MAX_GUARD_RESTARTS:  # a guard that cannot run: the launcher remains
+                    self.guard_restarts[-1]["replaced"] = False
+                    return
+                self.guard = self._start_guard()
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+        """The server's own process (the launcher's child): its tree is the engine's figures."""
+        return self.server_pid if self.proc else None
 
     def alive(self) -> bool:
         return bool(self.proc and self.proc.poll() is None)
@@ -195,9 +266,7 @@ class ServerProcess:
             return ""
         if self.wall and (verdict := oom_verdict(self.wall, code)):
             return verdict  # "out of memory at the 512.0 MiB wall (peak 511.9 MiB)"
-        if code < 0:
-            return f"killed by {signal.Signals(-code).name}"
-        return f"exited with code {code}"
+        return _describe_exit(code)
 
     def wait_http(self, url: str, timeout_s: float) -> None:
         """Until ``url`` answers 200; an EngineStartError with the log excerpt when the server dies first or
@@ -232,6 +301,11 @@ class ServerProcess:
             self.wall_error = str(exc)
             return self.wall.pids()
 
+    def _remove_private_tmp(self) -> None:
+        if self.private_tmp is not None:
+            shutil.rmtree(self.private_tmp, ignore_errors=True)
+            self.private_tmp = None
+
     def stop(self, grace_s: float = 15.0) -> list[dict]:
         """SIGTERM the whole tree, SIGKILL what is left after ``grace_s``; then check that nothing of it
         runs. With a memory wall, then close it: SIGKILL whatever is still in it, remove the group.
@@ -240,6 +314,8 @@ class ServerProcess:
             self._close_wall()
             return []
         survivors = None
+        with self._guard_lock:
+            self._stopping = True  # the guard ends now: not to be replaced
         if self.guard and self.guard.poll() is None:
             try:
                 out, _ = self.guard.communicate(f"stop {grace_s}\n", timeout=grace_s + 30)
@@ -252,6 +328,7 @@ class ServerProcess:
             self.proc.wait(timeout=5)  # reap the root (a zombie until its parent, the harness, waits)
         except subprocess.TimeoutExpired:
             pass
+        self._remove_private_tmp()
         if self.wall is not None:
             stuck = self._close_wall()
             # the wall killed what the guard could not, unless the wall itself could not be emptied
@@ -260,6 +337,10 @@ class ServerProcess:
             survivors += [_describe_pid(pid) for pid in stuck if pid not in known and _pid_running(pid)]
         self.survivors = survivors
         return survivors
+
+
+def _describe_exit(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
 
 
 def _pid_running(pid: int) -> bool:

@@ -165,7 +165,9 @@ def test_a_killed_harness_leaves_no_server_and_resume_finishes_the_run(tmp_path)
 
 
 def _vllm_children(kvbench: subprocess.Popen, vllm_env: Path) -> list[psutil.Process]:
-    return [p for p in psutil.Process(kvbench.pid).children() if p in processes_of(vllm_env)]
+    """vLLM's API server: the child of the tree's root, kvbench's launcher (backends/launcher.py)."""
+    launchers = [p for p in psutil.Process(kvbench.pid).children() if "launcher.py" in " ".join(p.cmdline())]
+    return [p for launcher in launchers for p in launcher.children() if p in processes_of(vllm_env)]
 
 
 def test_vllm_api_server_killed_mid_run_leaves_no_engine_core(tmp_path):

@@ -314,7 +314,8 @@ def test_stop_kills_what_left_the_session_but_not_the_wall(tmp_path):
     try:
         pids = _tree_pids(log)
         assert server.exit_description(wait_s=10) == "exited with code 0"
-        assert pids["child"] in server.wall.pids()
+        # the launcher (backends/launcher.py) ends it with its root at once; until then the wall holds it
+        assert _all_ended([pids["child"]]) or pids["child"] in server.wall.pids()
     finally:
         survivors = server.stop(grace_s=1)
     assert survivors == []

@@ -15,6 +15,7 @@ from kvbench.kv.rules import KVCheck, KVQuestion, KVRules
 
 from ..base import Backend
 from ..options import Option
+from ..process import run_in_own_group
 from ..streaming import stream_sse
 from ..types import KVInUse, KVPool, RequestResult, ServerSpec
 from .kvrules import QUANTIZED, TransformersKV
@@ -78,8 +79,9 @@ class HFBackend(Backend):
         def convert(gguf: Path, out_dir: Path, log_file: Path) -> None:
             interpreter = python or env_python(ensure_env(cls.recipe(cls.default_version), log=log))
             with log_file.open("w") as out:
-                code = subprocess.run([str(interpreter), str(CONVERTER), str(gguf), str(out_dir)], stdout=out,
-                                      stderr=subprocess.STDOUT, env=SCRIPT_ENV).returncode
+                # stopped with kvbench: an interrupted `kvbench setup` or run leaves no converter running
+                code = run_in_own_group([str(interpreter), str(CONVERTER), str(gguf), str(out_dir)], stdout=out,
+                                        stderr=subprocess.STDOUT, env=SCRIPT_ENV)
             if code != 0:
                 raise RuntimeError(f"{CONVERTER.name} exited with code {code}")
         return convert

@@ -6,10 +6,12 @@ being vLLM's null block.
 """
 from __future__ import annotations
 
+import getpass
 import glob
 import json
 import os
 import re
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +27,7 @@ from kvbench.kv.rules import KVCheck, KVQuestion
 from ..base import Backend, extra_args
 from ..openai.adapter import read_completion_chunk, served_model_ids
 from ..options import EXTRA_ARGS, Option
-from ..process import last_error_line
+from ..process import PRIVATE_TMP, last_error_line
 from ..prometheus import PrometheusPolled, gauge_sum
 from ..streaming import stream_sse
 from ..types import EngineStartError, KVInUse, KVPool, PrefixCacheCounters, RequestResult, ServerSpec
@@ -236,6 +238,14 @@ class VLLMBackend(PrometheusPolled, Backend):
         argv += extra_args(self.options)
         env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "VLLM_LOGGING_LEVEL": "INFO"}
+        # vLLM's rendezvous files (vllm_dist_*, vllm/utils/network_utils.py) and ZMQ unix sockets
+        # (VLLM_RPC_BASE_PATH, vllm/envs.py) go to the temp folder: one of this server's own, removed after
+        # its stop (they were left in /tmp by every run); torch's compile cache stays where it was
+        env["TMPDIR"] = PRIVATE_TMP
+        if "VLLM_RPC_BASE_PATH" not in os.environ:
+            env["VLLM_RPC_BASE_PATH"] = PRIVATE_TMP
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+            tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
         if spec.reset_prefix_cache:  # vLLM serves /reset_prefix_cache in its development mode only
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if not gpu and self.options.get("cpu_preload", True):

@@ -1,4 +1,5 @@
 import math
+import signal
 from pathlib import Path
 
 import typer
@@ -163,6 +164,10 @@ def run(
         console.print(f"[red]error:[/] {escape(str(runner.writer.failed or exc))}", soft_wrap=True)
         raise typer.Exit(1)
     except KeyboardInterrupt:
+        # ignored from here on: at exit Python puts its own handlers back to the default, and a second Ctrl-C
+        # then would end the process by the signal (status -2) instead of exit 130
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         console.print(f"[yellow]interrupted; finished cells are in {runner.run_dir}[/]")
         raise typer.Exit(130)
     try:

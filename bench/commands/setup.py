@@ -1,3 +1,5 @@
+import signal
+
 import typer
 from rich.markup import escape
 
@@ -20,6 +22,26 @@ def setup(
         configs = [BackendConfig.parse(b) for b in backend]
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from None
+    # SIGTERM ends setup as Ctrl-C does: the installer or converter running is stopped with it (its `finally`)
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    try:
+        failed = _prepare(console, configs, model)
+    except KeyboardInterrupt:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # no second signal cuts the exit short (status -2)
+            signal.signal(sig, signal.SIG_IGN)
+        console.print("[yellow]setup interrupted: run it again to finish[/]")
+        raise typer.Exit(130)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _sigterm_as_interrupt(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _prepare(console, configs: list[BackendConfig], model: str) -> bool:
+    """Install every engine's environments and prepare the model; whether anything failed."""
     failed = False
     for cfg in configs:
         if REGISTRY[cfg.engine].attach_only:  # nothing of its own to install: no empty environment made
@@ -38,5 +60,4 @@ def setup(
     except models.ModelError as exc:
         failed = True
         console.print(f"[red]{escape(with_hint(str(exc), model, model_names()))}[/]")
-    if failed:
-        raise typer.Exit(1)
+    return failed

@@ -7,6 +7,7 @@ import time
 from kvbench.backends.base import Backend
 from kvbench.backends.streaming import open_client
 
+from .interrupt import stopping
 from .common import InFlight, LoadPoint, LoadResult, LoadSettings, send_one
 
 
@@ -23,7 +24,8 @@ async def run(backend: Backend, prompts: list, point: LoadPoint, settings: LoadS
     deadline = t_start + settings.duration_s if settings.duration_s else None
     async with open_client(concurrency, timeout_s) as client:
         async def worker():
-            while not (deadline and time.perf_counter() >= deadline):
+            # a stop signal ends the loop here too: a cancellation swallowed by wait_for (see .interrupt)
+            while not (stopping() or deadline and time.perf_counter() >= deadline):
                 try:
                     prompt = queue.get_nowait()
                 except asyncio.QueueEmpty:

@@ -13,6 +13,7 @@ import numpy as np
 from kvbench.backends.base import Backend
 from kvbench.backends.streaming import open_client
 
+from .interrupt import stopping
 from .common import InFlight, LoadPoint, LoadResult, LoadSettings, send_one
 
 
@@ -40,6 +41,8 @@ async def send_on_schedule(backend: Backend, prompts: list, offsets: np.ndarray,
             if cap:
                 await cap.acquire()
             try:
+                if stopping():  # due while the cap was full: not sent once the load is stopping
+                    return
                 lags.append(time.perf_counter() - due)
                 with in_flight:
                     result = await send_one(backend, client, prompt, settings)
@@ -51,6 +54,8 @@ async def send_on_schedule(backend: Backend, prompts: list, offsets: np.ndarray,
 
         tasks = []
         for prompt, offset in zip(prompts, offsets):
+            if stopping():  # the cancellation may have been swallowed (see .interrupt)
+                break
             due = t_start + float(offset)
             delay = due - time.perf_counter()
             if delay > 0:

@@ -30,6 +30,7 @@ import inspect
 import io
 import multiprocessing
 import pickle
+import signal
 import ssl
 import subprocess
 import threading
@@ -201,10 +202,13 @@ async def _share(conn, backend, dropped, prompts, point: LoadPoint, offsets, set
 
 def _worker_main(conn) -> None:
     """A worker process: read its share, start its event loop, run (:func:`_share`), send the result."""
+    # Ctrl-C in a terminal reaches the whole process group: the parent decides, and ends its workers itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         backend, dropped, endpoints, prompts, point, offsets, settings = pickle.loads(conn.recv_bytes())
         _apply_endpoints(backend, endpoints)
-        result = run_async(_share(conn, backend, dropped, prompts, point, offsets, settings))
+        # SIGTERM (the parent's terminate()) keeps its default: the worker ends at once
+        result = run_async(_share(conn, backend, dropped, prompts, point, offsets, settings), signals=False)
         if result is not None:
             conn.send(("done", result))
     except KeyboardInterrupt:

@@ -37,7 +37,7 @@ from kvbench.common.envs import EnvInstallError, ensure_env
 from kvbench.common.hardware import NVML, GPUBaseline, environment_info
 from kvbench.common.metrics import RequestTimes
 from kvbench.common.redact import redact_text
-from kvbench.load import LoadPoint, LoadSettings, TimeoutStreak, frozen_heap, run, run_async
+from kvbench.load import LoadPoint, LoadSettings, TimeoutStreak, frozen_heap, interrupt, run, run_async
 from kvbench.load.open_loop import schedule_seed
 from kvbench.run import estimate
 from kvbench.run.progress import CellProgress, run_progress, set_eta
@@ -133,13 +133,18 @@ def resumable(info: dict, o: RunOptions) -> None:
                              "resume it as it was started, or start a new run")
 
 
-def _sigterm_as_interrupt(signum, frame):
-    """SIGTERM ends the run as Ctrl-C does, so that `finally` blocks stop the servers. Re-sent as SIGINT:
-    inside the load's event loop asyncio then cancels the load cleanly, where a KeyboardInterrupt raised
-    in a protocol callback was taken by uvloop for a connection error and the run went on."""
-    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):  # e.g. started with & by a shell
+def _interrupt(signum, frame):
+    """SIGINT and SIGTERM end the run as Ctrl-C does, so that `finally` blocks stop the servers and run.json
+    says "interrupted". Only the first raises KeyboardInterrupt (inside a load, :mod:`kvbench.load.interrupt`
+    handles it without raising); later ones are noted only: a second Ctrl-C must not cut the wind-down short
+    (an engine left running, run.json left "running", a traceback). SIGINT is handled also where it was
+    ignored on entry, as a shell does for a job started with `&`: that SIGINT once went unheeded, and a
+    SIGTERM raised KeyboardInterrupt inside the load's event loop ("Fatal error on transport", run going on);
+    whoever sends kvbench a SIGINT means it to stop."""
+    first = not interrupt.stopping()
+    interrupt.note(signum)
+    if first:
         raise KeyboardInterrupt
-    signal.raise_signal(signal.SIGINT)
 
 
 class Runner:
@@ -183,12 +188,15 @@ class Runner:
 
     # --- the whole run ---------------------------------------------------------------------------
     def run(self) -> Path:
-        previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+        interrupt.reset()
+        previous = {sig: signal.signal(sig, _interrupt) for sig in interrupt.STOP_SIGNALS}
         try:
             return self._run()
         finally:
-            signal.signal(signal.SIGTERM, previous)
             self.lock.release()
+            if not interrupt.stopping():  # interrupted: the handlers stay, the process is on its way out
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
     def _run(self) -> Path:
         o, w = self.o, self.o.workload
@@ -492,6 +500,8 @@ class _EngineSession:
             r.console.print(f"[red]{label}: processes of the engine survived its stop: {names}[/]")
         if not self.cfg.url:
             r.record.engine_stops[self.key] = {"reason": self.stop_reason, "survivors": survivors}
+            if restarts := backend.guard_restarts():  # its supervisor died and was replaced (backends/process.py)
+                r.record.engine_stops[self.key]["guard_restarts"] = restarts
         r.record.save(r.writer)
 
     def fail_remaining(self, error: str, log_tail: str = "", status: str = "failed", only_next: bool = False,
