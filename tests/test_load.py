@@ -223,3 +223,33 @@ def test_a_profile_is_one_registry_line(monkeypatch):
     assert (point.profile, point.slug) == ("one_at_a_time", "c1")
     load = drive(SleepyBackend(ttft=0.01, itl=0.0, tokens=1), [P(0), P(1)], point, 5)
     assert len(load.results) == 2 and load.max_in_flight == 1
+
+
+class CountedPrompts:
+    """A sequence of prompts that counts how many were built (indexing or iterating), as a cell's
+    CellPromptList builds each prompt when the load takes it."""
+
+    def __init__(self, n):
+        self.n, self.built = n, 0
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        self.built += 1
+        return P(i)
+
+    def __iter__(self):
+        return (self[i] for i in range(self.n))
+
+
+@pytest.mark.parametrize("point", [LoadPoint("concurrent", 4), LoadPoint("poisson", 4, 200.0)],
+                         ids=["closed", "open-with-duration"])
+def test_a_load_builds_only_the_prompts_it_sends(point):
+    """A cell of 10^6 requests cut short by duration_s builds the prompts it sends, not 10^6 first (the
+    closed loop used to queue every prompt before the first request)."""
+    prompts = CountedPrompts(10**6)
+    result = drive(SleepyBackend(ttft=0.01, itl=0.0, tokens=1), prompts, point, timeout_s=5, duration_s=0.3)
+    assert 0 < len(result.results) <= prompts.built <= len(result.results) + 4

@@ -181,3 +181,55 @@ def test_a_cancelled_load_ends_its_workers_at_once(tmp_path):
     while multiprocessing.active_children() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not multiprocessing.active_children()
+
+
+HARNESS = """
+import sys
+from pathlib import Path
+from kvbench.backends.openai.adapter import OpenAIBackend
+from kvbench.load import LoadPoint, LoadSettings, run, run_async
+from tests.fakes.testkit import prompt, spec
+tmp = Path(sys.argv[2])
+backend = OpenAIBackend("v1", tmp, {"token_ids": True, "ignore_eos": True, "return_token_ids": True})
+backend.attach(spec(tmp), sys.argv[1], timeout_s=5)
+print("attached", flush=True)
+run_async(run(backend, [prompt(8, 1000, f"r{i}") for i in range(4)], LoadPoint("concurrent", 2),
+              LoadSettings(60.0, workers=2)))
+"""
+
+
+def test_a_killed_harness_takes_its_load_workers_with_it(tmp_path):
+    """SIGKILL of the harness mid-cell: its load workers stop within seconds (they used to finish their
+    share, sending to the server, with nobody to read the results)."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    with FakeOpenAI(token_delay_s=0.01) as fake:  # each request 10 s
+        harness = subprocess.Popen([sys.executable, "-c", HARNESS, fake.url, str(tmp_path)], stdout=subprocess.PIPE,
+                                   text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+        try:
+            assert harness.stdout.readline().strip() == "attached"
+            deadline = time.monotonic() + 60
+            workers_seen = []
+            while len(workers_seen) < 2 and time.monotonic() < deadline:
+                workers_seen = [p for p in psutil.Process(harness.pid).children()
+                                if "spawn_main" in " ".join(p.cmdline())]
+                time.sleep(0.2)
+            assert len(workers_seen) == 2
+
+            def sending(p):  # a connection open to the server: the worker is streaming a request
+                return any(c.raddr and c.raddr.port == fake.port for c in p.net_connections(kind="tcp"))
+
+            while not all(sending(p) for p in workers_seen) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert all(sending(p) for p in workers_seen)
+            harness.send_signal(signal.SIGKILL)
+            harness.wait(10)
+            gone, alive = psutil.wait_procs(workers_seen, timeout=5)
+            assert not alive, [p.pid for p in alive]
+        finally:
+            harness.kill()
+            harness.wait()

@@ -15,9 +15,7 @@ async def run(backend: Backend, prompts: list, point: LoadPoint, settings: LoadS
     """Send ``prompts`` in order; with ``settings.duration_s``, no request starts after that many seconds
     (the ones in flight finish)."""
     concurrency, timeout_s = point.concurrency, settings.timeout_s
-    queue: asyncio.Queue = asyncio.Queue()
-    for p in prompts:
-        queue.put_nowait(p)
+    pending = iter(prompts)  # each prompt built when a worker takes it (a CellPromptList builds on demand)
     results = []
     in_flight = InFlight()
     t_start = time.perf_counter()
@@ -26,9 +24,8 @@ async def run(backend: Backend, prompts: list, point: LoadPoint, settings: LoadS
         async def worker():
             # a stop signal ends the loop here too: a cancellation swallowed by wait_for (see .interrupt)
             while not (stopping() or deadline and time.perf_counter() >= deadline):
-                try:
-                    prompt = queue.get_nowait()
-                except asyncio.QueueEmpty:
+                prompt = next(pending, None)
+                if prompt is None:
                     return
                 with in_flight:
                     result = await send_one(backend, client, prompt, settings)

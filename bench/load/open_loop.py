@@ -27,14 +27,15 @@ async def send_on_schedule(backend: Backend, prompts: list, offsets: np.ndarray,
                            settings: LoadSettings) -> LoadResult:
     """Send prompt i ``offsets[i]`` seconds after the start, at most ``point.concurrency`` in flight (None:
     no cap); with ``settings.duration_s``, requests due after it are dropped."""
-    if settings.duration_s:
-        keep = offsets < settings.duration_s
-        offsets, prompts = offsets[keep], [p for p, k in zip(prompts, keep) if k]
+    offsets = offsets[:len(prompts)]
+    due_at = range(len(offsets))
+    if settings.duration_s:  # indices, not a list of prompts: a CellPromptList builds each one when taken
+        due_at = np.flatnonzero(offsets < settings.duration_s)
     max_concurrency, timeout_s = point.concurrency, settings.timeout_s
     cap = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     in_flight = InFlight()
     results, lags = [], []
-    async with open_client(max_concurrency or len(prompts) or 1, timeout_s) as client:
+    async with open_client(max_concurrency or len(due_at) or 1, timeout_s) as client:
         t_start = time.perf_counter()
 
         async def fire(prompt, due: float):
@@ -53,7 +54,8 @@ async def send_on_schedule(backend: Backend, prompts: list, offsets: np.ndarray,
                     cap.release()
 
         tasks = []
-        for prompt, offset in zip(prompts, offsets):
+        for i in due_at:
+            prompt, offset = prompts[int(i)], offsets[int(i)]
             if stopping():  # the cancellation may have been swallowed (see .interrupt)
                 break
             due = t_start + float(offset)

@@ -29,6 +29,8 @@ import copy
 import inspect
 import io
 import multiprocessing
+import multiprocessing.connection
+import os
 import pickle
 import signal
 import ssl
@@ -200,10 +202,18 @@ async def _share(conn, backend, dropped, prompts, point: LoadPoint, offsets, set
     return result
 
 
+def _exit_with_the_parent() -> None:
+    """A worker whose harness died (SIGKILL included) stops sending at once instead of finishing its share:
+    multiprocessing's parent sentinel becomes ready when the parent process is gone."""
+    multiprocessing.connection.wait([multiprocessing.parent_process().sentinel])
+    os._exit(1)
+
+
 def _worker_main(conn) -> None:
     """A worker process: read its share, start its event loop, run (:func:`_share`), send the result."""
     # Ctrl-C in a terminal reaches the whole process group: the parent decides, and ends its workers itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_the_parent, daemon=True).start()
     try:
         backend, dropped, endpoints, prompts, point, offsets, settings = pickle.loads(conn.recv_bytes())
         _apply_endpoints(backend, endpoints)
