@@ -128,3 +128,30 @@ def test_a_signal_ends_a_load_of_several_workers(tmp_path, server, smollm2):
         requests_read(client, server)
         time.sleep(0.5)
         assert requests_read(client, server) == 0, "requests still arrive after the harness exited"
+
+
+def test_ctrl_c_while_the_report_is_written_is_exit_130_without_a_traceback(tmp_path, monkeypatch):
+    """The run is finished and whole; Ctrl-C during its report says where it is and exits 130 (it used to
+    print a traceback)."""
+    from typer.testing import CliRunner
+
+    import kvbench.commands.run
+    from kvbench.cli import app
+
+    class FinishedRunner:
+        def __init__(self, options, console):
+            self.run_dir = tmp_path / "the-run"
+
+        def run(self):
+            return self.run_dir
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kvbench.commands.run, "Runner", FinishedRunner)
+    monkeypatch.setattr(kvbench.commands.run.reports, "write_report", interrupted)
+    result = CliRunner().invoke(app, ["run", "-b", "llamacpp", "--workload", "smoke",
+                                      "--results-dir", str(tmp_path / "r")])
+    assert result.exit_code == 130, result.output
+    assert "interrupted while writing the report" in result.output and "Traceback" not in result.output
+    assert str(tmp_path / "the-run") in result.output.replace("\n", "")

@@ -172,12 +172,18 @@ def run(
         raise typer.Exit(130)
     try:
         md, page, _, built = reports.write_report([run_dir])
+        from kvbench.reports import terminal
+
+        terminal.render(built, console)  # the report, as `kvbench report` prints it (and as --help promises)
     except ResultsWriteError as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}; the results are in {escape(str(run_dir))}", soft_wrap=True)
         raise typer.Exit(1)
-    from kvbench.reports import terminal
-
-    terminal.render(built, console)  # the report, as `kvbench report` prints it (and as --help promises)
+    except KeyboardInterrupt:  # the run is whole; each report file is replaced atomically or not at all
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        console.print(f"[yellow]interrupted while writing the report; the run is finished in {run_dir} "
+                      f"(kvbench report {run_dir})[/]")
+        raise typer.Exit(130)
     console.print(f"\nresults: {run_dir}\nreport:  {md} and {page}  (kvbench report {run_dir})")
     cells = load_cells(run_dir)
     if cells.empty or (cells.status == "failed").all():
