@@ -418,7 +418,7 @@ class _EngineSession:
             r.console.print(summary_line(row))
             # a saturation sweep's closed loop found the rate: the open-loop rates follow it
             self.cells[self.done:self.done] = self.plan.saturation_cells(cell, row.requests_per_s or 0)
-            self.stop_reason = "finished"
+            self.stop_reason = "interrupted"  # a cell ran: no longer wedged; "finished" once the loop ends
         if not self.stop_reason.startswith("wedged"):
             self.stop_reason = "finished"
 
