@@ -22,8 +22,10 @@ def setup(
         configs = [BackendConfig.parse(b) for b in backend]
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from None
-    # SIGTERM ends setup as Ctrl-C does: the installer or converter running is stopped with it (its `finally`)
+    # SIGTERM ends setup as Ctrl-C does: the installer or converter running is stopped with it (its `finally`);
+    # SIGINT too where it was ignored on entry (a shell's `&` job), as `kvbench run` heeds it
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         failed = _prepare(console, configs, model)
     except KeyboardInterrupt:

@@ -43,7 +43,9 @@ def measure(job: dict) -> dict:
     lengths = []
     for layer in cache.layers:
         keys = getattr(layer, "keys", None)
-        if hasattr(layer, "cumulative_length"):  # a quantised layer: its keys are the residual only
+        # a quantised layer: its keys are the residual only (a sliding-window layer's cumulative_length
+        # counts every token seen, not the window it holds)
+        if hasattr(layer, "_quantized_keys"):
             lengths.append(int(layer.cumulative_length))
             continue
         lengths.append(None if keys is None or not keys.numel() else keys.shape[-2])
