@@ -8,9 +8,8 @@ import pytest
 
 from kvbench.store.readers import load_cells
 
-from .conftest import engine_env
+from tests.helpers import REPO, engine_env
 
-REPO = Path(__file__).resolve().parent.parent
 TINY = """name = "tiny"
 seed = 3
 prompt_tokens = [64]

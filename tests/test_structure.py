@@ -7,8 +7,9 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from tests.helpers import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO  # the repository
 # The layers, bottom first: a module imports only from its own layer and those before it (data flows one
 # way: workload -> cells -> runner -> rows -> store -> reports). The package's own __init__ is below all.
 LAYERS = ["kvbench.kv", "kvbench.common", "kvbench.backends", "kvbench.load", "kvbench.workloads", "kvbench.store",

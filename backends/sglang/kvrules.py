@@ -2,7 +2,7 @@
 
 Read from SGLang 0.5.23 (the ``sglang`` wheel's own sources, pyproject version 0.5.23; file:line as in that
 release). No SGLang server ran here (docs/engines.md says why): every rule below is the source's, checked
-against hand-computed cases in tests/test_sglang.py.
+against hand-computed cases in tests/backends/sglang/test_adapter.py.
 """
 from __future__ import annotations
 

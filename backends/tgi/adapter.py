@@ -160,7 +160,7 @@ class TGIBackend(PrometheusPolled, Backend):
         # /info on the adapter's own client, not huggingface_hub's InferenceClient.get_endpoint_info: that
         # call refuses every request, even to a local server, when HF_HUB_OFFLINE=1 (which offline benchmark
         # machines and kvbench's tests set), takes no timeout and no CA bundle, and returns the JSON unparsed,
-        # so it would check nothing more. The official client drives the fake in tests/test_fake_conformance.py.
+        # so it would check nothing more. The official client drives the fake in tests/backends/test_fake_conformance.py.
         # (TGI's own old client, the `text-generation` package, requires huggingface-hub < 1.0: it cannot be
         # installed beside kvbench's huggingface_hub >= 1.0 and transformers 5.)
         try:

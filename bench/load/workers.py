@@ -12,7 +12,7 @@ load profiles (:mod:`.concurrent`, :mod:`.open_loop`), and their results merged 
 
 One clock: every worker stamps with ``time.perf_counter()``, which on Linux is CLOCK_MONOTONIC, one clock
 for the whole machine (not per process): a time taken in one process compares with a time taken in
-another (``tests/test_load_workers.py`` checks this). All workers start their load at one common
+another (``tests/load/test_workers.py`` checks this). All workers start their load at one common
 instant chosen by the parent once every worker has started and said it is ready; process start-up (0.3-1 s
 of imports per worker) is outside the cell. The merged result's ``t_start`` is that instant.
 

@@ -28,7 +28,7 @@ HTTP 401 ``{"error": {"message": "Incorrect API key provided", "type": "invalid_
 "invalid_api_key"}}`` (OpenAI's answer); ``auth_seen`` records the Authorization header of every request.
 
 Checked by the official ``openai`` client, each reply also strictly against its types:
-tests/test_openai_fake_conformance.py.
+tests/backends/openai/test_fake_conformance.py.
 """
 from __future__ import annotations
 

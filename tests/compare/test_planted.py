@@ -1,0 +1,153 @@
+"""`kvbench compare` on planted changes, end to end (the command in a process of its own, its exit code,
+table and JSON).
+
+Speed (issue 13's acceptance): a mock engine 10 % slower is caught at the repeats the README recommends (10,
+interleaved), and an unchanged one is not flagged. The mock engines are tests/fakes/openai_server.py servers
+whose every token (the first too) takes ``token_delay_s``: 20 ms against 22 ms is a 10 % slower engine, TTFT
+and ITL alike. Both run in one interleaved run (AB BA AB ...), which compare reads as paired repeats.
+
+KV memory: synthetic runs (tests/synth.py) identical but for the candidate's KV bytes in use: more than the
+1 % tolerance is a regression, less an improvement, a change within it unchanged.
+"""
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from kvbench.run.backend_config import BackendConfig
+from kvbench.run.runner import Runner, RunOptions
+from kvbench.workloads import load
+
+from tests.fakes.openai_server import FakeOpenAI
+from tests.helpers import REPO
+
+WORKLOAD = """name = "planted"
+description = "one short rung, five requests a cell: for compare's acceptance test"
+seed = 3
+prompt_tokens = [64]
+output_tokens = 8
+concurrency = [1]
+rounds = 5
+warmup_requests = 1
+warmup_prompt_tokens = 32
+"""
+
+
+def ab_run(tmp_path: Path, delay_a: float, delay_b: float) -> tuple[Path, str, str]:
+    (tmp_path / "planted.toml").write_text(WORKLOAD)
+    with FakeOpenAI(token_delay_s=delay_a) as a, FakeOpenAI(token_delay_s=delay_b) as b:
+        opts = RunOptions(model="smollm2", workload=load(str(tmp_path / "planted.toml")), results_dir=tmp_path,
+                          run_id="ab", repeats=10, interleave=True, estimate=False,
+                          backends=[BackendConfig.parse(f"openai:url={s.url}") for s in (a, b)])
+        run_dir = Runner(opts, Console(file=io.StringIO())).run()
+    return run_dir, f"openai@127.0.0.1:{a.port}", f"openai@127.0.0.1:{b.port}"
+
+
+def kvbench_compare(*args, json_file: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    """``kvbench compare ARGS --json FILE`` in a process of its own: (the process, the JSON it wrote)."""
+    proc = subprocess.run([sys.executable, "-m", "kvbench.cli", "compare", *map(str, args), "--json", str(json_file)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert json_file.exists(), proc.stdout + proc.stderr
+    return proc, json.loads(json_file.read_text())
+
+
+def compare(run_dir: Path, baseline: str, candidate: str, json_file: Path):
+    return kvbench_compare(run_dir, "--baseline-backend", baseline, "--candidate-backend", candidate,
+                           json_file=json_file)
+
+
+def metric(result: dict, name: str) -> list[dict]:
+    """``name``'s entry in every compared cell."""
+    return [m for c in result["cells"] for m in c["metrics"] if m["metric"] == name]
+
+
+def table_rows(stdout: str, name: str) -> list[list[str]]:
+    """The cells of the Markdown table's rows for metric ``name``."""
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in stdout.splitlines()
+            if line.startswith("|")]
+    return [r for r in rows if name in r]
+
+
+INTERLEAVED = "interleaved run (run.json: interleaved)"  # bench/compare/runs.py interleaving(): paired repeats
+
+
+@pytest.mark.parametrize("slower, expected_exit", [(1.10, 1), (1.0, 0)], ids=["10%-slower", "unchanged"])
+def test_compare_catches_a_planted_regression_and_passes_an_unchanged_engine(tmp_path, smollm2, slower,
+                                                                             expected_exit):
+    run_dir, a, b = ab_run(tmp_path, 0.020, 0.020 * slower)
+    proc, result = compare(run_dir, a, b, tmp_path / "compare.json")
+    # an unchanged engine is never a regression: unchanged (exit 0), or inconclusive (exit 3) where an interval
+    # of the 10 pairs is still wider than its tolerance
+    expected_exit = expected_exit or {"unchanged": 0, "inconclusive": 3}.get(result["verdict"], -1)
+    assert proc.returncode == expected_exit == result["exit_code"], proc.stdout + proc.stderr
+    verdict_line = proc.stdout.splitlines()[2]  # after the "# kvbench compare: ..." title: the verdict first
+    ttft = metric(result, "ttft_s_p50")
+    assert len(ttft) == 1  # one rung, one concurrency: one cell
+    if slower > 1:
+        assert result["verdict"] == "REGRESSION" and verdict_line.startswith("**REGRESSION** (exit 1):"), verdict_line
+        assert ttft[0]["verdict"] == "regression" and ttft[0]["ci_low"] > 0.05
+        assert table_rows(proc.stdout, "ttft_s_p50")[0][8] == "REGRESSION"
+    else:
+        assert not result["regression_found"]
+        assert verdict_line.startswith(f"**{result['verdict']}** (exit {expected_exit}):")
+        assert result["summary"]["regression"] == 0
+        assert ttft[0]["verdict"] in ("unchanged", "inconclusive")
+    # the repeats are paired (interleaved A/B), not two independent samples: the paired t-interval on every
+    # metric measured on both sides, over the run's 10 pairs
+    assert result["pairing"] == INTERLEAVED and f"Repeats: {INTERLEAVED}." in proc.stdout
+    measured = [m for c in result["cells"] for m in c["metrics"] if m["method"]]
+    assert {m["metric"] for m in measured} >= {"ttft_s_p50", "itl_s_p50", "e2e_s_p50", "output_tokens_per_s"}
+    assert {(m["paired"], m["method"]) for m in measured} == {(True, "paired t-interval on the log ratio, 10 pairs")}
+    assert table_rows(proc.stdout, "ttft_s_p50")[0][-1] == "paired t-interval on the log ratio, 10 pairs"
+    assert all(r["paired"] for r in result["repeats_needed"]) and "pairs here" in proc.stdout
+    assert "repeats per side" not in proc.stdout
+
+
+# --- KV memory: the regression and improvement verdicts on KV bytes in use -------------------------------
+
+@pytest.fixture(scope="module")
+def kv_base(tmp_path_factory):
+    from tests.synth import make_run
+
+    return make_run(tmp_path_factory.mktemp("kv"), "base", backends=[("vllm", "0.31.0")], seed=5, repeats=3,
+                    noise=0.002)
+
+
+# candidate KV / baseline KV -> compare's verdict on kv_in_use_peak_bytes (tolerance 1 %) and exit code
+KV_CASES = {"5%-more": (1.05, "regression", 1), "20%-less": (0.80, "improvement", 4),
+            "0.5%-more": (1.005, "unchanged", 0)}
+
+
+@pytest.mark.parametrize("case", list(KV_CASES))
+def test_compare_calls_more_kv_a_regression_and_less_an_improvement(tmp_path, kv_base, case):
+    from tests.synth import make_run
+
+    factor, verdict, exit_code = KV_CASES[case]
+    # the same seed: every figure of the candidate is the baseline's but its KV bytes in use
+    cand = make_run(tmp_path, "cand", backends=[("vllm", "0.32.0")], seed=5, repeats=3, noise=0.002,
+                    scale={"vllm-0.32.0": {"kv": factor}})
+    proc, result = kvbench_compare(kv_base, cand, json_file=tmp_path / "compare.json")
+    assert proc.returncode == exit_code == result["exit_code"], proc.stdout + proc.stderr
+    kv = metric(result, "kv_in_use_peak_bytes")
+    assert len(kv) == result["summary"]["compared_cells"] == 4
+    assert [m["verdict"] for m in kv] == [verdict] * 4
+    for m in kv:
+        assert m["change"] == pytest.approx(factor - 1, rel=1e-9)
+        assert m["ci_low"] == pytest.approx(factor - 1, rel=1e-9) == m["ci_high"]  # identical repeats: the point
+        assert m["candidate"] == pytest.approx(m["baseline"] * factor, rel=1e-9)
+    others = [m for c in result["cells"] for m in c["metrics"] if m["metric"] != "kv_in_use_peak_bytes" and m["method"]]
+    assert {m["metric"] for m in others} >= {"ttft_s_p50", "itl_s_p50", "output_tokens_per_s", "rss_peak_bytes"}
+    assert all(m["change"] == pytest.approx(0, abs=1e-12) for m in others)  # nothing else moved
+    assert {m["verdict"] for m in others} == {"unchanged"}
+    summary = result["summary"]
+    assert (summary["regression"], summary["improvement"]) == {"regression": (4, 0), "improvement": (0, 4),
+                                                               "unchanged": (0, 0)}[verdict]
+    assert result["regression_found"] is (verdict == "regression")
+    assert result["verdict"] == ("REGRESSION" if verdict == "regression" else verdict)
+    rows = table_rows(proc.stdout, "kv_in_use_peak_bytes")
+    assert len(rows) == 4 and {r[5] for r in rows} == {f"{(factor - 1) * 100:+.1f}%"}
+    assert {r[8] for r in rows} == {verdict.upper() if verdict == "regression" else verdict}

@@ -1,0 +1,236 @@
+"""The multi-process load generator (bench/load/workers.py) against the fake OpenAI server: every request
+once, from more than one process, chunk times on the parent's clock and inside the cell's window, and the
+open-loop schedule kept exactly."""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from kvbench.backends.openai.adapter import OpenAIBackend
+from kvbench.backends.types import RequestResult
+from kvbench.load import LoadPoint, LoadSettings, constant, run, run_async, workers
+from tests.fakes.openai_server import FakeOpenAI
+from tests.fakes.testkit import prompt, spec
+
+
+class PidOpenAI(OpenAIBackend):
+    """The OpenAI adapter, unchanged, plus the pid of the process that streamed each request."""
+
+    async def stream(self, client, prompt):
+        result = await super().stream(client, prompt)
+        result.engine_details["pid"] = os.getpid()
+        return result
+
+
+def attached(tmp_path, fake) -> PidOpenAI:
+    backend = PidOpenAI("v1", tmp_path, {"token_ids": True, "ignore_eos": True, "return_token_ids": True})
+    backend.attach(spec(tmp_path), fake.url, timeout_s=5)
+    return backend
+
+
+def drive(backend, prompts, point, n_workers, seed=0):
+    before = time.perf_counter()
+    load = run_async(run(backend, prompts, point, LoadSettings(30.0, seed=seed, workers=n_workers)))
+    return load, before, time.perf_counter()
+
+
+def check_requests(load, prompts, before, after, n_out):
+    ids = [r.request_id for r in load.results]
+    assert sorted(ids) == sorted(p.request_id for p in prompts) and len(set(ids)) == len(ids)  # each exactly once
+    assert before < load.t_start <= load.t_end < after
+    for r in load.results:
+        assert r.error is None, r.error
+        assert r.chunk_tokens == [1] * n_out and r.output_tokens_reported == n_out
+        times = [r.t_sent, *r.chunk_times, r.t_done]
+        assert all(a <= b for a, b in zip(times, times[1:])), r.request_id  # monotonic, one clock
+        # stamped in a worker, compared on the parent's perf_counter: one clock across processes
+        assert load.t_start <= r.t_sent and r.t_done <= load.t_end
+    pids = {r.engine_details["pid"] for r in load.results}
+    assert len(pids) == 2 and os.getpid() not in pids  # two worker processes, not this one
+
+
+def test_closed_loop_on_two_workers_returns_every_request_once(tmp_path):
+    prompts = [prompt(20, 6, f"r{i}") for i in range(24)]
+    with FakeOpenAI(token_delay_s=0.003) as fake:
+        backend = attached(tmp_path, fake)
+        load, before, after = drive(backend, prompts, LoadPoint("concurrent", 3), 2)
+    check_requests(load, prompts, before, after, 6)
+    # concurrency 3 over two workers: 2 + 1 streams, and never more than 3 requests out at once
+    assert 2 <= load.max_in_flight <= 3
+    assert load.loop_lag_s_max is not None and load.offered_request_rate is None
+    per_pid = {}
+    for r in load.results:
+        per_pid.setdefault(r.engine_details["pid"], []).append(int(r.request_id[1:]))
+    assert sorted(len(v) for v in per_pid.values()) == [8, 16]  # dealt 2:1 as the streams are
+
+
+def test_open_loop_on_two_workers_keeps_the_schedule(tmp_path):
+    rate, n = 40.0, 16
+    prompts = [prompt(20, 4, f"r{i}") for i in range(n)]
+    with FakeOpenAI(token_delay_s=0.002) as fake:
+        backend = attached(tmp_path, fake)
+        load, before, after = drive(backend, prompts, LoadPoint("constant", None, rate), 2)
+    check_requests(load, prompts, before, after, 4)
+    # every request kept its place in the one schedule of the cell, whichever worker sent it
+    due = {r.request_id: r.t_scheduled - load.t_start for r in load.results}
+    expected = constant.arrival_offsets(n, rate)
+    assert np.allclose([due[f"r{i}"] for i in range(n)], expected, atol=1e-9)
+    assert len(load.send_lags) == n and load.offered_request_rate == rate
+    for r in load.results:
+        # none left before its time, give or take the event loop's timer (uvloop's round to 1 ms: the
+        # single-process open loop, bench/load/open_loop.py, can wake that much early too)
+        assert r.t_sent >= r.t_scheduled - 0.0015
+
+
+def test_the_splits():
+    assert workers.split_count(5, 2) == [3, 2] and workers.split_count(4, 4) == [1, 1, 1, 1]
+    assert workers.deal(list(range(10)), [3, 2]) == [[0, 2, 4, 5, 7, 9], [1, 3, 6, 8]]
+    prompts = list(range(7))
+    shares = workers.plan(prompts, LoadPoint("concurrent", 5), LoadSettings(1.0), 8)  # never more than 5
+    assert [p.concurrency for _, p, _ in shares] == [1] * 5 and sorted(sum((s for s, _, _ in shares), [])) == prompts
+    shares = workers.plan(prompts, LoadPoint("poisson", 3, 2.0), LoadSettings(1.0, seed=7), 2)
+    assert [p.concurrency for _, p, _ in shares] == [2, 1] and [s for s, _, _ in shares] == [[0, 2, 4, 6], [1, 3, 5]]
+    from kvbench.load import poisson
+    offsets = poisson.arrival_offsets(7, 2.0, 7)  # the profile's own schedule, with the cell's seed
+    assert np.array_equal(np.concatenate([o for _, _, o in shares]), np.concatenate([offsets[0::2], offsets[1::2]]))
+
+
+def test_merge_counts_in_flight_from_the_requests_and_keeps_the_worst_loop_lag():
+    def req(i, sent, done):
+        r = RequestResult(f"r{i}", 1, 1, sent)
+        r.t_done = done
+        return r
+
+    a = workers.LoadResult([req(0, 1.0, 2.0), req(1, 2.0, 3.0)], 1.0, 3.0, loop_lag_s_max=0.004)
+    b = workers.LoadResult([req(2, 1.5, 2.5)], 1.0, 2.6, loop_lag_s_max=0.02)
+    merged = workers.merge([a, b], 1.0, None)
+    assert [r.request_id for r in merged.results] == ["r0", "r2", "r1"] and merged.t_end == 3.0
+    assert merged.max_in_flight == 2  # r0 ends as r1 starts: never 3 at once
+    merged.loop_lag_s_max = 0.001  # what run_async sets from the parent's waiting loop
+    assert merged.loop_lag_s_max == 0.02
+
+
+def test_a_worker_that_cannot_stream_says_why(tmp_path):
+    backend = PidOpenAI("v1", tmp_path, {})
+    backend.spec, backend.base_url = spec(tmp_path), "http://127.0.0.1:9"
+    backend.broken = lambda: None  # a local function does not pickle: left out of the worker's copy
+    clone, dropped = workers.portable_backend(backend)
+    assert dropped == ["broken"] and not hasattr(clone, "broken") and clone.base_url == backend.base_url
+    load = run_async(run(backend, [prompt(4, 2, "r0"), prompt(4, 2, "r1")], LoadPoint("concurrent", 2),
+                         LoadSettings(5.0, workers=2)))
+    assert len(load.results) == 2 and all("ConnectionRefusedError" in r.error for r in load.results)
+
+
+@pytest.mark.parametrize("clock", ["perf_counter"])
+def test_perf_counter_is_the_system_wide_monotonic_clock(clock):
+    """Why the workers' stamps compare with the parent's: on Linux perf_counter is CLOCK_MONOTONIC."""
+    info = time.get_clock_info(clock)
+    assert info.implementation == "clock_gettime(CLOCK_MONOTONIC)" and info.monotonic
+
+
+def test_workers_bench_quick(tmp_path):
+    """selfcheck/workers_bench.py end to end in its quick mode (its figures are measurements, in the README:
+    no speed thresholds here)."""
+    import json
+    import math
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "workers.json"
+    proc = subprocess.run([sys.executable, "-m", "kvbench.selfcheck.workers_bench", "--quick", "--workers", "1,2",
+                           "--concurrency", "8", "--tokens", "16", "--accuracy-concurrency", "4", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert [r["workers"] for r in data["rows"]] == [1, 2] and data["command"].startswith("python -m kvbench.selfcheck")
+    for row in data["rows"]:
+        assert row["failed"] == 0 and row["requests"] > 0
+        for key in ("tokens_per_s", "requests_per_s", "ttft_p50_err_ms", "ttft_p99_err_ms"):
+            assert math.isfinite(row[key]), key
+        assert row["ttft_p50_err_ms"] > -1.0  # no token seen before the mock sent it
+
+
+def test_a_cancelled_load_ends_its_workers_at_once(tmp_path):
+    """Ctrl-C or SIGTERM cancels the load's task: the workers are ended, not waited for (their requests
+    would take 10 s here)."""
+    import asyncio
+    import multiprocessing
+
+    prompts = [prompt(8, 1000, f"r{i}") for i in range(4)]
+    with FakeOpenAI(token_delay_s=0.01) as fake:
+        backend = attached(tmp_path, fake)
+
+        async def cancel_soon():
+            task = asyncio.create_task(run(backend, prompts, LoadPoint("concurrent", 2), LoadSettings(60.0, workers=2)))
+            await asyncio.sleep(2.0)
+            task.cancel()
+            t = time.perf_counter()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return time.perf_counter() - t
+
+        t0 = time.perf_counter()
+        asyncio.run(cancel_soon())
+        took = time.perf_counter() - t0
+    assert took < 6.0  # 2 s of load, then the workers ended (the requests alone would take 10 s)
+    deadline = time.monotonic() + 5
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not multiprocessing.active_children()
+
+
+HARNESS = """
+import sys
+from pathlib import Path
+from kvbench.backends.openai.adapter import OpenAIBackend
+from kvbench.load import LoadPoint, LoadSettings, run, run_async
+from tests.fakes.testkit import prompt, spec
+from tests.helpers import REPO
+tmp = Path(sys.argv[2])
+backend = OpenAIBackend("v1", tmp, {"token_ids": True, "ignore_eos": True, "return_token_ids": True})
+backend.attach(spec(tmp), sys.argv[1], timeout_s=5)
+print("attached", flush=True)
+run_async(run(backend, [prompt(8, 1000, f"r{i}") for i in range(4)], LoadPoint("concurrent", 2),
+              LoadSettings(60.0, workers=2)))
+"""
+
+
+def test_a_killed_harness_takes_its_load_workers_with_it(tmp_path):
+    """SIGKILL of the harness mid-cell: its load workers stop within seconds (they used to finish their
+    share, sending to the server, with nobody to read the results)."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    with FakeOpenAI(token_delay_s=0.01) as fake:  # each request 10 s
+        harness = subprocess.Popen([sys.executable, "-c", HARNESS, fake.url, str(tmp_path)], stdout=subprocess.PIPE,
+                                   text=True, cwd=str(REPO))
+        try:
+            assert harness.stdout.readline().strip() == "attached"
+            deadline = time.monotonic() + 60
+            workers_seen = []
+            while len(workers_seen) < 2 and time.monotonic() < deadline:
+                workers_seen = [p for p in psutil.Process(harness.pid).children()
+                                if "spawn_main" in " ".join(p.cmdline())]
+                time.sleep(0.2)
+            assert len(workers_seen) == 2
+
+            def sending(p):  # a connection open to the server: the worker is streaming a request
+                return any(c.raddr and c.raddr.port == fake.port for c in p.net_connections(kind="tcp"))
+
+            while not all(sending(p) for p in workers_seen) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert all(sending(p) for p in workers_seen)
+            harness.send_signal(signal.SIGKILL)
+            harness.wait(10)
+            gone, alive = psutil.wait_procs(workers_seen, timeout=5)
+            assert not alive, [p.pid for p in alive]
+        finally:
+            harness.kill()
+            harness.wait()
