@@ -108,7 +108,7 @@ class SGLangKV(KVRules):
     pool_from_budget = True
     # sglang:kv_used_tokens counts the pages the running requests hold, which is what answer() counts
     answer_is_in_use = True
-    rule_options = ("attention_backend", "swa_full_tokens_ratio", "disable_hybrid_swa_memory")
+    rule_options = ("attention_backend", "swa_full_tokens_ratio", "disable_hybrid_swa_memory", "mem_fraction_static")
     # kvbench's names -> SGLang's KV dtype; fp16 and fp32 are the model dtype (--dtype), which auto KV takes
     dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "f16": "fp16",
               "fp32": "fp32", "float32": "fp32", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3",
@@ -301,3 +301,13 @@ class SGLangKV(KVRules):
         swa_tokens = int(swa_tokens) if swa_tokens is not None else self.swa_tokens(q, int(tokens))
         physical = (int(tokens) + page) * full + ((swa_tokens + page) * swa if swa else 0)
         return physical / int(tokens)
+
+    # --- its memory on a GPU at startup (gpumem.py) -------------------------------------------------------
+    def startup_memory(self, q):
+        from . import gpumem
+        return gpumem.startup_memory(self, q)
+
+    def startup_refusal(self, q, mem, available: float, one_request: float, longest: int):
+        from . import gpumem
+        return gpumem.startup_refusal(self, q, available, one_request, longest)
+

@@ -23,6 +23,7 @@ class TGIKV(KVRules):
 
     engine = "tgi"
     version = "3.3.5"
+    rule_options = ("cuda_memory_fraction", "max_batch_prefill_tokens")
     has_blocks = True
     dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "f16": "fp16", "float16": "fp16",
               "fp8": "fp8_e4m3fn", "fp8_e4m3": "fp8_e4m3fn", "fp8_e4m3fn": "fp8_e4m3fn", "fp8_e5m2": "fp8_e5m2"}
@@ -79,3 +80,9 @@ class TGIKV(KVRules):
 
     def sequences_in_pool(self, geometry: KVGeometry, pool_tokens: int, context: int, details: dict) -> int | None:
         return pool_tokens // round_up(context, int(details.get("block_size") or 1))
+
+    # --- its memory on a GPU at startup (gpumem.py) -------------------------------------------------------
+    def startup_memory(self, q):
+        from . import gpumem
+        return gpumem.startup_memory(self, q)
+
