@@ -7,6 +7,8 @@ from typing import ClassVar
 from kvbench.kv.geometry import KVGeometry, LayerKV, decompressed, round_up
 from kvbench.kv.rules import KVAnswer, KVQuestion, KVRuleError, KVRules
 
+from . import gpumem
+
 # HF model types whose llama.cpp architecture keeps a window (src/models/*.cpp set swa_type): the others'
 # windows are sized full (Mistral, Qwen2: the converter writes no window, the architecture reads none).
 SWA_MODEL_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text", "gpt_oss", "cohere2",
@@ -194,10 +196,8 @@ class LlamaCppKV(KVRules):
 
     # --- its memory on a GPU at startup (gpumem.py) -------------------------------------------------------
     def startup_memory(self, q):
-        from . import gpumem
         return gpumem.startup_memory(self, q)
 
     def startup_refusal(self, q, mem, available: float, one_request: float, longest: int):
-        from . import gpumem
         return gpumem.startup_refusal(self, q, available, one_request, longest)
 

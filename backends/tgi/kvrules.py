@@ -6,6 +6,8 @@ from typing import ClassVar
 from kvbench.kv.geometry import KVGeometry, LayerKV, decompressed, round_up
 from kvbench.kv.rules import KVQuestion, KVRules, with_kinds
 
+from . import gpumem
+
 # server/text_generation_server/models/__init__.py get_model (main, Jan 2026): these model types' flash
 # classes pass default_dtype=torch.bfloat16 (Llama 4 dtype=torch.bfloat16); FlashCausalLM's default is
 # torch.float16, whatever the config's torch_dtype says
@@ -83,6 +85,5 @@ class TGIKV(KVRules):
 
     # --- its memory on a GPU at startup (gpumem.py) -------------------------------------------------------
     def startup_memory(self, q):
-        from . import gpumem
         return gpumem.startup_memory(self, q)
 

@@ -6,6 +6,8 @@ from dataclasses import replace
 from kvbench.kv.geometry import KVGeometry, cdiv, decompressed
 from kvbench.kv.rules import KVAnswer, KVQuestion, KVRuleError, KVRules, parse_version, with_kinds
 
+from . import gpumem
+
 # The model types vLLM runs with its MLA backend (model_arch_config_convertor.py, is_deepseek_mla, 0.32.0):
 # they cache the latent. Any other config with kv_lora_rank (MiniCPM3) is plain attention there.
 MLA_MODEL_TYPES = frozenset({
@@ -295,9 +297,7 @@ class VLLMKV(KVRules):
 
     # --- its memory on a GPU at startup (gpumem.py) -------------------------------------------------------
     def startup_memory(self, q):
-        from . import gpumem
         return gpumem.startup_memory(self, q)
 
     def startup_refusal(self, q, mem, available: float, one_request: float, longest: int):
-        from . import gpumem
         return gpumem.startup_refusal(self, q, available, one_request, longest)
