@@ -162,9 +162,9 @@ def test_an_upward_import_would_be_found():
 
 def test_the_kv_layer_and_every_engines_rules_import_only_the_kv_layer():
     for name, targets in graph().items():
-        if name.startswith("kvbench.kv") or name.endswith(".kvrules"):
+        if name.startswith("kvbench.kv") or name.endswith((".kvrules", ".gpumem")):
             # an engine's rules may extend another engine's rules (Ollama runs llama.cpp)
-            others = {t for t in targets if not t.startswith("kvbench.kv") and not t.endswith(".kvrules")
+            others = {t for t in targets if not t.startswith("kvbench.kv") and not t.endswith((".kvrules", ".gpumem"))
                       and t not in ("kvbench", "kvbench.backends") and not re.fullmatch(r"kvbench\.backends\.\w+", t)}
             assert not others, f"{name} imports {sorted(others)}"
 

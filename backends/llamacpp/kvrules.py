@@ -7,6 +7,8 @@ from typing import ClassVar
 from kvbench.kv.geometry import KVGeometry, LayerKV, decompressed, round_up
 from kvbench.kv.rules import KVAnswer, KVQuestion, KVRuleError, KVRules
 
+from . import gpumem
+
 # HF model types whose llama.cpp architecture keeps a window (src/models/*.cpp set swa_type): the others'
 # windows are sized full (Mistral, Qwen2: the converter writes no window, the architecture reads none).
 SWA_MODEL_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text", "gpt_oss", "cohere2",
@@ -42,7 +44,7 @@ class LlamaCppKV(KVRules):
 
     engine = "llamacpp"
     version = "0.3.36"
-    rule_options = ("unified", "cache_ram_mib")  # what `kvbench plan --engine-option` takes (KVQuestion.options)
+    rule_options = ("unified", "cache_ram_mib", "n_ubatch", "flash_attn")  # what `kvbench plan --engine-option` takes (KVQuestion.options)
     model_format = "gguf"
     dtypes = {"f16": "f16", "fp16": "f16", "float16": "f16", "bf16": "bf16", "bfloat16": "bf16", "f32": "f32",
               "fp32": "f32", "float32": "f32", "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0",
@@ -191,3 +193,11 @@ class LlamaCppKV(KVRules):
             return pool_tokens // padded
         full = max(caches, key=lambda c: c["cells"] * c["streams"])  # the full-attention cache
         return min(int(full["seqs"]), int(full["streams"]) * (int(full["cells"]) // padded))
+
+    # --- its memory on a GPU at startup (gpumem.py) -------------------------------------------------------
+    def startup_memory(self, q):
+        return gpumem.startup_memory(self, q)
+
+    def startup_refusal(self, q, mem, available: float, one_request: float, longest: int):
+        return gpumem.startup_refusal(self, q, available, one_request, longest)
+

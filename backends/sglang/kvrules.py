@@ -11,6 +11,9 @@ from typing import ClassVar
 from kvbench.kv.geometry import KVGeometry, LayerKV, cdiv, decompressed, round_up
 from kvbench.kv.rules import KVAnswer, KVQuestion, KVRuleError, KVRules, with_kinds
 
+from . import gpumem
+from .gpumem import auto_mem_fraction_static, prefill_graph_sizes  # noqa: F401  (their home before)
+
 #: Model types SGLang runs with its MLA backend (configs/model_config.py _derive_model_shapes: the
 #: architectures DeepseekV2/V3, Kimi K2 (DeepseekV3ForCausalLM), Glm4MoeLite, LongcatFlash, MiniCPM3, Dots3Note,
 #: HYV4, MistralLarge3, GigaChat35): their pool is MLATokenToKVPool, one latent row per token and layer.
@@ -32,44 +35,6 @@ SWA_EVICTION_INTERVAL = 128
 #: _intel_xpu_page_constraint): backend -> (page sizes it takes, the page it changes any other to).
 PAGE_CONSTRAINTS = {"flashmla": ((64,), 64), "trtllm_mla": ((32, 64), 64), "cutedsl_mla": ((32, 64), 64),
                     "trtllm_mha": ((16, 32, 64, 128), 64), "hpc_ops": ((64,), 64), "intel_xpu": ((64, 128), 128)}
-# arg_groups/memory_hook.py handle_gpu_memory_settings: (GPU memory below, MiB) -> (chunked_prefill_size,
-# decode CUDA-graph max_bs with tp < 4, with tp >= 4)
-_MEMORY_TIERS = ((20 * 1024, 2048, 8, 8), (35 * 1024, 4096, 48, 160), (60 * 1024, 4096, 32, 160),
-                 (90 * 1024, 8192, 256, 512), (160 * 1024, 8192, 256, 512), (float("inf"), 16384, 512, 512))
-
-
-def prefill_graph_sizes(max_bs: int) -> list[int]:
-    """arg_groups/cuda_graph_hook.py generate_prefill_cuda_graph_batch_sizes (480-497)."""
-    sizes = [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
-             *range(1280, 4097, 256), *range(4608, max_bs + 1, 512)]
-    return [s for s in sizes if s <= max_bs]
-
-
-def auto_mem_fraction_static(gpu_mib: float, tp: int = 1, mla: bool = False, chunked_prefill_size: int | None = None,
-                             max_running_requests: int | None = None) -> float:
-    """What ``--mem-fraction-static`` auto (None) resolves to on one CUDA GPU of ``gpu_mib`` MiB, no pipeline
-    or data parallelism, no speculative decoding, not multimodal (arg_groups/memory_hook.py
-    handle_gpu_memory_settings 83-345 and reserve_for_graph_mb 357-400; post-capture KV sizing is off by
-    default, environ.py SGLANG_ENABLE_POST_CAPTURE_KV_SIZING False):
-
-    reserved MiB = 512 + 1.5 x max(chunked_prefill_size, 2048) + tp / 8 x 1024 + the CUDA graphs' reserve
-    (2 x the decode graphs' max batch, + 8 per prefill graph size, or 1.5 GiB for MLA), at least 10 GiB on a
-    GPU over 60 GiB; the fraction is round((gpu - reserved) / gpu, 3). The fraction bounds weights + KV pool:
-    SGLang's KV budget is the free memory after loading less the free memory before it x (1 - fraction)
-    (mem_cache/kv_cache_configurator.py _profile_available_bytes 2990-3060)."""
-    _, chunked, small_tp_bs, big_tp_bs = next(t for t in _MEMORY_TIERS if gpu_mib < t[0])
-    chunked = chunked_prefill_size or chunked
-    max_bs = small_tp_bs if tp < 4 else big_tp_bs
-    if max_running_requests is not None and max_bs > max_running_requests:
-        max_bs = max_running_requests
-    prefill_max_bs = min(8192, chunked) if mla else chunked
-    graphs = max_bs * 2 + (1.5 * 1024 if mla else len(prefill_graph_sizes(prefill_max_bs)) * 8)
-    reserved = 512 + max(chunked, 2048) * 1.5 + tp / 8 * 1024 + graphs
-    if gpu_mib > 60 * 1024:
-        reserved = max(reserved, 10 * 1024)
-    return round((gpu_mib - reserved) / gpu_mib, 3)
-
-
 class SGLangKV(KVRules):
     """SGLang's token pool (0.5.23; see the module docstring for the files read).
 
@@ -108,7 +73,7 @@ class SGLangKV(KVRules):
     pool_from_budget = True
     # sglang:kv_used_tokens counts the pages the running requests hold, which is what answer() counts
     answer_is_in_use = True
-    rule_options = ("attention_backend", "swa_full_tokens_ratio", "disable_hybrid_swa_memory")
+    rule_options = ("attention_backend", "swa_full_tokens_ratio", "disable_hybrid_swa_memory", "mem_fraction_static")
     # kvbench's names -> SGLang's KV dtype; fp16 and fp32 are the model dtype (--dtype), which auto KV takes
     dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "f16": "fp16",
               "fp32": "fp32", "float32": "fp32", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3",
@@ -301,3 +266,11 @@ class SGLangKV(KVRules):
         swa_tokens = int(swa_tokens) if swa_tokens is not None else self.swa_tokens(q, int(tokens))
         physical = (int(tokens) + page) * full + ((swa_tokens + page) * swa if swa else 0)
         return physical / int(tokens)
+
+    # --- its memory on a GPU at startup (gpumem.py) -------------------------------------------------------
+    def startup_memory(self, q):
+        return gpumem.startup_memory(self, q)
+
+    def startup_refusal(self, q, mem, available: float, one_request: float, longest: int):
+        return gpumem.startup_refusal(self, q, available, one_request, longest)
+

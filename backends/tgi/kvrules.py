@@ -6,6 +6,8 @@ from typing import ClassVar
 from kvbench.kv.geometry import KVGeometry, LayerKV, decompressed, round_up
 from kvbench.kv.rules import KVQuestion, KVRules, with_kinds
 
+from . import gpumem
+
 # server/text_generation_server/models/__init__.py get_model (main, Jan 2026): these model types' flash
 # classes pass default_dtype=torch.bfloat16 (Llama 4 dtype=torch.bfloat16); FlashCausalLM's default is
 # torch.float16, whatever the config's torch_dtype says
@@ -23,6 +25,7 @@ class TGIKV(KVRules):
 
     engine = "tgi"
     version = "3.3.5"
+    rule_options = ("cuda_memory_fraction", "max_batch_prefill_tokens")
     has_blocks = True
     dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "f16": "fp16", "float16": "fp16",
               "fp8": "fp8_e4m3fn", "fp8_e4m3": "fp8_e4m3fn", "fp8_e4m3fn": "fp8_e4m3fn", "fp8_e5m2": "fp8_e5m2"}
@@ -79,3 +82,8 @@ class TGIKV(KVRules):
 
     def sequences_in_pool(self, geometry: KVGeometry, pool_tokens: int, context: int, details: dict) -> int | None:
         return pool_tokens // round_up(context, int(details.get("block_size") or 1))
+
+    # --- its memory on a GPU at startup (gpumem.py) -------------------------------------------------------
+    def startup_memory(self, q):
+        return gpumem.startup_memory(self, q)
+

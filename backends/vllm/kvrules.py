@@ -6,6 +6,8 @@ from dataclasses import replace
 from kvbench.kv.geometry import KVGeometry, cdiv, decompressed
 from kvbench.kv.rules import KVAnswer, KVQuestion, KVRuleError, KVRules, parse_version, with_kinds
 
+from . import gpumem
+
 # The model types vLLM runs with its MLA backend (model_arch_config_convertor.py, is_deepseek_mla, 0.32.0):
 # they cache the latent. Any other config with kv_lora_rank (MiniCPM3) is plain attention there.
 MLA_MODEL_TYPES = frozenset({
@@ -46,7 +48,7 @@ class VLLMKV(KVRules):
     pool_from_budget = True
     # what `kvbench plan --engine-option` takes (KVQuestion.options): the hybrid manager on or off, and the
     # server's --max-num-batched-tokens where it is not vLLM's default (it sets a window's admission cap)
-    rule_options = ("hybrid_kv_cache", "max_num_batched_tokens")
+    rule_options = ("hybrid_kv_cache", "max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization", "use_v1")
     dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32",
               "float32": "fp32", "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
@@ -292,3 +294,10 @@ class VLLMKV(KVRules):
         q = KVQuestion(geometry, dtype, block_size=block, device=details.get("device", "gpu"),
                        version=details.get("version"))
         return self.bytes_per_block(q) / block
+
+    # --- its memory on a GPU at startup (gpumem.py) -------------------------------------------------------
+    def startup_memory(self, q):
+        return gpumem.startup_memory(self, q)
+
+    def startup_refusal(self, q, mem, available: float, one_request: float, longest: int):
+        return gpumem.startup_refusal(self, q, available, one_request, longest)

@@ -145,7 +145,7 @@ def plan_command(
             model=m, context=parse_tokens(context, "--context"), batch=parse_int(batch, "--batch"),
             kv_dtype=kv_dtype, tp=parse_int(tp, "--tp"), engine=engine.lower() if engine else None, gpu=gpu,
             overhead_gib=overhead, overhead_source=source, memory=wall,
-            margin=_finite(parse_float(margin, "--margin"), "--margin") if margin is not None else (0.0 if wall is not None else 0.10), block_size=parse_int(block_size, "--block-size", 0),
+            margin=_finite(parse_float(margin, "--margin"), "--margin") if margin is not None else (0.0 if wall is not None else None), block_size=parse_int(block_size, "--block-size", 0),
             device=device, engine_version=engine_version, engine_options=options,
             allow_long_context=allow_long_context, max_model_len=parse_tokens(max_model_len, "--max-model-len"),
             node_gpus=parse_int(node_gpus, "--node-gpus"),
@@ -180,6 +180,8 @@ def plan_command(
 
 def _print(r: dict) -> None:
     v = r["verdict"]
+    if r.get("startup"):
+        typer.echo(r["startup"]["line"])
     typer.echo(v["line"])
     wall = r.get("memory_wall")
     on = r["gpu"] if wall else f"{r['tp']} x {r['gpu']}" if r.get("gpu") else "no GPU given"
@@ -194,7 +196,7 @@ def _print(r: dict) -> None:
     for row in r["ledger"]:
         t.add_row(row["term"], fmt_gib(row["bytes"], "unknown"), escape(row["source"]))
     if r.get("gpu"):
-        t.add_row("= total", fmt_gib(r["needed_bytes_per_gpu"] + r["gpu_memory_bytes"] * r["margin"]
+        t.add_row("= total", fmt_gib(r["needed_bytes_per_gpu"] + r["kept_free_bytes"]
                                      if r["needed_bytes_per_gpu"] is not None else None, "unknown"),
                   f"of {r['gpu']}" if wall else
                   f"of {r['gpu']}'s {fmt_gib(r['gpu_memory_bytes'])} ({fmt_gib(r['usable_bytes'])} usable)")
@@ -226,7 +228,7 @@ def _print_pools(s, pools, as_json: bool) -> None:
     on = s.gpu.name if s.gpu.wall else f"{s.tp} x {s.gpu.name}"
     if as_json:
         print(json.dumps({"model": s.model.name, "gpu": s.gpu.name, "tp": s.tp, "max_model_len": s.limit,
-                          "margin": s.margin, "engines": [asdict(p) for p in pools]}, indent=2))
+                          "margin": s.margin, "engines": [asdict(p) for p in pools]}, indent=2, default=str))
         return
     typer.echo(f"{s.model.name} on {on}, a limit of {s.limit:,} tokens per request ({s.limit_source}); "
                f"{s.margin:.0%} of the memory kept free")

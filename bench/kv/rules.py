@@ -298,6 +298,19 @@ class KVRules:
         return alone - saved, (f"{self.engine}: the prefix's {shared:,} tokens in whole units of {unit} held once "
                                f"for {q.batch} sequences ({shared_tokens - shared} tokens of a partial unit each)")
 
+    # --- the engine's memory on a GPU at startup ------------------------------------------------------
+    def startup_memory(self, q):
+        """What the engine gives itself on a GPU and spends before its KV pool (a
+        :class:`kvbench.kv.startup.StartupMemory`), read from its source; None where the engine has no such rule
+        (the planner then counts its shipped or assumed overhead against a margin)."""
+        return None
+
+    def startup_refusal(self, q, mem, available: float, one_request: float, longest: int):
+        """The start the engine refuses with ``available`` KV bytes per GPU where one request at the limit needs
+        ``one_request`` (``longest``: the longest request that fits): a :class:`kvbench.kv.startup.Refusal`
+        in its own words, or None where it starts (or refuses nothing at start)."""
+        return None
+
     # --- a pool the engine reports -----------------------------------------------------------------
     def sequences_in_pool(self, geometry: KVGeometry, pool_tokens: int, context: int, details: dict) -> int | None:
         """How many sequences of ``context`` tokens the engine's reported pool holds at once (None: the

@@ -37,6 +37,7 @@ from .shared import (
     parse_int,
     parse_tokens,
 )
+from .startup import startup_view
 from .verdict import kv_scope, ledger, lever_line, limit_label, verdict
 
 __all__ = [
@@ -132,13 +133,14 @@ def plan(p: PlanInput, with_levers: bool = True) -> dict:
     o = s.outcome()
     out["ledger"] = ledger(s, o, deploy)
     out["verdict"] = verdict(s, o)
+    out["startup"] = startup_view(s)
     out["levers"] = []
     if s.gpu is None:
         return out
     out.update({"gpu": s.gpu.name, "gpu_memory_bytes": s.gpu.bytes, "gpu_capability": s.gpu.capability,
                 "memory_wall": s.gpu.wall, "margin": s.margin, "usable_bytes": s.usable, "overhead_bytes": s.overhead,
                 "overhead_fixed_bytes": s.overhead_fixed, "overhead_per_token_bytes": s.overhead_per_token,
-                "overhead_source": s.overhead_source, "overhead_rule_of_thumb_bytes": rule_of_thumb(s.gpu.bytes),
+                "overhead_source": s.overhead_source, "overhead_rule_of_thumb_bytes": rule_of_thumb(s.gpu.bytes), "kept_free_bytes": s.kept_free,
                 "host_memory_bytes": s.host_bytes(), "weights_bytes_per_gpu": s.weights_per_gpu,
                 "needed_bytes_per_gpu": o.needed, "fits": o.fits, "headroom_bytes": o.headroom,
                 "max_batch": o.max_concurrency, "max_context_at_batch": o.longest_request})

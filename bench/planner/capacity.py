@@ -105,6 +105,8 @@ def engine_pools(s: Setup, engines: list[str]) -> list[EnginePool]:
             tokens = t.kv(context=t.limit, batch=n, limit=t.limit).tokens_full if n else 0
             sequences, sized = n, "for the limit"
         a = t.rules.answer(q)
+        mem = t.startup
         out.append(EnginePool(engine, a.dtype, a.bytes_per_token, budget, tokens, sequences, sized, a.note,
-                              t.overhead_source))
+                              f"own startup rule ({mem.fraction:g} of CUDA's total; {mem.klass}"
+                              f"{'' if mem.verified else ', unverified'})" if mem is not None else t.overhead_source))
     return out

@@ -12,7 +12,11 @@ from kvbench.kv.weights import Weights
 
 from .overhead import default_overhead
 from .resolve import ModelForPlan, served_weights
+from kvbench.kv.startup import StartupMemory, StartupQuestion
+
 from .shared import GPU, NODE_GPUS, PlanError, engine_rules, gpu
+
+MARGIN = 0.10  # of the GPU kept free where neither --margin nor an engine's startup rule says
 
 
 @dataclass(frozen=True)
@@ -27,7 +31,8 @@ class PlanInput:
     overhead_gib: float | None = None  # per GPU; None: the shipped measurement for the engine and device, else 1.5
     overhead_source: str = "given"  # where overhead_gib came from
     overhead_per_token_bytes: float = 0.0  # with overhead_gib: activations per token in flight (batch x tokens)
-    margin: float = 0.10  # fraction of the GPU kept free
+    margin: float | None = None  # fraction of the GPU kept free; None: the engine's own startup rule on a GPU
+    # (its fraction of what CUDA reports, KVRules.startup_memory), else MARGIN
     block_size: int | None = None
     device: str = "gpu"  # engines size some things per device (vLLM's block size)
     engine_version: str | None = None
@@ -95,6 +100,8 @@ class Setup:
     options: dict = field(default_factory=dict)
     node_gpus: int = NODE_GPUS
     overhead_default: bool = False  # the overhead is the engine's shipped measurement (or the assumption)
+    startup_rule: bool = False  # the engine's own memory at startup (KVRules.startup_memory) replaces margin + overhead
+    margin_default: bool = False  # no --margin given
 
     @property
     def geometry(self) -> KVGeometry:
@@ -106,7 +113,35 @@ class Setup:
 
     @property
     def usable(self) -> float | None:
-        return self.gpu.bytes * (1 - self.margin) if self.gpu else None
+        if self.gpu is None:
+            return None
+        mem = self.startup
+        return mem.budget_bytes if mem is not None else self.gpu.bytes * (1 - self.margin)
+
+    @property
+    def kept_free(self) -> float:
+        """Bytes per GPU the deployment leaves free: the margin, or what the engine's fraction leaves."""
+        return self.gpu.bytes - self.usable if self.gpu is not None else 0.0
+
+    def startup_question(self) -> StartupQuestion | None:
+        if self.gpu is None or self.gpu.wall or self.weights_per_gpu is None:
+            return None
+        cuda, source = self.gpu.cuda_memory()
+        return StartupQuestion(self.question(context=self.limit, batch=1), self.limit, self.gpu.name, self.gpu.bytes,
+                               cuda, source, self.weights_per_gpu, self.model.widths, self.batch)
+
+    @property
+    def startup(self) -> StartupMemory | None:
+        """The engine's memory at startup on this GPU (its rule, read from its source), where it applies."""
+        if not self.startup_rule:
+            return None
+        q = self.startup_question()
+        return self.rules.startup_memory(q) if q is not None else None
+
+    @property
+    def fixed_overhead(self) -> float:
+        mem = self.startup
+        return mem.overhead_bytes if mem is not None else self.overhead_fixed
 
     def question(self, context: int | None = None, batch: int | None = None) -> KVQuestion:
         return KVQuestion(self.geometry, self.kv_dtype, context or self.context, batch or self.batch, self.tp,
@@ -131,6 +166,9 @@ class Setup:
         return a.bytes_per_gpu + a.pool_extra_bytes
 
     def overhead_at(self, context: int | None = None, batch: int | None = None) -> float:
+        mem = self.startup
+        if mem is not None:
+            return mem.overhead_bytes
         return self.overhead_fixed + self.overhead_per_token * (context or self.context) * (batch or self.batch)
 
     @property
@@ -183,7 +221,7 @@ class Setup:
             return Outcome(None, None, kv, None, None, None, None)
         usable = self.usable
         need = self.need()
-        exceed = self.weights_per_gpu + self.overhead_fixed + self.host_bytes() >= usable
+        exceed = self.weights_per_gpu + self.fixed_overhead + self.host_bytes() >= usable
         if exceed:
             return Outcome(False, need, kv, usable - need, (usable - need) / usable, 0, 0, True)
         return Outcome(need <= usable, need, kv, usable - need, (usable - need) / usable, self.max_concurrency(),
@@ -216,7 +254,7 @@ def setup(p: PlanInput) -> Setup:
         raise PlanError("--context and --batch must be >= 1")
     if p.max_model_len is not None and p.max_model_len < 1:
         raise PlanError(f"--max-model-len must be >= 1, not {p.max_model_len}")
-    if not 0 <= p.margin < 1:
+    if p.margin is not None and not 0 <= p.margin < 1:
         raise PlanError(f"--margin is the fraction of the GPU kept free: from 0 to below 1, not {p.margin}")
     if p.overhead_gib is not None and p.overhead_gib < 0:
         raise PlanError(f"--overhead-gib must be >= 0, not {p.overhead_gib}")
@@ -263,21 +301,30 @@ def setup(p: PlanInput) -> Setup:
         g = GPU(f"a {fmt_gib(p.memory)} memory wall", int(p.memory), None, wall=True)
     if p.tp > 1 and g is not None and g.wall:
         raise PlanError("--tp splits a model over GPUs: a CPU memory wall has none")
+    rules_startup = (p.margin is None and p.overhead_gib is None and p.device == "gpu" and g is not None
+                     and not g.wall and p.engine is not None)
     if p.overhead_gib is None:
         o = default_overhead(p.engine, p.device)
         fixed, per_token, why = o.fixed_bytes, o.per_token_bytes, o.for_model(p.model.name)
     else:
         fixed, per_token, why = p.overhead_gib * GIB, p.overhead_per_token_bytes, p.overhead_source
-    return Setup(p.model, rules, p.engine, p.kv_dtype, p.tp, p.context or limit, p.batch, limit, source,
-                 served_weights(p.model, rules, g.capability if g else None), fixed, per_token, why, p.margin, g,
-                 p.block_size, p.device, p.engine_version, dict(p.engine_options), p.node_gpus, p.overhead_gib is None)
+    margin = p.margin if p.margin is not None else (0.0 if g is not None and g.wall else MARGIN)
+    s = Setup(p.model, rules, p.engine, p.kv_dtype, p.tp, p.context or limit, p.batch, limit, source,
+              served_weights(p.model, rules, g.capability if g else None), fixed, per_token, why, margin, g,
+              p.block_size, p.device, p.engine_version, dict(p.engine_options), p.node_gpus, p.overhead_gib is None,
+              startup_rule=rules_startup, margin_default=p.margin is None)
+    # the engine's own rule where it has one (KVRules.startup_memory), else the margin and the overhead
+    return s if s.startup is not None else replace(s, startup_rule=False)
 
 
 def with_engine(s: Setup, engine: str) -> Setup:
     """The same deployment under another engine's rules (its own auto dtypes and served weights)."""
     rules = engine_rules(engine)
     t = replace(s, rules=rules, engine=engine, kv_dtype="auto", block_size=None, options={}, version=None,
-                weights=served_weights(s.model, rules, s.capability))
+                weights=served_weights(s.model, rules, s.capability), startup_rule=s.overhead_default and
+                s.gpu is not None and not s.gpu.wall and s.device == "gpu" and s.margin_default)
+    if t.startup_rule and t.startup is None:
+        t = replace(t, startup_rule=False)
     if s.overhead_default:  # the other engine's own measured overhead
         o = default_overhead(engine, s.device)
         t = replace(t, overhead_fixed=o.fixed_bytes, overhead_per_token=o.per_token_bytes,

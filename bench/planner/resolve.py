@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbench.kv import hub, weights
+from kvbench.kv.startup import ModelWidths
 from kvbench.kv.geometry import KVGeometry
 from kvbench.kv.model_config import (
     ConfigError,
@@ -49,6 +50,8 @@ class ModelForPlan:
     unread_keys: tuple[str, ...] = ()  # per-layer-looking config keys the KV reader did not read
     # a GGUF's weights as the engines that serve HF folders hold them: the HF-format copy kvbench converts it to
     hf_copy: Callable[[], Weights] | None = field(default=None, compare=False, repr=False)
+    # the widths an engine's activation peak scales with (hidden, MLP, vocab, experts): None where unread
+    widths: ModelWidths | None = field(default=None, compare=False)
 
     @property
     def weights_bytes(self) -> float | None:
@@ -225,9 +228,10 @@ def resolve_model(model: str, weights_dtype: str = "auto", trust_remote_code: bo
         raise PlanError(str(exc)) from None
     name = model if source.startswith("hub") else (path.name if path.is_dir() else path.stem)
     unread = tuple(unread_keys(raw, text))
+    widths = ModelWidths.from_config(text)
     if given is not None:
-        return ModelForPlan(name, geometry, given, source, weights_dtype, None, unread)
+        return ModelForPlan(name, geometry, given, source, weights_dtype, None, unread, widths=widths)
 
     def at(dtype: str) -> Weights:
         return checkpoint_weights(path, raw, config, text, dtype)
-    return ModelForPlan(name, geometry, at(weights_dtype), source, weights_dtype, at, unread)
+    return ModelForPlan(name, geometry, at(weights_dtype), source, weights_dtype, at, unread, widths=widths)

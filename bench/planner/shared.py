@@ -14,6 +14,10 @@ from kvbench.kv.units import GIB
 CATALOG_DIR = Path(__file__).with_name("catalog")
 GPUS_FILE = Path(__file__).with_name("gpus.toml")
 PLAIN = KVRules()  # the plain formula, when no engine is named
+#: NVML's total less CUDA's (torch.cuda.mem_get_info) for a card no log shows: fitted on the two cards
+#: whose startup logs print both (H100 80GB 79.65 - 79.22, RTX 3090 24.00 - 23.58); held out, the A100 40GB
+#: log (39.38 GiB) is 0.20 GiB below the 39.58 it predicts (0.5 %).
+CUDA_GAP_GIB = 0.42
 NODE_GPUS = 8  # GPUs one node holds: the most the tensor-parallel lever proposes (--node-gpus)
 
 
@@ -54,13 +58,26 @@ class GPU:
     bytes: int
     capability: tuple[int, int] | None = None  # CUDA compute capability; None: not known (a size given)
     wall: bool = False  # a CPU memory wall (kvbench plan --memory), not a GPU
+    cuda_bytes: int | None = None  # the total CUDA reports, where a public log showed it (gpus.toml cuda_mib)
+    cuda_source: str = ""
+
+    def cuda_memory(self) -> tuple[float, str]:
+        """What CUDA reports as the card's total (torch.cuda.mem_get_info), the figure vLLM and SGLang budget
+        against: the logged figure where one is known, else NVML's total less :data:`CUDA_GAP_GIB`."""
+        if self.cuda_bytes:
+            return float(self.cuda_bytes), f"CUDA's total {self.cuda_bytes / GIB:.2f} GiB: {self.cuda_source}"
+        cuda = self.bytes - CUDA_GAP_GIB * GIB
+        return cuda, (f"CUDA's total estimated: {self.bytes / GIB:.2f} GiB less {CUDA_GAP_GIB} GiB (fitted: the gap "
+                      "between NVML's and CUDA's totals on the H100 and RTX 3090 logs; no log of this card)")
 
 
 def gpu_specs() -> dict[str, GPU]:
     out = {}
     for name, spec in tomllib.loads(GPUS_FILE.read_text()).items():
         cc = spec.get("compute_capability")
-        out[name] = GPU(name, spec["memory_mib"] * 2**20, tuple(int(x) for x in cc.split(".")) if cc else None)
+        cuda = spec.get("cuda_mib")
+        out[name] = GPU(name, spec["memory_mib"] * 2**20, tuple(int(x) for x in cc.split(".")) if cc else None,
+                        cuda_bytes=cuda * 2**20 if cuda else None, cuda_source=spec.get("cuda_source", ""))
     return out
 
 

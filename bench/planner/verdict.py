@@ -45,6 +45,13 @@ def ledger(s: Setup, o: Outcome, deploy: KVAnswer) -> list[dict]:
     host = s.host()
     if host:
         rows.append({"term": "host cache", "bytes": host[0], "source": host[1]})
+    mem = s.startup
+    if mem is not None:  # the engine's own terms, each with its source, and what its fraction leaves free
+        rows += [{"term": t.name, "bytes": t.bytes, "source": t.source} for t in mem.terms]
+        rows.append({"term": "kept free", "bytes": s.kept_free,
+                     "source": f"{mem.label} budgets {mem.fraction:g} ({mem.fraction_source}) of {mem.cuda_source}; "
+                               f"{s.gpu.name}'s NVML total is {fmt_gib(s.gpu.bytes)}"})
+        return rows
     source = s.overhead_source
     if s.overhead_per_token:
         source += (f"; {fmt_gib(s.overhead_fixed)} + {s.overhead_per_token / 1024:,.1f} KiB per token in flight x "
@@ -95,14 +102,14 @@ def verdict(s: Setup, o: Outcome) -> dict:
     elif o.weights_exceed:
         out["word"] = "DOES NOT FIT"
         alone = s.weights_per_gpu >= usable
-        taken = s.weights_per_gpu if alone else s.weights_per_gpu + s.overhead_fixed + s.host_bytes()
-        parts = ["the weights"] + ([f"the {fmt_gib(s.overhead_fixed)} overhead"] if s.overhead_fixed else [])
+        taken = s.weights_per_gpu if alone else s.weights_per_gpu + s.fixed_overhead + s.host_bytes()
+        parts = ["the weights"] + ([f"the {fmt_gib(s.fixed_overhead)} overhead"] if s.fixed_overhead else [])
         parts += [f"the {fmt_gib(s.host_bytes())} host cache"] if s.host_bytes() else []
         what = ("the weights alone take" if alone or len(parts) == 1
                 else f"{', '.join(parts[:-1])} and {parts[-1]} alone take")
         share = f" ({fmt_gib(s.weights.bytes)} over {s.tp} GPUs)" if s.tp > 1 else ""
         out["line"] = (f"DOES NOT FIT{unverified}: {what} {fmt_gib(taken)} {s.per}{share}, more than the "
-                       f"{fmt_gib(usable)} usable on {s.gpu.name} ({s.margin:.0%} kept free); short by "
+                       f"{fmt_gib(usable)} usable on {s.gpu.name} ({s.kept_free / s.gpu.bytes:.0%} kept free); short by "
                        f"{fmt_gib(-o.headroom)} with the KV")
     else:
         out["word"] = "DOES NOT FIT"

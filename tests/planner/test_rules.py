@@ -349,7 +349,7 @@ def test_plan_takes_the_overhead_a_run_measured(tmp_path):
         {"engine": "vllm", "status": "failed", "gpu_overhead_bytes_per_gpu": 9.0 * GIB},  # failed: not counted
         {"engine": "llamacpp", "status": "ok", "gpu_overhead_bytes_per_gpu": 0.75 * GIB},
         {"engine": "hf", "status": "ok"}])  # not measured
-    args = ["plan", "llama-3.1-8b", "--context", "8192", "--gpu", "H100-80GB", "--json"]
+    args = ["plan", "llama-3.1-8b", "--context", "8192", "--gpu", "H100-80GB", "--margin", "0.1", "--json"]
     assumed = json.loads(runner.invoke(app, args).stdout)
     vllm_assumed = json.loads(runner.invoke(app, [*args, "--engine", "vllm"]).stdout)
     vllm = json.loads(runner.invoke(app, [*args, "--engine", "vllm", "--overhead-from", str(run)]).stdout)
