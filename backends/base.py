@@ -137,7 +137,25 @@ class Backend(ABC):
         argv, env = self.command(self.spec)
         self.server = ServerProcess(argv, env, log_path, memory_limit_bytes=self.spec.memory_limit_bytes)
         self.server.start()
-        self.server.wait_http(self.base_url + self.health_path, timeout_s)
+        try:
+            self.server.wait_http(self.base_url + self.health_path, timeout_s)
+        except EngineStartError as exc:
+            hint = self.start_failure_hint(str(exc), exc.log_tail)
+            if hint:
+                raise EngineStartError(f"{exc}: {hint}", exc.log_tail) from None
+            raise
+
+    def start_failure_hint(self, failure: str, log_tail: str) -> str | None:
+        """What a start that failed this way means for this engine, and what to try (added to the failed
+        row's error); None where the engine knows nothing more than the failure itself."""
+        return None
+
+    @classmethod
+    def machine_build(cls, version: str) -> str | None:
+        """How this engine's build for this machine is configured where that is chosen per machine (CPU
+        features left out, say): listed by `kvbench backends`, recorded in run.json for each engine that
+        kvbench started. None where nothing is chosen per machine."""
+        return None
 
     def attach(self, spec: ServerSpec, url: str, timeout_s: float = 30.0) -> None:
         """Benchmark a server that is already running at ``url``: kvbench neither starts nor stops it, and

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from kvbench.common.envs import InstallStep, Recipe, ensure_env
-from kvbench.common.hardware import cpu_model, has_nvcc, has_nvidia_gpu
+from kvbench.common.hardware import cpu_flags, cpu_model, has_nvcc, has_nvidia_gpu
 from kvbench.common.models import ModelFiles
 from kvbench.kv.rules import KVCheck, KVQuestion, KVRules
 from kvbench.kv.units import MIB
@@ -35,6 +35,22 @@ BUILD_SCRIPT = SCRIPTS / "build_llama_server.sh"
 CONVERTER_SCRIPT = SCRIPTS / "fetch_llama_converter.sh"
 CONVERT = SCRIPTS / "llamacpp_convert.py"
 _NATIVE_FLAG = '-DGGML_NATIVE="${KVBENCH_GGML_NATIVE:-ON}"'
+# llama.cpp's AMX matmul (ggml-cpu/amx, compiled in wherever -march=native reaches AMX) segfaults on its first
+# computation on some AMX CPUs: upstream ggml-org/llama.cpp#20824 (open), PR #26954 (the tile-data permission
+# is asked for on the main thread only). Seen here on a Sapphire-Rapids-class Xeon with the embedded Q4_1 GGUF
+# and the MLA family's. GCC's -mno-amx-* win over -march=native in either order, so the build keeps every
+# other feature of the CPU (AVX-512 VNNI and BF16, the repacked kernels); docs/engines.md has the measurement.
+AMX_FLAGS = ("amx_tile", "amx_int8", "amx_bf16")
+NO_AMX_CFLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+UPSTREAM_AMX_ISSUE = "ggml-org/llama.cpp#20824"
+
+
+def native_build() -> tuple[str, str]:
+    """(GGML_NATIVE, extra C/C++ flags) of this machine's build: -march=native on x86-64, AMX left out where
+    the CPU has it; a portable build elsewhere."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return "OFF", ""
+    return "ON", NO_AMX_CFLAGS if set(AMX_FLAGS) & set(cpu_flags()) else ""
 
 # llama_kv_cache: size =   90.00 MiB (  4096 cells,  30 layers,  1/1 seqs), K (f16):   45.00 MiB, V (f16):   45.00 MiB
 # (older builds prefix the line with llama_kv_cache_unified: and use the same fields); sizes are decimal numbers
@@ -142,16 +158,18 @@ class LlamaCppBackend(Backend):
 
     @classmethod
     def recipe(cls, version: str) -> Recipe:
-        native = "OFF" if platform.machine() not in ("x86_64", "AMD64") else "ON"
+        native, cflags = native_build()
+        env = (("KVBENCH_GGML_NATIVE", native), ("KVBENCH_GGML_CFLAGS", cflags))
+        # -march=native: rebuilt on a CPU of another model or other features (a model name can be generic)
+        machine = (platform.machine(), cpu_model(), *cpu_flags())
         if has_nvidia_gpu() and has_nvcc():
-            return cls._cuda_recipe(version, native)
+            return cls._cuda_recipe(version, env, machine)
         return Recipe("llamacpp", version, (
-            InstallStep(("bash", "-c", BUILD_SCRIPT.read_text(), "build_llama_server", version, "{env}"),
-                        env=(("KVBENCH_GGML_NATIVE", native),)),),
-            venv=False, extra_key=(platform.machine(), cpu_model()))  # -march=native: rebuild on another CPU
+            InstallStep(("bash", "-c", BUILD_SCRIPT.read_text(), "build_llama_server", version, "{env}"), env=env),),
+            venv=False, extra_key=machine)
 
     @classmethod
-    def _cuda_recipe(cls, version: str, native: str) -> Recipe:
+    def _cuda_recipe(cls, version: str, env: tuple, machine: tuple) -> Recipe:
         """The CUDA build (a GPU and nvcc here): the same script with -DGGML_CUDA=ON (with GGML_NATIVE, for
         this machine's GPU architecture), and a CUDA_BUILD marker that tells command() to offload."""
         script = BUILD_SCRIPT.read_text()
@@ -162,10 +180,36 @@ class LlamaCppBackend(Backend):
 
         return Recipe("llamacpp", version, (
             InstallStep(("bash", "-c", script.replace(_NATIVE_FLAG, "-DGGML_CUDA=ON " + _NATIVE_FLAG),
-                         "build_llama_server", version, "{env}"),
-                        env=(("KVBENCH_GGML_NATIVE", native), ("CUDACXX", nvcc))),
+                         "build_llama_server", version, "{env}"), env=(*env, ("CUDACXX", nvcc))),
             InstallStep(("bash", "-c", 'echo "-DGGML_CUDA=ON" > "$1/CUDA_BUILD"', "mark", "{env}")),),
-            venv=False, extra_key=(platform.machine(), cpu_model(), "cuda", *(g.name for g in detect_gpus())))
+            venv=False, extra_key=(*machine, "cuda", *(g.name for g in detect_gpus())))
+
+    @classmethod
+    def machine_build(cls, version: str) -> str | None:
+        native, cflags = native_build()
+        if native == "OFF":
+            return f"GGML_NATIVE=OFF (a portable build for {platform.machine()})"
+        features = ", ".join(cpu_flags()) or "none of kvbench's speed flags"
+        if cflags:
+            return (f"GGML_NATIVE=ON (-march=native: {features}) without AMX ({cflags}): llama.cpp's AMX matmul "
+                    f"crashes on such CPUs ({UPSTREAM_AMX_ISSUE})")
+        return f"GGML_NATIVE=ON (-march=native: {features})"
+
+    def start_failure_hint(self, failure: str, log_tail: str) -> str | None:
+        """A llama-server that a signal ended before it was ready, classified by what its log shows."""
+        log = self.server.log_path.read_text(errors="replace") if self.server and self.server.log_path.exists() else log_tail
+        if "SIGILL" in failure:
+            return ("the build uses an instruction this CPU lacks (built on another machine?): `kvbench setup -b "
+                    "llamacpp` builds one for this CPU")
+        if not any(sig in failure for sig in ("SIGSEGV", "SIGABRT", "SIGBUS")):
+            return None
+        if "AMX model buffer" in log or "AMX_INT8 = 1" in log:
+            return (f"llama.cpp's AMX matmul crash ({UPSTREAM_AMX_ISSUE}): this build has AMX; kvbench's recipe "
+                    f"builds without it ({NO_AMX_CFLAGS}), or add -b 'llamacpp:extra_args=--no-repack'")
+        if "model buffer size" not in log:
+            return "it crashed while loading the model: is the GGUF whole and of an architecture this version knows?"
+        return ("it crashed on its first computation: try -b 'llamacpp:extra_args=--no-repack' (the weights as "
+                "stored, no repacked kernels) or another GGUF type")
 
     @classmethod
     def recipes(cls, version: str) -> list[Recipe]:

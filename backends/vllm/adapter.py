@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from kvbench.common.envs import InstallStep, Recipe, env_python
-from kvbench.common.hardware import has_nvidia_gpu
+from kvbench.common.hardware import cpu_flags, has_nvidia_gpu
 from kvbench.common.models import ModelFiles
 from kvbench.kv.geometry import kv_bytes_per_token
 from kvbench.kv.rules import KVCheck, KVQuestion
@@ -101,6 +101,10 @@ class VLLMBackend(PrometheusPolled, Backend):
         Option("tp", int, 1, "GPUs to split the model over (--tensor-parallel-size)"),
         Option("gpu_memory_utilization", float, None, "share of each GPU vLLM may use (--gpu-memory-utilization)",
                default_text="vLLM's own (0.92); deployed mode only", maximum=1.0),
+        Option("single_process", bool, False, "the engine core inside the API server's process (on a CPU: "
+               "VLLM_ENABLE_V1_MULTIPROCESSING=0, --distributed-executor-backend uni): one interpreter fewer, a start "
+               "of about 20 s instead of 38 s here; the pool is sized by the same code, so kvbench validate uses it, "
+               "but serving shares one process, so a benchmark should not"),
         Option("cpu_preload", bool, True, "on a CPU, LD_PRELOAD TCMalloc (or jemalloc) and Intel OpenMP where "
                "installed, as vLLM's CPU docs ask"),
         EXTRA_ARGS,
@@ -150,7 +154,8 @@ class VLLMBackend(PrometheusPolled, Backend):
         """vLLM sizes its pool as budget // bytes per block: budgets of exactly ``blocks`` predicted blocks and
         one byte less give ``blocks`` and ``blocks - 1`` blocks only when its bytes per block equal the
         prediction exactly (tolerance 0)."""
-        q = KVQuestion(model.geometry, dtype, device="gpu" if has_nvidia_gpu() else "cpu", version=cls.default_version)
+        q = KVQuestion(model.geometry, dtype, device="gpu" if has_nvidia_gpu() else "cpu", version=cls.default_version,
+                       cpu_features=tuple(cpu_flags()))
         per_block = int(cls.kv_rules.bytes_per_block(q))
         # the plain formula's bytes for a block of the same tokens: every caching layer's page at face value
         formula = cls.kv_rules.block_size(q, cls.kv_rules.stored(q)) * kv_bytes_per_token(q.geometry, dtype)
@@ -159,7 +164,7 @@ class VLLMBackend(PrometheusPolled, Backend):
             spec = ServerSpec(model=model, max_context=256, max_concurrency=1, kv_dtype=dtype)
             log = log_dir / f"vllm-{family or model.name}-{dtype}-{budget}.log"
             try:
-                pool = cls.pool_at_start(env, spec, log, 300, {"kv_cache_memory_bytes": budget})
+                pool = cls.pool_at_start(env, spec, log, 300, {"kv_cache_memory_bytes": budget, "single_process": True})
             except EngineStartError as exc:
                 return KVCheck("vllm", case, "bytes per block", per_block, None, None, 0, family=family,
                                note=f"cannot load here: {exc}: {last_error_line(exc.log_tail)}", formula=formula)
@@ -195,7 +200,8 @@ class VLLMBackend(PrometheusPolled, Backend):
         block = self.options.get("block_size")
         return KVQuestion(spec.model.geometry, self._dtype_name(spec), tp=self.gpus_used(self.options),
                           block_size=int(block) if block else None,
-                          device="gpu" if has_nvidia_gpu() else "cpu", version=self.version)
+                          device="gpu" if has_nvidia_gpu() else "cpu", version=self.version,
+                          cpu_features=tuple(cpu_flags()))
 
     def pool_budget_bytes(self, spec: ServerSpec) -> int:
         """Every sequence at full length in whole blocks, plus vLLM's null block."""
@@ -235,9 +241,14 @@ class VLLMBackend(PrometheusPolled, Backend):
             argv.append("--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching")
         if "block_size" in self.options:
             argv += ["--block-size", str(self.options["block_size"])]
+        single = bool(self.options.get("single_process")) and tp == 1
+        if single:  # vLLM keeps a uniprocess executor on a CPU only without V1 multiprocessing (platforms/cpu.py)
+            argv += ["--distributed-executor-backend", "uni"]
         argv += extra_args(self.options)
         env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "VLLM_LOGGING_LEVEL": "INFO"}
+        if single:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # vLLM's rendezvous files (vllm_dist_*, vllm/utils/network_utils.py) and ZMQ unix sockets
         # (VLLM_RPC_BASE_PATH, vllm/envs.py) go to the temp folder: one of this server's own, removed after
         # its stop (they were left in /tmp by every run); torch's compile cache stays where it was

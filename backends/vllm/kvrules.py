@@ -25,7 +25,7 @@ class VLLMKV(KVRules):
     config/model.py, the model files, platforms/cpu.py).
 
     - Pages: one block of ``block_size`` tokens per layer is kv_heads x block x (K + V head size) x dtype.
-      The block size is 16 on a GPU, 128 on a CPU (16 for MLA on a CPU without AMX).
+      The block size is 16 on a GPU, 128 on a CPU (16 for MLA on a CPU without AMX tiles).
     - MLA models of :data:`MLA_MODEL_TYPES`: one latent (kv_lora_rank + rope), no V, replicated on every
       tensor-parallel rank. MiniCPM3 and other configs with kv_lora_rank: every head decompressed, K of
       qk_nope + qk_rope and V zero-padded to K's size (models/minicpm3.py).
@@ -127,8 +127,10 @@ class VLLMKV(KVRules):
     def block_size(self, q: KVQuestion, stored: KVGeometry) -> int:
         if q.block_size:
             return q.block_size
-        if q.device == "cpu":
-            return 16 if stored.mla else 128
+        if q.device == "cpu":  # vllm/platforms/cpu.py check_and_update_config (0.32.0)
+            # MLA: the AMX_MLA backend where torch sees AMX tiles, which keeps the CPU default of 128;
+            # the reference CPU MLA decode kernel compiles only for 16-token blocks
+            return 128 if not stored.mla or "amx_tile" in q.cpu_features else 16
         return 16
 
     def check(self, q: KVQuestion) -> None:

@@ -15,6 +15,7 @@ def backends(as_json: bool = typer.Option(False, "--json", help="Print one JSON 
         return
 
     engines = {name: {"default_version": cls.default_version,
+                      "this_machine": cls.machine_build(cls.default_version),
                       "options": {o.name: {"type": o.type_name, "default": o.default, "shown_default": o.shown_default,
                                            "help": o.help} for o in specs_of(cls).values() if o not in COMMON},
                       # the prefix cache: how each request is kept apart, how it is emptied, how hits are said
@@ -29,6 +30,8 @@ def backends(as_json: bool = typer.Option(False, "--json", help="Print one JSON 
     lines = ["-b ENGINE[@VERSION][:KEY=VALUE,...], e.g. -b vllm@0.32.0 or -b llamacpp:threads=2,batch_threads=4", ""]
     for name, e in engines.items():
         lines.append(f"{name} (default version {e['default_version']})")
+        if e["this_machine"]:
+            lines.append(f"  built on this machine: {e['this_machine']}")
         rows = [("option", "type", "default", "meaning")] + [(k, o["type"], o["shown_default"], o["help"])
                                                             for k, o in e["options"].items()]
         widths = [max(len(r[i]) for r in rows) for i in range(3)]

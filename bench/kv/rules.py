@@ -42,6 +42,7 @@ class KVQuestion:
     version: str | None = None  # None: the rules' own version
     options: dict = field(default_factory=dict)  # engine-specific switches, e.g. vLLM's hybrid_kv_cache
     capability: tuple[int, int] | None = None  # the GPU's CUDA compute capability (None: 8.0 or later)
+    cpu_features: tuple[str, ...] = ()  # device cpu: the CPU's flags (vLLM's CPU MLA block depends on AMX)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from kvbench.common.hardware import cpu_flags
 from kvbench.kv.geometry import KVGeometry, dtype_bytes
 from kvbench.kv.rules import KVAnswer, KVQuestion, KVRuleError, KVRules
 from kvbench.kv.units import GIB, fmt_gib
@@ -42,6 +43,7 @@ class PlanInput:
     node_gpus: int = NODE_GPUS  # the most GPUs the tensor-parallel lever proposes
     memory: float | None = None  # bytes of a CPU memory wall (the engine's process tree in a cgroup), not a GPU
     shared_prefix: int | None = None  # tokens every request of the batch starts with alike (--shared-prefix)
+    cpu_features: tuple[str, ...] | None = None  # device cpu: the CPU's flags; None: this machine's
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ class Setup:
     overhead_default: bool = False  # the overhead is the engine's shipped measurement (or the assumption)
     startup_rule: bool = False  # the engine's own memory at startup (KVRules.startup_memory) replaces margin + overhead
     margin_default: bool = False  # no --margin given
+    cpu_features: tuple[str, ...] = ()
 
     @property
     def geometry(self) -> KVGeometry:
@@ -145,7 +148,8 @@ class Setup:
 
     def question(self, context: int | None = None, batch: int | None = None) -> KVQuestion:
         return KVQuestion(self.geometry, self.kv_dtype, context or self.context, batch or self.batch, self.tp,
-                          self.block_size, self.device, self.version, dict(self.options), self.capability)
+                          self.block_size, self.device, self.version, dict(self.options), self.capability,
+                          self.cpu_features)
 
     def typical(self) -> KVAnswer:
         """The KV of the batch at its typical length alone (no limit reserved): the plain KV answer."""
@@ -312,7 +316,8 @@ def setup(p: PlanInput) -> Setup:
     s = Setup(p.model, rules, p.engine, p.kv_dtype, p.tp, p.context or limit, p.batch, limit, source,
               served_weights(p.model, rules, g.capability if g else None), fixed, per_token, why, margin, g,
               p.block_size, p.device, p.engine_version, dict(p.engine_options), p.node_gpus, p.overhead_gib is None,
-              startup_rule=rules_startup, margin_default=p.margin is None)
+              startup_rule=rules_startup, margin_default=p.margin is None,
+              cpu_features=(tuple(cpu_flags()) if p.cpu_features is None else p.cpu_features) if p.device == "cpu" else ())
     # the engine's own rule where it has one (KVRules.startup_memory), else the margin and the overhead
     return s if s.startup is not None else replace(s, startup_rule=False)
 

@@ -379,6 +379,8 @@ class _EngineSession:
         self.r.record.engine_versions[self.cfg.label] = version
         self.r.record.served_models[self.cfg.label] = served = backend.served_models()
         self.r.record.capabilities[self.cfg.label] = backend.capabilities()
+        if not self.cfg.url and (build := type(backend).machine_build(backend.version)):
+            self.r.record.engine_builds[self.cfg.label] = build
         self.r.record.save(self.r.writer)
         if self.cfg.url and served is not None and not models.serves(served, self.spec.model, self.r.o.model):
             problem = (f"the server serves {', '.join(served) or 'no model'}, not --model {self.r.o.model}: its "

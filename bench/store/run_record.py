@@ -23,6 +23,7 @@ class RunRecord:
     memory_walls: dict[str, dict] = field(default_factory=dict)  # start key -> its wall: limit, peak, OOM kills
     served_models: dict[str, list[str] | None] = field(default_factory=dict)  # label -> what the server serves
     capabilities: dict[str, dict] = field(default_factory=dict)  # label -> what an attached server supports
+    engine_builds: dict[str, str] = field(default_factory=dict)  # label -> its build's per-machine choice
     replica_outages: dict[str, list[dict]] = field(default_factory=dict)  # start key -> replicas out of rotation
 
     @classmethod

@@ -13,8 +13,11 @@ src="$(echo "$work"/llama_cpp_python-*/vendor/llama.cpp)"
 cmake -S "$src" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
-  -DGGML_NATIVE="${KVBENCH_GGML_NATIVE:-ON}" >"$work/cmake.log" 2>&1 || { tail -40 "$work/cmake.log"; exit 1; }
+  -DGGML_NATIVE="${KVBENCH_GGML_NATIVE:-ON}" \
+  -DCMAKE_C_FLAGS="${KVBENCH_GGML_CFLAGS:-}" -DCMAKE_CXX_FLAGS="${KVBENCH_GGML_CFLAGS:-}" >"$work/cmake.log" 2>&1 || { tail -40 "$work/cmake.log"; exit 1; }
 cmake --build "$work/build" --target llama-server -j "${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 mkdir -p "$prefix/bin"
 install -m 755 "$work/build/bin/llama-server" "$prefix/bin/llama-server"
 "$prefix/bin/llama-server" --version
+# How it was built, for run.json and `kvbench backends` (the CPU features it may use differ per machine).
+echo "GGML_NATIVE=${KVBENCH_GGML_NATIVE:-ON} ${KVBENCH_GGML_CFLAGS:-}" >"$prefix/BUILD_FLAGS"
