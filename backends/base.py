@@ -288,7 +288,8 @@ class Backend(ABC):
         is per GPU): ``kv_budget_bytes`` (the memory the engine gives its KV cache: vLLM's "Available KV cache
         memory"), ``kv_pool_bytes`` (the pool's own buffers: SGLang's K + V sizes, llama.cpp's KV buffer),
         ``pool_tokens``, ``blocks``, ``concurrency`` with ``concurrency_limit`` (the requests of that many
-        tokens the pool holds: vLLM's "Maximum concurrency"), ``weights_bytes``, ``cuda_total_bytes``,
+        tokens the pool holds: vLLM's "Maximum concurrency"), ``one_request_bytes`` with ``one_request_limit`` (the KV
+        one request at the limit needs: vLLM's refusal), ``weights_bytes``, ``cuda_total_bytes``,
         ``terms`` ({the engine's startup-rule ledger term: bytes}), ``refusal`` (its words), ``device``
         ("gpu"/"cpu"), ``lines`` (the lines read). Every GPU run (and a CPU run whose engine logs its pool) is
         one more check of `kvbench plan` this way (bench/run/startup_checks.py, run.json ``startup_checks``).

@@ -34,7 +34,10 @@ WEIGHTS_LINE = re.compile(r"(?:Model loading|Loading model weights) took (\d+(?:
 _UNITS = {"GiB": 2**30, "GB": 2**30, "MiB": 2**20, "MB": 2**20}
 _KV_BUDGET = re.compile(r"(?:Available KV cache memory: " + _NUM + r" GiB|available_kv_cache_memory\s+" + _NUM
                         + r" ?GiB|kv_cache_size=" + _NUM + r"GiB|reserved for KV Cache is " + _NUM + r" ?GiB"
-                        + r"|Explicitly set \(" + _NUM + r"/[\d.]+\) GiB for KV cache)")
+                        + r"|Explicitly set \(" + _NUM + r"/[\d.]+\) GiB for KV cache"
+                        + r"|larger than the available KV cache memory \(" + _NUM + r" GiB\))")
+# V1's refusal: "To serve at least one request with the models's max seq len (32768), (0.95 GiB KV cache is needed"
+_ONE_REQUEST = re.compile(r"max seq len \((\d+)\), \(" + _NUM + r" GiB KV cache is needed")
 _POOL_TOKENS = re.compile(r"\b(GPU|CPU) KV cache size: " + _INT + " tokens")
 _CONCURRENCY = re.compile(r"Maximum concurrency for " + _INT + r" tokens per request: " + _NUM + "x")
 # "# GPU blocks: 1952, # CPU blocks: 2048": the CPU blocks are v0's swap space, not the pool
@@ -111,6 +114,8 @@ def startup_figures(text: str) -> dict | None:
             seen(found[-1])
     if terms:
         out["terms"] = terms
+    if one := list(_ONE_REQUEST.finditer(text)):
+        out["one_request_limit"], out["one_request_bytes"] = int(one[-1][1]), float(one[-1][2]) * GIB
     if refusal := list(REFUSALS.finditer(text)):
         out["refusal"] = refusal[-1][1].strip()
     if out:

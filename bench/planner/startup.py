@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from kvbench.kv.rules import KVRuleError
 from kvbench.kv.units import GIB
 
 from .capacity import capacity, kv_room
@@ -31,6 +32,15 @@ def startup_view(s: Setup) -> dict | None:
         longest = _longest(s, available)
         out.update(pool_bytes=pool, pool_tokens=tokens, blocks=cap.blocks, requests_at_limit=requests,
                    concurrency=cap.requests_at_limit)
+    elif mem.pool_fills_budget:  # its warmup gives the KV blocks what the budget leaves (TGI)
+        q = s.question(context=s.limit, batch=1)
+        per_token = rules.bytes_per_token(q)
+        block = rules.answer(s.question(context=1, batch=1)).tokens_full  # one token takes one whole block
+        tokens = int(max(available, 0.0) // (per_token * block)) * block
+        requests = tokens // s.limit
+        longest = _longest(s, available)
+        out.update(pool_bytes=tokens * per_token, pool_tokens=tokens, blocks=tokens // block,
+                   requests_at_limit=requests, concurrency=tokens / s.limit)
     else:
         pool = s.kv_bytes(context=s.limit, batch=s.batch, limit=s.limit)
         requests = s.batch if available >= pool else 0
@@ -43,7 +53,7 @@ def startup_view(s: Setup) -> dict | None:
         out.update(refusal=refusal.message, fix=refusal.fix)
         line = f"{mem.label} would refuse to start: \"{refusal.message}\" Fix: {refusal.fix}"
     else:
-        unit = "pool" if rules.pool_from_budget else "cache"
+        unit = "pool" if rules.pool_from_budget or mem.pool_fills_budget else "cache"
         line = (f"{mem.label} would start with a {out['pool_bytes'] / GIB:.2f} GiB KV {unit} "
                 f"({out['pool_tokens']:,} tokens): {out['requests_at_limit']:,} request"
                 f"{'s' * (out['requests_at_limit'] != 1)} of {s.limit:,} tokens at once")
@@ -64,7 +74,8 @@ def _longest(s: Setup, available: float) -> int:
 def planned_figures(s: Setup, kv_budget: float | None = None, pool_tokens_cap: int | None = None) -> dict | None:
     """What the engine of ``s`` would log at start by the planner's rules, keyed as the engine's own figures are
     (``Backend.startup_figures_from_log``: ``kv_budget_bytes``, ``kv_pool_bytes``, ``pool_tokens``, ``blocks``,
-    ``concurrency`` at ``concurrency_limit``, ``weights_bytes``, ``cuda_total_bytes``, ``terms``, ``refusal``), so
+    ``concurrency`` at ``concurrency_limit``, ``one_request_bytes``, ``weights_bytes``, ``cuda_total_bytes``,
+    ``terms``, ``refusal``), so
     that a run can set each beside the engine's (run.json ``startup_checks``). Every byte figure is per GPU.
 
     ``kv_budget``: the KV bytes per GPU the server was told to take (vLLM's --kv-cache-memory-bytes): its pool is
@@ -98,6 +109,11 @@ def planned_figures(s: Setup, kv_budget: float | None = None, pool_tokens_cap: i
                    pool_tokens=a.tokens_full, requests_at_limit=s.batch)
     else:
         return None
+    try:  # the KV one request at the limit takes on a GPU (what vLLM's refusal says is needed)
+        out.update(one_request_bytes=rules.answer(s.question(context=s.limit, batch=1)).bytes_per_gpu,
+                   one_request_limit=s.limit)
+    except KVRuleError:
+        pass
     if pool_tokens_cap is not None and out.get("pool_tokens") and out["pool_tokens"] > pool_tokens_cap:
         # the pool the server was given instead of the one its rule makes (the KV budget stays the rule's)
         scale = pool_tokens_cap / out["pool_tokens"]

@@ -23,7 +23,8 @@ TOLERANCE_PCT, TOLERANCE_GIB = 5.0, 0.5  # as the corpus of public startup logs 
 #: The figures set side by side: (key, what it is, unit); bytes are per GPU.
 COMPARED = (("kv_budget_bytes", "KV memory", "bytes"), ("kv_pool_bytes", "KV pool", "bytes"),
             ("pool_tokens", "pool tokens", "tokens"), ("blocks", "blocks", "blocks"),
-            ("concurrency", "maximum concurrency", "x"), ("weights_bytes", "weights", "bytes"),
+            ("concurrency", "maximum concurrency", "x"), ("one_request_bytes", "one request at the limit", "bytes"),
+            ("weights_bytes", "weights", "bytes"),
             ("cuda_total_bytes", "CUDA's total", "bytes"))
 #: What makes a start on a CPU worth a check: the engine logged its pool.
 POOL_KEYS = {"kv_budget_bytes", "kv_pool_bytes", "pool_tokens", "concurrency"}
@@ -92,8 +93,9 @@ def off_by(figures: dict, plan: dict, started: bool = True) -> dict:
         logged, p = figures.get(key), plan.get(key)
         if logged is None or p is None:
             continue
-        if key == "concurrency" and figures.get("concurrency_limit") not in (None, plan.get("concurrency_limit")):
-            continue  # a concurrency at another limit than the plan's
+        limit = {"concurrency": "concurrency_limit", "one_request_bytes": "one_request_limit"}.get(key)
+        if limit and figures.get(limit) not in (None, plan.get(limit)):
+            continue  # a figure at another limit than the plan's
         error = (p / logged - 1) * 100 if logged else None
         out[key] = {"logged": logged, "planned": p, "error_pct": None if error is None else round(error, 2),
                     "ok": _within(key, float(logged), float(p))}
