@@ -281,6 +281,32 @@ class Backend(ABC):
         run's pool facts from its logs/ with it); None where the log does not say it."""
         return None
 
+    @classmethod
+    def startup_figures_from_log(cls, text: str) -> dict | None:
+        """The engine's own figures at startup as its log states them, each only where the log says it (keys
+        named for what they are, so the plan's figure of the same name is set beside it; every byte figure
+        is per GPU): ``kv_budget_bytes`` (the memory the engine gives its KV cache: vLLM's "Available KV cache
+        memory"), ``kv_pool_bytes`` (the pool's own buffers: SGLang's K + V sizes, llama.cpp's KV buffer),
+        ``pool_tokens``, ``blocks``, ``concurrency`` with ``concurrency_limit`` (the requests of that many
+        tokens the pool holds: vLLM's "Maximum concurrency"), ``one_request_bytes`` with ``one_request_limit`` (the KV
+        one request at the limit needs: vLLM's refusal), ``weights_bytes``, ``cuda_total_bytes``,
+        ``terms`` ({the engine's startup-rule ledger term: bytes}), ``refusal`` (its words), ``device``
+        ("gpu"/"cpu"), ``lines`` (the lines read). Every GPU run (and a CPU run whose engine logs its pool) is
+        one more check of `kvbench plan` this way (bench/run/startup_checks.py, run.json ``startup_checks``).
+        None where the log says none of them."""
+        return None
+
+    def startup_settings(self, spec: ServerSpec) -> dict:
+        """How kvbench started this server for ``spec``, in `kvbench plan`'s terms, for the plan set beside
+        :meth:`startup_figures_from_log`: ``engine_options`` (PlanInput.engine_options: what the engine's
+        startup rule reads, e.g. vLLM's max_num_seqs), ``kv_budget_bytes`` (the KV bytes per GPU the server
+        was told to take, None where it sizes its pool itself), ``pool_tokens_cap`` (a cap on the pool's
+        tokens it was given), ``batch`` (the sequences its cache is allocated for: llama.cpp's slots),
+        ``kv_dtype`` (as the rules name it), ``model_file`` (the file it loaded, where not the HF folder) and
+        ``device`` ("gpu"/"cpu": what the engine runs on). Empty: the defaults (one sequence, its own sizing,
+        the HF folder)."""
+        return {}
+
     @abstractmethod
     def kv_in_use(self, client: httpx.Client) -> KVInUse | None:
         """KV currently held by live requests, polled during a cell."""

@@ -121,6 +121,10 @@ def rows_for(entry: dict) -> list[Row]:
             row("plan", None, None, str(exc), "", False)
             return out
         klass = after.get("class", "")
+        if "pool" in checks and "kv_gib" not in logged and "tokens" in logged:  # an engine that logs tokens only
+            b, a = before.get("pool_tokens"), after.get("pool_tokens")
+            row("pool tokens", logged["tokens"], b, a, "tokens", close(a, logged["tokens"], 1e12),
+                close(b, logged["tokens"], 1e12), klass=klass)
         if "pool" in checks and "kv_gib" in logged:
             key = "pool_bytes" if engine == "sglang" else "kv_budget_bytes"
             b, a = before.get(key, 0) / GIB, after.get(key, 0) / GIB
@@ -145,6 +149,19 @@ def rows_for(entry: dict) -> list[Row]:
         conc = logged["blocks"] / rules.blocks_per_sequence(q, limit)
         row("concurrency from blocks", logged["concurrency"], None, round(conc, 2), "x",
             round(conc, 2) == logged["concurrency"])
+    if "one_request" in checks and entry.get("model"):
+        # the KV one request at the limit takes on one GPU under the engine's rules, as the engine printed it
+        # (vLLM's refusal "(X GiB KV cache is needed ..."): two decimals of GiB
+        from kvbench.kv.rules import KVQuestion, KVRules
+        from kvbench.planner import engine_rules
+        m = _model(entry)
+        limit = entry["settings"]["max_model_len"]
+        q = KVQuestion(m.geometry, entry["settings"].get("kv_cache_dtype", "auto"), limit, 1,
+                       tp=max(1, entry.get("tp", 1)), version=entry.get("engine_version"))
+        a = engine_rules(engine).answer(q).bytes_per_gpu / GIB
+        b = KVRules().answer(q).bytes_per_gpu / GIB  # the plain formula, for the "before" column
+        row("one request at the limit", logged["one_request_gib"], round(b, 4), round(a, 4), "GiB",
+            round(a, 2) == logged["one_request_gib"], round(b, 2) == logged["one_request_gib"])
     if "terms" in checks:
         out += term_rows(entry)
     return out

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -29,6 +28,7 @@ from ..prometheus import capped_get, gauge_sum, metric_samples, note_dropped
 from ..streaming import stream_sse
 from ..types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 from .kvrules import EMBEDDED_CASES, FAMILY_CASE, LlamaCppKV
+from .startup_log import BUFFER_LINE, KV_LINE, parse_buffers, parse_kv_log, startup_figures  # noqa: F401 (re-exported)
 
 SCRIPTS = Path(__file__).with_name("scripts")
 BUILD_SCRIPT = SCRIPTS / "build_llama_server.sh"
@@ -51,42 +51,6 @@ def native_build() -> tuple[str, str]:
     if platform.machine() not in ("x86_64", "AMD64"):
         return "OFF", ""
     return "ON", NO_AMX_CFLAGS if set(AMX_FLAGS) & set(cpu_flags()) else ""
-
-# llama_kv_cache: size =   90.00 MiB (  4096 cells,  30 layers,  1/1 seqs), K (f16):   45.00 MiB, V (f16):   45.00 MiB
-# (older builds prefix the line with llama_kv_cache_unified: and use the same fields); sizes are decimal numbers
-# (a garbled "1.2.3" does not match: the line is not read, rather than failing the pool read)
-KV_LINE = re.compile(
-    r"llama_kv_cache(?:_unified)?: size =\s*(?P<mib>\d+(?:\.\d+)?) MiB \(\s*(?P<cells>\d+) cells,\s*(?P<layers>\d+) layers,"
-    r"\s*(?P<streams>\d+)/(?P<seqs_max>\d+) seqs\), K \((?P<type_k>\w+)\):\s*(?P<k_mib>\d+(?:\.\d+)?) MiB, "
-    r"V \((?P<type_v>\w+)\):\s*(?P<v_mib>\d+(?:\.\d+)?) MiB")
-
-
-# load_tensors:        CUDA0 model buffer size =  4403.49 MiB   /   llama_kv_cache:      CUDA0 KV buffer size =   720.00 MiB
-BUFFER_LINE = re.compile(r"(?P<what>load_tensors|llama_kv_cache(?:_unified)?):\s+(?P<device>\S+) (?P<kind>model|KV) "
-                         r"buffer size =\s*(?P<mib>\d+(?:\.\d+)?) MiB")
-
-
-def parse_buffers(text: str) -> dict:
-    """The model and KV buffers per device as llama.cpp logs them at load ({"model": {dev: bytes}, "kv": ...};
-    the last load in the log)."""
-    out: dict = {"model": {}, "kv": {}}
-    for m in BUFFER_LINE.finditer(text):
-        kind = "model" if m["kind"] == "model" else "kv"
-        if kind == "model" and m["device"] in out["model"]:  # a second load: start again
-            out = {"model": {}, "kv": {}}
-        out[kind][m["device"]] = out[kind].get(m["device"], 0) + round(float(m["mib"]) * MIB)
-    return out
-
-
-def parse_kv_log(text: str) -> list[dict]:
-    """Every KV cache the server allocated, as logged (one entry per cache; SWA models have two)."""
-    caches = []
-    for m in KV_LINE.finditer(text):
-        caches.append({"mib": float(m["mib"]), "cells": int(m["cells"]), "layers": int(m["layers"]),
-                       "streams": int(m["streams"]), "seqs": int(m["seqs_max"]), "type_k": m["type_k"], "type_v": m["type_v"],
-                       "k_mib": float(m["k_mib"]), "v_mib": float(m["v_mib"])})
-    return caches
-
 
 def slot_tokens_in_kv(slot: dict) -> int:
     """The tokens one /slots entry holds in the KV cache. Once it decodes, its n_prompt_tokens is the
@@ -413,6 +377,22 @@ class LlamaCppBackend(Backend):
 
     def kv_pool(self) -> KVPool | None:
         return self.kv_pool_from_log(self.server.log_path.read_text(errors="replace")) if self.server else None
+
+    @classmethod
+    def startup_figures_from_log(cls, text: str) -> dict | None:
+        return startup_figures(text)
+
+    def startup_settings(self, spec: ServerSpec) -> dict:
+        """Sized: -c limit x slots -np slots (the cache allocated for every slot at the limit); deployed:
+        llama-server's own context and slots, which kvbench does not plan here."""
+        if self.options.get("engine_mode", "sized") == "deployed":
+            return {"not_planned": "deployed: llama-server's own context and slots"}
+        cache_type = self.kv_dtype_name() if self.spec else self.kv_rules.resolve_dtype(
+            KVQuestion(spec.model.geometry, spec.kv_dtype))
+        options = {"flash_attn": True} if cache_type not in ("f16", "f32", "bf16") else {}
+        gguf = self.options.get("gguf") or spec.model.gguf_path
+        return {"batch": spec.pool_sequences, "kv_dtype": cache_type, "engine_options": options,
+                "model_file": str(gguf) if gguf else None, "device": "gpu" if self.cuda_build() else "cpu"}
 
     @classmethod
     def kv_pool_from_log(cls, text: str) -> KVPool | None:

@@ -30,6 +30,7 @@ from kvbench.common.envs import InstallStep, Recipe, env_python, pip_install
 from kvbench.common.hardware import has_nvidia_gpu
 from kvbench.kv.geometry import round_up
 from kvbench.kv.rules import KVQuestion
+from kvbench.kv.units import GIB
 
 from ..base import Backend, extra_args
 from ..openai.adapter import served_model_ids
@@ -44,10 +45,18 @@ KV_CACHE_DTYPES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e4m3fn": "fp8
 MODEL_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
                 "f16": "float16", "fp32": "float32", "float32": "float32"}
 # mem_cache/memory_pool.py _finalize_allocation_log; scheduler.py: "max_total_num_tokens=N, chunked_prefill_size=..."
-ALLOCATED_LINE = re.compile(r"KV Cache is allocated\. dtype: (\S+), #tokens: (\d+), "
+# (releases before 0.4.10 print no dtype: "KV Cache is allocated. #tokens: 367404, K size: 8.23 GB, V size: 8.23 GB")
+ALLOCATED_LINE = re.compile(r"KV Cache is allocated\.(?: dtype: (\S+),)? #tokens: (\d+), "
                             r"(?:K size: ([\d.]+) GB, V size: ([\d.]+) GB|KV size: ([\d.]+) GB)")
 SCHEDULER_LINE = re.compile(r"max_total_num_tokens=(\d+), chunked_prefill_size=(-?\d+), max_prefill_tokens=(\d+), "
                             r"max_running_requests=(\d+), context_len=(\d+)")
+# model_runner.py: "Init torch distributed ends. mem usage=1.96 GB", "Load weight end. ... avail mem=12.25 GB,
+# mem usage=125.65 GB." (SGLang's "GB" are GiB: its get_available_gpu_memory divides by 1 << 30)
+PRELOAD_LINE = re.compile(r"Init torch distributed ends\. mem usage=(-?[\d.]+) GB")
+WEIGHTS_LINE = re.compile(r"Load weight end\..*?avail mem=(-?[\d.]+) GB, mem usage=(-?[\d.]+) GB")
+POOL_END_LINE = re.compile(r"Memory pool end\. avail mem=(-?[\d.]+) GB")
+REFUSAL_LINE = re.compile(r"(Not enough memory\. Please try to increase --mem-fraction-static\.?|Loaded weights leave "
+                          r"no GPU memory for the KV cache[^\n]*)")
 SWA_LINE = re.compile(r"Use sliding window memory pool\. full_layer_tokens=(\d+), swa_layer_tokens=(\d+)")
 NO_CPU_BUILD = ("SGLang publishes no CPU build on the package registries (its kernels, sglang-kernel, are CUDA "
                 "wheels only; docs/engines.md): run it on a machine with an NVIDIA GPU, give sglang:python=PATH "
@@ -70,6 +79,33 @@ def parse_sglang_log(text: str) -> dict:
     swa = SWA_LINE.findall(text)
     if swa:
         out["full_layer_tokens"], out["swa_layer_tokens"] = map(int, swa[-1])
+    return out
+
+
+def startup_figures(text: str) -> dict | None:
+    """The figures of ``Backend.startup_figures_from_log`` from an SGLang launch log (the last of each: TP0's where
+    every rank logs; each rank's figures are its own GPU's)."""
+    log = parse_sglang_log(text)
+    out: dict = {}
+    if pools := log.get("allocated"):
+        last = pools[-1]
+        out["kv_pool_bytes"] = (last.get("kv_gib") or last.get("k_gib", 0) + last.get("v_gib", 0)) * GIB
+        out["pool_tokens"] = last["tokens"]
+    elif "max_total_num_tokens" in log:
+        out["pool_tokens"] = log["max_total_num_tokens"]
+    if weights := WEIGHTS_LINE.findall(text):
+        out["weights_bytes"] = float(weights[-1][1]) * GIB
+        out["avail_after_load_bytes"] = float(weights[-1][0]) * GIB
+    if preload := PRELOAD_LINE.findall(text):
+        out["terms"] = {"before loading": float(preload[-1]) * GIB}
+    if end := POOL_END_LINE.findall(text):
+        out["avail_after_pool_bytes"] = float(end[-1]) * GIB
+    if refusal := REFUSAL_LINE.findall(text):
+        out["refusal"] = refusal[-1].strip()
+    if not out:
+        return None
+    wanted = (ALLOCATED_LINE, SCHEDULER_LINE, WEIGHTS_LINE, PRELOAD_LINE, POOL_END_LINE, REFUSAL_LINE)
+    out["lines"] = [line.strip() for line in text.splitlines() if any(p.search(line) for p in wanted)]
     return out
 
 
@@ -292,6 +328,21 @@ class SGLangBackend(PrometheusPolled, Backend):
         if swa is not None:
             details["swa_tokens"] = int(swa)
         return details
+
+    @classmethod
+    def startup_figures_from_log(cls, text: str) -> dict | None:
+        return startup_figures(text)
+
+    def startup_settings(self, spec: ServerSpec) -> dict:
+        """Sized (or with max_total_tokens): --max-total-tokens caps the pool SGLang profiles (it only lowers
+        it); --mem-fraction-static where given, else SGLang's auto fraction (its startup rule)."""
+        options = {k: self.options[k] for k in ("mem_fraction_static", "page_size") if self.options.get(k) is not None}
+        cap = None
+        if not self.deployed or "max_total_tokens" in self.options:
+            cap = int(self.options.get("max_total_tokens") or self.pool_tokens(spec))
+        device = self.options.get("device") or ("gpu" if has_nvidia_gpu() else "cpu")
+        return {"engine_options": options, "pool_tokens_cap": cap, "kv_dtype": self._dtype_name(spec),
+                "device": "cpu" if device == "cpu" else "gpu"}
 
     def kv_pool(self) -> KVPool | None:
         info, log = self.server_info(), self._log()

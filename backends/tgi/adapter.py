@@ -199,6 +199,30 @@ class TGIBackend(PrometheusPolled, Backend):
             result.engine_details = {"finish_reason": details.get("finish_reason"), "seed": details.get("seed"),
                                      "last_token_special": bool(token and token.get("special"))}
 
+    @classmethod
+    def startup_figures_from_log(cls, text: str) -> dict | None:
+        """The router's "Setting max batch total tokens to N" (the tokens its warmup left the KV blocks) and the
+        shard's "KV-cache blocks: N, size: B" where it prints them."""
+        log = parse_tgi_log(text)
+        if not log:
+            return None
+        out: dict = {"device": "gpu"}
+        if "max_batch_total_tokens" in log:
+            out["pool_tokens"] = log["max_batch_total_tokens"]
+        if "num_blocks" in log:
+            out["blocks"] = log["num_blocks"]
+            out.setdefault("pool_tokens", log["num_blocks"] * log["block_size"])
+        out["lines"] = [line.strip() for line in text.splitlines()
+                        if MAX_BATCH_LINE.search(line) or BLOCKS_LINE.search(line)]
+        return out
+
+    def startup_settings(self, spec: ServerSpec) -> dict:
+        """The warmup's prefill (--max-batch-prefill-tokens: the context cap when sized) is what TGI's rule reads."""
+        deployed = self.options.get("engine_mode", "sized") == "deployed"
+        prefill = self.options.get("max_batch_prefill_tokens", None if deployed else spec.max_context)
+        return {"engine_options": {"max_batch_prefill_tokens": int(prefill)} if prefill else {},
+                "kv_dtype": spec.kv_dtype}
+
     def kv_pool(self) -> KVPool | None:
         log = parse_tgi_log(self.server.log_path.read_text(errors="replace")) if self.server else {}
         try:

@@ -3,8 +3,12 @@
 TGI's launcher passes --cuda-memory-fraction (default 1.0) to its shards; the shard's warmup runs a prefill of
 max_batch_prefill_tokens (4096 by default), then gives its KV blocks the free memory x TGI_WIGGLE_ROOM
 (server/text_generation_server/models/flash_causal_lm.py warmup; globals.py TGI_WIGGLE_ROOM, read as 0.90 in
-the one copy of globals.py found, not confirmed for the CUDA server). No TGI startup log was found: every
-TGI class is unverified, and the warmup's peak uses the same per-token widths as vLLM's profile, unscaled.
+the one copy of globals.py found, not confirmed for the CUDA server): the router logs the blocks' tokens as
+"Setting max batch total tokens to N" (``pool_fills_budget``). The warmup's peak uses the same per-token widths
+as vLLM's profile, unscaled. Two public TGI logs (tests/data/startup_logs/tgi-*: TGI 2.2.0 on an A10G, a
+Llama 3.1 70B on 2 x A100 80GB) hold 2.4-2.6x fewer tokens than this rule gives: TGI holds more than it
+models (CUDA graphs, the warmup's logits); no constant is fitted on two logs, and every TGI class stays
+unverified.
 """
 from __future__ import annotations
 
@@ -29,4 +33,5 @@ def startup_memory(rules, q: StartupQuestion) -> StartupMemory:
                              f"{1 - WIGGLE_ROOM:.0%} of the free memory after warmup left free (TGI_WIGGLE_ROOM "
                              f"{WIGGLE_ROOM})", True))
     return StartupMemory("tgi", "TGI", fraction, f"--cuda-memory-fraction {fraction:g}", q.cuda_bytes, q.cuda_source,
-                         tuple(terms), "tgi", False, "unverified: no public TGI startup log checked")
+                         tuple(terms), "tgi", False, "unverified: the public TGI startup logs hold 2.4-2.6x fewer "
+                         "tokens than this rule gives (tests/data/startup_logs/tgi-*)", pool_fills_budget=True)

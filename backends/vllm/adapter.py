@@ -10,7 +10,6 @@ import getpass
 import glob
 import json
 import os
-import re
 import tempfile
 import time
 from dataclasses import replace
@@ -32,6 +31,7 @@ from ..prometheus import PrometheusPolled, gauge_sum
 from ..streaming import stream_sse
 from ..types import EngineStartError, KVInUse, KVPool, PrefixCacheCounters, RequestResult, ServerSpec
 from .kvrules import VLLMKV
+from .startup_log import startup_figures, weights_bytes
 
 # vLLM's prefix-cache counters, in prompt tokens (vllm/v1/metrics/loggers.py; prometheus_client adds _total)
 PREFIX_CACHE_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
@@ -45,9 +45,6 @@ ALLOCATORS = ("{env}/lib/python3*/site-packages/vllm/libs/libtcmalloc_minimal*.s
               "/usr/lib64/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc.so.4",
               "/usr/lib/*-linux-gnu/libjemalloc.so.2", "/usr/lib64/libjemalloc.so.2")
 OPENMP = ("{env}/lib/libiomp5.so",)
-# "Model loading took 14.99 GiB memory and 5.21 seconds" (GPU model runner; one line per tensor-parallel worker)
-WEIGHTS_LINE = re.compile(r"Model loading took (\d+(?:\.\d+)?) (GiB|GB|MiB|MB) memory")  # a garbled number: not read
-_UNITS = {"GiB": 2**30, "GB": 1e9, "MiB": 2**20, "MB": 1e6}
 
 
 def cpu_preloads(env: Path | None, patterns: tuple[tuple[str, ...], ...] | None = None) -> list[str]:
@@ -351,10 +348,24 @@ class VLLMBackend(PrometheusPolled, Backend):
         one per tensor-parallel worker, summed); None where it prints none (its CPU runner)."""
         if not self.server:
             return None
-        found = WEIGHTS_LINE.findall(self.server.log_path.read_text(errors="replace"))
-        if not found:
-            return None
-        return sum(float(n) * _UNITS[unit] for n, unit in found[-self.gpus_used(self.options):])
+        return weights_bytes(self.server.log_path.read_text(errors="replace"), self.gpus_used(self.options))
+
+    @classmethod
+    def startup_figures_from_log(cls, text: str) -> dict | None:
+        return startup_figures(text)
+
+    def startup_settings(self, spec: ServerSpec) -> dict:
+        """vLLM sizes its pool itself only when deployed on a GPU without --kv-cache-memory-bytes; sized, the
+        pool is kvbench's budget and --max-num-seqs the workload's concurrency (the profile run's sampler)."""
+        gpu = has_nvidia_gpu()
+        options = {k: self.options[k] for k in ("gpu_memory_utilization", "block_size") if k in self.options}
+        if not self.deployed:
+            options["max_num_seqs"] = spec.max_concurrency
+        budget = None
+        if not self.deployed or not gpu or "kv_cache_memory_bytes" in self.options:
+            budget = int(self.options.get("kv_cache_memory_bytes") or self.pool_budget_bytes(spec))
+        return {"engine_options": options, "kv_budget_bytes": budget, "kv_dtype": self._dtype_name(spec),
+                "device": "gpu" if gpu else "cpu"}
 
     def kv_pool(self) -> KVPool | None:
         info = self._read_cache_info()

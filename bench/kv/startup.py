@@ -91,6 +91,9 @@ class StartupMemory:
     verified: bool  # whether the corpus of public startup logs matches this class within its tolerance
     verified_note: str = ""
     notes: tuple[str, ...] = field(default=())
+    #: True where the engine gives its KV blocks whatever its budget leaves after its warmup (TGI's
+    #: max_batch_total_tokens), though its rules reserve each request's blocks by its limit (no pool_from_budget).
+    pool_fills_budget: bool = False
 
     @property
     def budget_bytes(self) -> float:
@@ -107,7 +110,8 @@ class StartupMemory:
                 "terms": [{"term": t.name, "bytes": t.bytes, "source": t.source, "fitted": t.fitted}
                           for t in self.terms],
                 "overhead_bytes": self.overhead_bytes, "class": self.klass, "verified": self.verified,
-                "verified_note": self.verified_note, "notes": list(self.notes)}
+                "verified_note": self.verified_note, "notes": list(self.notes),
+                "pool_fills_budget": self.pool_fills_budget}
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from .shared import (
     gpu,
     gpu_catalog,
     gpu_memory,
+    gpu_of_device,
     gpu_specs,
     model_names,
     parse_bytes,
@@ -37,7 +38,7 @@ from .shared import (
     parse_int,
     parse_tokens,
 )
-from .startup import startup_view
+from .startup import planned_figures, startup_view
 from .verdict import kv_scope, ledger, lever_line, limit_label, verdict
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "gpu",
     "gpu_catalog",
     "gpu_memory",
+    "gpu_of_device",
     "gpu_specs",
     "kv_scope",
     "ledger",
@@ -73,6 +75,7 @@ __all__ = [
     "parse_int",
     "parse_tokens",
     "plan",
+    "planned_figures",
     "resolve_model",
     "rule_of_thumb",
     "served_weights",

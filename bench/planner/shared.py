@@ -100,6 +100,19 @@ def gpu(name_or_size: str) -> GPU:
     raise PlanError(f"unknown GPU {name_or_size!r}; known: {', '.join(gpu_catalog())} (or a size such as 48GiB)")
 
 
+def gpu_of_device(name: str, total_bytes: int) -> str:
+    """The planner's name for a GPU as NVML reports it (its name, its total): the catalog's card of that model
+    ("NVIDIA H100 80GB HBM3" and "NVIDIA H100 PCIe" are H100-80GB, "NVIDIA GeForce RTX 4090" RTX-4090) whose
+    memory is within 3 % of NVML's total, else its size ("139.810547GiB": planned without a compute capability or
+    a logged CUDA total)."""
+    words = " " + re.sub(r"[^A-Z0-9]+", " ", name.upper()) + " "
+    for key, spec in gpu_specs().items():
+        model = re.sub(r"-\d+GB$", "", key).replace("-", " ").upper()
+        if f" {model} " in words and abs(spec.bytes - total_bytes) <= 0.03 * spec.bytes:
+            return key
+    return f"{total_bytes / GIB:.6f}GiB"
+
+
 def gpu_memory(name_or_size: str) -> tuple[str, int]:
     g = gpu(name_or_size)
     return g.name, g.bytes

@@ -3,6 +3,9 @@ holds at once, or the refusal it would print, from the engine's own memory rule 
 Asks only the engine's rules (``startup_memory``, ``startup_refusal``, the pool hooks); never its name."""
 from __future__ import annotations
 
+import math
+
+from kvbench.kv.rules import KVRuleError
 from kvbench.kv.units import GIB
 
 from .capacity import capacity, kv_room
@@ -29,6 +32,15 @@ def startup_view(s: Setup) -> dict | None:
         longest = _longest(s, available)
         out.update(pool_bytes=pool, pool_tokens=tokens, blocks=cap.blocks, requests_at_limit=requests,
                    concurrency=cap.requests_at_limit)
+    elif mem.pool_fills_budget:  # its warmup gives the KV blocks what the budget leaves (TGI)
+        q = s.question(context=s.limit, batch=1)
+        per_token = rules.bytes_per_token(q)
+        block = rules.answer(s.question(context=1, batch=1)).tokens_full  # one token takes one whole block
+        tokens = int(max(available, 0.0) // (per_token * block)) * block
+        requests = tokens // s.limit
+        longest = _longest(s, available)
+        out.update(pool_bytes=tokens * per_token, pool_tokens=tokens, blocks=tokens // block,
+                   requests_at_limit=requests, concurrency=tokens / s.limit)
     else:
         pool = s.kv_bytes(context=s.limit, batch=s.batch, limit=s.limit)
         requests = s.batch if available >= pool else 0
@@ -41,7 +53,7 @@ def startup_view(s: Setup) -> dict | None:
         out.update(refusal=refusal.message, fix=refusal.fix)
         line = f"{mem.label} would refuse to start: \"{refusal.message}\" Fix: {refusal.fix}"
     else:
-        unit = "pool" if rules.pool_from_budget else "cache"
+        unit = "pool" if rules.pool_from_budget or mem.pool_fills_budget else "cache"
         line = (f"{mem.label} would start with a {out['pool_bytes'] / GIB:.2f} GiB KV {unit} "
                 f"({out['pool_tokens']:,} tokens): {out['requests_at_limit']:,} request"
                 f"{'s' * (out['requests_at_limit'] != 1)} of {s.limit:,} tokens at once")
@@ -57,3 +69,60 @@ def _longest(s: Setup, available: float) -> int:
     if available <= 0:
         return 0
     return max(0, _largest(lambda n: s.kv_bytes(context=n, batch=1, limit=n) <= available, 1, s.limit))
+
+
+def planned_figures(s: Setup, kv_budget: float | None = None, pool_tokens_cap: int | None = None) -> dict | None:
+    """What the engine of ``s`` would log at start by the planner's rules, keyed as the engine's own figures are
+    (``Backend.startup_figures_from_log``: ``kv_budget_bytes``, ``kv_pool_bytes``, ``pool_tokens``, ``blocks``,
+    ``concurrency`` at ``concurrency_limit``, ``one_request_bytes``, ``weights_bytes``, ``cuda_total_bytes``,
+    ``terms``, ``refusal``), so
+    that a run can set each beside the engine's (run.json ``startup_checks``). Every byte figure is per GPU.
+
+    ``kv_budget``: the KV bytes per GPU the server was told to take (vLLM's --kv-cache-memory-bytes): its pool is
+    that budget's (:func:`capacity`), not the engine's startup rule's. ``pool_tokens_cap``: a cap on the pool's
+    tokens the server was given (it only lowers the pool). None where the engine sizes its pool itself on a device
+    kvbench has no startup rule for (a CPU without a given budget)."""
+    rules = s.rules
+    out: dict = {"limit": s.limit, "kv_dtype": s.resolved_kv_dtype(), "tp": s.tp, "gpu": s.gpu.name if s.gpu else None}
+    if kv_budget is not None and rules.pool_from_budget:
+        cap = capacity(s, float(kv_budget))
+        per_block = rules.bytes_per_block(s.question(context=s.limit, batch=1))
+        out.update(rule="the KV budget the server was given", kv_budget_bytes=float(kv_budget),
+                   kv_pool_bytes=cap.blocks * per_block, pool_tokens=cap.tokens_at_limit, blocks=cap.blocks,
+                   concurrency=cap.requests_at_limit, concurrency_limit=s.limit, requests_at_limit=cap.sequences)
+    elif s.startup is not None:
+        view = startup_view(s)
+        mem = s.startup
+        delta = sum(t["bytes"] for t in view["terms"] if t["term"] == "weights as loaded")
+        out.update(rule=f"{mem.label}'s startup rule", klass=view["class"], verified=view["verified"],
+                   verified_note=view["verified_note"], fraction=view["fraction"],
+                   kv_budget_bytes=view["kv_budget_bytes"], kv_pool_bytes=view["pool_bytes"],
+                   pool_tokens=view["pool_tokens"], blocks=view.get("blocks"), concurrency=view.get("concurrency"),
+                   concurrency_limit=s.limit if view.get("concurrency") is not None else None,
+                   requests_at_limit=view["requests_at_limit"], weights_bytes=(view["weights_bytes"] or 0) + delta,
+                   cuda_total_bytes=view["cuda_bytes"],
+                   terms={t["term"]: t["bytes"] for t in view["terms"] if t["term"] != "weights as loaded"},
+                   refusal=view["refusal"], fix=view["fix"], line=view["line"])
+    elif not rules.pool_from_budget:
+        a = s.kv(context=s.limit, batch=s.batch, limit=s.limit)
+        out.update(rule=f"allocated for {s.batch} x {s.limit:,} tokens", kv_pool_bytes=a.bytes_per_gpu,
+                   pool_tokens=a.tokens_full, requests_at_limit=s.batch)
+    else:
+        return None
+    try:  # the KV one request at the limit takes on a GPU (what vLLM's refusal says is needed)
+        out.update(one_request_bytes=rules.answer(s.question(context=s.limit, batch=1)).bytes_per_gpu,
+                   one_request_limit=s.limit)
+    except KVRuleError:
+        pass
+    if pool_tokens_cap is not None and out.get("pool_tokens") and out["pool_tokens"] > pool_tokens_cap:
+        # the pool the server was given instead of the one its rule makes (the KV budget stays the rule's)
+        scale = pool_tokens_cap / out["pool_tokens"]
+        out.update(pool_tokens=pool_tokens_cap, kv_pool_bytes=out["kv_pool_bytes"] * scale,
+                   rule=out["rule"] + f", capped at the {pool_tokens_cap:,} tokens it was given")
+        if out.get("blocks") is not None:
+            out["blocks"] = int(out["blocks"] * scale)
+        if out.get("concurrency") is not None:
+            out["concurrency"] *= scale
+            out["requests_at_limit"] = math.floor(out["concurrency"] + 1e-9)
+        out.pop("line", None)  # the rule's own pool, not this one
+    return {k: v for k, v in out.items() if v is not None}

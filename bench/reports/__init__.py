@@ -230,6 +230,7 @@ def _build(run_dirs: list[Path], plots_dir: Path | None) -> Report:
         *_validation(run_dirs, infos),
     ]
     _gpu_sections(sections, agg, cap)  # GPU runs only: memory per GPU, the planner against the boundary
+    _startup_section(sections, infos, cap)  # the engines' own startup figures beside the plan's (run.json)
     if tables.deployments(agg):  # after the boundary: which replica of a deployment queued first
         lines = tables.queued_first_lines(agg)
         note = "\n".join(f"- {line}" for line in lines) or "(no finished deployment cells)"
@@ -286,6 +287,17 @@ def _gpu_sections(sections: list[Section], agg: pd.DataFrame, cap: str) -> None:
         planner = gpu.planner_table(agg)
         sections.insert(at + 1, Section("gpu_planner", "The planner against the real boundary",
                                         gpu.PLANNER_INTRO.format(margin=gpu.MARGIN), planner, gpu.PLANNER_RIGHT, cap))
+
+
+def _startup_section(sections: list[Section], infos: list[dict], cap: str) -> None:
+    """After the GPU sections (or the boundary): each checked engine start's figures beside the plan's
+    (bench/reports/startup.py; run.json startup_checks), where the runs recorded any."""
+    from . import startup
+
+    if startup.recorded(infos):
+        at = max(_after(sections, "boundary"), _after(sections, "gpu_planner") if any(
+            s.id == "gpu_planner" for s in sections) else 0)
+        sections.insert(at, Section("startup", startup.TITLE, startup.INTRO, startup.table(infos), startup.RIGHT, cap))
 
 
 def write(run_dirs: list[Path], output: Path | None = None, html_file: Path | None = None,

@@ -42,7 +42,7 @@ from kvbench.load.open_loop import schedule_seed
 from kvbench.run import estimate
 from kvbench.run.progress import CellProgress, run_progress, set_eta
 from kvbench.run.backend_config import BackendConfig
-from kvbench.run import kvquant
+from kvbench.run import kvquant, startup_checks
 from kvbench.run.cells import Cell, CellPrompts, NothingFits, PromptSalt, RunPlan
 from kvbench.run.rows import (
     CellMeasurement,
@@ -281,6 +281,7 @@ class _EngineSession:
                               spec.kv_dtype, attached=bool(cfg.url), rules=kv_rules(cfg.engine),
                               **engine_setup(REGISTRY[cfg.engine], cfg.options, bool(cfg.url)))
         self.gpu_baseline: GPUBaseline | None = None
+        self.log_path: Path | None = None  # the log of the engine kvbench started (None: attached)
         self.streak = TimeoutStreak(runner.o.max_consecutive_timeouts)
         self.recovered = ""  # the flag of the first cell run after a wedged engine answered its probe again
         self.outages: dict[tuple, dict] = {}  # a deployment's replicas out of rotation: (replica, out_at) -> record
@@ -346,6 +347,7 @@ class _EngineSession:
             self.start_or_attach(backend)
             started = True
             self.check(backend)
+            self.check_startup(backend, started=True)
             self.warm_up(backend)
             self.measure_cells(backend)
         except (EngineStartError, ValueError, httpx.HTTPError) as exc:
@@ -370,7 +372,37 @@ class _EngineSession:
         r.record.save(r.writer)
         # one log per KV dtype's start: the pool is read from the start's own log lines
         log = cfg.label + (f"_kv-{self.kv_variant}" if self.kv_variant else "")
-        backend.start(self.spec, r.writer.log_path(log), r.o.start_timeout_s)
+        self.log_path = r.writer.log_path(log)
+        backend.start(self.spec, self.log_path, r.o.start_timeout_s)
+
+    def check_startup(self, backend: Backend, started: bool) -> None:
+        """The engine's own figures at startup (its log, read by its adapter) beside the plan's for the same
+        deployment (its GPU as NVML names it), into run.json's startup_checks (bench/run/startup_checks.py).
+        A server kvbench did not start has no log here. A check that cannot be made is recorded as such; it
+        never fails the engine's cells."""
+        if self.cfg.url or self.log_path is None or not self.log_path.exists():
+            return
+        cls, spec = type(backend), self.spec
+        try:
+            figures = cls.startup_figures_from_log(self.log_path.read_text(errors="replace"))
+            if not figures:
+                return
+            settings = backend.startup_settings(spec)
+            hf = spec.model.hf_dir
+            model = settings.get("model_file") or (str(hf) if (hf / "config.json").exists() else
+                                                   str(spec.model.gguf_path or hf))
+            base = self.gpu_baseline
+            start = startup_checks.Start(
+                self.cfg.engine, self.info.engine_version_reported or backend.version, model,
+                cls.gpus_used(self.cfg.options), spec.max_context, settings,
+                base.names[0] if base and base.names else None,
+                base.device_total_bytes[0] if base and base.device_total_bytes else None, started)
+            check = startup_checks.startup_check(figures, start)
+        except Exception as exc:  # noqa: BLE001 - a check is a record of the run, never a reason to fail it
+            check = {"error": f"{type(exc).__name__}: {exc}"}
+        if check:
+            self.r.record.startup_checks[self.key] = check
+            self.r.record.save(self.r.writer)
 
     def check(self, backend: Backend) -> None:
         """The version the engine reports, the models it serves (an attached server's checked against
@@ -473,6 +505,8 @@ class _EngineSession:
         """The engine failed to start or during the run (an HTTP error here is one of the harness's own
         calls, e.g. a cell's counter reset): the rest of its cells fail with why, and whether it died."""
         detail = f"{type(exc).__name__}: {exc}" if isinstance(exc, httpx.HTTPError) else str(exc)
+        if not started:  # its log may hold the engine's refusal, beside the plan's
+            self.check_startup(backend, started=False)
         died = backend.exit_description(wait_s=ENGINE_EXIT_WAIT_S) if started else ""
         what = f"engine {died} during the run" if died else ("engine failed" if started else "engine failed to start")
         self.stop_reason = f"{what}: {detail}"

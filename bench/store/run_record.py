@@ -25,6 +25,8 @@ class RunRecord:
     capabilities: dict[str, dict] = field(default_factory=dict)  # label -> what an attached server supports
     engine_builds: dict[str, str] = field(default_factory=dict)  # label -> its build's per-machine choice
     replica_outages: dict[str, list[dict]] = field(default_factory=dict)  # start key -> replicas out of rotation
+    # start key -> the engine's startup figures from its log beside the plan's (bench/run/startup_checks.py)
+    startup_checks: dict[str, dict] = field(default_factory=dict)
 
     @classmethod
     def of_run(cls, run_dir: Path) -> RunRecord:

@@ -27,18 +27,24 @@ def test_corpus_files_say_where_they_come_from():
     entries = sl.corpus()
     assert len(entries) >= 20
     for e in entries:
-        assert re.match(r"https://github\.com/[\w.-]+/[\w.-]+/(issues|pull)/\d+$", e["source"]), e["file"]
-        assert e["lines"].strip() and e["engine"] in ("vllm", "sglang", "llamacpp") and e["engine_version"]
+        # an engine's issue or pull request, or a published file at a commit
+        assert re.match(r"https://github\.com/[\w.-]+/[\w.-]+/((issues|pull)/\d+|blob/[0-9a-f]{40}/\S+)$",
+                        e["source"]), e["file"]
+        assert e["lines"].strip() and e["engine"] in ("vllm", "sglang", "llamacpp", "tgi") and e["engine_version"]
         assert e["split"] in ("fit", "holdout") and e["checks"], e["file"]
-    assert {e["engine"] for e in entries} == {"vllm", "sglang", "llamacpp"}
+    assert {e["engine"] for e in entries} == {"vllm", "sglang", "llamacpp", "tgi"}
+    # the classes the issue asks for: MLA, sliding window (none found yet), TGI, llama.cpp on CUDA
+    assert {"deepseek-v2-lite", "qwen3-235b-a22b"} <= {e.get("model") for e in entries}
 
 
 def test_every_checked_log_matches_after(rows):
     misses = [r for r in rows if r.ok is False]
-    # a miss is allowed only in a class the rules do not declare verified
+    # a miss is allowed only in a class the rules do not declare verified, and each is known: vLLM V1 with an
+    # MoE checkpoint at 0.95 (0.68 GiB over), TGI's pool (2.4-2.6x the tokens TGI logged)
     for r in misses:
         assert r.klass and r.klass not in VERIFIED, r
-    assert len(misses) <= 1
+    assert sorted(r.log for r in misses) == ["tgi-2744-llama3.1-70b-a100-tp2.toml", "tgi-chat-app-llama3.1-8b-a10g.toml",
+                                             "vllm-27508-gpt-oss-120b-h100-util095.toml"]
 
 
 def test_verified_classes_have_evidence(rows):
