@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from kvbench.backends import DEFAULT_ENGINES
 from kvbench.common.hardware import GPUInfo, detect_gpus, has_nvidia_gpu
 from kvbench.kv.units import GIB
-from kvbench.planner import PlanInput
+from kvbench.planner.deploy import MARGIN as PLAN_MARGIN
 from kvbench.planner.overhead import ASSUMED_GIB
 
 CPU_WORKLOAD = "long_context_ladder"
@@ -26,7 +26,7 @@ GPU_WORKLOAD = "gpu_long_context"
 ENGINES = DEFAULT_ENGINES
 # GPU sizing: a share of the card kept free, and the runtime overhead besides weights and KV
 # (CUDA context, activations, the allocator's slack): the planner's defaults, not yet measured here.
-MARGIN = PlanInput.margin
+MARGIN = PLAN_MARGIN  # the planner's margin where no engine rule says otherwise
 OVERHEAD_BYTES = int(ASSUMED_GIB * GIB)
 CONTEXT_STEP = 1024  # a context cap is a whole number of these (of 256 below 2,048)
 
