@@ -83,12 +83,12 @@ prometheus:
 
 # PYTEST_ARGS: more pytest options; .ci/run passes --expected-skips=tests/expected_skips.txt (a skip not
 # listed there fails the run). Skip reasons are always printed (-rs in pyproject.toml).
-# TEST_WORKERS: pytest-xdist workers; the engine tests share one (tests/conftest.py), the rest spread over
-# all. TEST_WORKERS=0 runs everything in one process.
+# TEST_WORKERS: pytest-xdist workers; the engine tests (tests/**/*_engines.py) share one (tests/conftest.py),
+# the rest spread over all, a module at a time. TEST_WORKERS=0 runs everything in one process.
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 test: engines browser prometheus
-	$(BIN)/python -m pytest tests $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) $(PYTEST_ARGS)
 
 report: setup
 	@test -n "$(RUN)" || { echo "no run under results/runs/: make report RUN=path/to/run"; exit 2; }

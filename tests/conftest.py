@@ -10,11 +10,24 @@ from kvbench.common import models
 # (a module's engine fixture runs inside its first test) and gets this instead. A test's own
 # @pytest.mark.timeout(...) wins over both.
 ENGINE_TIMEOUT_S = 1200
-# Under pytest-xdist (`make test` runs two workers, --dist loadgroup) every engine test is in one group, so
-# one worker runs them one after another, as alone as before (two engines at once on 2 cores would each
-# measure the other, and the tests that look for an engine's processes left behind would find the other's);
-# the other worker takes the rest, module by module.
-ENGINE_GROUP = "engines"
+# Under pytest-xdist (`make test` runs two workers) the modules of tests that start a real engine, named
+# *_engines.py, are one unit of work: one worker runs them one after another, as alone as before (two
+# engines at once on 2 cores would each measure the other, and the tests that look for an engine's
+# processes left behind would find the other's); the other worker takes the rest, a module at a time, so
+# module fixtures are made once. (xdist's own loadgroup marks do not group under pytest 9.2: it renames
+# items through an attribute pytest no longer reads.)
+ENGINE_MODULES = "_engines.py"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EnginesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "engines" if module.endswith(ENGINE_MODULES) else module
+
+    return EnginesTogether(config, log)
 
 
 def pytest_addoption(parser):
@@ -32,12 +45,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.get_closest_marker("engine"):
-            item.add_marker(pytest.mark.xdist_group(ENGINE_GROUP))
-            if not item.get_closest_marker("timeout"):
-                item.add_marker(pytest.mark.timeout(ENGINE_TIMEOUT_S))
-        else:  # a module's other tests stay together: its module-scoped fixtures are made once
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+        if item.get_closest_marker("engine") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(ENGINE_TIMEOUT_S))
 
 
 # --- skips: each one is recorded with its reason; with --expected-skips, an unlisted one fails the session ---

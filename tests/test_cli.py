@@ -2,13 +2,10 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from kvbench.store.readers import load_cells
-
-from tests.helpers import REPO, engine_env
+from tests.helpers import REPO
 
 TINY = """name = "tiny"
 seed = 3
@@ -22,37 +19,6 @@ def kvbench(*args, timeout=600):
     # a wide terminal, so that rich does not wrap the error messages the tests look for
     return subprocess.run([sys.executable, "-m", "kvbench.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "COLUMNS": "300"})
-
-
-@pytest.mark.engine
-def test_run_then_report(tmp_path):
-    engine_env("llamacpp")
-    (tmp_path / "tiny.toml").write_text(TINY)
-    done = kvbench("run", "-b", "llamacpp", "--workload", str(tmp_path / "tiny.toml"),
-                   "--results-dir", str(tmp_path), "--run-id", "r")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "llamacpp-0.3.36" in done.stdout and "prompt     64 x1" in done.stdout
-    report = kvbench("report", str(tmp_path / "r"), "--raw")
-    assert report.returncode == 0
-    assert "| llamacpp-0.3.36 | 64 | 1 | f16 | 23,040 |" in report.stdout
-    assert (tmp_path / "r" / "report.md").read_text() in report.stdout
-
-
-@pytest.mark.engine
-def test_hf_folder_model_runs_on_hf_and_on_llamacpp_through_its_own_converter(tmp_path, smollm2):
-    # an HF folder (what a hub id resolves to): llama.cpp serves a GGUF its own convert_hf_to_gguf.py made
-    # from the same weights, once
-    engine_env("hf")
-    engine_env("llamacpp")
-    (tmp_path / "tiny.toml").write_text(TINY)
-    done = kvbench("run", "-b", "hf", "-b", "llamacpp", "--model", str(smollm2.hf_dir),
-                   "--workload", str(tmp_path / "tiny.toml"), "--results-dir", str(tmp_path), "--run-id", "r")
-    assert done.returncode == 0, done.stdout + done.stderr
-    cells = load_cells(tmp_path / "r").set_index("engine")
-    assert cells.loc["hf", "status"] == "ok"
-    assert cells.loc["llamacpp", "status"] == "ok", cells.loc["llamacpp", "error"]
-    log = (tmp_path / "r" / "logs" / "llamacpp-0.3.36.log").read_text()
-    assert ".gguf" in log.splitlines()[0] and str(smollm2.gguf_path) not in log.splitlines()[0]
 
 
 def test_bad_arguments_name_the_allowed_values(tmp_path):

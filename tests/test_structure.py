@@ -300,3 +300,21 @@ def test_no_product_module_over_500_lines_without_a_reason():
             and len(p.read_text().splitlines()) > 500
             and "Long because" not in (ast.get_docstring(ast.parse(p.read_text())) or "")]
     assert long == []
+
+
+def test_every_test_that_starts_an_engine_lives_in_an_engines_module():
+    """make test's scheduler keeps tests/**/*_engines.py on one xdist worker (tests/conftest.py): an engine test
+    elsewhere would run beside another engine on a 2-core machine, and each would measure the other."""
+    from tests.conftest import ENGINE_MODULES
+
+    elsewhere = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        module_marked = any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+                            and "mark.engine" in ast.unparse(n.value) for n in tree.body)
+        marked = module_marked or any(isinstance(n, ast.FunctionDef) and any("mark.engine" in ast.unparse(d)
+                                                                              for d in n.decorator_list)
+                                      for n in ast.walk(tree))
+        if marked and not path.name.endswith(ENGINE_MODULES):
+            elsewhere.append(str(path.relative_to(ROOT)))
+    assert elsewhere == []

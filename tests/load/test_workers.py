@@ -14,6 +14,7 @@ from kvbench.backends.types import RequestResult
 from kvbench.load import LoadPoint, LoadSettings, constant, run, run_async, workers
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.testkit import prompt, spec
+from tests.helpers import REPO
 
 
 class PidOpenAI(OpenAIBackend):
@@ -189,7 +190,6 @@ from pathlib import Path
 from kvbench.backends.openai.adapter import OpenAIBackend
 from kvbench.load import LoadPoint, LoadSettings, run, run_async
 from tests.fakes.testkit import prompt, spec
-from tests.helpers import REPO
 tmp = Path(sys.argv[2])
 backend = OpenAIBackend("v1", tmp, {"token_ids": True, "ignore_eos": True, "return_token_ids": True})
 backend.attach(spec(tmp), sys.argv[1], timeout_s=5)
