@@ -71,7 +71,6 @@ def plan_input(entry: dict, before: bool):
     settings = dict(entry.get("settings", {}))
     limit = settings.pop("max_model_len", None) or settings.pop("n_ctx", None)
     kv_dtype = settings.pop("kv_cache_dtype", "auto")
-    settings.pop("enforce_eager", None)
     options = {k: v for k, v in settings.items() if v is not None}
     m = _model(entry)
     return PlanInput(model=m, engine=entry["engine"], gpu=entry["gpu"], tp=max(1, entry.get("tp", 1)),
@@ -195,7 +194,8 @@ def term_rows(entry: dict) -> list[Row]:
         p = PlanInput(model=m, engine="vllm", gpu=gpu, tp=max(1, entry.get("tp", 1) or 2),
                       engine_version=entry.get("engine_version"),
                       engine_options={k: v for k, v in entry.get("settings", {}).items()
-                                      if k in ("gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs")},
+                                      if k in ("gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs",
+                                               "enforce_eager")},
                       max_model_len=entry.get("settings", {}).get("max_model_len"), allow_long_context=True)
         s = setup(p)
         q = s.startup_question()
@@ -207,6 +207,14 @@ def term_rows(entry: dict) -> list[Row]:
             a = gpumem.activation_peak(q, s.rules).bytes / GIB
             out.append(Row(name, engine, "profile peak", split, "", logged["activation_gib"], 0.0, round(a, 2),
                            "GiB", close(a, logged["activation_gib"])))
+        if "cudagraph_estimate_gib" in logged and model:
+            # vLLM's CUDA-graph estimate (logged from 0.19, out of the pool from 0.21); its class says on which GPUs
+            # the model of it is checked (gpumem.CUDAGRAPH_CHECKED_MAJORS)
+            a = gpumem.cudagraph_estimate(q, s.rules)[0] / GIB
+            hopper = (q.kv.capability or (0, 0))[0] in gpumem.CUDAGRAPH_CHECKED_MAJORS
+            out.append(Row(name, engine, "CUDA-graph estimate", split,
+                           "vllm cuda graphs " + ("hopper" if hopper else "other gpus"), logged["cudagraph_estimate_gib"],
+                           0.0, round(a, 2), "GiB", close(a, logged["cudagraph_estimate_gib"])))
         if "weights_gib" in logged and model:
             delta = gpumem.weights_delta(q)
             a = (q.weights_bytes + (delta.bytes if delta else 0)) / GIB

@@ -1,54 +1,91 @@
 """vLLM's memory on a GPU as it reaches it at startup, term by term. Imports only kvbench.kv.
 
-How vLLM sizes its pool (read in vllm/v1/worker/gpu_worker.py determine_available_memory, vllm/utils
+How vLLM sizes its pool (read in vllm/v1/worker/gpu_worker.py determine_available_memory, vllm/utils/mem_utils.py
 memory_profiling; v0: vllm/worker/worker.py determine_num_available_blocks):
 
     KV bytes = CUDA's total (torch.cuda.mem_get_info) x gpu_memory_utilization
-               - weights as loaded - the profile run's torch peak - non-torch memory (- a CUDA-graph estimate
-                 from 0.33)
+               - weights as loaded - the profile run's torch peak increase - non-torch increase
+               (- the CUDA-graph estimate, from 0.21)
 
 - gpu_memory_utilization: 0.9 (engine/arg_utils.py, every release before 0.33), 0.92 in 0.33
   (shared/reference/kv-accounting.md).
-- The profile run is a dummy forward of max_num_batched_tokens tokens and, in V1, the sampler at max_num_seqs
-  requests. Its defaults (engine/arg_utils.py): v0 without chunked prefill max(max_model_len, 2048), with
-  chunked prefill (on by default past 32K) 512; V1 (0.8 on) the OpenAI server's 2048 and 256 requests, from
-  0.10 by GPU memory (>= 70 GiB and not an A100: 8192 tokens, 1024 requests).
-- The peak itself is no figure in vLLM's source: it is what PyTorch's allocator saw. It is modelled here as
-  activations per token (the MLP's gate/up and activation outputs, 3 x intermediate / tp, and four
-  hidden-wide copies) x tokens x 2 bytes, plus the sampler's float32 logits, and scaled by constants fitted
-  on public startup logs (tests/data/startup_logs/, :data:`FITTED`); each ledger line says so.
+- The profile run (V1: gpu_model_runner.py profile_run) is a dummy forward of max_num_batched_tokens tokens
+  (_dummy_run) and then, with the forward's hidden states still held, the sampler on the last token of
+  min(max_num_seqs, max_num_batched_tokens) requests (_dummy_sampler_run: float32 logits, top-k/top-p).
+  The forward's temporaries are freed before the sampler runs, so V1's peak is the larger of the two, not
+  their sum. Defaults (engine/arg_utils.py): v0 without chunked prefill max(max_model_len, 2048), with chunked
+  prefill (on by default past 32K) 512; V1 (0.8 on) the OpenAI server's 2048 and 256 requests, from 0.10 by GPU
+  memory (get_batch_defaults: >= 70 GiB and not an A100: 8192 tokens, 1024 requests), at most
+  max_num_seqs x max_model_len tokens.
+- The sampler's bytes per request per vocab entry follow the top-k/top-p path vLLM takes
+  (v1/sample/ops/topk_topp_sampler.py): the PyTorch sort path (0.8-0.9; 0.11.1-0.16, after PR #26859 turned
+  the FlashInfer sampler off by default), FlashInfer's kernel (0.10-0.11.0, on by default where flashinfer is
+  installed) and the Triton top-k/top-p path (0.17 on; from 0.21 FlashInfer is the default again, but the
+  profile run also warms the native path, gpu_model_runner.py _dummy_sampler_run). Neither figure is in
+  vLLM's source: both are fitted on public startup logs (:data:`FITTED`), as is the forward's peak per token.
+- From 0.21 (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS on by default: "CUDA graph memory profiling is
+  enabled (default since v0.21.0)") the budget also loses vLLM's CUDA-graph estimate
+  (gpu_model_runner.py profile_cudagraph_memory: the largest first capture of any mode plus the second
+  capture's increase times the other graphs of each mode).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 from kvbench.kv.rules import parse_version
 from kvbench.kv.startup import Refusal, StartupMemory, StartupQuestion, StartupTerm
 from kvbench.kv.units import GIB
 
-#: Constants no source states, fitted on the corpus's fit set (selfcheck/startup_logs.py --fit prints the fit
+#: Constants no source states, fitted on the corpus's fit set (selfcheck/startup_logs.py prints the fit
 #: and the held-out error; docs/plan.md shows both tables).
 FITTED = {
-    # the profile peak / (tokens x 2 B x (3 I / tp + 4 H)): the RTX 3090 Llama-3.1-8B log at 20,000 tokens
+    # the forward's peak / (tokens x 2 B x (3 I / tp + 4 H)): the RTX 3090 Llama-3.1-8B log at 20,000 tokens
+    # (v0 0.6.4, where the forward alone made the peak)
     "activation_scale": 0.935,
-    # the sampler's float32 logits copies at the peak (max_num_seqs x vocab x 4 B each): the H100 Llama-3-8B log
+    # v0 (0.6.5-0.7): the sampler's float32 logits copies added to the forward's peak (max_num_seqs x vocab x 4 B
+    # each): the H100 Llama-3-8B 0.6.5 log
     "sampler_copies": 3.4,
+    # V1: the dummy sampler's bytes per request per vocab entry (float32 logits and the top-k/top-p path's
+    # temporaries), by the path vLLM takes (v1/sample/ops/topk_topp_sampler.py):
+    # - the PyTorch sort path (0.8-0.9, 0.11.1-0.16): fitted on the vLLM 0.15.1 A100 40GB Llama-3.1-8B log
+    #   (19.28 GiB at 256 requests: 31 B); the llm-d-planner report's H100 figures of 0.15-0.16 (5.64 GiB torch
+    #   peak for Qwen3-14B at 1024 requests) read 38 B
+    "v1_sampler_bytes_sort": 31.0,
+    # - FlashInfer (0.10-0.11.0) and the Triton path (0.17 on): fitted on the vLLM 0.19.0 H100 Llama-3.1-8B
+    #   log (torch peak 1.89 GiB at 1024 requests x 128,256 vocab); held out: gemma-2-9b (3.65 GiB, 256,000
+    #   vocab), the 0.19.1 A100 Qwen3-8B, 0.17.1 RTX 3090 and 0.10.1.1 A100 80GB logs
+    "v1_sampler_bytes_fast": 14.9,
     # non-torch memory per GPU (GiB) by vLLM's accounting, which changed twice: 0.6.4 and before counted the
     # increase after loading (RTX 3090 log: 0.35); 0.6.5-0.6.6 counted the CUDA context too, per rank
     # (H100 logs: 1.79 at tp 1, 3.58 at tp 2 (per GPU x tp)); from 0.7 the increase again (H100 0.16 at tp 1;
     # tp > 1: 0.25 (2 x 4090, 0.7.2), 0.38 (4 x A100 40GB, 0.8.3): 0.3)
     "non_torch_v064": 0.35, "non_torch_v065_per_tp": 1.79, "non_torch_v07_tp1": 0.16, "non_torch_v07_tpn": 0.3,
+    # from 0.18 (the llm-d-planner report: 0.13 at 0.17.0, 0.25 from 0.18.0; the vLLM 0.19.0 H100 logs: 0.25);
+    # tp > 1: the report's 2.07-2.13 GiB at tp 2 and 4 (NCCL and symmetric-memory all-reduce buffers), no log
+    # of it in the corpus
+    "non_torch_v018_tp1": 0.25, "non_torch_v018_tpn": 2.1,
     # V1 (0.10 on) on Hopper with an MoE checkpoint: what the profile run and its kernels' workspaces hold
-    # besides the modelled activations (GiB), fitted on the gpt-oss-120b 0.10.1 H100 log (-2.14 GiB left);
-    # held out: Qwen3-235B-A22B-FP8 at tp 4 (8.02 against 8.11 GiB) and gpt-oss-120b at 0.95 / 1024 tokens
-    # (2.39 against 1.71 GiB: off by 0.68 GiB, so the class stays unverified)
-    "v1_moe_extra": 5.6,
+    # besides the modelled forward and sampler (GiB), fitted on the gpt-oss-120b 0.10.1 H100 log (-2.14 GiB
+    # left); held out: Qwen3-235B-A22B-FP8 at tp 4 and gpt-oss-120b at 0.95 / 1024 tokens
+    "v1_moe_extra": 5.96,
     # MXFP4 experts as the Marlin / Triton kernels hold them on a GPU without native FP4 (before 10.0):
     # loaded / on-disk bytes, fitted on the gpt-oss-120b H100 0.14.1 log (64.38 GiB loaded)
     "mxfp4_loaded_ratio": 1.06,
+    # vLLM's CUDA-graph estimate (gpu_model_runner.py profile_cudagraph_memory, logged from 0.19 and taken out
+    # of the pool from 0.21): the first FULL capture and each further graph's increase (MiB), both read off the
+    # vLLM 0.19.0 H100 Llama-3.1-8B debug lines ("Estimated FULL CUDA graph memory: 260.00 MiB first-capture +
+    # (51-1) x 6.00 MiB per-graph"); held out: gemma-2-9b on H100 (262 + 6), the 0.19.1 A100 Qwen3-8B log
+    # (2.35 GiB where this gives 0.75: the per-graph cost there is about 25 MiB)
+    "cudagraph_first_mib": 262.0, "cudagraph_per_graph_mib": 6.0,
 }
 
 #: Classes whose corpus logs the rule matches within the check's tolerance (tests/planner/test_startup_logs.py
 #: checks this list against the corpus both ways).
-VERIFIED_CLASSES = frozenset({"vllm v0 dense"})
+VERIFIED_CLASSES = frozenset({"vllm v0 dense", "vllm v1 dense", "vllm v1 sliding"})
+#: Where the CUDA-graph estimate (taken out of the pool from 0.21) was checked within 0.5 GiB: the Hopper logs
+#: (FlashAttention 3). On other GPUs the one log (A100, FlashAttention 2) logged 1.6 GiB more than the model.
+CUDAGRAPH_CHECKED_MAJORS = frozenset({9})
+CUDAGRAPH_OFF_GIB = 1.6
 
 
 def default_utilization(version: tuple[int, ...]) -> float:
@@ -64,9 +101,14 @@ def is_v1(version: tuple[int, ...], options: dict) -> bool:
 
 
 def big_gpu(capability: tuple[int, int] | None) -> bool:
-    """arg_utils.py: 70 GiB or more and not an A100. The question carries the compute capability: 9.x (H100,
-    H200) and 10.x (B200) are read as that row."""
-    return (capability or (8, 0))[0] >= 9
+    """arg_utils.py get_batch_defaults: 70 GiB or more and not an A100. The question carries the compute
+    capability: 9.x (H100, H200) and 10.x (B200) are read as that row; any other (A100, L4, A10G, RTX cards)
+    as the smaller one."""
+    return (capability or (8, 0))[0] in (9, 10)
+
+
+def eager(q: StartupQuestion) -> bool:
+    return str(q.options.get("enforce_eager", "")).lower() in ("1", "true", "yes", "on")
 
 
 def profile_tokens(q: StartupQuestion, rules) -> tuple[int, str]:
@@ -82,8 +124,10 @@ def profile_tokens(q: StartupQuestion, rules) -> tuple[int, str]:
         return n, f"v0: max_num_batched_tokens = max(max_model_len, 2048) = {n:,} (config.py SchedulerConfig)"
     if version < (0, 10):
         return min(2048, q.limit), "V1 before 0.10: the OpenAI server's max_num_batched_tokens 2048 (arg_utils.py)"
-    n = rules.max_num_batched_tokens(q.kv, q.limit)
-    return n, f"V1: max_num_batched_tokens {n:,} for this GPU (arg_utils.py get_batch_defaults)"
+    seqs, _ = max_num_seqs(q, rules)
+    n = rules.max_num_batched_tokens(replace(q.kv, batch=seqs), q.limit)
+    return n, (f"V1: max_num_batched_tokens {n:,} for this GPU (arg_utils.py get_batch_defaults, at most "
+               f"max_num_seqs x max_model_len)")
 
 
 def max_num_seqs(q: StartupQuestion, rules) -> tuple[int, str]:
@@ -94,6 +138,17 @@ def max_num_seqs(q: StartupQuestion, rules) -> tuple[int, str]:
     if is_v1(version, q.options) and version >= (0, 10) and big_gpu(q.kv.capability):
         return 1024, "max_num_seqs 1024 (arg_utils.py: 70 GiB or more, not an A100)"
     return 256, "max_num_seqs 256 (arg_utils.py default)"
+
+
+def sampler_path(version: tuple[int, ...]) -> tuple[str, str]:
+    """(FITTED key, why) for V1's dummy sampler by version (v1/sample/ops/topk_topp_sampler.py)."""
+    if version < (0, 10) or (0, 11, 1) <= version < (0, 17):
+        return "v1_sampler_bytes_sort", ("the PyTorch sort top-k/top-p path (0.8-0.9; 0.11.1-0.16, FlashInfer's "
+                                         "sampler off by default after PR #26859)")
+    if version < (0, 17):
+        return "v1_sampler_bytes_fast", "FlashInfer's top-k/top-p sampler (0.10-0.11.0, on where flashinfer is installed)"
+    return "v1_sampler_bytes_fast", ("the Triton top-k/top-p path (0.17 on; from 0.21 FlashInfer's is the default "
+                                     "but _dummy_sampler_run warms the native path too)")
 
 
 def activation_peak(q: StartupQuestion, rules) -> StartupTerm:
@@ -107,12 +162,27 @@ def activation_peak(q: StartupQuestion, rules) -> StartupTerm:
     per_token = 2 * (3 * mlp / tp + 4 * w.hidden)
     forward = FITTED["activation_scale"] * tokens * per_token
     version = parse_version(q.kv.version or rules.version)
-    # 0.6.4 and before measured the forward's peak alone (the RTX 3090 logs); the sampler counts from 0.6.5
-    sampler = FITTED["sampler_copies"] * min(seqs, tokens) * w.vocab * 4 if version >= (0, 6, 5) else 0.0
+    reqs = min(seqs, tokens)
+    forward_why = (f"{FITTED['activation_scale']} x {tokens:,} tokens x {per_token:,.0f} B (3 x {mlp:,} / {tp} + "
+                   f"4 x {w.hidden:,} at 2 B)")
+    if is_v1(version, q.options):
+        # gpu_model_runner.py profile_run: the forward's temporaries are freed before _dummy_sampler_run, which
+        # runs with the forward's hidden states (tokens x hidden x 2 B) still held
+        key, path = sampler_path(version)
+        held = tokens * w.hidden * 2
+        sampler = FITTED[key] * reqs * w.vocab
+        peak = max(forward, held + sampler)
+        which = "the forward" if forward >= held + sampler else "the sampler"
+        return StartupTerm("profile peak", peak,
+                           f"fitted: the larger of the forward ({forward_why}: {forward / GIB:.2f} GiB) and the "
+                           f"sampler ({FITTED[key]} B x {reqs} requests x {w.vocab:,} vocab, {path}, with the "
+                           f"{tokens:,} hidden states held: {(held + sampler) / GIB:.2f} GiB): {which} "
+                           f"(gpu_model_runner.py profile_run); {why}; {why_seqs}", True)
+    # v0: 0.6.4 and before measured the forward's peak alone (the RTX 3090 logs); the sampler counts from 0.6.5
+    sampler = FITTED["sampler_copies"] * reqs * w.vocab * 4 if version >= (0, 6, 5) else 0.0
     return StartupTerm("profile peak", forward + sampler,
-                       f"fitted: {FITTED['activation_scale']} x {tokens:,} tokens x {per_token:,.0f} B (3 x "
-                       f"{mlp:,} / {tp} + 4 x {w.hidden:,} at 2 B) + {FITTED['sampler_copies']} x {min(seqs, tokens)} "
-                       f"requests x {w.vocab:,} vocab x 4 B; {why}; {why_seqs}", True)
+                       f"fitted: {forward_why} + {FITTED['sampler_copies']} x {reqs} requests x {w.vocab:,} vocab "
+                       f"x 4 B; {why}; {why_seqs}", True)
 
 
 def non_torch(q: StartupQuestion, rules) -> StartupTerm:
@@ -122,9 +192,13 @@ def non_torch(q: StartupQuestion, rules) -> StartupTerm:
         gib, why = FITTED["non_torch_v064"], "0.6.4 and before: the increase after loading (RTX 3090 log)"
     elif version and version < (0, 7):
         gib, why = FITTED["non_torch_v065_per_tp"] * tp, f"0.6.5-0.6.6: the CUDA context and NCCL, {tp} ranks (H100 logs)"
-    else:
+    elif version and version < (0, 18):
         gib = FITTED["non_torch_v07_tp1"] if tp == 1 else FITTED["non_torch_v07_tpn"]
-        why = "0.7 on: the increase during profiling (cuBLAS, NCCL, custom all-reduce)"
+        why = "0.7-0.17: the increase during profiling (cuBLAS, NCCL, custom all-reduce)"
+    else:
+        gib = FITTED["non_torch_v018_tp1"] if tp == 1 else FITTED["non_torch_v018_tpn"]
+        why = ("0.18 on: the increase during profiling (vLLM 0.19.0 H100 logs: 0.25 GiB at tp 1)" if tp == 1 else
+               "0.18 on, tp > 1: NCCL and symmetric-memory all-reduce buffers (llm-d-planner report, 2.07-2.13 GiB)")
     return StartupTerm("non-torch memory", gib * GIB, f"fitted: {gib:.2f} GiB; {why}", True)
 
 
@@ -134,7 +208,42 @@ def moe_extra(q: StartupQuestion, rules) -> StartupTerm | None:
         return None
     gib = FITTED["v1_moe_extra"]
     return StartupTerm("MoE profile extra", gib * GIB, f"fitted: {gib} GiB that V1 (0.10 on) holds for an MoE "
-                       "checkpoint beyond the modelled activations (gpt-oss-120b on H100, 0.10.1)", True)
+                       "checkpoint beyond the modelled forward and sampler (gpt-oss-120b on H100, 0.10.1)", True)
+
+
+def capture_sizes(largest: int) -> int:
+    """How many CUDA graphs of each mode vLLM captures up to ``largest`` tokens (config/compilation.py: 1, 2, 4,
+    then every 8 to 256, then every 16)."""
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, 1025, 16)]
+    return sum(1 for n in sizes if n <= largest)
+
+
+def cudagraph_estimate(q: StartupQuestion, rules) -> tuple[float, str]:
+    """vLLM's CUDA-graph estimate (gpu_model_runner.py profile_cudagraph_memory, 0.19 on): the largest first
+    capture plus, for each mode, the second capture's increase times its other graphs. FULL_AND_PIECEWISE
+    (the default from 0.11): PIECEWISE graphs up to max_cudagraph_capture_size (min(2 x max_num_seqs, 512)),
+    FULL decode graphs up to max_num_seqs of them."""
+    if eager(q):
+        return 0.0, "--enforce-eager: no CUDA graphs"
+    seqs, _ = max_num_seqs(q, rules)
+    largest = min(2 * seqs, 512)
+    n_pw, n_full = capture_sizes(largest), capture_sizes(min(seqs, largest))
+    mib = FITTED["cudagraph_first_mib"] + FITTED["cudagraph_per_graph_mib"] * (n_pw - 1 + n_full - 1)
+    return mib * 2**20, (f"fitted: {FITTED['cudagraph_first_mib']:.0f} MiB first capture + "
+                         f"{FITTED['cudagraph_per_graph_mib']:.0f} MiB x ({n_pw}-1 PIECEWISE + {n_full}-1 FULL) "
+                         "graphs (gpu_model_runner.py profile_cudagraph_memory; vLLM 0.19.0 H100 logs)")
+
+
+def cudagraph_term(q: StartupQuestion, rules) -> StartupTerm | None:
+    """From 0.21 vLLM takes its CUDA-graph estimate out of the KV budget (gpu_worker.py
+    determine_available_memory, VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS on by default); before, graphs were
+    captured after the pool was sized, outside the budget."""
+    version = parse_version(q.kv.version or rules.version)
+    if not is_v1(version, q.options) or version < (0, 21):
+        return None
+    gib, why = cudagraph_estimate(q, rules)
+    return StartupTerm("CUDA graphs", gib, why + "; taken out of the pool from 0.21 (\"CUDA graph memory profiling "
+                       "is enabled (default since v0.21.0)\", gpu_worker.py)", True)
 
 
 def weights_delta(q: StartupQuestion) -> StartupTerm | None:
@@ -153,6 +262,8 @@ def klass(q: StartupQuestion, rules) -> str:
     version = parse_version(q.kv.version or rules.version)
     family = "v1" if is_v1(version, q.options) else "v0"
     kind = "moe" if q.widths and q.widths.experts else "dense"
+    if kind == "dense" and family == "v1" and any(layer.kind == "sliding" for layer in q.geometry.kv_layers):
+        kind = "sliding"  # the hybrid KV cache manager's pool (Gemma 2/3, Mistral's windowed layers)
     if "multimodal" in q.geometry.flags:
         kind = "multimodal"
     return f"vllm {family} {kind}"
@@ -165,15 +276,20 @@ def startup_memory(rules, q: StartupQuestion) -> StartupMemory:
     why = (f"--gpu-memory-utilization {fraction}" if option else
            f"gpu_memory_utilization {fraction} (vLLM {'0.33' if fraction == 0.92 else 'before 0.33'} default, "
            "engine/arg_utils.py)")
-    terms = [t for t in (weights_delta(q), activation_peak(q, rules), non_torch(q, rules), moe_extra(q, rules)) if t]
-    if version >= (0, 33):
-        terms.append(StartupTerm("CUDA graphs", 0.0, "not modelled: 0.33 subtracts its CUDA-graph estimate; no public "
-                                 "0.33 log yet (the class is unverified)", True))
+    graphs = cudagraph_term(q, rules)
+    terms = [t for t in (weights_delta(q), activation_peak(q, rules), non_torch(q, rules), moe_extra(q, rules),
+                         graphs) if t]
     k = klass(q, rules)
-    return StartupMemory("vllm", "vLLM", fraction, why, q.cuda_bytes, q.cuda_source, tuple(terms), k,
-                         k in VERIFIED_CLASSES,
-                         "" if k in VERIFIED_CLASSES else f"unverified: no public startup log of class '{k}' "
-                         "matches within 5 % (docs/plan.md)")
+    verified, note = k in VERIFIED_CLASSES, ""
+    if not verified:
+        note = f"unverified: no public startup log of class '{k}' matches within 5 % (docs/plan.md)"
+    elif graphs is not None and graphs.bytes and (q.kv.capability or (0, 0))[0] not in CUDAGRAPH_CHECKED_MAJORS:
+        verified = False
+        note = (f"unverified on this GPU: vLLM {'.'.join(map(str, version))} takes its CUDA-graph estimate "
+                f"({graphs.bytes / GIB:.2f} GiB here) out of the pool, checked on Hopper logs only; the one A100 log "
+                f"estimated {CUDAGRAPH_OFF_GIB} GiB more, so the pool may be up to {CUDAGRAPH_OFF_GIB} GiB smaller "
+                "(docs/plan.md)")
+    return StartupMemory("vllm", "vLLM", fraction, why, q.cuda_bytes, q.cuda_source, tuple(terms), k, verified, note)
 
 
 def startup_refusal(rules, q: StartupQuestion, available: float, one_request: float, longest: int) -> Refusal | None:

@@ -48,7 +48,8 @@ class VLLMKV(KVRules):
     pool_from_budget = True
     # what `kvbench plan --engine-option` takes (KVQuestion.options): the hybrid manager on or off, and the
     # server's --max-num-batched-tokens where it is not vLLM's default (it sets a window's admission cap)
-    rule_options = ("hybrid_kv_cache", "max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization", "use_v1")
+    rule_options = ("hybrid_kv_cache", "max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization", "use_v1",
+                    "enforce_eager")
     dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32",
               "float32": "fp32", "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 

@@ -13,6 +13,9 @@ The lines, by the vLLM file that prints them (read in 0.6.4, 0.6.5, 0.7-0.10 and
   on ``model weights take 19.86GiB; non_torch_memory takes 0.16GiB; PyTorch activation peak memory takes 36.63GiB;
   the rest of the memory reserved for KV Cache is 14.65GiB``), ``# GPU blocks: 1952`` (``# CUDA blocks`` in
   executor_base.py), model_runner.py ``Loading model weights took 14.9888 GB`` (GiB: it divides by 2**30).
+- V1's profiling figures: gpu_worker.py's debug lines (0.19: ``worker init memory snapshot: ...
+  total_memory=79.19GiB``, ``torch peak memory increase: 1.89GiB; non-torch forward increase memory: 0.25GiB``) and
+  gpu_model_runner.py ``Estimated CUDA graph memory: 0.84 GiB total`` (0.19 on).
 - The refusals (v1/core/kv_cache_utils.py check_enough_kv_cache_memory, v0 worker.py
   raise_if_cache_size_invalid): ``No available memory for the cache blocks``, ``To serve at least one request
   with the models's max seq len (L), (X GiB KV cache is needed ...``, ``The model's max seq len (L) is larger than
@@ -42,11 +45,19 @@ _POOL_TOKENS = re.compile(r"\b(GPU|CPU) KV cache size: " + _INT + " tokens")
 _CONCURRENCY = re.compile(r"Maximum concurrency for " + _INT + r" tokens per request: " + _NUM + "x")
 # "# GPU blocks: 1952, # CPU blocks: 2048": the CPU blocks are v0's swap space, not the pool
 _BLOCKS = re.compile(r"\b(?:GPU|CUDA) blocks: (\d+)")
-# 0.6.5-0.6.6's profiling table and 0.6.6 on: "model weights take 14.96GiB"
-_WEIGHTS_TAKE = re.compile(r"model weights take\s+" + _NUM + r" ?GiB")
-_CUDA_TOTAL = re.compile(r"total_gpu_memory(?:=|\s+|\s*\()" + _NUM + r" ?GiB")
-_NON_TORCH = re.compile(r"non_torch_memory(?:=|\s+takes\s+|\s+)" + _NUM + r" ?GiB")
-_PEAK = re.compile(r"PyTorch activation peak memory(?:\s+takes)?\s+" + _NUM + r" ?GiB")
+# 0.6.5-0.6.6's profiling table and 0.6.6 on: "model weights take 14.96GiB"; V1's debug "...; weights memory: 17.22GiB."
+_WEIGHTS_TAKE = re.compile(r"(?:model weights take\s+|; weights memory: )" + _NUM + r" ?GiB")
+# v0's "total_gpu_memory=23.58GiB" / "total_gpu_memory (8.00GiB)"; V1's debug "worker init memory snapshot: ...
+# total_memory=79.19GiB" (v1/worker/gpu_worker.py, 0.19)
+_CUDA_TOTAL = re.compile(r"(?:total_gpu_memory(?:=|\s+|\s*\()|\btotal_memory=)" + _NUM + r" ?GiB")
+# V1's debug "Memory profiling takes 18.17 seconds. Total non KV cache memory: 17.12GiB; torch peak memory increase:
+# 1.89GiB; non-torch forward increase memory: 0.25GiB; weights memory: 14.99GiB." (v1/worker/gpu_worker.py)
+_NON_TORCH = re.compile(r"(?:non_torch_memory(?:=|\s+takes\s+|\s+)|non-torch forward increase memory: )" + _NUM
+                        + r" ?GiB")
+_PEAK = re.compile(r"(?:PyTorch activation peak memory(?:\s+takes)?\s+|torch peak memory increase: )" + _NUM + r" ?GiB")
+# "Estimated CUDA graph memory: 0.84 GiB total" (v1/worker/gpu_model_runner.py profile_cudagraph_memory, 0.19 on;
+# taken out of the KV budget from 0.21)
+_GRAPHS = re.compile(r"Estimated CUDA graph memory: " + _NUM + r" GiB total")
 REFUSALS = re.compile(r"(No available memory for the cache blocks\.[^\n]*|To serve at least one request with the "
                       r"models's max seq len \(\d+\)[^\n]*|The model's max seq len \(\d+\) is larger than the maximum "
                       r"number of tokens that can be stored in KV cache \(\d+\)[^\n]*)")
@@ -108,7 +119,7 @@ def startup_figures(text: str) -> dict | None:
     if total := list(_CUDA_TOTAL.finditer(text)):
         out["cuda_total_bytes"] = float(total[-1][1]) * GIB
     terms = {}
-    for name, pattern in (("non-torch memory", _NON_TORCH), ("profile peak", _PEAK)):
+    for name, pattern in (("non-torch memory", _NON_TORCH), ("profile peak", _PEAK), ("CUDA graphs", _GRAPHS)):
         if found := list(pattern.finditer(text)):
             terms[name] = float(found[-1][1]) * GIB
             seen(found[-1])

@@ -33,7 +33,7 @@ LOGGED = {"kv_gib": (("kv_budget_bytes", "kv_pool_bytes"), GIB), "tokens": (("po
           "cuda_total_gib": (("cuda_total_bytes",), GIB), "non_torch_gib": (("term: non-torch memory",), GIB),
           "activation_gib": (("term: profile peak",), GIB), "kv_mib": (("kv_pool_bytes",), MIB),
           "compute_mib": (("term: compute buffer",), MIB), "avail_after_load_gib": (("avail_after_load_bytes",), GIB),
-          "one_request_gib": (("one_request_bytes",), GIB)}
+          "one_request_gib": (("one_request_bytes",), GIB), "cudagraph_estimate_gib": (("term: CUDA graphs",), GIB)}
 # Figures a corpus file logs that are worked out from its lines, not printed as such (the parser cannot read them)
 DERIVED = {("vllm-10517-llama3.1-8b-3090-20k.toml", "activation_gib"): "peak_torch_memory less the weights",
            ("vllm-10517-llama3.1-8b-3090-29k.toml", "activation_gib"): "peak_torch_memory less the weights"}
@@ -126,7 +126,7 @@ def test_a_runs_check_of_a_corpus_log_is_the_corpus_replan(name):
                                               "ok": True if words else None}
 
 
-def test_h100_llama3_8b_is_within_tolerance_and_an_h100_gpt_oss_is_optimistic():
+def test_h100_llama3_8b_and_an_h100_gpt_oss_start_are_within_tolerance():
     ok = sc.startup_check(parsed(CORPUS["vllm-10511-llama3-8b-h100-tp1.toml"]),
                           start_of(CORPUS["vllm-10511-llama3-8b-h100-tp1.toml"]), resolve_model)
     assert ok["verdict"] == "plan within tolerance" and ok["deployment"]["gpu_planned"] == "H100-80GB"
@@ -134,7 +134,10 @@ def test_h100_llama3_8b_is_within_tolerance_and_an_h100_gpt_oss_is_optimistic():
     assert ok["off_by"]["term: non-torch memory"]["ok"] and ok["off_by"]["cuda_total_bytes"]["ok"]
     entry = CORPUS["vllm-27508-gpt-oss-120b-h100-util095.toml"]
     off = sc.startup_check(parsed(entry), start_of(entry, started=False), lambda _: sl._model(entry))
-    assert off["verdict"] == "plan optimistic: KV memory off by +40.0 %"
+    # V1's profile peak is the larger of the forward and the sampler, not their sum (gpu_model_runner.py
+    # profile_run): at 1,024 batched tokens the gpt-oss-120b budget is planned 0.15 GiB over the 1.71 GiB logged
+    # (it was +40 % while the two were added); its class (MoE) stays unverified
+    assert off["verdict"] == "plan within tolerance" and off["off_by"]["kv_budget_bytes"]["error_pct"] == 8.89
     assert off["planned"]["verified"] is False and off["off_by"]["refusal"]["logged"] == "failed to start"
 
 
