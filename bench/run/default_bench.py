@@ -1,11 +1,12 @@
 """The default benchmark: what ``make bench`` runs on this machine, the CPU default or the GPU one.
 
 Pure part: :func:`choose_default_bench` takes the GPUs found (name, memory) and the model as the planner reads it,
-and returns a :class:`DefaultBench` (workload, engines, context cap, a note). The ladder is sized by the KV budget
-vLLM, the most demanding engine of the default set, would take on the card: the planner's startup rule for vLLM
-(backends/vllm/gpumem.py: CUDA's total x gpu_memory_utilization less the weights, its profile run's peak, its
-non-torch memory and, from 0.21, its CUDA-graph estimate), at the settings kvbench starts it with (--max-num-seqs
-the workload's concurrency, --max-model-len the cap). The machine itself is read by :mod:`kvbench.common.hardware`.
+and returns a :class:`DefaultBench` (workload, engines, context cap, a note). The ladder is sized by the KV each
+default engine would hold on the card by the planner's startup rule for it (``KVRules.startup_memory``, read from
+the engine's source: vLLM's is CUDA's total x gpu_memory_utilization less the weights, its profile run's peak, its
+non-torch memory and, from 0.21, its CUDA-graph estimate), at the settings kvbench starts it with (the workload's
+concurrency, the cap as the limit); the most demanding engine sets the cap. The machine itself is read by
+:mod:`kvbench.common.hardware`.
 """
 from __future__ import annotations
 
@@ -25,10 +26,6 @@ CPU_MODEL = "smollm2"  # the embedded SmolLM2-135M GGUF: no download
 GPU_MODEL = "Qwen/Qwen2.5-7B-Instruct"
 GPU_WORKLOAD = "gpu_long_context"
 ENGINES = DEFAULT_ENGINES
-# The engine whose startup rule sizes the ladder: of the default set, the one that keeps a share of the card free
-# and reserves its profile peak and CUDA graphs besides the weights (transformers and llama.cpp allocate as they go
-# or for the slots they are given)
-SIZING_ENGINE = "vllm"
 CONTEXT_STEP = 1024  # a context cap is a whole number of these (of 256 below 2,048)
 
 
@@ -62,17 +59,39 @@ class DefaultBenchError(ValueError):
     pass
 
 
-def _startup(model, card: GPUInfo, limit: int, sequences: int):
-    """vLLM's deployment of ``model`` on ``card`` as kvbench starts it (--max-model-len ``limit``,
-    --max-num-seqs ``sequences``): the planner's Setup, its startup ledger and the pool it holds."""
-    from kvbench.planner import PlanInput, gpu_of_device, setup
-    from kvbench.planner.capacity import capacity, kv_room
+def _startup(model, card: GPUInfo, limit: int, sequences: int, engine: str):
+    """``engine``'s deployment of ``model`` on ``card`` as kvbench starts it (the limit ``limit``, ``sequences``
+    at once: vLLM's --max-num-seqs, llama.cpp's slots): the planner's Setup and what the engine would log at start
+    by its own rule (kvbench.planner.startup.startup_view; None for an engine without one)."""
+    from kvbench.planner import PlanInput, engine_rules, gpu_of_device, setup
+    from kvbench.planner.startup import startup_view
 
-    s = setup(PlanInput(model=model, engine=SIZING_ENGINE, gpu=gpu_of_device(card.name, card.memory_bytes),
-                        max_model_len=limit, batch=sequences, engine_options={"max_num_seqs": sequences},
-                        allow_long_context=True))
-    room = kv_room(s)
-    return s, room, capacity(s, max(room, 0.0))
+    options = {k: v for k, v in {"max_num_seqs": sequences}.items() if k in engine_rules(engine).rule_options}
+    s = setup(PlanInput(model=model, engine=engine, gpu=gpu_of_device(card.name, card.memory_bytes),
+                        max_model_len=limit, batch=sequences, engine_options=options, allow_long_context=True))
+    return s, startup_view(s)
+
+
+def _holds(view: dict | None, sequences: int) -> bool:
+    return bool(view) and not view["refusal"] and (view["requests_at_limit"] or 0) >= sequences
+
+
+def _longest(model, card: GPUInfo, engine: str, sequences: int, model_limit: int) -> int:
+    """The longest limit (the model's own, else whole steps of 1,024 tokens, of 256 below 2,048) at which the
+    engine's startup rule holds ``sequences`` requests of it, by bisection."""
+    def holds(limit: int) -> bool:
+        return _holds(_startup(model, card, limit, sequences, engine)[1], sequences)
+
+    if holds(model_limit):
+        return model_limit
+    step = CONTEXT_STEP if holds(2 * CONTEXT_STEP) else 256  # a small card: finer steps
+    lo, hi = 0, model_limit // step  # holds(lo * step) (0: nothing), not holds(hi * step)
+    if hi * step < model_limit and holds(hi * step):
+        lo = hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if holds(mid * step) else (lo, mid)
+    return lo * step
 
 
 def choose_default_bench(gpus: list[GPUInfo], *, model=None, max_concurrency: int = 16,
@@ -80,11 +99,11 @@ def choose_default_bench(gpus: list[GPUInfo], *, model=None, max_concurrency: in
     """The default benchmark for these GPUs and this model (no GPU: the CPU default).
 
     Every engine runs alone on the first GPU (vLLM and transformers use cuda:0), so its memory sizes the ladder:
-    ``max_concurrency`` sequences of the longest context must fit in the KV pool vLLM would make on the card by
-    its own startup rule (:func:`kvbench.planner.startup.startup_view`: its fraction of CUDA's total less the
-    weights, its profile peak, its non-torch memory and its CUDA-graph estimate). The context is the model's own
-    limit when that fits, else the longest whole multiple of 1,024 tokens (256 below 2,048) that does (passed as
-    --max-context; longer rungs are skipped). ``model``: the planner's reading of the model (resolve_model).
+    ``max_concurrency`` sequences of the longest context must fit in what each default engine with a startup
+    rule (``KVRules.startup_memory``: the planner's, read from the engine's source) would hold on the card, and
+    the most demanding of them sets the cap: the model's own limit when that fits, else the longest whole
+    multiple of 1,024 tokens (256 below 2,048) that does (passed as --max-context; longer rungs are skipped).
+    ``model``: the planner's reading of the model (resolve_model).
     """
     if not gpus:
         return DefaultBench("cpu", CPU_WORKLOAD, ENGINES, None, "no NVIDIA GPU found: the CPU default")
@@ -94,32 +113,26 @@ def choose_default_bench(gpus: list[GPUInfo], *, model=None, max_concurrency: in
         raise DefaultBenchError(f"{model.name}: its weights are {model.weights_source}: the GPU ladder cannot be sized")
     card = gpus[0]
     model_limit = model.geometry.max_context or 2048
-
-    def holds(limit: int) -> bool:
-        return (_startup(model, card, limit, max_concurrency)[2].sequences or 0) >= max_concurrency
-
-    s, room, cap = _startup(model, card, model_limit, max_concurrency)
+    ruled = [e for e in ENGINES if _startup(model, card, model_limit, max_concurrency, e)[1] is not None]
+    if not ruled:
+        raise DefaultBenchError(f"no default engine has a startup rule for {card.name}: the GPU ladder cannot be sized")
+    limits = {e: _longest(model, card, e, max_concurrency, model_limit) for e in ruled}
+    engine = min(ruled, key=lambda e: limits[e])  # the most demanding engine sets the cap
+    limit = limits[engine]
+    s, view = _startup(model, card, model_limit, max_concurrency, engine)
     mem = s.startup
     per_token = s.rules.bytes_per_token(s.question(context=model_limit, batch=1))
     others = f" ({len(gpus)} GPUs: the engines use the first)" if len(gpus) > 1 else ""
     terms = "".join(f", {t.name} {t.bytes / GIB:.2f} GiB" for t in mem.terms if t.bytes)
-    sizing = (f"{card.name} {card.memory_bytes / GIB:.1f} GiB ({s.gpu.name}){others}: vLLM "
-              f"{s.version or s.rules.version}'s startup rule, {mem.fraction:g} of CUDA's {mem.cuda_bytes / GIB:.2f} "
-              f"GiB less weights {s.weights_per_gpu / GIB:.2f} GiB{terms}: a KV budget of {max(room, 0) / GIB:.2f} "
-              f"GiB; KV {per_token:,.0f} B/token x {max_concurrency} sequences")
+    sizing = (f"{card.name} {card.memory_bytes / GIB:.1f} GiB ({s.gpu.name}){others}: {mem.label} "
+              f"{s.version or s.rules.version}'s startup rule (the most demanding default engine), {mem.fraction:g} "
+              f"of CUDA's {mem.cuda_bytes / GIB:.2f} GiB less weights {s.weights_per_gpu / GIB:.2f} GiB{terms}: a "
+              f"KV budget of {max(view['kv_budget_bytes'], 0) / GIB:.2f} GiB; KV {per_token:,.0f} B/token x "
+              f"{max_concurrency} sequences")
     caveat = f" ({mem.verified_note})" if not mem.verified else ""
-    if (cap.sequences or 0) >= max_concurrency:
+    if limit >= model_limit:
         return DefaultBench("gpu", GPU_WORKLOAD, ENGINES, None,
                             f"{sizing}: the model's whole {model_limit:,}-token context fits{caveat}", list(gpus))
-    # the longest limit whose pool holds every sequence: whole steps, found by bisection on vLLM's own rule
-    step = CONTEXT_STEP if holds(2 * CONTEXT_STEP) else 256  # a small card: finer steps
-    lo, hi = 0, model_limit // step  # holds(lo * step) (0: nothing), not holds(hi * step)
-    if hi * step < model_limit and holds(hi * step):
-        lo = hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if holds(mid * step) else (lo, mid)
-    limit = lo * step
     if limit < CONTEXT_STEP + output_tokens:
         raise DefaultBenchError(f"the model does not fit the GPU default benchmark: {sizing} leave room for "
                                 f"{max(limit, 0):,} tokens per sequence (a 1,024-token prompt needs more)")

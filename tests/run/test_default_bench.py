@@ -27,9 +27,10 @@ def model(name: str):
     return resolve_model(name)
 
 
-def holds(m, card: GPUInfo, limit: int, sequences: int = 16) -> bool:
-    """Whether vLLM's pool on ``card`` by the planner's startup rule holds ``sequences`` requests of ``limit``."""
-    return (default_bench._startup(m, card, limit, sequences)[2].sequences or 0) >= sequences
+def holds(m, card: GPUInfo, limit: int, sequences: int = 16, engine: str = "vllm") -> bool:
+    """Whether the engine's pool on ``card`` by the planner's startup rule holds ``sequences`` requests of ``limit``."""
+    view = default_bench._startup(m, card, limit, sequences, engine)[1]
+    return not view["refusal"] and view["requests_at_limit"] >= sequences
 
 
 def test_no_gpu_is_the_cpu_default():
@@ -56,7 +57,8 @@ def test_8b_model_at_128k_is_capped_by_the_card():
     p = choose_default_bench([H200], model=m)
     expected = p.max_context
     assert expected == 55296 and holds(m, H200, expected) and not holds(m, H200, expected + 1024)
-    assert "vLLM 0.32.0's startup rule, 0.9 of CUDA's" in p.note and "CUDA graphs 0.31 GiB" in p.note
+    assert "vLLM 0.32.0's startup rule (the most demanding default engine), 0.9 of CUDA's" in p.note
+    assert "CUDA graphs 0.31 GiB" in p.note and holds(m, H200, expected + 1024, engine="llamacpp")
     assert p.run_args() == ["--workload", "gpu_long_context", "--max-context", str(expected)]
     assert f"capped at {expected:,}" in p.note
     # the ladder then keeps every rung up to the cap
