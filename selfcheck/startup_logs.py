@@ -211,9 +211,9 @@ def term_rows(entry: dict) -> list[Row]:
             # vLLM's CUDA-graph estimate (logged from 0.19, out of the pool from 0.21); its class says on which GPUs
             # the model of it is checked (gpumem.CUDAGRAPH_CHECKED_MAJORS)
             a = gpumem.cudagraph_estimate(q, s.rules)[0] / GIB
-            hopper = (q.kv.capability or (0, 0))[0] in gpumem.CUDAGRAPH_CHECKED_MAJORS
+            checked = gpumem.cudagraph_checked(q)
             out.append(Row(name, engine, "CUDA-graph estimate", split,
-                           "vllm cuda graphs " + ("hopper" if hopper else "other gpus"), logged["cudagraph_estimate_gib"],
+                           "vllm cuda graphs " + ("hopper tp1" if checked else "other"), logged["cudagraph_estimate_gib"],
                            0.0, round(a, 2), "GiB", close(a, logged["cudagraph_estimate_gib"])))
         if "weights_gib" in logged and model:
             delta = gpumem.weights_delta(q)

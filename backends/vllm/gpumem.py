@@ -60,9 +60,9 @@ FITTED = {
     # (H100 logs: 1.79 at tp 1, 3.58 at tp 2 (per GPU x tp)); from 0.7 the increase again (H100 0.16 at tp 1;
     # tp > 1: 0.25 (2 x 4090, 0.7.2), 0.38 (4 x A100 40GB, 0.8.3): 0.3)
     "non_torch_v064": 0.35, "non_torch_v065_per_tp": 1.79, "non_torch_v07_tp1": 0.16, "non_torch_v07_tpn": 0.3,
-    # from 0.18 (the llm-d-planner report: 0.13 at 0.17.0, 0.25 from 0.18.0; the vLLM 0.19.0 H100 logs: 0.25);
-    # tp > 1: the report's 2.07-2.13 GiB at tp 2 and 4 (NCCL and symmetric-memory all-reduce buffers), no log
-    # of it in the corpus
+    # from 0.18 (the llm-d-planner report: 0.13 at 0.17.0, 0.25 from 0.18.0; fitted on the vLLM 0.19.0 H100
+    # Llama-3.1-8B log: 0.25); tp > 1: the report's 2.07-2.13 GiB at tp 2 and 4 (NCCL and the FlashInfer
+    # all-reduce workspace); held out: the 0.19.0 2 x H100 Llama-3.3-70B FP8 log (2.1)
     "non_torch_v018_tp1": 0.25, "non_torch_v018_tpn": 2.1,
     # V1 (0.10 on) on Hopper with an MoE checkpoint: what the profile run and its kernels' workspaces hold
     # besides the modelled forward and sampler (GiB), fitted on the gpt-oss-120b 0.10.1 H100 log (-2.14 GiB
@@ -83,9 +83,15 @@ FITTED = {
 #: checks this list against the corpus both ways).
 VERIFIED_CLASSES = frozenset({"vllm v0 dense", "vllm v1 dense", "vllm v1 sliding"})
 #: Where the CUDA-graph estimate (taken out of the pool from 0.21) was checked within 0.5 GiB: the Hopper logs
-#: (FlashAttention 3). On other GPUs the one log (A100, FlashAttention 2) logged 1.6 GiB more than the model.
+#: at tp 1 (FlashAttention 3). Elsewhere the logs estimated more than the model: the A100 (FlashAttention 2)
+#: log 1.6 GiB more, the 2 x H100 log 1.0 GiB more (its graphs cost 12-20 MiB each, not 6).
 CUDAGRAPH_CHECKED_MAJORS = frozenset({9})
 CUDAGRAPH_OFF_GIB = 1.6
+
+
+def cudagraph_checked(q: StartupQuestion) -> bool:
+    """Whether the CUDA-graph estimate of this deployment is of a kind the corpus checked (Hopper, tp 1)."""
+    return (q.kv.capability or (0, 0))[0] in CUDAGRAPH_CHECKED_MAJORS and max(1, q.kv.tp) == 1
 
 
 def default_utilization(version: tuple[int, ...]) -> float:
@@ -283,12 +289,12 @@ def startup_memory(rules, q: StartupQuestion) -> StartupMemory:
     verified, note = k in VERIFIED_CLASSES, ""
     if not verified:
         note = f"unverified: no public startup log of class '{k}' matches within 5 % (docs/plan.md)"
-    elif graphs is not None and graphs.bytes and (q.kv.capability or (0, 0))[0] not in CUDAGRAPH_CHECKED_MAJORS:
+    elif graphs is not None and graphs.bytes and not cudagraph_checked(q):
         verified = False
-        note = (f"unverified on this GPU: vLLM {'.'.join(map(str, version))} takes its CUDA-graph estimate "
-                f"({graphs.bytes / GIB:.2f} GiB here) out of the pool, checked on Hopper logs only; the one A100 log "
-                f"estimated {CUDAGRAPH_OFF_GIB} GiB more, so the pool may be up to {CUDAGRAPH_OFF_GIB} GiB smaller "
-                "(docs/plan.md)")
+        note = (f"unverified {'on this GPU' if max(1, q.kv.tp) == 1 else 'at tp > 1'}: vLLM "
+                f"{'.'.join(map(str, version))} takes its CUDA-graph estimate ({graphs.bytes / GIB:.2f} GiB here) out "
+                f"of the pool, checked on Hopper logs at tp 1 only; the A100 and 2 x H100 logs estimated 1.0-"
+                f"{CUDAGRAPH_OFF_GIB} GiB more, so the pool may be up to {CUDAGRAPH_OFF_GIB} GiB smaller (docs/plan.md)")
     return StartupMemory("vllm", "vLLM", fraction, why, q.cuda_bytes, q.cuda_source, tuple(terms), k, verified, note)
 
 
