@@ -183,7 +183,8 @@ def activation_peak(q: StartupQuestion, rules) -> StartupTerm:
                            f"fitted: the larger of the forward ({forward_why}: {forward / GIB:.2f} GiB) and the "
                            f"sampler ({FITTED[key]} B x {reqs} requests x {w.vocab:,} vocab, {path}, with the "
                            f"{tokens:,} hidden states held: {(held + sampler) / GIB:.2f} GiB): {which} "
-                           f"(gpu_model_runner.py profile_run); {why}; {why_seqs}", True)
+                           f"(v1/worker/gpu_model_runner.py profile_run, read on main past 0.21; the same order in "
+                           f"0.8-0.19 logs); {why}; {why_seqs}", True)
     # v0: 0.6.4 and before measured the forward's peak alone (the RTX 3090 logs); the sampler counts from 0.6.5
     sampler = FITTED["sampler_copies"] * reqs * w.vocab * 4 if version >= (0, 6, 5) else 0.0
     return StartupTerm("profile peak", forward + sampler,
