@@ -17,6 +17,10 @@ ENGINE_TIMEOUT_S = 1200
 # module fixtures are made once. (xdist's own loadgroup marks do not group under pytest 9.2: it renames
 # items through an attribute pytest no longer reads.)
 ENGINE_MODULES = "_engines.py"
+# Modules whose verdicts rest on wall-clock time (a 10 % slower mock engine caught by `kvbench compare`, load
+# workers ended within seconds): they join the engine worker's unit and run last, when the other worker has
+# finished (under the other worker's load the planted regression once read as inconclusive).
+QUIET_MODULES = ("tests/compare/test_planted.py", "tests/load/test_workers.py")
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -25,7 +29,7 @@ def pytest_xdist_make_scheduler(config, log):
     class EnginesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return "engines" if module.endswith(ENGINE_MODULES) else module
+            return "engines" if module.endswith(ENGINE_MODULES) or module in QUIET_MODULES else module
 
     return EnginesTogether(config, log)
 
@@ -47,6 +51,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("engine") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(ENGINE_TIMEOUT_S))
+    # the quiet modules last (every worker sorts alike, so xdist's collections still agree)
+    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] in QUIET_MODULES)
 
 
 # --- skips: each one is recorded with its reason; with --expected-skips, an unlisted one fails the session ---

@@ -32,8 +32,10 @@ def test_a_real_run_writes_per_gpu_rows_through_a_two_gpu_fake_nvml(tmp_path, mo
                      FakeDevice("NVIDIA H100", total=80 * GiB, used=lambda t: sum(b for _, b in gpu1.items()),
                                 compute=gpu1)])
     monkeypatch.setattr("kvbench.run.runner.NVML", lambda: NVML(module=fake))
-    opts = RunOptions(model="smollm2", workload=load("smoke"), backends=[BackendConfig.parse("hf:engine_mode=deployed")],
-                      results_dir=tmp_path, run_id="run", start_timeout_s=300, request_timeout_s=300)
+    # one cell of two requests: the rows' GPU fields are what is checked, not the ladder
+    one_cell = load("smoke").model_copy(update={"prompt_tokens": [128], "concurrency": [2], "warmup_requests": 0})
+    opts = RunOptions(model="smollm2", workload=one_cell, backends=[BackendConfig.parse("hf:engine_mode=deployed")],
+                      results_dir=tmp_path, run_id="run", start_timeout_s=300, request_timeout_s=300, estimate=False)
     cells = load_cells(Runner(opts, Console(file=io.StringIO(), width=200)).run())
     assert (cells.status == "ok").all() and (cells.engine_mode == "deployed").all() and (cells.gpus_used == 1).all()
     for devices in cells.gpu_devices:

@@ -95,7 +95,7 @@ VLLM_WORKLOAD = Workload(name="kv_quant_vllm_test", family="kv_quant", seed=11, 
 def vllm_run(tmp_path_factory, smollm2):
     engine_env("vllm")
     root = tmp_path_factory.mktemp("kvq-vllm")
-    opts = RunOptions(model="smollm2", workload=VLLM_WORKLOAD, backends=[BackendConfig.parse("vllm")],
+    opts = RunOptions(model="smollm2", workload=VLLM_WORKLOAD, backends=[BackendConfig.parse("vllm:single_process=true")],
                       results_dir=root, run_id="kvq", start_timeout_s=600, request_timeout_s=300, estimate=False)
     run_dir = Runner(opts, Console(file=io.StringIO(), width=200)).run()
     return run_dir, load_cells(run_dir)

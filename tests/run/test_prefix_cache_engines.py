@@ -83,7 +83,7 @@ def test_vllm_attached_twice_salted_is_cold_and_unsalted_is_served_from_the_cach
     from kvbench.backends.types import ServerSpec
     from kvbench.backends.vllm.adapter import VLLMBackend
 
-    server = VLLMBackend(VLLMBackend.default_version, engine_env("vllm"))
+    server = VLLMBackend(VLLMBackend.default_version, engine_env("vllm"), {"single_process": True})  # a 20 s start
     # a pool that keeps every prompt of the three runs cached (3 x 6 x 3 blocks): a smaller one evicts the first
     server.start(ServerSpec(model=smollm2, max_context=512, max_concurrency=2, kv_dtype="auto",
                             kv_pool_sequences=16, reset_prefix_cache=True), tmp_path / "vllm.log", 300)
