@@ -18,9 +18,9 @@ ENGINE_TIMEOUT_S = 1200
 # items through an attribute pytest no longer reads.)
 ENGINE_MODULES = "_engines.py"
 # Modules whose verdicts rest on wall-clock time (a 10 % slower mock engine caught by `kvbench compare`, load
-# workers ended within seconds): they join the engine worker's unit and run last, when the other worker has
+# workers ended within seconds, a salted run's TTFTs set against a cold one's): they join the engine worker's unit and run last, when the other worker has
 # finished (under the other worker's load the planted regression once read as inconclusive).
-QUIET_MODULES = ("tests/compare/test_planted.py", "tests/load/test_workers.py")
+QUIET_MODULES = ("tests/compare/test_planted.py", "tests/load/test_workers.py", "tests/run/test_prefix_cache_engines.py")
 
 
 def pytest_xdist_make_scheduler(config, log):
