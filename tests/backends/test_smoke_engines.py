@@ -2,6 +2,7 @@
 import io
 import math
 import os
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -130,6 +131,14 @@ def test_vllm(vllm_run):
 def test_llamacpp(llama_run):
     run_dir, cells = llama_run
     check_common(run_dir, cells)
+    # how llama-server was built for this CPU, as `kvbench backends` says it (AMX left out where the CPU has it)
+    from kvbench.backends.llamacpp.adapter import LlamaCppBackend
+
+    (label,) = set(cells.backend)
+    build = load_run_info(run_dir)["engine_builds"][label]
+    assert build == LlamaCppBackend.machine_build(LlamaCppBackend.default_version) and build.startswith("GGML_NATIVE=")
+    built_flags = (Path(engine_env("llamacpp")) / "BUILD_FLAGS").read_text()
+    assert ("-mno-amx-int8" in built_flags) == ("without AMX" in build)
     wl = load("smoke")
     slots = max(wl.concurrency)
     cells_per_slot = round_up(max(wl.prompt_tokens) + wl.output_tokens, 256)  # llama.cpp pads n_ctx to 256
