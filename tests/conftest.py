@@ -18,9 +18,14 @@ ENGINE_TIMEOUT_S = 1200
 # items through an attribute pytest no longer reads.)
 ENGINE_MODULES = "_engines.py"
 # Modules whose verdicts rest on wall-clock time (a 10 % slower mock engine caught by `kvbench compare`, load
-# workers ended within seconds, a salted run's TTFTs set against a cold one's): they join the engine worker's unit and run last, when the other worker has
-# finished (under the other worker's load the planted regression once read as inconclusive).
+# workers ended within seconds, a salted run's TTFTs set against a cold one's): they join the engine worker's
+# unit and run last, when the other worker has finished (under its load the planted regression once read as
+# inconclusive).
 QUIET_MODULES = ("tests/compare/test_planted.py", "tests/load/test_workers.py", "tests/run/test_prefix_cache_engines.py")
+
+
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -28,7 +33,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class EnginesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
+            module = module_of(nodeid)
             return "engines" if module.endswith(ENGINE_MODULES) or module in QUIET_MODULES else module
 
     return EnginesTogether(config, log)
@@ -52,7 +57,7 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("engine") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(ENGINE_TIMEOUT_S))
     # the quiet modules last (every worker sorts alike, so xdist's collections still agree)
-    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] in QUIET_MODULES)
+    items.sort(key=lambda item: module_of(item.nodeid) in QUIET_MODULES)
 
 
 # --- skips: each one is recorded with its reason; with --expected-skips, an unlisted one fails the session ---
