@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from kvbench.load import LoadPoint, sweep
 from kvbench.load.registry import profile_info
@@ -30,6 +30,7 @@ class Cell:
     turn: int = 0  # multi_turn: 1..turns
     prefix_caching: bool | None = None  # the server variant the cell runs on
     kv_dtype: str | None = None  # kv_quant: the KV dtype of the engine start the cell runs on
+    requests: int = field(kw_only=True)  # prompts the cell sends, set where the cell is planned
 
     @property
     def variant(self) -> str:
@@ -80,11 +81,21 @@ def cells_for(workload: Workload, lengths: list[int], points: list[LoadPoint], r
               prefix_caching: bool | None, kv_dtype: str | None = None) -> list[Cell]:
     """The cells of one repeat on one server variant, in the order they run."""
     turns = range(1, workload.turns + 1) if workload.family == "multi_turn" else [0]
-    return [Cell(p, point, repeat, t, prefix_caching, kv_dtype) for p in lengths for point in points for t in turns]
+    return [Cell(p, point, repeat, t, prefix_caching, kv_dtype,
+                 requests=workload.requests_per_cell(point.concurrency, point.request_rate))
+            for p in lengths for point in points for t in turns]
 
 
 class NothingFits(ValueError):
     pass
+
+
+def fitting_lengths(workload: Workload, max_context: int) -> list[int]:
+    """The workload's prompt lengths that fit ``max_context``; NothingFits where none does."""
+    lengths = workload.prompt_lengths(max_context)
+    if not lengths:
+        raise NothingFits(f"no prompt length of {workload.name} fits the context limit {max_context}")
+    return lengths
 
 
 @dataclass(frozen=True)
@@ -103,10 +114,8 @@ class RunPlan:
     def make(cls, workload: Workload, model_max_context: int | None, cap: int | None = None,
              repeats: int | None = None) -> "RunPlan":
         max_context = min(model_max_context or 2048, cap or 10**9)
-        lengths = workload.prompt_lengths(max_context)
+        lengths = fitting_lengths(workload, max_context)
         skipped = [n for n in workload.prompt_tokens if n != "max" and n not in lengths]
-        if not lengths:
-            raise NothingFits(f"no prompt length of {workload.name} fits the context limit {max_context}")
         return cls(workload, max_context, tuple(lengths), tuple(skipped), tuple(sweep.static_points(workload)),
                    repeats or workload.repeats)
 
@@ -131,7 +140,8 @@ class RunPlan:
 
     def saturation_cells(self, finder: Cell, saturation_rate: float) -> list[Cell]:
         """The open-loop cells that follow ``finder``, a saturation sweep's closed loop, at the rate it found."""
-        return [replace(finder, load=p) for p in sweep.points_after(self.workload, finder.load, saturation_rate)]
+        return [replace(finder, load=p, requests=self.workload.requests_per_cell(p.concurrency, p.request_rate))
+                for p in sweep.points_after(self.workload, finder.load, saturation_rate)]
 
     @property
     def cells_per_start(self) -> int:

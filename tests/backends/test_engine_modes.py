@@ -199,7 +199,7 @@ def test_vllm_kv_in_use_per_gpu_is_what_plan_tp_gives(tmp_path, gpu):
 
 
 WORKLOAD = Workload(name="w", seed=1, prompt_tokens=[997], output_tokens=4, concurrency=[2])
-CELL = Cell(997, LoadPoint("concurrent", 2))
+CELL = Cell(997, LoadPoint("concurrent", 2), requests=2)
 
 
 def two_gpu_samples(pid: int):

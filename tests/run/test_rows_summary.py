@@ -10,7 +10,7 @@ from kvbench.workloads import Workload
 from tests.fakes.testkit import BYTES_PER_TOKEN, spec
 
 WORKLOAD = Workload(name="w", seed=1, prompt_tokens=[100], output_tokens=4, concurrency=[2])
-CELL = Cell(100, LoadPoint("concurrent", 2))
+CELL = Cell(100, LoadPoint("concurrent", 2), requests=2)
 
 
 def engine_run(tmp_path, engine="vllm") -> EngineRun:
