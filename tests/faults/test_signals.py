@@ -139,7 +139,7 @@ def test_ctrl_c_while_the_report_is_written_is_exit_130_without_a_traceback(tmp_
     from kvbench.cli import app
 
     class FinishedRunner:
-        def __init__(self, options, console):
+        def __init__(self, options, console, plan=None):
             self.run_dir = tmp_path / "the-run"
 
         def run(self):

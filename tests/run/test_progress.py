@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.progress import Progress
 
 from kvbench.run import progress as run_progress_module
-from kvbench.run import runner as runner_module
+from kvbench.run import measure as measure_step
+from kvbench.run import warmup as warmup_step
 from kvbench.run.backend_config import BackendConfig
 from kvbench.run.progress import EstimatedRemainingColumn, remaining_s
 from kvbench.run.runner import Runner, RunOptions
@@ -60,8 +61,8 @@ def test_a_run_sets_the_eta_before_its_first_cell_and_shows_each_cells_requests(
             task = self.progress.tasks[self.progress.task_ids.index(self.task)]
             lines.append((task.completed, task.total, task.description))
 
-    monkeypatch.setattr(runner_module, "set_eta", set_eta)
-    monkeypatch.setattr(runner_module, "CellProgress", Line)
+    monkeypatch.setattr(warmup_step, "set_eta", set_eta)
+    monkeypatch.setattr(measure_step, "CellProgress", Line)
     (tmp_path / "w.toml").write_text(WORKLOAD)
     with FakeOpenAI(token_delay_s=0.002) as fake:
         opts = RunOptions(model="smollm2", workload=load(str(tmp_path / "w.toml")), results_dir=tmp_path,

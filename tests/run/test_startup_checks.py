@@ -214,7 +214,7 @@ def test_a_gpu_run_records_the_engines_startup_figures_beside_the_plan(tmp_path,
     from tests.fakes.fake_nvml import FakeDevice, FakeNVML
 
     env = env_with_stand_in(tmp_path)
-    monkeypatch.setattr("kvbench.run.runner.ensure_env", lambda recipe, log=None: env)
+    monkeypatch.setattr("kvbench.run.start.ensure_env", lambda recipe, log=None: env)
     monkeypatch.setenv("KVBENCH_GPU", "1")
     monkeypatch.setenv("FAKE_SGLANG_TOKEN_DELAY_S", "0.001")
     workload = Workload(name="sgl", seed=3, prompt_tokens=[48], output_tokens=8, concurrency=[2], rounds=1,

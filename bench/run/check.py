@@ -1,0 +1,88 @@
+"""Step "check" of an engine session: what the engine says of itself (version, the models it serves, its
+capabilities, its tokenizer against the model's) recorded, an attached server serving another model
+refused, and the engine's startup figures beside the plan's (bench/run/startup_checks.py)."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import httpx
+
+from kvbench.backends.base import Backend
+from kvbench.backends.types import EngineStartError
+from kvbench.common import models
+from kvbench.run import startup_checks
+
+if TYPE_CHECKING:
+    from kvbench.run.session import EngineSession
+
+
+def check(s: EngineSession, backend: Backend) -> None:
+    """The version the engine reports, the models it serves (an attached server's checked against
+    --model), what it supports and how its prompts and tokenizer were checked, recorded."""
+    version = backend.reported_version()
+    s.r.record.engine_versions[s.cfg.label] = version
+    s.r.record.served_models[s.cfg.label] = served = backend.served_models()
+    s.r.record.capabilities[s.cfg.label] = backend.capabilities()
+    if not s.cfg.url and (build := type(backend).machine_build(backend.version)):
+        s.r.record.engine_builds[s.cfg.label] = build
+    s.r.record.save(s.r.writer)
+    if s.cfg.url and served is not None and not models.serves(served, s.spec.model, s.r.o.model):
+        problem = (f"the server serves {', '.join(served) or 'no model'}, not --model {s.r.o.model}: its "
+                   f"figures would be set against {s.spec.model.name}'s KV")
+        if not s.r.o.allow_model_mismatch:
+            raise EngineStartError(problem + " (--allow-model-mismatch to run anyway)")
+        s.r.console.print(f"[yellow]warning: {problem} (--allow-model-mismatch)[/]")
+    s.info = replace(s.info, engine_version_reported=version, token_contract=token_contract(s, backend))
+    s.r.record.save(s.r.writer)
+
+
+def token_contract(s: EngineSession, backend: Backend) -> str:
+    """How prompts reach the engine and how output length is forced, plus a check of the prompt
+    tokens against the engine's own tokenizer where it has a tokenize endpoint."""
+    parts = ["token ids" if backend.accepts_token_ids else "text",
+             "output forced" if backend.forces_output_length else "output as generated"]
+    probe = s.prompts.build(64, "tokenizer-check", 1)
+    try:
+        ids = backend.tokenize(probe.text)
+    except httpx.HTTPError as exc:
+        ids, note = None, f"tokenize endpoint failed ({type(exc).__name__})"
+    else:
+        note = "no tokenize endpoint: checked per request by the engine's usage report"
+    if ids is not None:
+        if list(ids) != list(probe.token_ids):
+            raise ValueError(f"the engine's tokenizer disagrees with the model's tokenizer.json: 64 prompt "
+                             f"tokens became {len(ids)} ({list(ids)[:8]}... vs {list(probe.token_ids)[:8]}...)")
+        note = "tokenizer checked against the engine's tokenize endpoint"
+    s.r.record.token_checks[s.cfg.label] = note
+    return ", ".join(parts)
+
+
+def check_startup(s: EngineSession, backend: Backend, started: bool) -> None:
+    """The engine's own figures at startup (its log, read by its adapter) beside the plan's for the same
+    deployment (its GPU as NVML names it), into run.json's startup_checks (bench/run/startup_checks.py).
+    A server kvbench did not start has no log here. A check that cannot be made is recorded as such; it
+    never fails the engine's cells."""
+    if s.cfg.url or s.log_path is None or not s.log_path.exists():
+        return
+    cls, spec = type(backend), s.spec
+    try:
+        figures = cls.startup_figures_from_log(s.log_path.read_text(errors="replace"))
+        if not figures:
+            return
+        settings = backend.startup_settings(spec)
+        hf = spec.model.hf_dir
+        model = settings.get("model_file") or (str(hf) if (hf / "config.json").exists() else
+                                               str(spec.model.gguf_path or hf))
+        base = s.gpu_baseline
+        start = startup_checks.Start(
+            s.cfg.engine, s.info.engine_version_reported or backend.version, model,
+            cls.gpus_used(s.cfg.options), spec.max_context, settings,
+            base.names[0] if base and base.names else None,
+            base.device_total_bytes[0] if base and base.device_total_bytes else None, started)
+        found = startup_checks.startup_check(figures, start)
+    except Exception as exc:  # noqa: BLE001 - a check is a record of the run, never a reason to fail it
+        found = {"error": f"{type(exc).__name__}: {exc}"}
+    if found:
+        s.r.record.startup_checks[s.key] = found
+        s.r.record.save(s.r.writer)
