@@ -129,7 +129,7 @@ def test_the_graph_is_read():
     edges = graph()
     assert len(edges) > 50
     assert "kvbench.backends.base" in edges["kvbench.backends.vllm.adapter"]
-    assert "kvbench.run.rows" in edges["kvbench.run.runner"]
+    assert "kvbench.run.rows" in edges["kvbench.run.measure"]
 
 
 def test_no_import_circles():
