@@ -1,6 +1,6 @@
 """The package's shape, read from the source: one installed name, layers that import only downwards, no
 import circles, an engine's name and facts in its own folder only, hooks declared rather than probed, and
-the self-checks out of the product's path."""
+the self-checks out of the product's path, reaching the engines only through the registry."""
 import ast
 import re
 import subprocess
@@ -213,10 +213,23 @@ def engine_names_outside_their_folders(files: list[Path], engines: list[str]) ->
             if (isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
                     and named.match(n.value) and (rel, n.value) not in NOT_ENGINE_NAMES):
                 found.append(f"{rel}:{n.lineno}: {n.value!r}")
+    return found + engine_folder_imports(files, engines)
+
+
+def engine_folder_imports(files: list[Path], engines: list[str]) -> list[str]:
+    """Imports of an engine's folder (``kvbench.backends.<engine>...``, or an engine's module from the registry
+    package)."""
+    found = []
+    for path in files:
+        rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+        for n in ast.walk(ast.parse(path.read_text())):
             if isinstance(n, (ast.Import, ast.ImportFrom)):
-                for m in ([a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""]):
+                names = ([a.name for a in n.names] if isinstance(n, ast.Import) else
+                         [n.module or ""] + [f"{n.module}.{a.name}" for a in n.names])
+                for m in names:
                     if re.match(r"kvbench\.backends\.(%s)\b" % "|".join(engines), m):
                         found.append(f"{rel}:{n.lineno}: import {m}")
+                        break
     return found
 
 
@@ -227,6 +240,36 @@ def product_files_outside_the_engines() -> list[Path]:
 
 def test_no_engine_name_outside_its_folder_and_the_registry():
     assert engine_names_outside_their_folders(product_files_outside_the_engines(), ENGINE_DIRS) == []
+
+
+def self_check_files() -> list[Path]:
+    return sorted(ROOT.glob("selfcheck/**/*.py"))
+
+
+def test_the_self_checks_reach_engines_only_through_the_registry():
+    """selfcheck/ looks an engine up by name in the registry (``kvbench.backends``: REGISTRY, kv_rules) and uses
+    its declared hooks; selfcheck/engines.py finds what the registry does not name. No engine's folder is
+    imported (engine names as strings are fine here: they are what the registry is asked for)."""
+    assert len(self_check_files()) > 10 and ROOT / "selfcheck" / "gpu_check" / "kv.py" in self_check_files()
+    assert engine_folder_imports(self_check_files(), ENGINE_DIRS) == []
+
+
+def test_an_engine_folder_import_would_be_found(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("from kvbench.backends import REGISTRY, vllm\nfrom kvbench.backends.hf.adapter import HFBackend\n"
+                       "import kvbench.backends.llamacpp.gpumem as gpumem\nfrom kvbench.backends.types import LOCALHOST\n")
+    assert engine_folder_imports([planted], ENGINE_DIRS) == [
+        "planted.py:1: import kvbench.backends.vllm", "planted.py:2: import kvbench.backends.hf.adapter",
+        "planted.py:3: import kvbench.backends.llamacpp.gpumem"]
+
+
+def test_the_graph_reads_the_self_checks():
+    """selfcheck/ is the top layer: it may import the product (bench, and backends through the registry), and
+    nothing in the product imports it (test_the_product_never_imports_the_self_checks): only tests/ do."""
+    assert LAYERS[-1] == "kvbench.selfcheck"
+    edges = graph()
+    assert {"kvbench.selfcheck.engines", "kvbench.backends"} <= edges["kvbench.selfcheck.gpu_check.kv"]
+    assert "kvbench.selfcheck.gpu_check.kv" in edges["kvbench.selfcheck.gpu_check.main"]
 
 
 def test_an_engine_name_outside_its_folder_would_be_found(tmp_path):
@@ -254,7 +297,8 @@ def hook_probes(files: list[Path]) -> list[str]:
 
 
 def test_no_hook_is_probed_with_getattr():
-    files = [*ROOT.glob("bench/**/*.py"), *ROOT.glob("backends/**/*.py"), *ROOT.glob("workloads/**/*.py")]
+    files = [*ROOT.glob("bench/**/*.py"), *ROOT.glob("backends/**/*.py"), *ROOT.glob("workloads/**/*.py"),
+             *self_check_files()]
     assert hook_probes([p for p in files if "scripts" not in p.parts]) == []
 
 
@@ -293,9 +337,11 @@ def test_no_function_of_the_runner_is_longer_than_a_screen():
     assert long_functions(ROOT / "bench" / "run" / "runner.py", 60) == []
 
 
-def test_no_product_module_over_500_lines_without_a_reason():
-    """A module over 500 lines says why in its docstring (a line starting "Long because")."""
-    files = [*ROOT.glob("bench/**/*.py"), *ROOT.glob("backends/**/*.py"), *ROOT.glob("workloads/**/*.py")]
+def test_no_module_over_500_lines_without_a_reason():
+    """A module of the product or the self-checks over 500 lines says why in its docstring (a line starting
+    "Long because")."""
+    files = [*ROOT.glob("bench/**/*.py"), *ROOT.glob("backends/**/*.py"), *ROOT.glob("workloads/**/*.py"),
+             *self_check_files()]
     long = [p.relative_to(ROOT).as_posix() for p in files if "scripts" not in p.parts
             and len(p.read_text().splitlines()) > 500
             and "Long because" not in (ast.get_docstring(ast.parse(p.read_text())) or "")]
