@@ -12,6 +12,8 @@ from functools import cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from kvbench.kv.rules import KVRules
 
     from .base import Backend
@@ -73,3 +75,12 @@ def engines_with_rules() -> list[str]:
 def gguf_converter(log=print):
     """What makes the HF-format copy of a GGUF (for the engines that read safetensors)."""
     return REGISTRY[HF_TOOLS_ENGINE].gguf_converter(log)
+
+
+def hf_tools_python(log=print) -> Path:
+    """An interpreter with torch and transformers: the Python of the environment of the engine that lends them
+    (installed on first use). An engine that needs one asks here, not that engine's folder."""
+    from kvbench.common.envs import ensure_env, env_python
+
+    tools = REGISTRY[HF_TOOLS_ENGINE]
+    return env_python(ensure_env(tools.recipe(tools.default_version), log=log))

@@ -222,7 +222,7 @@ def term_rows(entry: dict) -> list[Row]:
                            round(q.weights_bytes / GIB, 2), round(a, 2), "GiB", close(a, logged["weights_gib"]),
                            close(q.weights_bytes / GIB, logged["weights_gib"])))
     if engine == "llamacpp" and model:
-        from kvbench.backends.llamacpp import gpumem as lgm
+        from kvbench.backends.shared import llama_server_gpumem as lgm
         from kvbench.kv.startup import StartupQuestion
         from kvbench.planner import engine_rules
         from kvbench.kv.rules import KVQuestion
