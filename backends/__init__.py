@@ -2,7 +2,10 @@
 ``backends/<engine>/kvrules.py`` (how the engine sizes and rounds its KV; imports only ``kvbench.kv``).
 
 This module is the registry: adding an engine is its folder plus one line in :data:`ENGINES`. Nothing is
-imported until asked for, so that the planner, which reads only the rules, never loads an adapter.
+imported until asked for, so that the planner, which reads only the rules, never loads an adapter. What an
+engine can do beyond the core hooks (backends/base.py) it declares as capability groups
+(backends/capabilities.py); what several engines share is in backends/shared/, never imported from another
+engine's folder.
 """
 from __future__ import annotations
 
