@@ -109,7 +109,6 @@ class LlamaServerPrefixCache(PrefixCache):
 
 class LlamaCppBackend(Backend):
     engine = "llamacpp"
-    supports_prefix_caching = True
     default_version = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp is built
     #: The options this adapter reads (-b llamacpp:KEY=VALUE); checked by BackendConfig.parse, listed by `kvbench backends`.
     option_specs = (
@@ -129,6 +128,7 @@ class LlamaCppBackend(Backend):
     kv_rules = LlamaCppKV()
     capabilities = Capabilities(
         prefix_cache=LlamaServerPrefixCache(
+            switchable=True,
             reset=("POST /slots/N?action=erase for every slot (it needs --slot-save-path, which kvbench gives, "
                    "pointing at the run's logs folder, when it starts llama-server for --reset-cache-between-cells); "
                    "the host prompt cache (--cache-ram) is not erased by it"),

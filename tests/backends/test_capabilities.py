@@ -40,7 +40,7 @@ def test_a_group_left_out_does_nothing_and_says_so():
 
 def test_what_the_engines_declare():
     caps = {engine: cls.capabilities for engine, cls in REGISTRY.items()}
-    assert {e for e, c in caps.items() if c.prefix_cache.switchable} == {"vllm", "sglang"}
+    assert {e for e, c in caps.items() if c.prefix_cache.switchable} == {"vllm", "llamacpp", "sglang"}
     assert {e for e, c in caps.items() if c.prefix_cache.reset} == {"vllm", "llamacpp", "sglang"}
     assert {e: c.prefix_cache.isolation_field for e, c in caps.items() if c.prefix_cache.isolation_field} == {
         "vllm": "cache_salt"}
