@@ -223,11 +223,10 @@ def term_rows(entry: dict) -> list[Row]:
                            round(q.weights_bytes / GIB, 2), round(a, 2), "GiB", close(a, logged["weights_gib"]),
                            close(q.weights_bytes / GIB, logged["weights_gib"])))
     if engine == "llamacpp" and model:
+        from kvbench.backends.shared import llama_server_gpumem as lgm
         from kvbench.kv.startup import StartupQuestion
         from kvbench.planner import engine_rules
         from kvbench.kv.rules import KVQuestion
-        from kvbench.selfcheck.engines import engine_module
-        lgm = engine_module(engine, "gpumem")
         m = _model(entry)
         st = entry["settings"]
         opts = {"n_ubatch": st["n_ubatch"], "flash_attn": st["flash_attn"]}

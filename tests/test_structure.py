@@ -160,21 +160,56 @@ def test_an_upward_import_would_be_found():
     assert layer("kvbench.kv.geometry") < layer("kvbench.backends.vllm.adapter") < layer("kvbench.run.runner")
 
 
+# The shared modules engines' rules build on (llama-server's, which llama.cpp and Ollama run): like an engine's
+# rules, they import only the kv layer.
+SHARED_RULES = ("kvbench.backends.shared.llama_server_kv", "kvbench.backends.shared.llama_server_gpumem")
+
+
+def rules_module(name: str) -> bool:
+    return name.endswith((".kvrules", ".gpumem")) or name in SHARED_RULES
+
+
 def test_the_kv_layer_and_every_engines_rules_import_only_the_kv_layer():
     for name, targets in graph().items():
-        if name.startswith("kvbench.kv") or name.endswith((".kvrules", ".gpumem")):
-            # an engine's rules may extend another engine's rules (Ollama runs llama.cpp)
-            others = {t for t in targets if not t.startswith("kvbench.kv") and not t.endswith((".kvrules", ".gpumem"))
+        if name.startswith("kvbench.kv") or rules_module(name):
+            others = {t for t in targets if not t.startswith("kvbench.kv") and not rules_module(t)
                       and t not in ("kvbench", "kvbench.backends") and not re.fullmatch(r"kvbench\.backends\.\w+", t)}
             assert not others, f"{name} imports {sorted(others)}"
 
 
+def engine_of(module: str, engines: list[str]) -> str | None:
+    """The engine whose folder holds ``module`` (kvbench.backends.<engine>...), None outside every engine's."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["kvbench", "backends"] and parts[2] in engines else None
+
+
+def imports_across_engines(edges: dict[str, set[str]], engines: list[str]) -> list[str]:
+    """Imports from one engine's folder into another's: what engines share lives in backends/shared/."""
+    return sorted(f"{name} -> {t}" for name, targets in edges.items() if (own := engine_of(name, engines))
+                  for t in targets if (other := engine_of(t, engines)) and other != own)
+
+
+def test_no_engine_folder_imports_another_engines_folder():
+    assert imports_across_engines(graph(), ENGINE_DIRS) == []
+
+
+def test_an_import_across_engines_would_be_found():
+    edges = {"kvbench.backends.ollama.adapter": {"kvbench.backends.llamacpp.adapter", "kvbench.backends.base",
+                                                 "kvbench.backends.shared.llama_log", "kvbench.backends.ollama.kvrules"},
+             "kvbench.backends.llamacpp.adapter": {"kvbench.backends.hf"}}
+    assert imports_across_engines(edges, ENGINE_DIRS) == [
+        "kvbench.backends.llamacpp.adapter -> kvbench.backends.hf",
+        "kvbench.backends.ollama.adapter -> kvbench.backends.llamacpp.adapter"]
+
+
 def test_every_engine_is_one_folder_and_one_registry_line():
     from kvbench.backends import ENGINES, REGISTRY, kv_rules
+    from kvbench.backends.capabilities import Capabilities
 
     assert sorted(ENGINES) == ENGINE_DIRS
     for engine in ENGINES:
         assert REGISTRY[engine].engine == engine
+        assert isinstance(REGISTRY[engine].capabilities, Capabilities)  # declared groups, not a method
         assert REGISTRY[engine].__module__ == f"kvbench.backends.{engine}.adapter"
         rules = kv_rules(engine)
         assert rules is None or (type(rules).__module__ == f"kvbench.backends.{engine}.kvrules"
@@ -281,11 +316,14 @@ def test_an_engine_name_outside_its_folder_would_be_found(tmp_path):
 
 
 def hook_probes(files: list[Path]) -> list[str]:
-    """getattr/hasattr of a Backend or KVRules hook name: a hook is declared on the base class instead."""
+    """getattr/hasattr of a Backend, capability group or KVRules hook name: a hook is declared on the base
+    class or its capability group instead."""
+    from kvbench.backends import capabilities
     from kvbench.backends.base import Backend
     from kvbench.kv.rules import KVRules
 
-    hooks = {n for cls in (Backend, KVRules) for n in dir(cls) if not n.startswith("__")}
+    groups = [v for v in vars(capabilities).values() if isinstance(v, type) and v.__module__ == capabilities.__name__]
+    hooks = {n for cls in (Backend, KVRules, *groups) for n in dir(cls) if not n.startswith("__")}
     found = []
     for path in files:
         for n in ast.walk(ast.parse(path.read_text())):

@@ -117,9 +117,9 @@ def run(
         PromptSalt.parse(prompt_salt, isolated=False)  # a bad salt is refused here, before any folder
         kv_list = check_kv_dtypes(kv_dtypes, wl, backends)
         if reset_cache_between_cells:
-            cannot = sorted({b.engine for b in backends if not REGISTRY[b.engine].prefix_cache_reset})
+            cannot = sorted({b.engine for b in backends if not REGISTRY[b.engine].capabilities.prefix_cache.reset})
             if cannot:
-                able = ", ".join(sorted(e for e in REGISTRY if REGISTRY[e].prefix_cache_reset))
+                able = ", ".join(sorted(e for e in REGISTRY if REGISTRY[e].capabilities.prefix_cache.reset))
                 raise ConfigError(f"--reset-cache-between-cells: {', '.join(cannot)} cannot empty a prefix cache "
                                   f"(engines that can: {able})")
     except (ConfigError, WorkloadError, ValueError) as exc:  # one line, exit 2, nothing installed or created

@@ -176,7 +176,7 @@ class Runner:
             # what the earlier invocations recorded per engine stays, beside this one's
             self.record = RunRecord.of_run(self.writer.root)
             self.record.estimates.clear()  # an estimate belongs to the invocation that made it
-        isolated = all(REGISTRY[b.engine].prefix_cache_isolation for b in options.backends)
+        isolated = all(REGISTRY[b.engine].capabilities.prefix_cache.isolation_field for b in options.backends)
         # a resumed run keeps its salt: its unfinished cells send the prompts its finished ones sent
         self.salt = (PromptSalt.resumed(load_run_info(self.writer.root).get("prompt_salt"), options.prompt_salt,
                                         isolated) if options.results_mode == "resume"
@@ -310,7 +310,7 @@ class _EngineSession:
             self.skip_finished()
             if self.done == len(self.cells):
                 return
-            if self.spec.prefix_caching is not None and not cls.supports_prefix_caching:
+            if self.spec.prefix_caching is not None and not cls.capabilities.prefix_cache.switchable:
                 return self.fail_remaining(f"the {self.cfg.engine} adapter cannot switch prefix caching "
                                            f"{'on' if self.spec.prefix_caching else 'off'}", status="not run")
             backend = self.make_backend(cls)
@@ -409,8 +409,9 @@ class _EngineSession:
         --model), what it supports and how its prompts and tokenizer were checked, recorded."""
         version = backend.reported_version()
         self.r.record.engine_versions[self.cfg.label] = version
-        self.r.record.served_models[self.cfg.label] = served = backend.served_models()
-        self.r.record.capabilities[self.cfg.label] = backend.capabilities()
+        served_model = backend.capabilities.served_model
+        self.r.record.served_models[self.cfg.label] = served = served_model.models(backend)
+        self.r.record.capabilities[self.cfg.label] = served_model.support(backend)
         if not self.cfg.url and (build := type(backend).machine_build(backend.version)):
             self.r.record.engine_builds[self.cfg.label] = build
         self.r.record.save(self.r.writer)
@@ -520,7 +521,7 @@ class _EngineSession:
         threads = busy_threads(backend.pid) if backend.pid else None
         self.progress.update(self.bar, description=f"{label}: stopping")
         survivors = backend.stop()
-        if wall := backend.memory_wall():
+        if wall := backend.capabilities.memory_wall.record(backend):
             r.record.memory_walls[self.key] = wall
         if self.estimated:  # the estimate beside what the cells took, so its error here can be read
             self.estimated["took_s"] = round(time.monotonic() - self.estimated.pop("started"), 1)
@@ -536,7 +537,8 @@ class _EngineSession:
             r.console.print(f"[red]{label}: processes of the engine survived its stop: {names}[/]")
         if not self.cfg.url:
             r.record.engine_stops[self.key] = {"reason": self.stop_reason, "survivors": survivors}
-            if restarts := backend.guard_restarts():  # its supervisor died and was replaced (backends/process.py)
+            # a guard of its tree died and was replaced (backends/process.py)
+            if restarts := backend.capabilities.memory_wall.guard_restarts(backend):
                 r.record.engine_stops[self.key]["guard_restarts"] = restarts
         r.record.save(r.writer)
 
@@ -625,7 +627,7 @@ class _EngineSession:
                                 workers=r.o.load_workers, on_done=line)
         backend.reset_cell()
         if r.o.reset_cache_between_cells:
-            backend.reset_prefix_cache()
+            backend.capabilities.prefix_cache.empty(backend)
         counters_before = prefix_counters(backend)
         memory, rss_baseline = None, None
         if backend.pid:
@@ -652,8 +654,8 @@ class _EngineSession:
         for result in load.results:
             r.writer.write_request(request_row(r.run_id, cell.cell_id(label), label, result, repeat=cell.repeat))
         if w.family == "kv_quant":  # the greedy tokens and log-probabilities the divergence is computed from
-            r.writer.write_logprobs(cell.cell_id(label), kvquant.logprob_records(load.results, w.top_logprobs,
-                                                                                  backend.top_logprobs_max))
+            r.writer.write_logprobs(cell.cell_id(label), kvquant.logprob_records(
+                load.results, w.top_logprobs, backend.capabilities.kv_quantisation.top_logprobs_max))
         # A killed engine closes its sockets a moment before its exit can be read: wait for it briefly,
         # so that requests cut off by a dead engine are put down to the engine.
         verdicts = request_verdicts(load.results)
