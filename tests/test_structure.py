@@ -156,7 +156,8 @@ def test_an_upward_import_would_be_found():
 
 def test_an_import_for_type_checking_is_read(tmp_path):
     planted = tmp_path / "typed.py"
-    planted.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvbench.workloads import Workload\n")
+    planted.write_text("from typing import TYPE_CHECKING\n"
+                       "if TYPE_CHECKING:\n    from kvbench.workloads import Workload\n")
     assert "kvbench.workloads" in imports("kvbench.load.typed", planted)
 
 

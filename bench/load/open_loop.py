@@ -85,13 +85,15 @@ class OpenLoop(LoadProfile):
         caps = flat.get("concurrency", [])
         if not isinstance(caps, list) or len(caps) > 1:
             raise ValueError("an open loop takes one concurrency cap: concurrency = [N] (or leave it out)")
-        section = {"profile": cls.name, "request_rates": flat["request_rates"], "max_concurrency": caps[0] if caps else None}
+        section = {"profile": cls.name, "request_rates": flat["request_rates"],
+                   "max_concurrency": caps[0] if caps else None}
         # rounds and saturation_steps never applied to a list of rates: read, and ignored as they were
         return section | {k: flat[k] for k in ("requests", "duration_s") if k in flat}
 
     def flat(self) -> dict:
-        return {"load_profile": self.name, "concurrency": [] if self.max_concurrency is None else [self.max_concurrency],
-                "request_rates": list(self.request_rates), "requests": self.requests, "duration_s": self.duration_s}
+        caps = [] if self.max_concurrency is None else [self.max_concurrency]
+        return {"load_profile": self.name, "concurrency": caps, "request_rates": list(self.request_rates),
+                "requests": self.requests, "duration_s": self.duration_s}
 
     @classmethod
     def check_point(cls, point: LoadPoint) -> None:

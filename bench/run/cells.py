@@ -134,7 +134,8 @@ class RunPlan:
     def cells_per_start(self) -> int:
         """Cells one engine start runs, the points found later included (for the progress bar)."""
         turns = self.workload.turns if self.workload.family == "multi_turn" else 1
-        return len(self.cells(None)) + self.repeats * len(self.lengths) * self.workload.load.points_found_later() * turns
+        later = self.workload.load.points_found_later()
+        return len(self.cells(None)) + self.repeats * len(self.lengths) * later * turns
 
 
 _SALT = re.compile(r"[A-Za-z0-9._-]{1,64}")
