@@ -39,20 +39,14 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def _type_checking_only(node: ast.If) -> bool:
-    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
-
-
 def imports(name: str, path: Path) -> set[str]:
-    """The modules ``name`` imports when it runs (function-level imports too; TYPE_CHECKING blocks not)."""
+    """The modules ``name`` imports: at run time (function-level imports too) and for type checking (an
+    import under TYPE_CHECKING is a dependency all the same: a layer that names a type of a layer above it
+    depends on it)."""
     tree = ast.parse(path.read_text())
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _type_checking_only(node)
-            for n in ast.walk(node)}
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -158,6 +152,13 @@ def test_layers_import_only_downwards():
 
 def test_an_upward_import_would_be_found():
     assert layer("kvbench.kv.geometry") < layer("kvbench.backends.vllm.adapter") < layer("kvbench.run.runner")
+
+
+def test_an_import_for_type_checking_is_read(tmp_path):
+    planted = tmp_path / "typed.py"
+    planted.write_text("from typing import TYPE_CHECKING\n"
+                       "if TYPE_CHECKING:\n    from kvbench.workloads import Workload\n")
+    assert "kvbench.workloads" in imports("kvbench.load.typed", planted)
 
 
 # The shared modules engines' rules build on (llama-server's, which llama.cpp and Ollama run): like an engine's

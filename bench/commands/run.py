@@ -107,6 +107,7 @@ def run(
         check_attachable(backends)
         backends = distinct_labels(backends)  # two settings of one engine: a label, cell ids and log each
         wl = load_workload(workload)
+        wl.load.check_workers(load_workers)  # a profile that cannot be split is refused before anything starts
         if prometheus is not None and (problem := url_problem(prometheus)):
             raise ConfigError(f"--prometheus {redact_text(prometheus)!r} {problem}")
         prom = Prometheus(prometheus, prometheus_selector, prometheus_gpu_selector) if prometheus else None

@@ -37,7 +37,7 @@ from kvbench.common.envs import EnvInstallError, ensure_env
 from kvbench.common.hardware import NVML, GPUBaseline, environment_info
 from kvbench.common.metrics import RequestTimes
 from kvbench.common.redact import redact_text
-from kvbench.load import LoadPoint, LoadSettings, TimeoutStreak, frozen_heap, interrupt, run, run_async
+from kvbench.load import ONE_AT_A_TIME, LoadSettings, TimeoutStreak, frozen_heap, interrupt, run, run_async
 from kvbench.load.open_loop import schedule_seed
 from kvbench.run import estimate
 from kvbench.run.progress import CellProgress, run_progress, set_eta
@@ -67,7 +67,7 @@ from kvbench.workloads.prompts import PromptBuilder
 
 ENGINE_EXIT_WAIT_S = 2.0  # how long a cell with failed requests waits to learn whether the engine died
 REPROBE_TIMEOUT_S = 5.0  # a wedged engine's probe before each later cell (at most half the request timeout)
-WARMUP_POINT = LoadPoint("concurrent", 1)  # warm-up requests go one at a time
+WARMUP_POINT = ONE_AT_A_TIME  # warm-up requests go one at a time
 
 
 @dataclass
@@ -296,13 +296,13 @@ class _EngineSession:
         self.key = cfg.label + variant + ("" if repeat is None else f" repeat {repeat}")  # in run.json's engine_stops
 
     def skip_finished(self) -> None:
-        """Resuming: pass over the cells that have rows (a saturation sweep's rates come from its row)."""
+        """Resuming: pass over the cells that have rows (the cells a load profile adds come from their rows)."""
         while self.done < len(self.cells) and (cell_id := self.cells[self.done].cell_id(self.cfg.label)) \
                 in self.r.finished:
             self.done += 1
             self.progress.advance(self.bar)
-            self.cells[self.done:self.done] = self.plan.saturation_cells(self.cells[self.done - 1],
-                                                                         self.r.finished[cell_id] or 0)
+            self.cells[self.done:self.done] = self.plan.cells_after(self.cells[self.done - 1],
+                                                                    self.r.finished[cell_id] or 0)
 
     def run(self) -> None:
         cls = REGISTRY[self.cfg.engine]
@@ -451,8 +451,8 @@ class _EngineSession:
             self.progress.advance(self.bar)
             self.update_eta()
             r.console.print(summary_line(row))
-            # a saturation sweep's closed loop found the rate: the open-loop rates follow it
-            self.cells[self.done:self.done] = self.plan.saturation_cells(cell, row.requests_per_s or 0)
+            # the cells the load profile adds after this one (a saturation sweep's rates), from its rate
+            self.cells[self.done:self.done] = self.plan.cells_after(cell, row.requests_per_s or 0)
             self.stop_reason = "interrupted"  # a cell ran: no longer wedged; "finished" once the loop ends
         if not self.stop_reason.startswith("wedged"):
             self.stop_reason = "finished"
@@ -602,8 +602,8 @@ class _EngineSession:
         cal = estimate.Calibration.from_points(min(points), max(points), itls[len(itls) // 2])
         w, cells = self.plan.workload, self.cells[self.done:]
         self.cell_estimates = [estimate.cell_seconds(
-            cal, w.prompt_tokens_sent(c.prompt_tokens, c.turn), w.output_tokens, w.requests_per_cell(
-                c.load.concurrency, c.load.request_rate), c.load.concurrency, c.load.request_rate) for c in cells]
+            cal, w.prompt_tokens_sent(c.prompt_tokens, c.turn), w.output_tokens, w.load.requests_per_cell(c.load),
+            c.load.concurrency, c.load.request_rate) for c in cells]
         seconds, self.estimate_from = sum(self.cell_estimates), (self.done, time.monotonic())
         self.update_eta()
         self.estimated = {"estimated_s": round(seconds, 1), "cells": len(cells), "started": time.monotonic(),
@@ -620,9 +620,9 @@ class _EngineSession:
     def measure(self, backend: Backend, cell: Cell) -> CellMeasurement:
         """One cell: the load with the samplers running alongside, and the engine's figures around it."""
         r, w = self.r, self.plan.workload
-        prompts = self.prompts.for_cell(cell, w.requests_per_cell(cell.load.concurrency, cell.load.request_rate))
+        prompts = self.prompts.for_cell(cell, w.load.requests_per_cell(cell.load))
         line = CellProgress(self.progress, cell.describe(), len(prompts)) if r.o.load_workers == 1 else None
-        settings = LoadSettings(r.o.request_timeout_s, w.duration_s,
+        settings = LoadSettings(r.o.request_timeout_s, w.load.duration_s,
                                 schedule_seed(w.seed, cell.prompt_tokens, cell.repeat, cell.load.slug), self.streak,
                                 workers=r.o.load_workers, on_done=line)
         backend.reset_cell()
