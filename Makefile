@@ -106,9 +106,9 @@ bench-harness: setup
 	  --benchmark-storage=tests/benchmarks/baseline --benchmark-compare=$(BENCH_BASELINE) \
 	  --benchmark-compare-fail=$(BENCH_FAIL) --benchmark-columns=min,median,mean,stddev,rounds $(HARNESS_BENCH_ARGS)
 
-# The GPU checks (selfcheck/gpu_check.py): offline, under 10 minutes; exits 3 on a machine without a GPU.
-# Without .venv (a GPU machine lent with no network) it runs from the checkout with $(PYTHON), the interpreter
-# that has CUDA torch, through selfcheck/uninstalled.py (no install). GPU_CHECK_ARGS e.g. "--llama-source
+# The GPU checks (selfcheck/gpu_check/, one module per check): offline, under 10 minutes; exits 3 on a machine
+# without a GPU. Without .venv (a GPU machine lent with no network) it runs from the checkout with $(PYTHON), the
+# interpreter that has CUDA torch, through selfcheck/uninstalled.py (no install). GPU_CHECK_ARGS e.g. "--llama-source
 # llama.cpp-0.3.36-src.tar.xz" (backends/llamacpp/scripts/pack_llama_source.sh makes it: about 8 MB).
 gpu-check:
 	$(if $(wildcard $(STAMP)),$(BIN)/python -m,$(PYTHON) selfcheck/uninstalled.py) kvbench.selfcheck.gpu_check $(GPU_CHECK_ARGS)

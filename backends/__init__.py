@@ -2,7 +2,10 @@
 ``backends/<engine>/kvrules.py`` (how the engine sizes and rounds its KV; imports only ``kvbench.kv``).
 
 This module is the registry: adding an engine is its folder plus one line in :data:`ENGINES`. Nothing is
-imported until asked for, so that the planner, which reads only the rules, never loads an adapter.
+imported until asked for, so that the planner, which reads only the rules, never loads an adapter. What an
+engine can do beyond the core hooks (backends/base.py) it declares as capability groups
+(backends/capabilities.py); what several engines share is in backends/shared/, never imported from another
+engine's folder.
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from functools import cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from kvbench.kv.rules import KVRules
 
     from .base import Backend
@@ -73,3 +78,12 @@ def engines_with_rules() -> list[str]:
 def gguf_converter(log=print):
     """What makes the HF-format copy of a GGUF (for the engines that read safetensors)."""
     return REGISTRY[HF_TOOLS_ENGINE].gguf_converter(log)
+
+
+def hf_tools_python(log=print) -> Path:
+    """An interpreter with torch and transformers: the Python of the environment of the engine that lends them
+    (installed on first use). An engine that needs one asks here, not that engine's folder."""
+    from kvbench.common.envs import ensure_env, env_python
+
+    tools = REGISTRY[HF_TOOLS_ENGINE]
+    return env_python(ensure_env(tools.recipe(tools.default_version), log=log))

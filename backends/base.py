@@ -1,8 +1,10 @@
-"""The one interface every engine adapter implements, and the process handling they share.
+"""The core interface every engine adapter implements, and the process handling they share.
 
 An adapter answers five questions about its engine: how to install it (a recipe), how to start it,
-how to stream one request (timestamping every chunk on arrival), how to read its KV pool and the KV
-in use, and how to stop it. The runner knows nothing else about engines.
+how to stream one request (timestamping every chunk on arrival), how to read its KV pool, the KV in use
+and its queue, and how to stop it; its KV rules size its KV. What only some engines can do (empty a prefix
+cache, return log-probabilities, export Prometheus metrics, say what they serve) is a capability group the
+adapter declares (backends/capabilities.py), not a method here.
 """
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ from kvbench.common.redact import redact_url
 from kvbench.kv.geometry import kv_bytes_per_token
 from kvbench.kv.rules import KVCheck, KVQuestion, KVRules
 
+from .capabilities import Capabilities
 from .options import Option
 from .process import ServerProcess, free_port
-from .types import EngineStartError, EngineState, KVInUse, KVPool, PrefixCacheCounters, RequestResult, ServerSpec
+from .types import EngineStartError, EngineState, KVInUse, KVPool, RequestResult, ServerSpec
 
 ATTACH_REFUSED_S = 2.0  # an attached server whose port refuses connections this long is not there
 
@@ -41,38 +44,17 @@ class Backend(ABC):
     #: True when the engine can be made to generate exactly the asked number of tokens (ignore_eos);
     #: False: output is normalised by the tokens actually generated and short outputs are flagged.
     forces_output_length: ClassVar[bool] = True
-    #: Whether the adapter can switch prefix caching on and off (ServerSpec.prefix_caching).
-    supports_prefix_caching: ClassVar[bool] = False
-    #: The request field that keeps a request's prefix-cache entries apart from every other salt's (vLLM's
-    #: ``cache_salt``): a run's prompts then need no salt in their tokens. "": the engine has none.
-    prefix_cache_isolation: ClassVar[str] = ""
-    #: How :meth:`reset_prefix_cache` empties the engine's prefix cache (for `kvbench backends` and the docs);
-    #: "": it cannot, and ``--reset-cache-between-cells`` is refused for it.
-    prefix_cache_reset: ClassVar[str] = ""
-    #: How the engine says which prompt tokens came from its prefix cache, per request or by counters
-    #: (for the docs and the rows' source): "": it does not say, and a row's hit rate is "not reported".
-    prefix_cache_report: ClassVar[str] = ""
-    #: The most top-k log-probabilities per generated token the adapter asks its engine for when a prompt
-    #: wants them (``Prompt.top_logprobs``; llama.cpp's ``n_probs``, vLLM's ``logprobs``), each normalised over
-    #: the whole vocabulary, filled into ``RequestResult.output_ids``/``top_logprobs``. 0: the adapter returns
-    #: none, and a KV-quantisation run compares its greedy tokens only (no KL divergence).
-    top_logprobs_max: ClassVar[int] = 0
-    #: How the engine returns the log-probabilities of a prompt's own tokens (teacher forcing; filled into
-    #: ``RequestResult.prompt_logprobs`` when ``Prompt.prompt_logprobs``), for the docs and reports; "": it
-    #: returns none, and a KV-quantisation run's perplexity is "not measured" for it.
-    prompt_logprobs_source: ClassVar[str] = ""
     #: How the engine stores and rounds KV (None: unknown, e.g. any OpenAI-compatible server).
     kv_rules: ClassVar[KVRules | None] = None
+    #: The capability groups the engine opts into (prefix cache, KV quantisation, telemetry, served model,
+    #: memory wall): backends/capabilities.py. The runner, the reports and the commands ask these.
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     #: Seconds an untimed call to the engine (version, tokenizer, pool, counters) may take.
     untimed_timeout_s: ClassVar[float] = 10.0
     #: The options this adapter reads (-b ENGINE:KEY=VALUE): checked by BackendConfig.parse, listed by
     #: `kvbench backends`. Each adapter declares its own.
     option_specs: ClassVar[tuple[Option, ...]] = ()
-    #: The engine's own Prometheus metrics on /metrics, by what each says ("kv_usage", "requests_running",
-    #: "requests_waiting", "preemptions"): what `kvbench run --prometheus` reads of it through a cluster's Prometheus.
-    prometheus_metrics: ClassVar[dict[str, str]] = {}
-
     @classmethod
     def gpus_used(cls, options: dict) -> int:
         """GPUs one server started with ``options`` spans (tensor parallel, a layer split, a device map)."""
@@ -222,16 +204,6 @@ class Backend(ABC):
     def alive(self) -> bool:
         return bool(self.server and self.server.alive())
 
-    def memory_wall(self) -> dict | None:
-        """The memory wall the engine's tree ran in (its limit, peak and OOM kills, for the run's record), or
-        None where it ran without one."""
-        return self.server.wall_record() if self.server else None
-
-    def guard_restarts(self) -> list[dict]:
-        """The guards of the engine's tree that died while it ran, each replaced at once (normally none):
-        ``{"at", "guard_pid", "guard_exit"}``, for the run's record."""
-        return list(self.server.guard_restarts) if self.server else []
-
     def timed_out(self, request_id: str) -> str | None:
         """The request ``request_id`` ran out of its time. A backend that sends its next requests elsewhere (a
         deployment with a replica still in rotation) says where this one went ("replica H:P"): the timeout
@@ -255,16 +227,6 @@ class Backend(ABC):
         """The version the running engine says it is (falls back to the configured one); None where an
         attached server says none (compare then calls it "unknown")."""
         return self.version
-
-    def served_models(self) -> list[str] | None:
-        """The models the running server says it serves (e.g. the ids of its /v1/models), recorded in
-        run.json and checked against ``--model``; None where this adapter does not read them."""
-        return None
-
-    def capabilities(self) -> dict[str, bool | str]:
-        """What an attached server was asked and found to support (token ids, ignore_eos, usage in the
-        stream), recorded in run.json; empty where nothing is asked."""
-        return {}
 
     # --- measurement ---------------------------------------------------------------------------
     @abstractmethod
@@ -334,16 +296,6 @@ class Backend(ABC):
 
     def reset_cell(self) -> None:
         """Called before each cell, e.g. to reset an engine's peak counters."""
-
-    def reset_prefix_cache(self) -> None:
-        """Empty the engine's prefix cache (``--reset-cache-between-cells``; :attr:`prefix_cache_reset` says
-        how). Raises EngineStartError with the reason where the server does not allow it."""
-        raise EngineStartError(f"the {self.engine} adapter cannot reset a prefix cache")
-
-    def prefix_cache_counters(self, client: httpx.Client) -> PrefixCacheCounters | None:
-        """The engine's cumulative prefix-cache counters, read before and after each cell (None: it keeps
-        none, or the requests' own cached-token counts are all it says)."""
-        return None
 
     def queue_state(self, client: httpx.Client) -> dict | None:
         """Requests the engine holds back (``{"waiting": n, "source": ...}``, plus engine-specific keys such as

@@ -46,6 +46,7 @@ from kvbench.common.envs import Recipe
 from kvbench.common.redact import host_port
 
 from .base import Backend
+from .capabilities import Capabilities, ServedModel
 from .streaming import TRANSPORT_ERRORS
 from .types import (
     EngineStartError,
@@ -102,11 +103,26 @@ class ReplicaPolls:
     outages: list[dict] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class ReplicasServedModel(ServedModel):
+    def models(self, backend: Deployment) -> list[str] | None:
+        """What the replicas serve, once every replica that says agrees (a replica serving another model fails
+        the deployment here, before any cell); None where none says."""
+        said = [(label, sorted(m)) for label, r in zip(backend.labels, backend.replicas)
+                if (m := r.capabilities.served_model.models(r)) is not None]
+        for label, models in said[1:]:
+            if models != said[0][1]:
+                raise ValueError(f"replica {label} serves {', '.join(models) or 'no model'}, replica {said[0][0]} "
+                                 f"{', '.join(said[0][1]) or 'no model'}: the replicas do not serve the same model")
+        return said[0][1] if said else None
+
+
 class Deployment(Backend):
     """N attached adapters of one engine (and, optionally, one attached to a gateway) as one backend."""
 
     engine = "deployment"  # set per instance to the replicas' engine
     default_version = ""
+    capabilities = Capabilities(served_model=ReplicasServedModel())
 
     def __init__(self, replicas: list[Backend], urls: list[str], gateway: Backend | None = None,
                  gateway_url: str | None = None, options: dict | None = None):
@@ -203,17 +219,6 @@ class Deployment(Backend):
         if len(set(versions)) == 1:
             return versions[0]
         return ", ".join(f"{label} {v or 'unknown'}" for label, v in zip(self.labels, versions))
-
-    def served_models(self) -> list[str] | None:
-        """What the replicas serve, once every replica that says agrees (a replica serving another model fails
-        the deployment here, before any cell); None where none says."""
-        said = [(label, sorted(m)) for label, r in zip(self.labels, self.replicas)
-                if (m := r.served_models()) is not None]
-        for label, models in said[1:]:
-            if models != said[0][1]:
-                raise ValueError(f"replica {label} serves {', '.join(models) or 'no model'}, replica {said[0][0]} "
-                                 f"{', '.join(said[0][1]) or 'no model'}: the replicas do not serve the same model")
-        return said[0][1] if said else None
 
     def tokenize(self, text: str) -> list[int] | None:
         """The first replica's token ids, once every replica agrees (a replica serving another model or

@@ -24,7 +24,7 @@ class ServerSpec:
     # concurrency makes the engine queue or preempt: the KV boundary workload does that on purpose
     kv_pool_sequences: int | None = None
     prefix_caching: bool | None = None  # None: the engine's default
-    # start the server so that kvbench can empty its prefix cache between cells (Backend.reset_prefix_cache)
+    # start the server so that kvbench can empty its prefix cache between cells (its PrefixCache capability's empty)
     reset_prefix_cache: bool = False
     # run the engine's whole process tree inside a memory wall of this many bytes (a memory-limited cgroup,
     # the CPU stand-in for a GPU's memory; kvbench.common.memory_wall); None: no wall

@@ -24,15 +24,15 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvbench.backends import REGISTRY
 from kvbench.backends.types import LOCALHOST, ServerSpec
-from kvbench.backends.vllm.adapter import VLLMBackend
 from kvbench.common.metrics import RequestTimes, cell_metrics, request_verdict
 from kvbench.common.models import ModelFiles
 from kvbench.kv.geometry import KVGeometry
@@ -41,15 +41,21 @@ from kvbench.workloads.prompts import Prompt
 
 from .common import Mock, median_finite, pct
 
+if TYPE_CHECKING:
+    from kvbench.backends.base import Backend
+
+# The engine whose adapter drives the mock: the mock speaks its OpenAI-compatible /v1/completions.
+MOCKED_ENGINE = "vllm"
+
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 console = Console(width=220)
 
 
 # --- kvbench's client against the mock -------------------------------------------------------------
 
-def mock_backend(url: str) -> VLLMBackend:
+def mock_backend(url: str) -> Backend:
     """kvbench's real vLLM adapter, pointed at the mock (it streams nothing but /v1/completions)."""
-    backend = VLLMBackend("mock", Path("/nonexistent"))
+    backend = REGISTRY[MOCKED_ENGINE]("mock", Path("/nonexistent"))
     geometry = KVGeometry.uniform(1, 1, 1)
     model = ModelFiles(name="mock", hf_dir=Path("/nonexistent"), gguf_path=None, sha256="", geometry=geometry)
     backend.spec = ServerSpec(model=model, max_context=4096, max_concurrency=64, kv_dtype="auto")

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvbench.backends.vllm.adapter import VLLMBackend
+from kvbench.backends import REGISTRY
 from kvbench.common.envs import EnvInstallError, Recipe, ensure_env, env_python, kvbench_home, pip_install
 from kvbench.selfcheck.common import Mock, median_finite, pct
 
@@ -52,8 +52,9 @@ def local_tokenizer() -> Path:
 
 
 def _recipe(name: str) -> Recipe:
-    if name == "vllm":
-        return VLLMBackend.recipe(VLLMBackend.default_version)
+    if name == "vllm":  # the peer runs in kvbench's own vLLM environment
+        vllm = REGISTRY[name]
+        return vllm.recipe(vllm.default_version)
     version = {"guidellm": GUIDELLM_VERSION, "aiperf": AIPERF_VERSION}[name]
     return Recipe(f"peer-{name}", version, (pip_install(f"{name}=={version}"),))
 

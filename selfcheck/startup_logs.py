@@ -187,8 +187,9 @@ def term_rows(entry: dict) -> list[Row]:
                        "refused" if budget <= 0 else f"starts ({budget:.2f} GiB)", "", budget <= 0))
     model = entry.get("model")
     if engine == "vllm":
-        from kvbench.backends.vllm import gpumem
         from kvbench.planner import PlanInput, resolve_model
+        from kvbench.selfcheck.engines import engine_module
+        gpumem = engine_module(engine, "gpumem")
         m = _model(entry) if model else resolve_model("llama-3-8b")  # a stand-in: the terms below need no model
         gpu = entry.get("gpu") or "RTX-3090"
         p = PlanInput(model=m, engine="vllm", gpu=gpu, tp=max(1, entry.get("tp", 1) or 2),
@@ -222,7 +223,7 @@ def term_rows(entry: dict) -> list[Row]:
                            round(q.weights_bytes / GIB, 2), round(a, 2), "GiB", close(a, logged["weights_gib"]),
                            close(q.weights_bytes / GIB, logged["weights_gib"])))
     if engine == "llamacpp" and model:
-        from kvbench.backends.llamacpp import gpumem as lgm
+        from kvbench.backends.shared import llama_server_gpumem as lgm
         from kvbench.kv.startup import StartupQuestion
         from kvbench.planner import engine_rules
         from kvbench.kv.rules import KVQuestion

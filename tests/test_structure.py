@@ -1,6 +1,6 @@
 """The package's shape, read from the source: one installed name, layers that import only downwards, no
 import circles, an engine's name and facts in its own folder only, hooks declared rather than probed, and
-the self-checks out of the product's path."""
+the self-checks out of the product's path, reaching the engines only through the registry."""
 import ast
 import re
 import subprocess
@@ -39,20 +39,14 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def _type_checking_only(node: ast.If) -> bool:
-    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
-
-
 def imports(name: str, path: Path) -> set[str]:
-    """The modules ``name`` imports when it runs (function-level imports too; TYPE_CHECKING blocks not)."""
+    """The modules ``name`` imports: at run time (function-level imports too) and for type checking (an
+    import under TYPE_CHECKING is a dependency all the same: a layer that names a type of a layer above it
+    depends on it)."""
     tree = ast.parse(path.read_text())
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _type_checking_only(node)
-            for n in ast.walk(node)}
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -160,21 +154,63 @@ def test_an_upward_import_would_be_found():
     assert layer("kvbench.kv.geometry") < layer("kvbench.backends.vllm.adapter") < layer("kvbench.run.runner")
 
 
+def test_an_import_for_type_checking_is_read(tmp_path):
+    planted = tmp_path / "typed.py"
+    planted.write_text("from typing import TYPE_CHECKING\n"
+                       "if TYPE_CHECKING:\n    from kvbench.workloads import Workload\n")
+    assert "kvbench.workloads" in imports("kvbench.load.typed", planted)
+
+
+# The shared modules engines' rules build on (llama-server's, which llama.cpp and Ollama run): like an engine's
+# rules, they import only the kv layer.
+SHARED_RULES = ("kvbench.backends.shared.llama_server_kv", "kvbench.backends.shared.llama_server_gpumem")
+
+
+def rules_module(name: str) -> bool:
+    return name.endswith((".kvrules", ".gpumem")) or name in SHARED_RULES
+
+
 def test_the_kv_layer_and_every_engines_rules_import_only_the_kv_layer():
     for name, targets in graph().items():
-        if name.startswith("kvbench.kv") or name.endswith((".kvrules", ".gpumem")):
-            # an engine's rules may extend another engine's rules (Ollama runs llama.cpp)
-            others = {t for t in targets if not t.startswith("kvbench.kv") and not t.endswith((".kvrules", ".gpumem"))
+        if name.startswith("kvbench.kv") or rules_module(name):
+            others = {t for t in targets if not t.startswith("kvbench.kv") and not rules_module(t)
                       and t not in ("kvbench", "kvbench.backends") and not re.fullmatch(r"kvbench\.backends\.\w+", t)}
             assert not others, f"{name} imports {sorted(others)}"
 
 
+def engine_of(module: str, engines: list[str]) -> str | None:
+    """The engine whose folder holds ``module`` (kvbench.backends.<engine>...), None outside every engine's."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["kvbench", "backends"] and parts[2] in engines else None
+
+
+def imports_across_engines(edges: dict[str, set[str]], engines: list[str]) -> list[str]:
+    """Imports from one engine's folder into another's: what engines share lives in backends/shared/."""
+    return sorted(f"{name} -> {t}" for name, targets in edges.items() if (own := engine_of(name, engines))
+                  for t in targets if (other := engine_of(t, engines)) and other != own)
+
+
+def test_no_engine_folder_imports_another_engines_folder():
+    assert imports_across_engines(graph(), ENGINE_DIRS) == []
+
+
+def test_an_import_across_engines_would_be_found():
+    edges = {"kvbench.backends.ollama.adapter": {"kvbench.backends.llamacpp.adapter", "kvbench.backends.base",
+                                                 "kvbench.backends.shared.llama_log", "kvbench.backends.ollama.kvrules"},
+             "kvbench.backends.llamacpp.adapter": {"kvbench.backends.hf"}}
+    assert imports_across_engines(edges, ENGINE_DIRS) == [
+        "kvbench.backends.llamacpp.adapter -> kvbench.backends.hf",
+        "kvbench.backends.ollama.adapter -> kvbench.backends.llamacpp.adapter"]
+
+
 def test_every_engine_is_one_folder_and_one_registry_line():
     from kvbench.backends import ENGINES, REGISTRY, kv_rules
+    from kvbench.backends.capabilities import Capabilities
 
     assert sorted(ENGINES) == ENGINE_DIRS
     for engine in ENGINES:
         assert REGISTRY[engine].engine == engine
+        assert isinstance(REGISTRY[engine].capabilities, Capabilities)  # declared groups, not a method
         assert REGISTRY[engine].__module__ == f"kvbench.backends.{engine}.adapter"
         rules = kv_rules(engine)
         assert rules is None or (type(rules).__module__ == f"kvbench.backends.{engine}.kvrules"
@@ -213,10 +249,23 @@ def engine_names_outside_their_folders(files: list[Path], engines: list[str]) ->
             if (isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
                     and named.match(n.value) and (rel, n.value) not in NOT_ENGINE_NAMES):
                 found.append(f"{rel}:{n.lineno}: {n.value!r}")
+    return found + engine_folder_imports(files, engines)
+
+
+def engine_folder_imports(files: list[Path], engines: list[str]) -> list[str]:
+    """Imports of an engine's folder (``kvbench.backends.<engine>...``, or an engine's module from the registry
+    package)."""
+    found = []
+    for path in files:
+        rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+        for n in ast.walk(ast.parse(path.read_text())):
             if isinstance(n, (ast.Import, ast.ImportFrom)):
-                for m in ([a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""]):
+                names = ([a.name for a in n.names] if isinstance(n, ast.Import) else
+                         [n.module or ""] + [f"{n.module}.{a.name}" for a in n.names])
+                for m in names:
                     if re.match(r"kvbench\.backends\.(%s)\b" % "|".join(engines), m):
                         found.append(f"{rel}:{n.lineno}: import {m}")
+                        break
     return found
 
 
@@ -229,6 +278,36 @@ def test_no_engine_name_outside_its_folder_and_the_registry():
     assert engine_names_outside_their_folders(product_files_outside_the_engines(), ENGINE_DIRS) == []
 
 
+def self_check_files() -> list[Path]:
+    return sorted(ROOT.glob("selfcheck/**/*.py"))
+
+
+def test_the_self_checks_reach_engines_only_through_the_registry():
+    """selfcheck/ looks an engine up by name in the registry (``kvbench.backends``: REGISTRY, kv_rules) and uses
+    its declared hooks; selfcheck/engines.py finds what the registry does not name. No engine's folder is
+    imported (engine names as strings are fine here: they are what the registry is asked for)."""
+    assert len(self_check_files()) > 10 and ROOT / "selfcheck" / "gpu_check" / "kv.py" in self_check_files()
+    assert engine_folder_imports(self_check_files(), ENGINE_DIRS) == []
+
+
+def test_an_engine_folder_import_would_be_found(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("from kvbench.backends import REGISTRY, vllm\nfrom kvbench.backends.hf.adapter import HFBackend\n"
+                       "import kvbench.backends.llamacpp.gpumem as gpumem\nfrom kvbench.backends.types import LOCALHOST\n")
+    assert engine_folder_imports([planted], ENGINE_DIRS) == [
+        "planted.py:1: import kvbench.backends.vllm", "planted.py:2: import kvbench.backends.hf.adapter",
+        "planted.py:3: import kvbench.backends.llamacpp.gpumem"]
+
+
+def test_the_graph_reads_the_self_checks():
+    """selfcheck/ is the top layer: it may import the product (bench, and backends through the registry), and
+    nothing in the product imports it (test_the_product_never_imports_the_self_checks): only tests/ do."""
+    assert LAYERS[-1] == "kvbench.selfcheck"
+    edges = graph()
+    assert {"kvbench.selfcheck.engines", "kvbench.backends"} <= edges["kvbench.selfcheck.gpu_check.kv"]
+    assert "kvbench.selfcheck.gpu_check.kv" in edges["kvbench.selfcheck.gpu_check.main"]
+
+
 def test_an_engine_name_outside_its_folder_would_be_found(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text('"""vllm in a docstring is fine."""\nif engine == "vllm":\n    pass\n'
@@ -238,11 +317,14 @@ def test_an_engine_name_outside_its_folder_would_be_found(tmp_path):
 
 
 def hook_probes(files: list[Path]) -> list[str]:
-    """getattr/hasattr of a Backend or KVRules hook name: a hook is declared on the base class instead."""
+    """getattr/hasattr of a Backend, capability group or KVRules hook name: a hook is declared on the base
+    class or its capability group instead."""
+    from kvbench.backends import capabilities
     from kvbench.backends.base import Backend
     from kvbench.kv.rules import KVRules
 
-    hooks = {n for cls in (Backend, KVRules) for n in dir(cls) if not n.startswith("__")}
+    groups = [v for v in vars(capabilities).values() if isinstance(v, type) and v.__module__ == capabilities.__name__]
+    hooks = {n for cls in (Backend, KVRules, *groups) for n in dir(cls) if not n.startswith("__")}
     found = []
     for path in files:
         for n in ast.walk(ast.parse(path.read_text())):
@@ -254,7 +336,8 @@ def hook_probes(files: list[Path]) -> list[str]:
 
 
 def test_no_hook_is_probed_with_getattr():
-    files = [*ROOT.glob("bench/**/*.py"), *ROOT.glob("backends/**/*.py"), *ROOT.glob("workloads/**/*.py")]
+    files = [*ROOT.glob("bench/**/*.py"), *ROOT.glob("backends/**/*.py"), *ROOT.glob("workloads/**/*.py"),
+             *self_check_files()]
     assert hook_probes([p for p in files if "scripts" not in p.parts]) == []
 
 
@@ -298,9 +381,11 @@ def test_no_function_of_the_runner_or_its_steps_is_longer_than_a_screen():
         assert long_functions(ROOT / "bench" / "run" / f"{step}.py", 60) == [], step
 
 
-def test_no_product_module_over_500_lines_without_a_reason():
-    """A module over 500 lines says why in its docstring (a line starting "Long because")."""
-    files = [*ROOT.glob("bench/**/*.py"), *ROOT.glob("backends/**/*.py"), *ROOT.glob("workloads/**/*.py")]
+def test_no_module_over_500_lines_without_a_reason():
+    """A module of the product or the self-checks over 500 lines says why in its docstring (a line starting
+    "Long because")."""
+    files = [*ROOT.glob("bench/**/*.py"), *ROOT.glob("backends/**/*.py"), *ROOT.glob("workloads/**/*.py"),
+             *self_check_files()]
     long = [p.relative_to(ROOT).as_posix() for p in files if "scripts" not in p.parts
             and len(p.read_text().splitlines()) > 500
             and "Long because" not in (ast.get_docstring(ast.parse(p.read_text())) or "")]

@@ -1,20 +1,25 @@
 """Workload definitions (TOML data files in this folder) and the token-exact prompt builder.
 
-A workload is data: prompt lengths, output length, the load (closed loop over concurrency levels, or an
-open loop over request rates, up to saturation), repeats, and the family's own settings (a shared prefix,
-several chat turns, a KV pool sized below the concurrency). Every engine runs exactly the same requests.
+A workload is data: prompt lengths, output length, the load (its ``[load]`` section, read by the load
+profile it names: kvbench.load), repeats, and the family's own settings (a shared prefix, several chat
+turns, a KV pool sized below the concurrency). Every engine runs exactly the same requests.
+
+A file from before ``[load]`` gives the load as top-level keys (``load_profile``, ``concurrency``,
+``request_rates``, ...): still read, with the same meaning (kvbench.load.registry), and the form
+:meth:`Workload.model_dump` writes (run.json's record of the workload).
 """
 from __future__ import annotations
 
-import math
 import tomllib
 from pathlib import Path
 from typing import Literal, Union
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, Field, SerializeAsAny, ValidationError, field_validator, model_serializer,
+                      model_validator)
 
 from kvbench.common.files import check_plain_name
-from kvbench.load.registry import PROFILES, profile_info
+from kvbench.load import LoadProfile
+from kvbench.load import registry as load_profiles
 
 WORKLOAD_DIR = Path(__file__).parent
 
@@ -31,19 +36,8 @@ class Workload(BaseModel):
     seed: int
     prompt_tokens: list[Union[int, Literal["max"]]] = Field(min_length=1)
     output_tokens: int = Field(gt=0)
-    # --- load -----------------------------------------------------------------------------------
-    # A name in kvbench.load.registry. A closed loop ("concurrent") runs per level of `concurrency`; an
-    # open loop ("poisson", "constant") per rate of `request_rates` (requests/s, or "saturation": a closed
-    # loop at the highest concurrency first, then `saturation_steps` rates evenly up to the rate it
-    # achieved), with `concurrency` as the cap on requests in flight (one cap; leave it out for none).
-    load_profile: str = "concurrent"
-    concurrency: list[int] = Field(default_factory=list)
-    request_rates: Union[list[float], Literal["saturation"]] = Field(default_factory=list)
-    saturation_steps: int = Field(default=4, gt=0)
-    # requests per cell: `requests`, or concurrency x rounds for a closed loop
-    requests: int | None = Field(default=None, gt=0)
-    rounds: int = Field(default=1, gt=0)
-    duration_s: float | None = Field(default=None, gt=0)  # stop sending after this long (in-flight ones finish)
+    # --- load: the [load] section, validated by the profile it names (kvbench.load) --------------------
+    load: SerializeAsAny[LoadProfile]
     repeats: int = Field(default=1, gt=0)  # run every cell this many times (for confidence intervals)
     warmup_requests: int = Field(default=1, ge=0)
     warmup_prompt_tokens: int = Field(default=128, gt=0)
@@ -67,6 +61,45 @@ class Workload(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
+    def _load_section(cls, data):
+        """The load as its section: from ``[load]``, or from a flat file's top-level load keys."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        flat = {k: data.pop(k) for k in load_profiles.FLAT_DEFAULTS if k in data}
+        if "load" in data and flat:
+            raise ValueError(f"give the load once: a [load] section or the flat keys ({', '.join(flat)}), not both")
+        if "load" not in data:
+            data["load"] = load_profiles.section_from_flat(flat)
+        return data
+
+    @field_validator("load", mode="before")
+    @classmethod
+    def _read_by_its_profile(cls, section):
+        return load_profiles.read_section(section) if isinstance(section, dict) else section
+
+    @model_serializer(mode="wrap")
+    def _flat_load(self, handler):
+        """The flat form: the load's keys in its place, every one present (run.json's record)."""
+        out = {}
+        for key, value in handler(self).items():
+            if key == "load":
+                out.update(load_profiles.flat(self.load))
+            else:
+                out[key] = value
+        return out
+
+    def model_copy(self, *, update=None, deep: bool = False):
+        """A copy with ``update`` applied and validated; flat load keys update the load (``{"rounds": 2}``)."""
+        if not update:
+            return super().model_copy(deep=deep)
+        data = self.model_dump()
+        if "load" in update:
+            data = {k: v for k, v in data.items() if k not in load_profiles.FLAT_DEFAULTS}
+        return type(self).model_validate(data | dict(update))
+
+    @model_validator(mode="before")
+    @classmethod
     def _no_true_as_a_number(cls, data):
         """TOML's true/false are no lengths, counts or rates (pydantic would read them as 1 and 0)."""
         if not isinstance(data, dict):
@@ -80,30 +113,11 @@ class Workload(BaseModel):
                                  .replace("False", "false"))
         return data
 
-    @field_validator("request_rates", mode="before")
-    @classmethod
-    def _finite_rates(cls, rates):
-        if isinstance(rates, list):
-            for r in rates:
-                if isinstance(r, (int, float)) and not (math.isfinite(r) and r > 0):
-                    raise ValueError(f"request rate {r} must be a finite number of requests/s above 0")
-        return rates
-
     @field_validator("name")
     @classmethod
     def _plain_name(cls, name):
         # the name goes into the default run id, a folder name: it must not be a path
         return check_plain_name(name, "workload name")
-
-    @field_validator("load_profile")
-    @classmethod
-    def _known_profile(cls, name):
-        profile_info(name)  # raises, naming the allowed profiles
-        return name
-
-    @property
-    def open_loop(self) -> bool:
-        return PROFILES[self.load_profile].open_loop
 
     @field_validator("prompt_tokens")
     @classmethod
@@ -113,49 +127,17 @@ class Workload(BaseModel):
                 raise ValueError(f"prompt length {n} must be a positive integer or \"max\"")
         return lengths
 
-    @field_validator("concurrency")
-    @classmethod
-    def _positive_concurrency(cls, levels):
-        if any(c <= 0 for c in levels):
-            raise ValueError("every concurrency level must be >= 1")
-        return levels
-
-    @field_validator("request_rates")
-    @classmethod
-    def _positive_rates(cls, rates):
-        if isinstance(rates, list) and any(r <= 0 for r in rates):
-            raise ValueError("every request rate must be > 0 requests/s")
-        return rates
-
     @model_validator(mode="after")
-    def _no_level_twice(self):
-        """A length, level or rate given twice would be two cells with one id (their rows mixed)."""
-        rates = self.request_rates if isinstance(self.request_rates, list) else []
-        for name, values in (("prompt_tokens", self.prompt_tokens), ("concurrency", self.concurrency),
-                             ("request_rates", rates)):
-            twice = sorted({v for v in values if values.count(v) > 1}, key=str)
-            if twice:
-                raise ValueError(f"{name} lists {', '.join(map(str, twice))} more than once: give each once")
+    def _no_length_twice(self):
+        """A length given twice would be two cells with one id (their rows mixed); the load's profile
+        refuses a level or rate given twice."""
+        twice = sorted({v for v in self.prompt_tokens if self.prompt_tokens.count(v) > 1}, key=str)
+        if twice:
+            raise ValueError(f"prompt_tokens lists {', '.join(map(str, twice))} more than once: give each once")
         return self
 
     @model_validator(mode="after")
     def _consistent(self):
-        if not self.open_loop:
-            if not self.concurrency:
-                raise ValueError(f"load_profile {self.load_profile!r} needs concurrency = [levels, ...]")
-            if self.request_rates:
-                open_loops = [name for name, p in PROFILES.items() if p.open_loop]
-                raise ValueError(f"request_rates only apply to an open-loop load_profile ({', '.join(open_loops)})")
-        else:
-            if not self.request_rates:
-                raise ValueError(f"load_profile {self.load_profile!r} needs request_rates = [...] or \"saturation\"")
-            if len(self.concurrency) > 1:
-                raise ValueError("an open loop takes one concurrency cap: concurrency = [N] (or leave it out)")
-            if self.request_rates == "saturation" and not self.concurrency:
-                raise ValueError("request_rates = \"saturation\" needs concurrency = [N] for the closed loop "
-                                 "that finds the saturation rate (N is also the cap)")
-            if self.requests is None and self.duration_s is None:
-                raise ValueError("an open loop needs requests = N (per cell) or duration_s")
         if self.family == "shared_prefix" and not self.shared_prefix_tokens:
             raise ValueError("family \"shared_prefix\" needs shared_prefix_tokens > 0")
         if self.family != "shared_prefix" and self.shared_prefix_tokens:
@@ -187,16 +169,6 @@ class Workload(BaseModel):
     def prompt_tokens_sent(self, length: int, turn: int = 0) -> int:
         """Tokens a rung's prompt has (turn ``turn`` of a multi-turn rung holds the earlier turns and replies)."""
         return turn * length + (turn - 1) * self.output_tokens if turn else length
-
-    def requests_per_cell(self, concurrency: int | None, request_rate: float | None = None) -> int:
-        """Prompts a cell needs: ``requests``; else concurrency x rounds (closed loop); else, for an open
-        loop bounded only by ``duration_s``, enough for the duration at the rate (Poisson arrivals can
-        run ahead of the mean, hence the margin; the schedule drops what falls after the duration)."""
-        if self.requests is not None:
-            return self.requests
-        if not self.open_loop:
-            return (concurrency or 1) * self.rounds
-        return int(math.ceil(request_rate * self.duration_s * 1.5)) + 10
 
 
 class WorkloadError(ValueError):

@@ -14,6 +14,7 @@ from kvbench.common.models import ModelFiles
 from kvbench.kv.rules import KVCheck, KVQuestion, KVRules
 
 from ..base import Backend
+from ..capabilities import Capabilities, KVQuantisation
 from ..options import Option
 from ..process import run_in_own_group
 from ..streaming import stream_sse
@@ -53,8 +54,8 @@ class HFBackend(Backend):
                default_text="the whole model on cuda:0 (or the CPU)"),
     )
     kv_rules = TransformersKV()
-    #: the worker's top_logprobs: log_softmax of the raw logits, top k per generated token (hf_worker.py)
-    top_logprobs_max = 20
+    # the worker's top_logprobs: log_softmax of the raw logits, top k per generated token (hf_worker.py)
+    capabilities = Capabilities(kv_quantisation=KVQuantisation(top_logprobs_max=20))
     BUILDER = BUILDER  # what builds the random-weight validation models (its bytes key their cache)
 
     @classmethod
@@ -172,7 +173,7 @@ class HFBackend(Backend):
     async def stream(self, client, prompt) -> RequestResult:
         body = {"prompt_token_ids": list(prompt.token_ids), "max_new_tokens": prompt.output_tokens, "ignore_eos": True}
         if prompt.top_logprobs:
-            body["top_logprobs"] = min(prompt.top_logprobs, self.top_logprobs_max)
+            body["top_logprobs"] = min(prompt.top_logprobs, self.capabilities.kv_quantisation.top_logprobs_max)
         return await stream_sse(client, self.base_url + "/generate", body, prompt, self._read_event)
 
     @staticmethod

@@ -10,6 +10,7 @@ import os
 import platform
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -21,10 +22,11 @@ from kvbench.kv.rules import KVCheck, KVQuestion, KVRules
 from kvbench.kv.units import MIB
 
 from ..base import Backend, extra_args
-from ..openai.adapter import served_model_ids
+from ..capabilities import Capabilities, KVQuantisation, PrefixCache, Telemetry
 from ..options import EXTRA_ARGS, Option
 from ..process import last_error_line
 from ..prometheus import capped_get, gauge_sum, metric_samples, note_dropped
+from ..shared.served_models import OpenAIModelList
 from ..streaming import stream_sse
 from ..types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 from .kvrules import EMBEDDED_CASES, FAMILY_CASE, LlamaCppKV
@@ -89,9 +91,24 @@ def _as_list(value) -> list[dict]:
     return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
 
 
+@dataclass(frozen=True)
+class LlamaServerPrefixCache(PrefixCache):
+    """llama-server's per-slot prompt cache, emptied by erasing every slot."""
+
+    def empty(self, backend: Backend) -> None:
+        slots = backend.http.get(backend.base_url + "/slots")
+        slots.raise_for_status()
+        for slot in slots.json():
+            response = backend.http.post(backend.base_url + f"/slots/{slot['id']}", params={"action": "erase"})
+            if response.status_code != 200:
+                message = _error_message(response)
+                raise EngineStartError(f"llama-server refused to erase slot {slot['id']}: {message}"
+                                       + (" (start it with --slot-save-path DIR)" if "slot-save-path" not in message
+                                          and response.status_code == 501 else ""))
+
+
 class LlamaCppBackend(Backend):
     engine = "llamacpp"
-    supports_prefix_caching = True
     default_version = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp is built
     #: The options this adapter reads (-b llamacpp:KEY=VALUE); checked by BackendConfig.parse, listed by `kvbench backends`.
     option_specs = (
@@ -108,17 +125,22 @@ class LlamaCppBackend(Backend):
                "comma, which would end the option here)", default_text="by free memory"),
         EXTRA_ARGS,
     )
-    prefix_cache_reset = ("POST /slots/N?action=erase for every slot (it needs --slot-save-path, which kvbench gives, "
-                          "pointing at the run's logs folder, when it starts llama-server for "
-                          "--reset-cache-between-cells); the host prompt cache (--cache-ram) is not erased by it")
-    # n_probs: the pre-sampling probabilities, a softmax over the whole vocabulary (server-context.cpp
-    # populate_token_probs with post_sampling_probs false); no prompt log-probabilities (n_probs covers
-    # generated tokens only)
-    top_logprobs_max = 20
-    prefix_cache_report = "timings.cache_n of each request's last event (prompt tokens reused from the slot's cache)"
     kv_rules = LlamaCppKV()
-    prometheus_metrics = {"llamacpp:kv_cache_usage_ratio": "kv_usage", "llamacpp:requests_processing": "requests_running",
-                          "llamacpp:requests_deferred": "requests_waiting"}
+    capabilities = Capabilities(
+        prefix_cache=LlamaServerPrefixCache(
+            switchable=True,
+            reset=("POST /slots/N?action=erase for every slot (it needs --slot-save-path, which kvbench gives, "
+                   "pointing at the run's logs folder, when it starts llama-server for --reset-cache-between-cells); "
+                   "the host prompt cache (--cache-ram) is not erased by it"),
+            report="timings.cache_n of each request's last event (prompt tokens reused from the slot's cache)"),
+        # n_probs: the pre-sampling probabilities, a softmax over the whole vocabulary (server-context.cpp
+        # populate_token_probs with post_sampling_probs false); no prompt log-probabilities (n_probs covers
+        # generated tokens only)
+        kv_quantisation=KVQuantisation(top_logprobs_max=20),
+        telemetry=Telemetry({"llamacpp:kv_cache_usage_ratio": "kv_usage",
+                             "llamacpp:requests_processing": "requests_running",
+                             "llamacpp:requests_deferred": "requests_waiting"}),
+        served_model=OpenAIModelList())
 
     @classmethod
     def recipe(cls, version: str) -> Recipe:
@@ -261,15 +283,15 @@ class LlamaCppBackend(Backend):
         hf environment's interpreter), f16/bf16 as the weights are, cached beside kvbench's other models."""
         if model.gguf_path is not None:
             return model.gguf_path
-        from kvbench.backends.hf.adapter import HFBackend
-        from kvbench.common.envs import env_python, kvbench_home
+        from kvbench.backends import hf_tools_python
+        from kvbench.common.envs import kvbench_home
 
         out = kvbench_home() / "models" / model.sha256[:16] / f"{Path(model.name).name}.gguf"
         if out.exists():
             return out
         out.parent.mkdir(parents=True, exist_ok=True)
         partial = out.with_name(out.name + ".partial")
-        python = env_python(ensure_env(HFBackend.recipe(HFBackend.default_version), log=log))
+        python = hf_tools_python(log)
         log(f"converting {model.name} to GGUF with llama.cpp's convert_hf_to_gguf.py into {out} (once)")
         result = self.gguf_from_hf(python, [(model.hf_dir, partial)], log=log, version=self.version, outtype="auto")
         if result != ["ok"] or not partial.exists():
@@ -329,10 +351,6 @@ class LlamaCppBackend(Backend):
         except (httpx.HTTPError, ValueError):
             return self.version
 
-    def served_models(self) -> list[str] | None:
-        """The ids of llama-server's /v1/models (the -m path, or its --alias); None where it has no such route."""
-        return served_model_ids(self.http, self.base_url)
-
     def tokenize(self, text: str) -> list[int] | None:
         response = self.http.post(self.base_url + "/tokenize", json={"content": text, "add_special": False})
         return response.json()["tokens"] if response.status_code == 200 else None
@@ -343,7 +361,7 @@ class LlamaCppBackend(Backend):
                 # reuse of a slot's cached prompt prefix: off unless the workload switches it on
                 "cache_prompt": bool(self.spec.prefix_caching)}
         if prompt.top_logprobs:
-            body["n_probs"] = min(prompt.top_logprobs, self.top_logprobs_max)
+            body["n_probs"] = min(prompt.top_logprobs, self.capabilities.kv_quantisation.top_logprobs_max)
         return await stream_sse(client, self.base_url + "/completion", body, prompt, self._read_event)
 
     @staticmethod
@@ -363,17 +381,6 @@ class LlamaCppBackend(Backend):
                                      "tokens_cached": event.get("tokens_cached")}
             if isinstance(timings.get("cache_n"), int):  # prompt tokens the slot's cache served
                 result.prompt_tokens_cached = timings["cache_n"]
-
-    def reset_prefix_cache(self) -> None:
-        slots = self.http.get(self.base_url + "/slots")
-        slots.raise_for_status()
-        for slot in slots.json():
-            response = self.http.post(self.base_url + f"/slots/{slot['id']}", params={"action": "erase"})
-            if response.status_code != 200:
-                message = _error_message(response)
-                raise EngineStartError(f"llama-server refused to erase slot {slot['id']}: {message}"
-                                       + (" (start it with --slot-save-path DIR)" if "slot-save-path" not in message
-                                          and response.status_code == 501 else ""))
 
     def kv_pool(self) -> KVPool | None:
         return self.kv_pool_from_log(self.server.log_path.read_text(errors="replace")) if self.server else None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -30,8 +31,9 @@ from kvbench.kv.rules import KVQuestion
 from kvbench.kv.units import MIB
 
 from ..base import Backend
-from ..llamacpp.adapter import parse_kv_log
+from ..capabilities import Capabilities, ServedModel
 from ..options import Option
+from ..shared.llama_log import parse_kv_log
 from ..streaming import stream_ndjson
 from ..types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 from .kvrules import OllamaKV
@@ -59,6 +61,17 @@ def model_tag(spec: ServerSpec) -> str:
     return f"kvbench-{name}:{spec.model.sha256[:12] if spec.model.sha256 else 'latest'}"
 
 
+@dataclass(frozen=True)
+class OllamaServedModel(ServedModel):
+    def models(self, backend: Backend) -> list[str] | None:
+        """The model the requests use: the server's own (``served_model``), or the benchmark's GGUF that
+        kvbench imported under its tag (then it is the run's model by construction: its file's name)."""
+        if backend.options.get("served_model"):
+            return [str(backend.options["served_model"])]
+        gguf = backend.spec.model.gguf_path if backend.spec else None
+        return [gguf.name] if gguf is not None else None
+
+
 class OllamaBackend(Backend):
     engine = "ollama"
     kv_rules = OllamaKV()
@@ -77,6 +90,7 @@ class OllamaBackend(Backend):
     accepts_token_ids = False
     forces_output_length = False  # no ignore_eos in Ollama's API
     health_path = "/api/version"
+    capabilities = Capabilities(served_model=OllamaServedModel())
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -165,14 +179,6 @@ class OllamaBackend(Backend):
             client.create(self.model, files={Path(gguf).name: digest}, stream=False)
         # An empty prompt loads the model (done_reason "load") with the options every request uses.
         client.generate(self.model, "", keep_alive=-1, options=self._options(0))
-
-    def served_models(self) -> list[str] | None:
-        """The model the requests use: the server's own (``served_model``), or the benchmark's GGUF that
-        kvbench imported under its tag (then it is the run's model by construction: its file's name)."""
-        if self.options.get("served_model"):
-            return [str(self.options["served_model"])]
-        gguf = self.spec.model.gguf_path if self.spec else None
-        return [gguf.name] if gguf is not None else None
 
     def reported_version(self) -> str:
         import ollama

@@ -1,10 +1,10 @@
 """Ollama's KV rules: how it sizes, stores and rounds its cache. Imports only kvbench.kv."""
 from __future__ import annotations
 
-from ..llamacpp.kvrules import LlamaCppKV
+from ..shared.llama_server_kv import LlamaServerKV
 
 
-class OllamaKV(LlamaCppKV):
+class OllamaKV(LlamaServerKV):
     """Ollama runs llama.cpp's llama-server (since v0.30) with -np OLLAMA_NUM_PARALLEL and the cache type
     OLLAMA_KV_CACHE_TYPE, which takes f16, q8_0 or q4_0: llama.cpp's rules with those three types."""
 

@@ -18,6 +18,7 @@ the usage's completion_tokens stays exact, and the runner compares the two).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -25,38 +26,24 @@ import httpx
 from kvbench.common.envs import Recipe
 
 from ..base import Backend
+from ..capabilities import Capabilities, PrefixCache, ServedModel
 from ..options import Option
+from ..shared.openai_chunks import read_completion_chunk
 from ..streaming import stream_sse
 from ..types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 
 NEEDS_URL = "the openai backend benchmarks a running server: give it a url (-b openai:url=http://host:port)"
 
 
-def read_completion_chunk(event: dict, now: float, result: RequestResult) -> None:
-    """The choices and usage of one ``/v1/completions`` stream chunk (vLLM's too). Tokens in the chunk:
-    its ``token_ids`` when the server sends them (vLLM with ``return_token_ids``), else one per non-empty
-    text delta."""
-    for choice in event.get("choices") or []:
-        ids = choice.get("token_ids")
-        result.add_chunk(now, len(ids) if ids is not None else (1 if choice.get("text") else 0))
-        if choice.get("finish_reason"):
-            result.engine_details["finish_reason"] = choice["finish_reason"]
-    usage = event.get("usage")
-    if usage:
-        result.prompt_tokens_reported = usage.get("prompt_tokens")
-        result.output_tokens_reported = usage.get("completion_tokens")
-        details = usage.get("prompt_tokens_details")  # OpenAI's: which prompt tokens the prefix cache served
-        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-            result.prompt_tokens_cached = details["cached_tokens"]
+@dataclass(frozen=True)
+class AttachedServedModel(ServedModel):
+    """What /v1/models listed when the adapter attached, and what :meth:`OpenAIBackend.probe` found."""
 
+    def models(self, backend: OpenAIBackend) -> list[str] | None:
+        return list(backend.models)
 
-def served_model_ids(http: httpx.Client, base_url: str) -> list[str] | None:
-    """The ids an OpenAI-compatible server's /v1/models lists (vLLM, llama-server, SGLang): what their
-    ``served_models`` say; None where the server has no such route or answers something else."""
-    try:
-        return [str(m["id"]) for m in http.get(base_url + "/v1/models").json()["data"]]
-    except (httpx.HTTPError, KeyError, ValueError, TypeError):
-        return None
+    def support(self, backend: OpenAIBackend) -> dict[str, bool | str]:
+        return dict(backend.probed)
 
 
 class OpenAIBackend(Backend):
@@ -74,7 +61,10 @@ class OpenAIBackend(Backend):
     accepts_token_ids = False
     attach_only = NEEDS_URL
     health_path = "/v1/models"
-    prefix_cache_report = "usage.prompt_tokens_details.cached_tokens per request, where the server sends it"
+    capabilities = Capabilities(
+        prefix_cache=PrefixCache(
+            report="usage.prompt_tokens_details.cached_tokens per request, where the server sends it"),
+        served_model=AttachedServedModel())
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -146,12 +136,6 @@ class OpenAIBackend(Backend):
                 return True, usage
         except Exception as exc:  # noqa: BLE001 - whatever the server answered, it is not "supported"
             return False, f"{type(exc).__name__}: {exc}"
-
-    def served_models(self) -> list[str] | None:
-        return list(self.models)
-
-    def capabilities(self) -> dict[str, bool | str]:
-        return dict(self.probed)
 
     def reported_version(self) -> str | None:
         try:  # vLLM and SGLang answer /version; others do not: then the version is unknown

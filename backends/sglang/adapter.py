@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 
 import httpx
 
@@ -33,9 +34,10 @@ from kvbench.kv.rules import KVQuestion
 from kvbench.kv.units import GIB
 
 from ..base import Backend, extra_args
-from ..openai.adapter import served_model_ids
+from ..capabilities import Capabilities, PrefixCache, Telemetry
 from ..options import EXTRA_ARGS, Option
 from ..prometheus import PrometheusPolled, gauge_sum
+from ..shared.served_models import OpenAIModelList
 from ..streaming import stream_sse
 from ..types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 from .kvrules import SGLangKV
@@ -119,6 +121,22 @@ def _find(info: dict, key: str):
     return None
 
 
+@dataclass(frozen=True)
+class SGLangPrefixCache(PrefixCache):
+    """SGLang's radix cache, emptied through /flush_cache."""
+
+    def empty(self, backend: Backend) -> None:
+        """POST /flush_cache (entrypoints/http_server.py): 400 while requests run or wait, retried briefly."""
+        for _ in range(20):
+            response = backend.http.post(backend.base_url + "/flush_cache")
+            if response.status_code == 200:
+                return
+            if response.status_code != 400:
+                raise EngineStartError(f"SGLang's /flush_cache answered HTTP {response.status_code}")
+            time.sleep(0.1)
+        raise EngineStartError("SGLang refused to flush its cache for 2 s (requests still running or waiting)")
+
+
 class SGLangBackend(PrometheusPolled, Backend):
     engine = "sglang"
     default_version = "0.5.23"
@@ -144,13 +162,15 @@ class SGLangBackend(PrometheusPolled, Backend):
                default_text="SGLang's own (auto-detect)"),
         EXTRA_ARGS,
     )
-    supports_prefix_caching = True
-    prefix_cache_reset = "POST /flush_cache (SGLang refuses, HTTP 400, while requests run or wait)"
-    prefix_cache_report = "meta_info.cached_tokens of each request's final event (prompt tokens the radix cache served)"
     health_path = "/health"
-    prometheus_metrics = {"sglang:token_usage": "kv_usage", "sglang:num_running_reqs": "requests_running",
-                          "sglang:num_queue_reqs": "requests_waiting",
-                          "sglang:num_retracted_requests_total": "preemptions"}
+    capabilities = Capabilities(
+        prefix_cache=SGLangPrefixCache(
+            switchable=True, reset="POST /flush_cache (SGLang refuses, HTTP 400, while requests run or wait)",
+            report="meta_info.cached_tokens of each request's final event (prompt tokens the radix cache served)"),
+        telemetry=Telemetry({"sglang:token_usage": "kv_usage", "sglang:num_running_reqs": "requests_running",
+                             "sglang:num_queue_reqs": "requests_waiting",
+                             "sglang:num_retracted_requests_total": "preemptions"}),
+        served_model=OpenAIModelList())
     POLLED = ("sglang:kv_used_tokens", "sglang:num_used_tokens", "sglang:swa_used_tokens", "sglang:token_usage",
               "sglang:max_total_num_tokens", "sglang:num_queue_reqs", "sglang:num_running_reqs",
               "sglang:num_retracted_requests_total")
@@ -258,10 +278,6 @@ class SGLangBackend(PrometheusPolled, Backend):
                     continue
         return self._info or {}
 
-    def served_models(self) -> list[str] | None:
-        """The ids of SGLang's /v1/models (its --served-model-name, else its model path)."""
-        return served_model_ids(self.http, self.base_url)
-
     def reported_version(self) -> str:
         version = _find(self.server_info(), "version")
         return str(version) if version else self.version
@@ -296,17 +312,6 @@ class SGLangBackend(PrometheusPolled, Backend):
 
         return await stream_sse(client, self.base_url + "/generate", body, prompt, read_event,
                                 final_event="SGLang's final event (meta_info.finish_reason)")
-
-    def reset_prefix_cache(self) -> None:
-        """POST /flush_cache (entrypoints/http_server.py): 400 while requests run or wait, retried briefly."""
-        for _ in range(20):
-            response = self.http.post(self.base_url + "/flush_cache")
-            if response.status_code == 200:
-                return
-            if response.status_code != 400:
-                raise EngineStartError(f"SGLang's /flush_cache answered HTTP {response.status_code}")
-            time.sleep(0.1)
-        raise EngineStartError("SGLang refused to flush its cache for 2 s (requests still running or waiting)")
 
     def _log(self) -> dict:
         return parse_sglang_log(self.server.log_path.read_text(errors="replace")) if self.server else {}

@@ -16,12 +16,14 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 
 import httpx
 
 from kvbench.common.envs import Recipe
 
 from ..base import Backend, extra_args
+from ..capabilities import Capabilities, ServedModel
 from ..options import EXTRA_ARGS, Option
 from ..prometheus import PrometheusPolled, gauge_sum
 from ..streaming import stream_sse
@@ -51,6 +53,16 @@ def parse_tgi_log(text: str) -> dict:
     return out
 
 
+@dataclass(frozen=True)
+class TGIServedModel(ServedModel):
+    def models(self, backend: Backend) -> list[str] | None:
+        """The model_id of TGI's /info (the folder or hub id the launcher was given)."""
+        try:
+            return [str(backend.http.get(backend.base_url + "/info").json()["model_id"])]
+        except (httpx.HTTPError, KeyError, ValueError, TypeError):
+            return None
+
+
 class TGIBackend(PrometheusPolled, Backend):
     engine = "tgi"
     kv_rules = TGIKV()
@@ -73,6 +85,7 @@ class TGIBackend(PrometheusPolled, Backend):
     accepts_token_ids = False
     forces_output_length = False  # no ignore_eos in TGI's API
     health_path = "/health"
+    capabilities = Capabilities(served_model=TGIServedModel())
     POLLED = ("tgi_batch_current_max_tokens", "tgi_queue_size")  # the samples polled during a cell
 
     @classmethod
@@ -148,13 +161,6 @@ class TGIBackend(PrometheusPolled, Backend):
             subprocess.run([shutil.which("docker") or "docker", "stop", "-t", "10", self.container],
                            capture_output=True, timeout=30, check=False)
         return super().stop()
-
-    def served_models(self) -> list[str] | None:
-        """The model_id of TGI's /info (the folder or hub id the launcher was given)."""
-        try:
-            return [str(self.http.get(self.base_url + "/info").json()["model_id"])]
-        except (httpx.HTTPError, KeyError, ValueError, TypeError):
-            return None
 
     def reported_version(self) -> str:
         # /info on the adapter's own client, not huggingface_hub's InferenceClient.get_endpoint_info: that

@@ -12,7 +12,7 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -24,10 +24,12 @@ from kvbench.kv.geometry import kv_bytes_per_token
 from kvbench.kv.rules import KVCheck, KVQuestion
 
 from ..base import Backend, extra_args
-from ..openai.adapter import read_completion_chunk, served_model_ids
+from ..capabilities import Capabilities, KVQuantisation, PrefixCache, Telemetry
 from ..options import EXTRA_ARGS, Option
 from ..process import PRIVATE_TMP, last_error_line
 from ..prometheus import PrometheusPolled, gauge_sum
+from ..shared.openai_chunks import read_completion_chunk
+from ..shared.served_models import OpenAIModelList
 from ..streaming import stream_sse
 from ..types import EngineStartError, KVInUse, KVPool, PrefixCacheCounters, RequestResult, ServerSpec
 from .kvrules import VLLMKV
@@ -82,6 +84,33 @@ def read_logprobs(event: dict, result: RequestResult) -> None:
             result.top_logprobs.append({int(str(k).rsplit(":", 1)[-1]): float(v) for k, v in (top or {}).items()})
 
 
+@dataclass(frozen=True)
+class VLLMPrefixCache(PrefixCache):
+    """vLLM's prefix cache: emptied through /reset_prefix_cache, read from its counters on /metrics."""
+
+    def empty(self, backend: VLLMBackend) -> None:
+        """POST /reset_prefix_cache; vLLM refuses (success false) while running requests hold blocks: a
+        cell's requests have all ended, so a refusal is retried briefly before it fails the engine."""
+        for _ in range(20):
+            response = backend.http.post(backend.base_url + "/reset_prefix_cache")
+            if response.status_code in (404, 405):
+                raise EngineStartError("the server does not serve /reset_prefix_cache: vLLM serves it only when "
+                                       "started with VLLM_SERVER_DEV_MODE=1")
+            response.raise_for_status()
+            if response.json().get("success", True):
+                return
+            time.sleep(0.1)
+        raise EngineStartError("vLLM refused to reset its prefix cache for 2 s (blocks still held)")
+
+    def counters(self, backend: VLLMBackend, client: httpx.Client) -> PrefixCacheCounters | None:
+        samples = backend.metrics(client, PREFIX_CACHE_COUNTERS)
+        queried, hit = (gauge_sum(samples, name) for name in PREFIX_CACHE_COUNTERS)
+        if queried is None or hit is None:
+            return None
+        return PrefixCacheCounters(queried, hit, "vllm:prefix_cache_hits / vllm:prefix_cache_queries (/metrics, "
+                                                 "difference over the cell)")
+
+
 class VLLMBackend(PrometheusPolled, Backend):
     engine = "vllm"
     default_version = "0.32.0"
@@ -106,19 +135,23 @@ class VLLMBackend(PrometheusPolled, Backend):
                "installed, as vLLM's CPU docs ask"),
         EXTRA_ARGS,
     )
-    supports_prefix_caching = True
-    prefix_cache_isolation = "cache_salt"
-    prefix_cache_reset = ("POST /reset_prefix_cache (served with VLLM_SERVER_DEV_MODE=1, which kvbench sets when it "
-                          "starts vLLM for --reset-cache-between-cells)")
-    prefix_cache_report = ("usage.prompt_tokens_details.cached_tokens per request (--enable-prompt-tokens-details, "
-                           "which kvbench passes), else the vllm:prefix_cache_hits/queries counters on /metrics")
     kv_rules = VLLMKV()
-    # /v1/completions logprobs: a log-softmax over the whole vocabulary (vLLM's default logprobs mode,
-    # raw_logprobs); its --max-logprobs default is 20
-    top_logprobs_max = 20
-    prompt_logprobs_source = "/v1/completions prompt_logprobs=0 with echo (streamed in the first chunk)"
-    prometheus_metrics = {"vllm:kv_cache_usage_perc": "kv_usage", "vllm:num_requests_running": "requests_running",
-                          "vllm:num_requests_waiting": "requests_waiting", "vllm:num_preemptions_total": "preemptions"}
+    capabilities = Capabilities(
+        prefix_cache=VLLMPrefixCache(
+            switchable=True, isolation_field="cache_salt",
+            reset=("POST /reset_prefix_cache (served with VLLM_SERVER_DEV_MODE=1, which kvbench sets when it starts "
+                   "vLLM for --reset-cache-between-cells)"),
+            report=("usage.prompt_tokens_details.cached_tokens per request (--enable-prompt-tokens-details, which "
+                    "kvbench passes), else the vllm:prefix_cache_hits/queries counters on /metrics")),
+        # /v1/completions logprobs: a log-softmax over the whole vocabulary (vLLM's default logprobs mode,
+        # raw_logprobs); its --max-logprobs default is 20
+        kv_quantisation=KVQuantisation(
+            top_logprobs_max=20,
+            prompt_logprobs_source="/v1/completions prompt_logprobs=0 with echo (streamed in the first chunk)"),
+        telemetry=Telemetry({"vllm:kv_cache_usage_perc": "kv_usage", "vllm:num_requests_running": "requests_running",
+                             "vllm:num_requests_waiting": "requests_waiting",
+                             "vllm:num_preemptions_total": "preemptions"}),
+        served_model=OpenAIModelList())
     # The samples polled during a cell (gpu_cache_usage_perc: the KV gauge's name before vLLM 0.10).
     POLLED = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_requests_waiting",
               "vllm:num_requests_running", "vllm:num_preemptions_total")
@@ -276,9 +309,6 @@ class VLLMBackend(PrometheusPolled, Backend):
         except (httpx.HTTPError, KeyError, ValueError):
             return self.version
 
-    def served_models(self) -> list[str] | None:
-        return served_model_ids(self.http, self.base_url)
-
     def tokenize(self, text: str) -> list[int] | None:
         response = self.http.post(self.base_url + "/tokenize",
                                json={"model": self.spec.model.name, "prompt": text, "add_special_tokens": False})
@@ -291,7 +321,8 @@ class VLLMBackend(PrometheusPolled, Backend):
         if prompt.cache_salt:
             body["cache_salt"] = prompt.cache_salt
         if prompt.top_logprobs:  # ids as "token_id:N" keys, not text pieces
-            body.update(logprobs=min(prompt.top_logprobs, self.top_logprobs_max), return_tokens_as_token_ids=True)
+            body.update(logprobs=min(prompt.top_logprobs, self.capabilities.kv_quantisation.top_logprobs_max),
+                        return_tokens_as_token_ids=True)
         if prompt.prompt_logprobs:  # streamed only with echo (completion/protocol.py): the first chunk leads with them
             body.update(echo=True, prompt_logprobs=0, logprobs=body.get("logprobs", 1), return_tokens_as_token_ids=True)
         return await stream_sse(client, self.base_url + "/v1/completions", body, prompt, self._read_event)
@@ -302,28 +333,6 @@ class VLLMBackend(PrometheusPolled, Backend):
             result.error = json.dumps(event["error"])[:500]
         read_completion_chunk(event, now, result)  # token_ids per chunk: return_token_ids is always on
         read_logprobs(event, result)
-
-    def reset_prefix_cache(self) -> None:
-        """POST /reset_prefix_cache; vLLM refuses (success false) while running requests hold blocks: a
-        cell's requests have all ended, so a refusal is retried briefly before it fails the engine."""
-        for _ in range(20):
-            response = self.http.post(self.base_url + "/reset_prefix_cache")
-            if response.status_code in (404, 405):
-                raise EngineStartError("the server does not serve /reset_prefix_cache: vLLM serves it only when "
-                                       "started with VLLM_SERVER_DEV_MODE=1")
-            response.raise_for_status()
-            if response.json().get("success", True):
-                return
-            time.sleep(0.1)
-        raise EngineStartError("vLLM refused to reset its prefix cache for 2 s (blocks still held)")
-
-    def prefix_cache_counters(self, client: httpx.Client) -> PrefixCacheCounters | None:
-        samples = self.metrics(client, PREFIX_CACHE_COUNTERS)
-        queried, hit = (gauge_sum(samples, name) for name in PREFIX_CACHE_COUNTERS)
-        if queried is None or hit is None:
-            return None
-        return PrefixCacheCounters(queried, hit, "vllm:prefix_cache_hits / vllm:prefix_cache_queries (/metrics, "
-                                                 "difference over the cell)")
 
     def _read_cache_info(self) -> dict | None:
         if self._cache_info is None:

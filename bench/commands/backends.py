@@ -19,9 +19,9 @@ def backends(as_json: bool = typer.Option(False, "--json", help="Print one JSON 
                       "options": {o.name: {"type": o.type_name, "default": o.default, "shown_default": o.shown_default,
                                            "help": o.help} for o in specs_of(cls).values() if o not in COMMON},
                       # the prefix cache: how each request is kept apart, how it is emptied, how hits are said
-                      "prefix_cache": {"isolation_field": cls.prefix_cache_isolation or None,
-                                       "reset": cls.prefix_cache_reset or None,
-                                       "hits_reported": cls.prefix_cache_report or None}}
+                      "prefix_cache": {"isolation_field": cls.capabilities.prefix_cache.isolation_field or None,
+                                       "reset": cls.capabilities.prefix_cache.reset or None,
+                                       "hits_reported": cls.capabilities.prefix_cache.report or None}}
                for name, cls in sorted(REGISTRY.items())}
     if as_json:
         print(json.dumps({"engines": engines, "common_options": {o.name: {"type": o.type_name, "help": o.help}

@@ -1,11 +1,12 @@
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import typer
 from rich.markup import escape
 
 from kvbench.backends import DEFAULT_ENGINES, REGISTRY, gguf_converter
 from kvbench.common import models, ui
-from kvbench.common.envs import EnvInstallError, ensure_env
+from kvbench.common.envs import EnvInstallError, allow_installs, ensure_env, stop_installs
 from kvbench.common.suggest import with_hint
 from kvbench.planner import model_names
 from kvbench.run.backend_config import BackendConfig, ConfigError
@@ -44,22 +45,41 @@ def _sigterm_as_interrupt(signum, frame):
 
 def _prepare(console, configs: list[BackendConfig], model: str) -> bool:
     """Install every engine's environments and prepare the model; whether anything failed."""
-    failed = False
+    recipes = []
     for cfg in configs:
         if REGISTRY[cfg.engine].attach_only:  # nothing of its own to install: no empty environment made
             console.print(f"{cfg.label}: nothing to install (it attaches to a running server)")
             continue
-        for recipe in REGISTRY[cfg.engine].recipes(cfg.version):
-            try:
-                path = ensure_env(recipe, log=console.print)
-                console.print(f"[green]ready[/] {recipe.name}: {path}")
-            except EnvInstallError as exc:
-                failed = True
-                console.print(f"[red]{exc}[/]\n{exc.log_tail}")
+        recipes += REGISTRY[cfg.engine].recipes(cfg.version)
+    failed = _install_side_by_side(console, recipes)
     try:
         files = models.resolve(model, gguf_converter(console.print), log=console.print)
         console.print(f"[green]ready[/] model {files.name}: {files.hf_dir}" + (f", {files.gguf_path}" if files.gguf_path else ""))
     except models.ModelError as exc:
         failed = True
         console.print(f"[red]{escape(with_hint(str(exc), model, model_names()))}[/]")
+    return failed
+
+
+def _install_side_by_side(console, recipes: list) -> bool:
+    """Install the recipes at once, reported in their order; whether any failed. Side by side because a
+    fresh machine spends most of its set-up on llama.cpp's compile, which leaves the disk to the pip installs
+    (docs/development.md has the times measured from nothing)."""
+    failed = False
+    allow_installs()
+    with ThreadPoolExecutor(max_workers=max(1, len(recipes)), thread_name_prefix="install") as pool:
+        futures = [pool.submit(ensure_env, recipe, console.print) for recipe in recipes]
+        try:
+            for recipe, future in zip(recipes, futures):
+                try:
+                    path = future.result()
+                    console.print(f"[green]ready[/] {recipe.name}: {path}")
+                except EnvInstallError as exc:
+                    failed = True
+                    console.print(f"[red]{exc}[/]\n{exc.log_tail}")
+        except BaseException:  # Ctrl-C or SIGTERM: the installers go with kvbench, not after it
+            for future in futures:
+                future.cancel()
+            stop_installs()
+            raise
     return failed

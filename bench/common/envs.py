@@ -12,8 +12,10 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,11 +108,61 @@ def _install(recipe: Recipe, path: Path, log) -> None:
                                           "version": recipe.version}))
 
 
+# Installer processes running now, each the leader of its own process group: installs run side by side
+# (`kvbench setup`), so an interrupt reaches them through stop_installs(), not through the terminal.
+_RUNNING: set[subprocess.Popen] = set()
+_RUNNING_LOCK = threading.Lock()
+_STOPPED = threading.Event()  # set by stop_installs(): no installer starts until allow_installs()
+
+
 def _run(argv: list[str], out, extra_env: dict[str, str]) -> int:
     out.write(f"$ {' '.join(argv)}\n")
     out.flush()
     env = {**os.environ, **extra_env}
-    return subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+    with _RUNNING_LOCK:  # one lock with stop_installs(): an installer starts before the stop (and is stopped) or not at all
+        if _STOPPED.is_set():
+            out.write("not started: the installs were stopped\n")
+            return -signal.SIGTERM
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        _RUNNING.add(proc)
+    try:
+        return proc.wait()
+    finally:
+        if proc.poll() is None:  # interrupted while waiting: the installer's whole tree (pip's builds, ninja's compilers)
+            _stop_group(proc)
+        with _RUNNING_LOCK:
+            _RUNNING.discard(proc)
+
+
+def stop_installs(timeout_s: float = 5.0) -> None:
+    """Stop every installer still running, with its process group: SIGTERM, then SIGKILL after ``timeout_s``."""
+    with _RUNNING_LOCK:
+        _STOPPED.set()
+        running = list(_RUNNING)
+    for proc in running:
+        _stop_group(proc, timeout_s)
+
+
+def allow_installs() -> None:
+    """Undo stop_installs(): installers may start again (a new `kvbench setup` in the same process)."""
+    _STOPPED.clear()
+
+
+def _stop_group(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            continue
+        try:  # the leader is gone; its group's stragglers are not waited for
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return
 
 
 def tail(path: Path, lines: int = 40) -> str:

@@ -1,26 +1,27 @@
-"""Load profiles: one small module each, named in :mod:`.registry`. Every profile takes the backend, the
-cell's prompts, its :class:`LoadPoint` and :class:`LoadSettings`, and returns a :class:`LoadResult`.
+"""Load profiles: one small module each, a class that owns its settings (a workload's ``[load]`` section),
+the load points its cells run at and how requests arrive at a point (:mod:`.profile`); :mod:`.registry`
+lists them.
 
 - :mod:`.concurrent`: closed loop, ``concurrency`` workers, each sends its next request when the last ends;
 - :mod:`.poisson`, :mod:`.constant`: open loop at a request rate (:mod:`.open_loop` sends on the schedule);
-- :mod:`.sweep`: which load points a workload asks for, including a sweep of rates up to saturation;
-- :mod:`.workers`: any profile from several processes (``LoadSettings.workers`` > 1), results merged.
+- :mod:`.sweep`: a closed loop finds the saturation rate, then open-loop rates up to it;
+- :mod:`.workers`: a point from several processes (``LoadSettings.workers`` > 1), results merged.
 """
 from __future__ import annotations
 
-import importlib
+from .common import LoadResult, LoadSettings, TimeoutStreak, frozen_heap, run_async
+from .concurrent import ONE_AT_A_TIME
+from .profile import LoadPoint, LoadProfile, profile_class
+from .registry import PROFILES
 
-from .common import LoadPoint, LoadResult, LoadSettings, TimeoutStreak, frozen_heap, run_async
-from .registry import PROFILES, profile_info
-
-__all__ = ["PROFILES", "LoadPoint", "LoadResult", "LoadSettings", "TimeoutStreak", "frozen_heap", "run", "run_async"]
+__all__ = ["ONE_AT_A_TIME", "PROFILES", "LoadPoint", "LoadProfile", "LoadResult", "LoadSettings", "TimeoutStreak",
+           "frozen_heap", "profile_class", "run", "run_async"]
 
 
 async def run(backend, prompts: list, point: LoadPoint, settings: LoadSettings) -> LoadResult:
-    """Drive ``prompts`` through ``backend`` with the profile ``point`` names (from ``settings.workers``
-    processes when more than one: :mod:`.workers`)."""
+    """Drive ``prompts`` through ``backend`` with the profile that drives ``point`` (from
+    ``settings.workers`` processes when more than one: :mod:`.workers`)."""
     if settings.workers > 1:
         from . import workers
         return await workers.run(backend, prompts, point, settings)
-    module = importlib.import_module(f"{__name__}.{profile_info(point.profile).module}")
-    return await module.run(backend, prompts, point, settings)
+    return await point.driver.run(backend, prompts, point, settings)

@@ -1,4 +1,4 @@
-"""What every load profile shares: the load point a cell runs at, sending one request, and the result."""
+"""What every load profile shares: its settings besides the load point, sending one request, and the result."""
 from __future__ import annotations
 
 import asyncio
@@ -13,36 +13,6 @@ from kvbench.backends.streaming import TRANSPORT_ERRORS
 from kvbench.backends.types import RequestResult
 
 from .interrupt import signals_call, stopping
-from .registry import profile_info
-
-
-@dataclass(frozen=True)
-class LoadPoint:
-    """How hard a cell pushes: a closed loop of ``concurrency`` workers, or an open loop of
-    ``request_rate`` requests/s (Poisson or evenly spaced) with at most ``concurrency`` in flight
-    (None: unbounded)."""
-
-    profile: str = "concurrent"  # a name in load.registry.PROFILES
-    concurrency: int | None = 1
-    request_rate: float | None = None
-
-    def __post_init__(self):
-        if not self.open_loop and not (self.concurrency and self.concurrency > 0):
-            raise ValueError("a closed loop needs concurrency >= 1")
-        if self.open_loop and not (self.request_rate and self.request_rate > 0):
-            raise ValueError(f"a {self.profile} load needs request_rate > 0")
-
-    @property
-    def open_loop(self) -> bool:
-        return profile_info(self.profile).open_loop
-
-    @property
-    def slug(self) -> str:
-        """Short, file-name safe: c4, poisson-r2.5, constant-r1-cap8."""
-        if not self.open_loop:
-            return f"c{self.concurrency}"
-        rate = f"{self.request_rate:g}".replace(".", "_")
-        return f"{self.profile}-r{rate}" + (f"-cap{self.concurrency}" if self.concurrency else "")
 
 
 class TimeoutStreak:

@@ -1,18 +1,19 @@
 """Open loop with evenly spaced arrivals: exactly 1/rate apart."""
 from __future__ import annotations
 
+from typing import ClassVar, Literal
+
 import numpy as np
 
-from kvbench.backends.base import Backend
-
-from .common import LoadPoint, LoadResult, LoadSettings
-from .open_loop import send_on_schedule
+from .open_loop import OpenLoop
 
 
-def arrival_offsets(n: int, request_rate: float) -> np.ndarray:
-    """Seconds after the start at which each of ``n`` requests is due; the first at 0."""
-    return np.arange(n) / request_rate
+class Constant(OpenLoop):
+    summary: ClassVar[str] = "open loop: arrivals evenly spaced at a request rate"
 
+    profile: Literal["constant"] = "constant"
 
-async def run(backend: Backend, prompts: list, point: LoadPoint, settings: LoadSettings) -> LoadResult:
-    return await send_on_schedule(backend, prompts, arrival_offsets(len(prompts), point.request_rate), point, settings)
+    @classmethod
+    def arrival_offsets(cls, n: int, request_rate: float, seed: int = 0) -> np.ndarray:
+        """Unseeded: the schedule is the same whatever ``seed``."""
+        return np.arange(n) / request_rate

@@ -2,20 +2,19 @@
 every run gets the same schedule."""
 from __future__ import annotations
 
+from typing import ClassVar, Literal
+
 import numpy as np
 
-from kvbench.backends.base import Backend
-
-from .common import LoadPoint, LoadResult, LoadSettings
-from .open_loop import send_on_schedule
+from .open_loop import OpenLoop
 
 
-def arrival_offsets(n: int, request_rate: float, seed: int) -> np.ndarray:
-    """Seconds after the start at which each of ``n`` requests is due; the first at 0."""
-    gaps = np.random.default_rng(seed).exponential(1.0 / request_rate, size=n)
-    return np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+class Poisson(OpenLoop):
+    summary: ClassVar[str] = "open loop: Poisson arrivals at a request rate"
 
+    profile: Literal["poisson"] = "poisson"
 
-async def run(backend: Backend, prompts: list, point: LoadPoint, settings: LoadSettings) -> LoadResult:
-    offsets = arrival_offsets(len(prompts), point.request_rate, settings.seed)
-    return await send_on_schedule(backend, prompts, offsets, point, settings)
+    @classmethod
+    def arrival_offsets(cls, n: int, request_rate: float, seed: int) -> np.ndarray:
+        gaps = np.random.default_rng(seed).exponential(1.0 / request_rate, size=n)
+        return np.concatenate([[0.0], np.cumsum(gaps[:-1])])

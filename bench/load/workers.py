@@ -1,14 +1,16 @@
 """Load from more than one core: the cell's requests split over ``settings.workers`` processes, each with its
 own event loop running kvbench's own streaming client (:mod:`kvbench.backends.streaming`) through the same
-load profiles (:mod:`.concurrent`, :mod:`.open_loop`), and their results merged into one :class:`LoadResult`.
+load profile, and their results merged into one :class:`LoadResult`. The profile that drives the point
+splits the cell (:meth:`~kvbench.load.profile.LoadProfile.shares`); one that cannot says so
+(:attr:`~kvbench.load.profile.LoadProfile.splits_over_workers`), and the cell is refused in one line.
 
 - Closed loop: the concurrency is split over the workers (c=5 on 2 workers: 3 and 2) and the prompts are
-  dealt out in the same proportion, in order (worker 0, 1, 0, 1, 0, ...): each worker runs a closed loop
-  over its share. A worker that finishes its share early does not take over another's (no shared queue:
-  a cross-process queue would put its latency in front of every send).
-- Open loop: the schedule is made once, here, for the whole cell (the profile's own arrival times and
-  seed), and dealt out round-robin; every request keeps its send time. A concurrency cap is split like a
-  closed loop's concurrency.
+  dealt out in the same proportion, in order (worker 0, 1, 0, 1, 0, ...): each worker runs the profile's
+  closed loop over its share. A worker that finishes its share early does not take over another's (no
+  shared queue: a cross-process queue would put its latency in front of every send).
+- Open loop: the schedule is made once, in the parent, for the whole cell (the profile's own arrival
+  times and seed), and dealt out round-robin; every request keeps its send time. A concurrency cap is split
+  like a closed loop's concurrency.
 
 One clock: every worker stamps with ``time.perf_counter()``, which on Linux is CLOCK_MONOTONIC, one clock
 for the whole machine (not per process): a time taken in one process compares with a time taken in
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import inspect
 import io
 import multiprocessing
 import multiprocessing.connection
@@ -46,10 +47,9 @@ from kvbench.backends import streaming
 from kvbench.backends.base import Backend
 from kvbench.backends.process import ServerProcess
 
-from .common import LoadPoint, LoadResult, LoadSettings, run_async
-from .concurrent import run as run_closed_loop
+from .common import LoadResult, LoadSettings, run_async
 from .open_loop import send_on_schedule
-from .registry import profile_info
+from .profile import LoadPoint, Share
 
 READY_TIMEOUT_S = 120.0  # a worker that has not started and read its share by then is given up on
 START_MARGIN_S = 0.05  # between the parent choosing the common start and the workers starting
@@ -73,53 +73,14 @@ class MergedLoadResult(LoadResult):
 
 # --- splitting a cell --------------------------------------------------------------------------------
 
-def split_count(total: int, parts: int) -> list[int]:
-    """``total`` split over ``parts`` as evenly as possible, larger shares first: 5 over 2 -> [3, 2]."""
-    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
-
-
-def deal(items: list, weights: list[int]) -> list[list]:
-    """``items`` dealt out in order, worker w taking ``weights[w]`` of every ``sum(weights)``: weights
-    [3, 2] deal 0, 1, 0, 1, 0, 0, 1, 0, 1, 0, ... (interleaved, so every worker gets early and late items)."""
-    order = []
-    left = list(weights)
-    while any(left):
-        for w in range(len(left)):
-            if left[w]:
-                order.append(w)
-                left[w] -= 1
-    out: list[list] = [[] for _ in weights]
-    for i, item in enumerate(items):
-        out[order[i % len(order)]].append(item)
-    return out
-
-
-def schedule_offsets(point: LoadPoint, n: int, seed: int):
-    """The open-loop profile's own arrival times (seconds after the start) for ``n`` requests: the same
-    function the single-process profile calls, with the cell's seed where it takes one."""
-    import importlib
-
-    module = importlib.import_module(f"kvbench.load.{profile_info(point.profile).module}")
-    arrivals = module.arrival_offsets
-    if "seed" in inspect.signature(arrivals).parameters:
-        return arrivals(n, point.request_rate, seed)
-    return arrivals(n, point.request_rate)
-
-
-def plan(prompts: list, point: LoadPoint, settings: LoadSettings, workers: int) -> list[tuple]:
-    """Each worker's share: (prompts, load point, offsets or None). Never more workers than there are
-    requests, closed-loop streams or open-loop cap."""
-    if point.open_loop:
-        cap = point.concurrency
-        n = max(1, min(workers, len(prompts), cap or workers))
-        offsets = schedule_offsets(point, len(prompts), settings.seed)
-        caps = split_count(cap, n) if cap else [None] * n
-        shares = [list(range(w, len(prompts), n)) for w in range(n)]
-        return [([prompts[i] for i in idx], LoadPoint(point.profile, caps[w], point.request_rate),
-                 offsets[idx]) for w, idx in enumerate(shares)]
-    n = max(1, min(workers, point.concurrency, len(prompts)))
-    conc = split_count(point.concurrency, n)
-    return [(share, LoadPoint("concurrent", conc[w]), None) for w, share in enumerate(deal(prompts, conc))]
+def plan(prompts: list, point: LoadPoint, settings: LoadSettings, workers: int) -> list[Share]:
+    """Each worker's share: (prompts, load point, send times or None), as the profile that drives ``point``
+    splits it; never more workers than there are requests, closed-loop streams or open-loop cap. A profile
+    that cannot be split is refused (WorkerError, one line)."""
+    driver = point.driver
+    if not driver.splits_over_workers:
+        raise WorkerError(f"load profile {driver.name!r} runs from one load process only; use --load-workers 1")
+    return driver.shares(prompts, point, settings.seed, workers)
 
 
 # --- what goes to a worker ---------------------------------------------------------------------------
@@ -190,8 +151,8 @@ async def _share(conn, backend, dropped, prompts, point: LoadPoint, offsets, set
         await asyncio.sleep(delay - 0.002)
     while time.perf_counter() < t_go:  # the last 2 ms: asyncio's timers are good to about 1 ms
         pass
-    if offsets is None:
-        return await run_closed_loop(backend, prompts, point, settings)
+    if offsets is None:  # the share keeps its profile's own arrivals
+        return await point.driver.run(backend, prompts, point, settings)
     result = await send_on_schedule(backend, prompts, offsets, point, settings)
     skew = result.t_start - t_go
     for r in result.results:
@@ -273,7 +234,7 @@ def run_workers(backend: Backend, prompts: list, point: LoadPoint, settings: Loa
             if proc.is_alive():
                 proc.terminate()
                 proc.join(5)
-    merged = merge(results, t_go, point.request_rate if point.open_loop else None)
+    merged = merge(results, t_go, point.request_rate)
     if settings.streak:
         for r in sorted(merged.results, key=lambda r: r.t_done or r.t_sent):
             settings.streak.record(bool(r.error) and r.error.startswith("timed out"))

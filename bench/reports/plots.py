@@ -130,7 +130,8 @@ def memory_timeline(run_dir: Path, cell: pd.Series, requests: pd.DataFrame, out:
 def throughput_ttft_vs_concurrency(cells: pd.DataFrame, out: Path) -> Path | None:
     """Output tokens/s (top) and TTFT p50 (bottom) against concurrency, one column per prompt length,
     one line per engine (closed-loop cells)."""
-    done = cells[(cells.load_profile == "concurrent") & cells.output_tokens_per_s.notna() & cells.concurrency.notna()]
+    # closed-loop cells: the ones without a request rate
+    done = cells[cells.request_rate.isna() & cells.output_tokens_per_s.notna() & cells.concurrency.notna()]
     if done.empty:
         return None
     lengths = sorted(done.prompt_tokens.unique())

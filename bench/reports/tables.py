@@ -95,7 +95,7 @@ def _lead(agg: pd.DataFrame) -> pd.DataFrame:
     if (agg.variant.fillna("") != "").any():
         lead["variant"] = agg.variant.fillna("")
     lead["prompt"] = agg.prompt_tokens.map(lambda x: "-" if _missing(x) else str(int(x)))
-    if (agg.load_profile != "concurrent").any():
+    if agg.request_rate.notna().any():  # an open-loop cell: its load needs more than a concurrency
         lead["load"] = [load_label(r) for r in agg.itertuples()]
     else:
         lead["conc"] = agg.concurrency.map(fmt_int)

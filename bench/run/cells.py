@@ -15,8 +15,7 @@ import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-from kvbench.load import LoadPoint, sweep
-from kvbench.load.registry import profile_info
+from kvbench.load import LoadPoint, profile_class
 from kvbench.store.errors import RunFolderError
 from kvbench.workloads import Workload
 from kvbench.workloads.prompts import Prompt, PromptBuilder
@@ -66,10 +65,7 @@ class Cell:
 def load_label(profile: str, concurrency: int | None, request_rate: float | None) -> str:
     """How a cell's load is written for people, everywhere (console, reports, compare): ``x4`` for a closed
     loop of 4, ``poisson 2.5/s, <=8`` for an open loop at 2.5 requests/s capped at 8 in flight."""
-    if request_rate is None or not profile_info(profile).open_loop:
-        return f"x{concurrency}"
-    cap = "" if concurrency is None else f", <={int(concurrency)}"
-    return f"{profile} {request_rate:g}/s{cap}"
+    return profile_class(profile).label(concurrency, request_rate)
 
 
 def server_variants(workload: Workload) -> list[bool | None]:
@@ -82,7 +78,7 @@ def cells_for(workload: Workload, lengths: list[int], points: list[LoadPoint], r
     """The cells of one repeat on one server variant, in the order they run."""
     turns = range(1, workload.turns + 1) if workload.family == "multi_turn" else [0]
     return [Cell(p, point, repeat, t, prefix_caching, kv_dtype,
-                 requests=workload.requests_per_cell(point.concurrency, point.request_rate))
+                 requests=workload.load.requests_per_cell(point))
             for p in lengths for point in points for t in turns]
 
 
@@ -116,7 +112,7 @@ class RunPlan:
         max_context = min(model_max_context or 2048, cap or 10**9)
         lengths = fitting_lengths(workload, max_context)
         skipped = [n for n in workload.prompt_tokens if n != "max" and n not in lengths]
-        return cls(workload, max_context, tuple(lengths), tuple(skipped), tuple(sweep.static_points(workload)),
+        return cls(workload, max_context, tuple(lengths), tuple(skipped), tuple(workload.load.points()),
                    repeats or workload.repeats)
 
     @property
@@ -130,24 +126,26 @@ class RunPlan:
 
     @property
     def server_concurrency(self) -> int:
-        return sweep.max_in_flight(self.workload)
+        return self.workload.load.max_in_flight()
 
     def cells(self, prefix_caching: bool | None, kv_dtype: str | None = None) -> list[Cell]:
-        """Every cell of one engine start (all repeats), in the order they run; a saturation sweep adds its
-        open-loop rates once the closed loop has found the rate (:meth:`saturation_cells`)."""
+        """Every cell of one engine start (all repeats), in the order they run; a profile that finds its
+        points by measuring (a saturation sweep) adds them as its cells run (:meth:`cells_after`)."""
         return [c for r in range(self.repeats)
                 for c in cells_for(self.workload, list(self.lengths), list(self.points), r, prefix_caching, kv_dtype)]
 
-    def saturation_cells(self, finder: Cell, saturation_rate: float) -> list[Cell]:
-        """The open-loop cells that follow ``finder``, a saturation sweep's closed loop, at the rate it found."""
-        return [replace(finder, load=p, requests=self.workload.requests_per_cell(p.concurrency, p.request_rate))
-                for p in sweep.points_after(self.workload, finder.load, saturation_rate)]
+    def cells_after(self, ran: Cell, achieved_rate: float) -> list[Cell]:
+        """The cells the load profile adds after ``ran``, which achieved ``achieved_rate`` requests/s (a
+        saturation sweep's rates after its closed loop; none for most profiles)."""
+        return [replace(ran, load=p, requests=self.workload.load.requests_per_cell(p))
+                for p in self.workload.load.points_after(ran.load, achieved_rate)]
 
     @property
     def cells_per_start(self) -> int:
-        """Cells one engine start runs, the open-loop rates of a saturation sweep included (for the progress bar)."""
+        """Cells one engine start runs, the points found later included (for the progress bar)."""
         turns = self.workload.turns if self.workload.family == "multi_turn" else 1
-        return len(self.cells(None)) + self.repeats * len(self.lengths) * sweep.points_found_later(self.workload) * turns
+        later = self.workload.load.points_found_later()
+        return len(self.cells(None)) + self.repeats * len(self.lengths) * later * turns
 
 
 _SALT = re.compile(r"[A-Za-z0-9._-]{1,64}")

@@ -22,8 +22,9 @@ def check(s: EngineSession, backend: Backend) -> None:
     --model), what it supports and how its prompts and tokenizer were checked, recorded."""
     version = backend.reported_version()
     s.r.record.engine_versions[s.cfg.label] = version
-    s.r.record.served_models[s.cfg.label] = served = backend.served_models()
-    s.r.record.capabilities[s.cfg.label] = backend.capabilities()
+    served_model = backend.capabilities.served_model
+    s.r.record.served_models[s.cfg.label] = served = served_model.models(backend)
+    s.r.record.capabilities[s.cfg.label] = served_model.support(backend)
     if not s.cfg.url and (build := type(backend).machine_build(backend.version)):
         s.r.record.engine_builds[s.cfg.label] = build
     s.r.record.save(s.r.writer)

@@ -176,5 +176,5 @@ def gpu_default_bench(model: str, gpus: list[GPUInfo]) -> DefaultBench:
     from kvbench.workloads import load
 
     wl = load(GPU_WORKLOAD)
-    return choose_default_bench(gpus, model=model_sizing(model), max_concurrency=max(wl.concurrency),
+    return choose_default_bench(gpus, model=model_sizing(model), max_concurrency=wl.load.max_in_flight(),
                                 output_tokens=wl.output_tokens)

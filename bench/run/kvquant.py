@@ -54,8 +54,12 @@ def engine_dtypes(workload: Workload, backends, geometry: KVGeometry, asked: lis
     dtypes = {b.label: kv_quant_dtypes(workload, kv_rules(b.engine), geometry, asked) for b in backends}
     if workload.family != "kv_quant":
         return dtypes, None
-    return dtypes, run_record(workload, dtypes, {b.label: REGISTRY[b.engine].top_logprobs_max for b in backends},
-                              {b.label: REGISTRY[b.engine].prompt_logprobs_source for b in backends})
+
+    def quantisation(b):
+        return REGISTRY[b.engine].capabilities.kv_quantisation
+
+    return dtypes, run_record(workload, dtypes, {b.label: quantisation(b).top_logprobs_max for b in backends},
+                              {b.label: quantisation(b).prompt_logprobs_source for b in backends})
 
 
 def run_record(workload: Workload, dtypes: dict[str, list], top_logprobs_max: dict[str, int],
@@ -70,7 +74,7 @@ def run_record(workload: Workload, dtypes: dict[str, list], top_logprobs_max: di
 def logprob_records(results: list[RequestResult], asked_k: int, adapter_k: int) -> list[dict]:
     """A kv_quant cell's per-request record of what the divergence is computed from: the greedy token ids,
     each position's top-k [[id, logprob], ...] and the prompt's log-probabilities (None: not returned), with
-    the k asked for (the smaller of the workload's and the adapter's :attr:`top_logprobs_max`)."""
+    the k asked for (the smaller of the workload's and the adapter's KVQuantisation ``top_logprobs_max``)."""
     k = min(asked_k, adapter_k)
     return [{"request_id": r.request_id, "error": r.error, "k": k if r.top_logprobs else 0,
              "tokens": list(r.output_ids),

@@ -63,8 +63,8 @@ def measure_cells(s: EngineSession, backend: Backend) -> None:
         s.progress.advance(s.bar)
         update_eta(s)
         r.console.print(summary_line(row))
-        # a saturation sweep's closed loop found the rate: the open-loop rates follow it
-        s.cells[s.done:s.done] = s.plan.saturation_cells(cell, row.requests_per_s or 0)
+        # the cells the load profile adds after this one (a saturation sweep's rates), from its rate
+        s.cells[s.done:s.done] = s.plan.cells_after(cell, row.requests_per_s or 0)
         s.stop_reason = "interrupted"  # a cell ran: no longer wedged; "finished" once the loop ends
     if not s.stop_reason.startswith("wedged"):
         s.stop_reason = "finished"
@@ -75,12 +75,12 @@ def measure(s: EngineSession, backend: Backend, cell: Cell) -> CellMeasurement:
     r, w = s.r, s.plan.workload
     prompts = s.prompts.for_cell(cell, cell.requests)
     line = CellProgress(s.progress, cell.describe(), len(prompts)) if r.o.load_workers == 1 else None
-    settings = LoadSettings(r.o.request_timeout_s, w.duration_s,
+    settings = LoadSettings(r.o.request_timeout_s, w.load.duration_s,
                             schedule_seed(w.seed, cell.prompt_tokens, cell.repeat, cell.load.slug), s.streak,
                             workers=r.o.load_workers, on_done=line)
     backend.reset_cell()
     if r.o.reset_cache_between_cells:
-        backend.reset_prefix_cache()
+        backend.capabilities.prefix_cache.empty(backend)
     counters_before = prefix_counters(backend)
     memory, rss_baseline = None, None
     if backend.pid:
@@ -107,8 +107,8 @@ def measure(s: EngineSession, backend: Backend, cell: Cell) -> CellMeasurement:
     for result in load.results:
         r.writer.write_request(request_row(r.run_id, cell.cell_id(label), label, result, repeat=cell.repeat))
     if w.family == "kv_quant":  # the greedy tokens and log-probabilities the divergence is computed from
-        r.writer.write_logprobs(cell.cell_id(label), kvquant.logprob_records(load.results, w.top_logprobs,
-                                                                             backend.top_logprobs_max))
+        r.writer.write_logprobs(cell.cell_id(label), kvquant.logprob_records(
+            load.results, w.top_logprobs, backend.capabilities.kv_quantisation.top_logprobs_max))
     # A killed engine closes its sockets a moment before its exit can be read: wait for it briefly,
     # so that requests cut off by a dead engine are put down to the engine.
     verdicts = request_verdicts(load.results)

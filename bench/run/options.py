@@ -76,6 +76,12 @@ def seconds(flag: str):
     return read
 
 
+def read_load_workers(flags: dict, earlier: dict) -> int:
+    """A load profile that cannot be split over load processes is refused before anything starts."""
+    earlier["workload"].load.check_workers(flags["load_workers"])
+    return flags["load_workers"]
+
+
 def read_max_context(flags: dict, earlier: dict) -> int | None:
     value = flags["max_context"]
     if value is not None and value < 1:
@@ -141,9 +147,9 @@ def read_prompt_salt(flags: dict, earlier: dict) -> str:
 
 def read_reset_cache(flags: dict, earlier: dict) -> bool:
     if flags["reset_cache_between_cells"]:
-        cannot = sorted({b.engine for b in earlier["backends"] if not REGISTRY[b.engine].prefix_cache_reset})
+        cannot = sorted({b.engine for b in earlier["backends"] if not REGISTRY[b.engine].capabilities.prefix_cache.reset})
         if cannot:
-            able = ", ".join(sorted(e for e in REGISTRY if REGISTRY[e].prefix_cache_reset))
+            able = ", ".join(sorted(e for e in REGISTRY if REGISTRY[e].capabilities.prefix_cache.reset))
             raise ConfigError(f"--reset-cache-between-cells: {', '.join(cannot)} cannot empty a prefix cache "
                               f"(engines that can: {able})")
     return flags["reset_cache_between_cells"]
@@ -206,7 +212,8 @@ class RunOptions:
                                       read=seconds("--request-timeout"), default=900.0)
     load_workers: int = option(
         Flag("load_workers", int, 1, "Load generator processes, each with its own event loop (requests split over "
-             "them): for rates one core cannot send.", min=1))  # bench/load/workers.py
+             "them): for rates one core cannot send.", min=1),  # bench/load/workers.py
+        read=read_load_workers)
     # read after each cell: GPU memory (DCGM) and engine metrics
     prometheus: Prometheus | None = option(
         Flag("prometheus", str, None, "Read each cell's GPU memory (DCGM exporter) and the engines' metrics from "

@@ -128,7 +128,7 @@ class Runner:
             # what the earlier invocations recorded per engine stays, beside this one's
             self.record = RunRecord.of_run(self.writer.root)
             self.record.estimates.clear()  # an estimate belongs to the invocation that made it
-        isolated = all(REGISTRY[b.engine].prefix_cache_isolation for b in options.backends)
+        isolated = all(REGISTRY[b.engine].capabilities.prefix_cache.isolation_field for b in options.backends)
         # a resumed run keeps its salt: its unfinished cells send the prompts its finished ones sent
         self.salt = (PromptSalt.resumed(load_run_info(self.writer.root).get("prompt_salt"), options.prompt_salt,
                                         isolated) if options.results_mode == "resume"

@@ -209,6 +209,6 @@ def prefix_counters(backend):
     """The engine's prefix-cache counters now (read before and after each cell), or None: counters that
     cannot be read are "not reported", never a failed cell."""
     try:
-        return backend.prefix_cache_counters(backend.http)
+        return backend.capabilities.prefix_cache.counters(backend, backend.http)
     except (httpx.HTTPError, ValueError):
         return None

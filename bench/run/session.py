@@ -61,13 +61,13 @@ class EngineSession:
         self.key = cfg.label + variant + ("" if repeat is None else f" repeat {repeat}")  # in run.json's engine_stops
 
     def skip_finished(self) -> None:
-        """Resuming: pass over the cells that have rows (a saturation sweep's rates come from its row)."""
+        """Resuming: pass over the cells that have rows (the cells a load profile adds come from their rows)."""
         while self.done < len(self.cells) and (cell_id := self.cells[self.done].cell_id(self.cfg.label)) \
                 in self.r.finished:
             self.done += 1
             self.progress.advance(self.bar)
-            self.cells[self.done:self.done] = self.plan.saturation_cells(self.cells[self.done - 1],
-                                                                         self.r.finished[cell_id] or 0)
+            self.cells[self.done:self.done] = self.plan.cells_after(self.cells[self.done - 1],
+                                                                    self.r.finished[cell_id] or 0)
 
     def run(self) -> None:
         cls = REGISTRY[self.cfg.engine]
@@ -75,7 +75,7 @@ class EngineSession:
             self.skip_finished()
             if self.done == len(self.cells):
                 return
-            if self.spec.prefix_caching is not None and not cls.supports_prefix_caching:
+            if self.spec.prefix_caching is not None and not cls.capabilities.prefix_cache.switchable:
                 return self.fail_remaining(f"the {self.cfg.engine} adapter cannot switch prefix caching "
                                            f"{'on' if self.spec.prefix_caching else 'off'}", status="not run")
             backend = start.make_backend(self, cls)

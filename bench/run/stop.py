@@ -21,7 +21,7 @@ def stop_and_record(s: EngineSession, backend: Backend) -> None:
     threads = busy_threads(backend.pid) if backend.pid else None
     s.progress.update(s.bar, description=f"{label}: stopping")
     survivors = backend.stop()
-    if wall := backend.memory_wall():
+    if wall := backend.capabilities.memory_wall.record(backend):
         r.record.memory_walls[s.key] = wall
     if s.estimated:  # the estimate beside what the cells took, so its error here can be read
         s.estimated["took_s"] = round(time.monotonic() - s.estimated.pop("started"), 1)
@@ -37,6 +37,6 @@ def stop_and_record(s: EngineSession, backend: Backend) -> None:
         r.console.print(f"[red]{label}: processes of the engine survived its stop: {names}[/]")
     if not s.cfg.url:
         r.record.engine_stops[s.key] = {"reason": s.stop_reason, "survivors": survivors}
-        if restarts := backend.guard_restarts():  # its supervisor died and was replaced (backends/process.py)
+        if restarts := backend.capabilities.memory_wall.guard_restarts(backend):  # a guard of its tree was replaced
             r.record.engine_stops[s.key]["guard_restarts"] = restarts
     r.record.save(r.writer)

@@ -57,8 +57,9 @@ GPU_METRICS = {"DCGM_FI_DEV_FB_USED": "gpu_used", "DCGM_FI_DEV_FB_FREE": "gpu_fr
 
 @cache
 def engine_metrics() -> dict[str, str]:
-    """The engines' own metrics, by what each says: every adapter's ``prometheus_metrics``."""
-    return {name: what for cls in REGISTRY.values() for name, what in cls.prometheus_metrics.items()}
+    """The engines' own metrics, by what each says: every adapter's Telemetry capability's ``prometheus_metrics``."""
+    return {name: what for cls in REGISTRY.values()
+            for name, what in cls.capabilities.telemetry.prometheus_metrics.items()}
 
 UNITS = {"gpu_used": "bytes", "gpu_free": "bytes", "gpu_reserved": "bytes", "kv_usage": "fraction",
          "requests_running": "requests", "requests_waiting": "requests", "preemptions": "count"}

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from kvbench.backends.base import Backend
 from kvbench.common.metrics import RequestTimes
-from kvbench.load import LoadPoint, LoadSettings, run, run_async
+from kvbench.load import ONE_AT_A_TIME, LoadSettings, run, run_async
 from kvbench.run import estimate
 from kvbench.run.progress import set_eta
 from kvbench.run.rows import request_row
@@ -16,7 +16,7 @@ from kvbench.run.rows import request_row
 if TYPE_CHECKING:
     from kvbench.run.session import EngineSession
 
-WARMUP_POINT = LoadPoint("concurrent", 1)  # warm-up requests go one at a time
+WARMUP_POINT = ONE_AT_A_TIME  # warm-up requests go one at a time
 
 
 def warm_up(s: EngineSession, backend: Backend) -> None:

@@ -44,7 +44,7 @@ def requests_of(run_dir) -> pd.DataFrame:
 def check_common(run_dir, cells: pd.DataFrame, wl=None):
     """What every engine's smoke run must show."""
     wl = wl or load("smoke")
-    assert len(cells) == len(wl.prompt_tokens) * len(wl.concurrency)
+    assert len(cells) == len(wl.prompt_tokens) * len(wl.load.concurrency)
     assert (cells.status == "ok").all(), cells[["cell_id", "status", "error", "flags"]].to_string()
     assert (cells.schema_version == SCHEMA_VERSION).all()
     assert (cells.ttft_s_p50 > 0).all() and (cells.output_tokens_per_s > 0).all()
@@ -64,7 +64,7 @@ def check_common(run_dir, cells: pd.DataFrame, wl=None):
     # the workload's warm-up and the estimate's two calibration requests: recorded, not counted
     assert len(warmup) == wl.warmup_requests + 2 and warmup.error.isna().all()
     reqs = reqs[~reqs.warmup]
-    assert len(reqs) == sum(c * wl.rounds for c in wl.concurrency) * len(wl.prompt_tokens)
+    assert len(reqs) == sum(c * wl.load.rounds for c in wl.load.concurrency) * len(wl.prompt_tokens)
     assert (reqs.prompt_tokens_reported == reqs.prompt_tokens_sent).all()
     assert (reqs.output_tokens_reported == wl.output_tokens).all()
     assert (reqs.output_tokens_received == wl.output_tokens).all()
@@ -140,7 +140,7 @@ def test_llamacpp(llama_run):
     built_flags = (Path(engine_env("llamacpp")) / "BUILD_FLAGS").read_text()
     assert ("-mno-amx-int8" in built_flags) == ("without AMX" in build)
     wl = load("smoke")
-    slots = max(wl.concurrency)
+    slots = max(wl.load.concurrency)
     cells_per_slot = round_up(max(wl.prompt_tokens) + wl.output_tokens, 256)  # llama.cpp pads n_ctx to 256
     for row in cells.itertuples():
         assert row.kv_pool_tokens_engine == slots * cells_per_slot

@@ -1,4 +1,11 @@
-"""Engine environments: idempotent, keyed by engine, version and recipe."""
+"""Engine environments: idempotent, keyed by engine, version and recipe; installed side by side."""
+import io
+import os
+import signal
+import threading
+import time
+
+import psutil
 import pytest
 
 from kvbench.common.envs import EnvInstallError, InstallStep, Recipe, ensure_env, env_dir, is_installed
@@ -35,3 +42,56 @@ def test_failed_install_keeps_the_log_and_is_not_stamped(tmp_path, monkeypatch):
         ensure_env(bad)
     assert "no such package" in err.value.log_tail
     assert not is_installed(bad) and (env_dir(bad) / "install.log").exists()
+
+
+def _sleeper(name: str, seconds: float, marker: str) -> Recipe:
+    """A prefix-only recipe whose one step records when it started and sleeps (``marker`` names its process)."""
+    return Recipe(name, "1", (InstallStep(("bash", "-c", f"date +%s.%N > {{env}}/started; exec -a {marker} sleep {seconds}")),),
+                  venv=False)
+
+
+def test_setup_installs_side_by_side_and_reports_in_order(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    from kvbench.commands.setup import _install_side_by_side
+
+    monkeypatch.setenv("KVBENCH_HOME", str(tmp_path))
+    recipes = [_sleeper("slow", 1.5, "kvbench-test-slow"), _sleeper("quick", 0.1, "kvbench-test-quick")]
+    console = Console(file=io.StringIO(), width=200)
+    assert _install_side_by_side(console, recipes) is False
+    started = [float((env_dir(r) / "started").read_text()) for r in recipes]
+    assert abs(started[0] - started[1]) < 1.0, "the second install waited for the first"
+    out = console.file.getvalue()
+    assert out.index("ready slow-1") < out.index("ready quick-1")
+    assert all(is_installed(r) for r in recipes)
+
+
+def test_an_interrupted_setup_leaves_no_installer_running(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM, which setup turns into one) stops every installer running side by side, with the
+    processes they started: none is left installing after kvbench."""
+    from rich.console import Console
+
+    from kvbench.commands.setup import _install_side_by_side
+
+    monkeypatch.setenv("KVBENCH_HOME", str(tmp_path))
+    marker = f"kvbench-test-{os.getpid()}"
+    recipes = [_sleeper("a", 60, marker), _sleeper("b", 60, marker)]
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))  # as Ctrl-C: a real signal
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        _install_side_by_side(Console(file=io.StringIO()), recipes)
+    assert time.monotonic() - started < 10
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and _running(marker):
+        time.sleep(0.05)
+    assert not _running(marker)
+    assert not any(is_installed(r) for r in recipes)
+
+
+def _running(marker: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if marker in " ".join(p.info["cmdline"] or []):
+            found.append(p)
+    return found

@@ -165,7 +165,7 @@ def test_valid_input_still_passes_the_checks():
         BackendConfig.parse("openai:url=http://h:")
     w = Workload(name="w", seed=1, prompt_tokens=[64, "max"], output_tokens=8, load_profile="poisson",
                  request_rates=[0.5, 2], requests=4, duration_s=10)
-    assert w.request_rates == [0.5, 2.0] and w.duration_s == 10.0
+    assert w.load.request_rates == [0.5, 2.0] and w.load.duration_s == 10.0
 
 
 def test_a_refusal_through_the_real_command_has_no_traceback(tmp_path):
@@ -226,7 +226,7 @@ def test_a_million_request_cell_has_its_first_prompt_at_once_and_holds_none(buil
     source = CellPrompts(builder, w)
     rss = psutil.Process().memory_info().rss
     t0 = time.perf_counter()
-    prompts = source.for_cell(cell, w.requests_per_cell(4))
+    prompts = source.for_cell(cell, w.load.requests_per_cell(cell.load))
     first = prompts[0]
     assert time.perf_counter() - t0 < 3  # building all 10^6 first took over a minute here
     assert len(prompts) == 10**6 and first.prompt_tokens == 64

@@ -10,7 +10,10 @@ import pytest
 
 from kvbench.backends.base import Backend
 from kvbench.backends.types import RequestResult
-from kvbench.load import LoadPoint, LoadSettings, constant, open_loop, poisson, run, run_async, sweep
+from kvbench.load import LoadPoint, LoadSettings, open_loop, profile, run, run_async
+from kvbench.load.concurrent import Concurrent
+from kvbench.load.constant import Constant
+from kvbench.load.poisson import Poisson
 from kvbench.workloads import Workload
 
 
@@ -50,7 +53,7 @@ class SleepyBackend(Backend):
 
 
 def drive(backend, prompts, point: LoadPoint, timeout_s: float, duration_s: float | None = None):
-    """The profile ``point`` names, through the registry, as the runner drives it."""
+    """The profile that drives ``point``, as the runner drives it."""
     return run_async(run(backend, prompts, point, LoadSettings(timeout_s, duration_s)))
 
 
@@ -60,23 +63,27 @@ class P:
 
 
 def test_constant_arrivals_are_evenly_spaced():
-    assert constant.arrival_offsets(4, 2.0).tolist() == [0.0, 0.5, 1.0, 1.5]
+    assert Constant.arrival_offsets(4, 2.0).tolist() == [0.0, 0.5, 1.0, 1.5]
 
 
 def test_poisson_arrivals_have_the_asked_mean_and_are_seeded():
-    a = poisson.arrival_offsets(20000, 5.0, 1)
+    a = Poisson.arrival_offsets(20000, 5.0, 1)
     assert a[0] == 0.0 and np.all(np.diff(a) >= 0)
     assert np.mean(np.diff(a)) == pytest.approx(0.2, rel=0.03)
-    assert np.array_equal(a, poisson.arrival_offsets(20000, 5.0, 1))
-    assert not np.array_equal(a, poisson.arrival_offsets(20000, 5.0, 2))
+    assert np.array_equal(a, Poisson.arrival_offsets(20000, 5.0, 1))
+    assert not np.array_equal(a, Poisson.arrival_offsets(20000, 5.0, 2))
 
 
 
 def test_an_unknown_profile_is_refused_with_the_allowed_ones():
-    with pytest.raises(ValueError, match="concurrent, poisson, constant"):
+    with pytest.raises(ValueError, match="allowed: concurrent, constant, poisson, sweep"):
         LoadPoint("bursty", 1, 1.0)
-    with pytest.raises(ValueError, match="(?s)load_profile.*allowed: concurrent, poisson, constant"):
+    with pytest.raises(ValueError, match="(?s)load_profile.*allowed: concurrent, constant, poisson, sweep"):
         _workload(load_profile="bursty", concurrency=[1])
+    with pytest.raises(ValueError, match="(?s)profile.*'bursty'.*allowed: concurrent"):
+        _workload(load={"profile": "bursty", "concurrency": [1]})
+    with pytest.raises(ValueError, match="drives none itself"):
+        LoadPoint("sweep", 4)
 
 
 def test_poisson_schedule_seed_is_the_same_in_every_process():
@@ -142,6 +149,8 @@ def test_load_point_validation_and_slug():
         LoadPoint("poisson", 4)
     with pytest.raises(ValueError, match="concurrency"):
         LoadPoint("concurrent", 0)
+    with pytest.raises(ValueError, match="no request_rate"):
+        LoadPoint("concurrent", 4, 2.0)
 
 
 def _workload(**kw):
@@ -150,13 +159,64 @@ def _workload(**kw):
 
 
 def test_sweep_points():
-    assert [p.slug for p in sweep.static_points(_workload(concurrency=[1, 4]))] == ["c1", "c4"]
+    assert [p.slug for p in _workload(concurrency=[1, 4]).load.points()] == ["c1", "c4"]
     w = _workload(load_profile="poisson", request_rates=[1, 2], concurrency=[8], requests=5)
-    assert [p.slug for p in sweep.static_points(w)] == ["poisson-r1-cap8", "poisson-r2-cap8"]
-    sat = _workload(load_profile="constant", request_rates="saturation", concurrency=[4], requests=5)
-    assert [p.slug for p in sweep.static_points(sat)] == ["c4"]  # the closed loop that finds the rate
-    assert [p.request_rate for p in sweep.saturation_points(sat, 2.0)] == [0.5, 1.0, 1.5, 2.0]
-    assert sweep.saturation_points(sat, 0) == []
+    assert [p.slug for p in w.load.points()] == ["poisson-r1-cap8", "poisson-r2-cap8"]
+    sat = _workload(load_profile="constant", request_rates="saturation", concurrency=[4], requests=5).load
+    (finder,) = sat.points()
+    assert finder.slug == "c4"  # the closed loop that finds the rate
+    later = sat.points_after(finder, 2.0)
+    assert [p.request_rate for p in later] == [0.5, 1.0, 1.5, 2.0] and {p.slug for p in later} >= {"constant-r2-cap4"}
+    assert sat.points_after(finder, 0) == [] and sat.points_after(later[0], 2.0) == []
+    assert sat.points_found_later() == 4 and sat.max_in_flight() == 4 and sat.requests_per_cell(finder) == 5
+
+
+# every repository file's load, flat (as run.json records it) and as its [load] section
+FLAT_AND_SECTION = [
+    ({"concurrency": [1, 2], "rounds": 2}, {"profile": "concurrent", "concurrency": [1, 2], "rounds": 2}),
+    ({"load_profile": "concurrent", "concurrency": [1], "requests": 3},
+     {"profile": "concurrent", "concurrency": [1], "requests": 3}),
+    ({"load_profile": "poisson", "request_rates": [0.5, 2], "concurrency": [8], "duration_s": 10},
+     {"profile": "poisson", "request_rates": [0.5, 2], "max_concurrency": 8, "duration_s": 10}),
+    ({"load_profile": "constant", "request_rates": [1], "requests": 4},
+     {"profile": "constant", "request_rates": [1], "requests": 4}),
+    ({"load_profile": "poisson", "request_rates": "saturation", "saturation_steps": 3, "concurrency": [8],
+      "requests": 16}, {"profile": "sweep", "arrivals": "poisson", "concurrency": 8, "steps": 3, "requests": 16}),
+]
+
+
+@pytest.mark.parametrize("flat, section", FLAT_AND_SECTION)
+def test_a_flat_workload_means_what_its_section_means(flat, section):
+    old, new = _workload(**flat), _workload(load=section)
+    assert old == new and type(old.load).name == section["profile"]
+    assert old.load.points() == new.load.points()
+    dumped = old.model_dump()
+    assert list(dumped)[:9] == ["name", "description", "family", "seed", "prompt_tokens", "output_tokens",
+                                "load_profile", "concurrency", "request_rates"]
+    assert Workload.model_validate(dumped) == old  # run.json's record reads back (a resumed run)
+
+
+def test_the_flat_record_has_every_key_of_the_flat_model():
+    """run.json records the workload as the flat model did: every load key, with its old default."""
+    dumped = _workload(load_profile="poisson", request_rates=[1], requests=4).model_dump()
+    assert {k: dumped[k] for k in ("load_profile", "concurrency", "request_rates", "saturation_steps", "requests",
+                                   "rounds", "duration_s")} == {
+        "load_profile": "poisson", "concurrency": [], "request_rates": [1.0], "saturation_steps": 4, "requests": 4,
+        "rounds": 1, "duration_s": None}
+
+
+def test_a_section_takes_only_its_profiles_keys():
+    with pytest.raises(ValueError, match="rounds"):
+        _workload(load={"profile": "poisson", "request_rates": [1], "requests": 4, "rounds": 2})
+    with pytest.raises(ValueError, match="not an open-loop profile"):
+        _workload(load={"profile": "sweep", "arrivals": "concurrent", "concurrency": 4, "requests": 4})
+    with pytest.raises(ValueError, match="give the load once"):
+        _workload(load={"profile": "concurrent", "concurrency": [1]}, rounds=2)
+
+
+def test_a_copy_with_flat_keys_updates_the_load():
+    w = _workload(concurrency=[1], rounds=1)
+    assert w.model_copy(update={"concurrency": [2], "rounds": 3}).load == Concurrent(concurrency=[2], rounds=3)
 
 
 def test_run_async_records_how_late_the_client_loop_ran():
@@ -212,15 +272,23 @@ def test_frozen_heap_nests_and_thaws_once():
 
 
 
-def test_a_profile_is_one_registry_line(monkeypatch):
-    """What a newcomer adds: a module with run() and a line in load.registry; workloads, load points and the
-    dispatch then know the name (here the line points at the closed loop's module)."""
-    from kvbench.load.registry import PROFILES, ProfileInfo
+def test_a_profile_is_one_class(monkeypatch):
+    """What a newcomer adds: a LoadProfile subclass in its own module; workload sections, load points and the
+    dispatch then know its name (here a closed loop that always runs one at a time)."""
+    from typing import Literal
 
-    monkeypatch.setitem(PROFILES, "one_at_a_time", ProfileInfo("concurrent", False, "a closed loop of one"))
-    w = _workload(load_profile="one_at_a_time", concurrency=[1])
-    (point,) = sweep.static_points(w)
-    assert (point.profile, point.slug) == ("one_at_a_time", "c1")
+    monkeypatch.setattr(profile, "_REGISTERED", dict(profile._REGISTERED))  # the class is forgotten afterwards
+
+    class OneAtATime(Concurrent):
+        profile: Literal["one_at_a_time"] = "one_at_a_time"
+
+        @classmethod
+        async def run(cls, backend, prompts, point, settings):
+            return await super().run(backend, prompts, LoadPoint(cls.name, 1), settings)
+
+    w = _workload(load={"profile": "one_at_a_time", "concurrency": [3]})
+    (point,) = w.load.points()
+    assert (point.profile, point.slug, point.driver) == ("one_at_a_time", "c3", OneAtATime)
     load = drive(SleepyBackend(ttft=0.01, itl=0.0, tokens=1), [P(0), P(1)], point, 5)
     assert len(load.results) == 2 and load.max_in_flight == 1
 

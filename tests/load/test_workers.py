@@ -11,7 +11,7 @@ import pytest
 
 from kvbench.backends.openai.adapter import OpenAIBackend
 from kvbench.backends.types import RequestResult
-from kvbench.load import LoadPoint, LoadSettings, constant, run, run_async, workers
+from kvbench.load import LoadPoint, LoadSettings, constant, run, run_async, split, workers
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.testkit import prompt, spec
 from tests.helpers import REPO
@@ -77,7 +77,7 @@ def test_open_loop_on_two_workers_keeps_the_schedule(tmp_path):
     check_requests(load, prompts, before, after, 4)
     # every request kept its place in the one schedule of the cell, whichever worker sent it
     due = {r.request_id: r.t_scheduled - load.t_start for r in load.results}
-    expected = constant.arrival_offsets(n, rate)
+    expected = constant.Constant.arrival_offsets(n, rate)
     assert np.allclose([due[f"r{i}"] for i in range(n)], expected, atol=1e-9)
     assert len(load.send_lags) == n and load.offered_request_rate == rate
     for r in load.results:
@@ -87,16 +87,44 @@ def test_open_loop_on_two_workers_keeps_the_schedule(tmp_path):
 
 
 def test_the_splits():
-    assert workers.split_count(5, 2) == [3, 2] and workers.split_count(4, 4) == [1, 1, 1, 1]
-    assert workers.deal(list(range(10)), [3, 2]) == [[0, 2, 4, 5, 7, 9], [1, 3, 6, 8]]
+    assert split.split_count(5, 2) == [3, 2] and split.split_count(4, 4) == [1, 1, 1, 1]
+    assert split.deal(list(range(10)), [3, 2]) == [[0, 2, 4, 5, 7, 9], [1, 3, 6, 8]]
     prompts = list(range(7))
     shares = workers.plan(prompts, LoadPoint("concurrent", 5), LoadSettings(1.0), 8)  # never more than 5
     assert [p.concurrency for _, p, _ in shares] == [1] * 5 and sorted(sum((s for s, _, _ in shares), [])) == prompts
     shares = workers.plan(prompts, LoadPoint("poisson", 3, 2.0), LoadSettings(1.0, seed=7), 2)
     assert [p.concurrency for _, p, _ in shares] == [2, 1] and [s for s, _, _ in shares] == [[0, 2, 4, 6], [1, 3, 5]]
     from kvbench.load import poisson
-    offsets = poisson.arrival_offsets(7, 2.0, 7)  # the profile's own schedule, with the cell's seed
+    offsets = poisson.Poisson.arrival_offsets(7, 2.0, 7)  # the profile's own schedule, with the cell's seed
     assert np.array_equal(np.concatenate([o for _, _, o in shares]), np.concatenate([offsets[0::2], offsets[1::2]]))
+
+
+def test_a_closed_loop_profile_keeps_its_own_loop_on_every_worker(monkeypatch):
+    """Split over workers, a closed-loop profile's shares are driven by that profile, not by "concurrent"."""
+    from typing import Literal
+
+    from kvbench.load import profile
+    from kvbench.load.concurrent import Concurrent
+
+    monkeypatch.setattr(profile, "_REGISTERED", dict(profile._REGISTERED))  # the classes are forgotten afterwards
+
+    class Paired(Concurrent):
+        profile: Literal["paired"] = "paired"
+
+    class Solo(Concurrent):
+        profile: Literal["solo"] = "solo"
+        splits_over_workers = False
+
+    shares = workers.plan(list(range(6)), LoadPoint("paired", 4), LoadSettings(1.0), 2)
+    assert [(p.profile, p.concurrency) for _, p, _ in shares] == [("paired", 2), ("paired", 2)]
+    with pytest.raises(workers.WorkerError, match="^load profile 'solo' runs from one load process only"):
+        workers.plan(list(range(6)), LoadPoint("solo", 4), LoadSettings(1.0), 2)
+    from kvbench.workloads import Workload
+
+    w = Workload(name="w", seed=1, prompt_tokens=[16], output_tokens=4, load={"profile": "solo", "concurrency": [2]})
+    w.load.check_workers(1)
+    with pytest.raises(ValueError, match="--load-workers 2: load profile 'solo' runs from one load process only"):
+        w.load.check_workers(2)
 
 
 def test_merge_counts_in_flight_from_the_requests_and_keeps_the_worst_loop_lag():

@@ -9,7 +9,7 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from kvbench.backends.llamacpp import gpumem as llamacpp_mem
+from kvbench.backends.shared import llama_server_gpumem as llamacpp_mem
 from kvbench.backends.sglang import gpumem as sglang_mem
 from kvbench.backends.vllm import gpumem as vllm_mem
 from kvbench.cli import app

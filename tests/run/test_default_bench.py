@@ -94,7 +94,7 @@ def test_qwen25_7b_default_bench_on_h100_l4_a10g():
 
 def test_gpu_workload_file():
     wl = load("gpu_long_context")
-    assert wl.concurrency == [1, 4, 16] and wl.prompt_tokens[0] == 1024 and "max" in wl.prompt_tokens
+    assert wl.load.concurrency == [1, 4, 16] and wl.prompt_tokens[0] == 1024 and "max" in wl.prompt_tokens
     assert wl.prompt_lengths(8192) == [1024, 4096, 8192 - wl.output_tokens]
 
 

@@ -184,7 +184,7 @@ def test_hf_worker_done_event_carries_ids_and_topk():
     HFBackend._read_event({"done": True, "usage": {"prompt_tokens": 4, "completion_tokens": 2}, "kv": {},
                            "output_ids": [11, 12], "top_logprobs": [[[11, -0.1], [12, -2.5]], [[12, -0.3]]]}, 1.1, r)
     assert r.output_ids == [11, 12] and r.top_logprobs == [{11: -0.1, 12: -2.5}, {12: -0.3}]
-    assert logprob_records([r], 20, HFBackend.top_logprobs_max)[0]["k"] == 20
+    assert logprob_records([r], 20, HFBackend.capabilities.kv_quantisation.top_logprobs_max)[0]["k"] == 20
 
 
 def test_report_reads_an_engine_without_a_pool_from_its_cache_bytes(tmp_path):
@@ -211,7 +211,7 @@ def test_llamacpp_completion_probabilities_are_read_per_token():
                                                      {"id": 12, "logprob": -2.5, "token": "b"}]}]}
     LlamaCppBackend._read_event(event, 1.0, r)
     assert r.output_ids == [11] and r.top_logprobs == [{11: -0.1, 12: -2.5}]
-    recs = logprob_records([r], 20, LlamaCppBackend.top_logprobs_max)
+    recs = logprob_records([r], 20, LlamaCppBackend.capabilities.kv_quantisation.top_logprobs_max)
     assert recs[0]["k"] == 20 and recs[0]["top"] == [[[11, -0.1], [12, -2.5]]]
 
 

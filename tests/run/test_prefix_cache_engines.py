@@ -90,7 +90,7 @@ def test_vllm_attached_twice_salted_is_cold_and_unsalted_is_served_from_the_cach
     try:
         backend = f"vllm:url={server.base_url}"
         first, salted, again, (before, after) = three_runs(
-            tmp_path, WORKLOAD, backend, lambda: server.prefix_cache_counters(server.http))
+            tmp_path, WORKLOAD, backend, lambda: server.capabilities.prefix_cache.counters(server, server.http))
         # vLLM has cache_salt: the salted run sent the first run's tokens, kept apart by the field alone
         assert load_run_info(salted[0])["prompt_salt"]["in_tokens"] is False
         warm = check_cold_then_warm(first, salted, again, warm_at_least=0.66)
@@ -125,7 +125,7 @@ def test_llamacpp_attached_twice_salted_is_cold_and_unsalted_is_served_from_the_
         warm = check_cold_then_warm(first, salted, again, warm_at_least=0.5)
         assert warm.prefix_cache_source.str.startswith("cached prompt tokens per request").all()
         # kvbench started it for resets (--slot-save-path): every slot is erased, and says so
-        server.reset_prefix_cache()
+        server.capabilities.prefix_cache.empty(server)
         assert all(slot.get("n_prompt_tokens", 0) == 0 for slot in server.http.get(server.base_url + "/slots").json())
     finally:
         server.stop()

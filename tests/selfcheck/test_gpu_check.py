@@ -1,4 +1,4 @@
-"""selfcheck/gpu_check.py without a GPU: the "no GPU" exit, the pure table functions on fake measurements, and
+"""selfcheck/gpu_check/ without a GPU: the "no GPU" exit, the pure table functions on fake measurements, and
 the measuring steps driven end to end by a fake probe (tests/fakes/fake_gpu_probe.py) and a fake NVML."""
 import json
 import os
@@ -294,8 +294,17 @@ def test_gpu_check_runs_from_a_checkout_that_is_not_installed(tmp_path):
             "print(g.__file__); print(v.__file__); print(w.__file__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=copy, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(copy / "selfcheck" / "gpu_check.py"), str(copy / "backends" / "vllm" / "adapter.py"),
-                                  str(copy / "workloads" / "__init__.py")]
+    assert out.stdout.split() == [str(copy / "selfcheck" / "gpu_check" / "__init__.py"),
+                                  str(copy / "backends" / "vllm" / "adapter.py"), str(copy / "workloads" / "__init__.py")]
+    # the package's __main__ runs through that path too (--help: no GPU needed), and finds its probe in the copy
+    helped = subprocess.run([sys.executable, "selfcheck/uninstalled.py", "kvbench.selfcheck.gpu_check", "--help"],
+                            cwd=copy, capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0, helped.stderr
+    assert helped.stdout.startswith("usage: python -m kvbench.selfcheck.gpu_check") and "--llama-source" in helped.stdout
+    code = ("import sys; sys.path.insert(0, 'selfcheck'); import uninstalled; uninstalled.register(); "
+            "from kvbench.selfcheck.gpu_check.probe import probe_script; print(probe_script())")
+    probe = subprocess.run([sys.executable, "-c", code], cwd=copy, capture_output=True, text=True, timeout=120)
+    assert Path(probe.stdout.strip()) == (copy / "backends" / "hf" / "scripts" / "gpu_probe.py").resolve(), probe.stderr
     if not NVML().available:
         run = subprocess.run([sys.executable, "selfcheck/uninstalled.py", "kvbench.selfcheck.gpu_check"], cwd=copy,
                              capture_output=True, text=True, timeout=120)

@@ -84,15 +84,17 @@ def test_the_server_is_asked_what_it_supports_and_what_it_serves(tmp_path):
     with FakeOpenAI() as vllm_like:  # vLLM's dialect: ids, ignore_eos and usage in the stream
         backend = attached(tmp_path, vllm_like)
         (r,) = run(backend, [prompt(50, 16)])
-    assert backend.capabilities() == {"stream usage": True, "token ids": True, "ignore_eos": True}
-    assert backend.served_models() == ["smollm2"] and backend.accepts_token_ids and backend.forces_output_length
+    served = backend.capabilities.served_model
+    assert served.support(backend) == {"stream usage": True, "token ids": True, "ignore_eos": True}
+    assert served.models(backend) == ["smollm2"] and backend.accepts_token_ids and backend.forces_output_length
     assert vllm_like.last_request["prompt"] == list(range(100, 150)) and vllm_like.last_request["ignore_eos"] is True
     assert r.error is None and r.output_tokens_reported == 16
 
     with FakeOpenAI(vllm_extensions=False, token_id_prompts=False, include_usage=False) as plain:
         backend = attached(tmp_path, plain)
         (r,) = run(backend, [prompt(50, 16)])
-    assert backend.capabilities() == {"stream usage": False, "token ids": False, "ignore_eos": False}
+    assert backend.capabilities.served_model.support(backend) == {"stream usage": False, "token ids": False,
+                                                                  "ignore_eos": False}
     assert not (backend.accepts_token_ids or backend.forces_output_length)
     body = plain.last_request
     assert isinstance(body["prompt"], str) and "ignore_eos" not in body and "stream_options" not in body
@@ -101,12 +103,12 @@ def test_the_server_is_asked_what_it_supports_and_what_it_serves(tmp_path):
 
     with FakeOpenAI() as told:  # an option given is used as given, not asked
         backend = attached(tmp_path, told, token_ids=False, ignore_eos=False)
-    assert backend.capabilities() == {"stream usage": True}
+    assert backend.capabilities.served_model.support(backend) == {"stream usage": True}
     assert not (backend.accepts_token_ids or backend.forces_output_length)
 
     with FakeOpenAI() as unasked:  # probe=false: nothing sent before the cells, the options' defaults used
         backend = attached(tmp_path, unasked, probe=False)
-    assert backend.capabilities() == {} and unasked.last_request is None
+    assert backend.capabilities.served_model.support(backend) == {} and unasked.last_request is None
     assert not (backend.accepts_token_ids or backend.forces_output_length)
 
 

@@ -459,13 +459,14 @@ def test_the_prometheus_names_are_on_the_fakes_metrics_page():
     with FakeSGLang() as fake:
         page = fake.metrics().decode()
     samples = {s.name for f in text_string_to_metric_families(page) for s in f.samples}
-    assert set(SGLangBackend.prometheus_metrics) <= samples
+    assert set(SGLangBackend.capabilities.telemetry.prometheus_metrics) <= samples
     assert set(SGLangBackend.POLLED) - {"sglang:swa_used_tokens"} <= samples
 
 
 def test_a_real_prometheus_reads_sglangs_metrics_into_the_row(tmp_path, smollm2):
     """`kvbench run --prometheus` unchanged: a real Prometheus scraping the fake every second; the row's
-    engine figures come from the adapter's ``prometheus_metrics`` (token_usage, running, queue, retractions)."""
+    engine figures come from the adapter's Telemetry ``prometheus_metrics`` (token_usage, running, queue,
+    retractions)."""
     from tests.run.test_telemetry import RealPrometheus, run_kvbench
 
     wl = Workload(name="prom", seed=3, prompt_tokens=[32], output_tokens=150, concurrency=[2], rounds=2,

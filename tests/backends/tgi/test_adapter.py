@@ -115,7 +115,8 @@ def test_start_stream_kv_stop_with_the_launcher_on_path(tmp_path, monkeypatch):
         assert (f"--model-id {s.model.hf_dir} --hostname 127.0.0.1 --port {backend.spec.port} --max-input-tokens 2047 "
                 "--max-total-tokens 2048 --max-batch-prefill-tokens 2048 --max-concurrent-requests 3") in log
         assert backend.reported_version() == "3.3.5"
-        assert backend.served_models() == [str(s.model.hf_dir)]  # /info's model_id: the folder it was given
+        # /info's model_id: the folder it was given
+        assert backend.capabilities.served_model.models(backend) == [str(s.model.hf_dir)]
         (r,) = run(backend, [prompt(64, 8)])
         assert r.error is None and (r.prompt_tokens_reported, r.output_tokens_reported) == (64, 8)
         pool = backend.kv_pool()

@@ -1,4 +1,5 @@
-"""llama.cpp's memory on a CUDA GPU at startup. Imports only kvbench.kv.
+"""llama.cpp's memory on a CUDA GPU at startup, as llama-server allocates it (the rules of every engine that
+runs llama-server use it). Imports only kvbench.kv.
 
 llama.cpp takes no fraction of the GPU: it allocates the weights, the KV cache for its cells and the compute
 buffer the scheduler reserves for the largest graph (src/llama-context.cpp graph_reserve at n_ubatch tokens
