@@ -150,8 +150,8 @@ def test_each_kv_rules_class_declares_the_options_it_reads():
         for cls in type(rules).__mro__:
             if cls.__module__.startswith("kvbench.backends") and cls.__name__ != "KVRules":
                 read |= set(re.findall(r"q\.options\.get\(\"(\w+)\"", inspect.getsource(cls)))
-                # the engine's startup rule beside its rules (backends/<engine>/gpumem.py) reads the same options
-                gpumem = sys.modules.get(cls.__module__.rpartition(".")[0] + ".gpumem")
+                # the startup rule its rules import as gpumem (backends/<engine>/gpumem.py or shared/) reads the same options
+                gpumem = getattr(sys.modules[cls.__module__], "gpumem", None)
                 if gpumem is not None:
                     read |= set(re.findall(r"options\.get\(\"(\w+)\"", inspect.getsource(gpumem)))
         assert read == set(getattr(rules, "rule_options", ())), engine

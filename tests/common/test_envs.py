@@ -76,11 +76,17 @@ def test_an_interrupted_setup_leaves_no_installer_running(tmp_path, monkeypatch)
     monkeypatch.setenv("KVBENCH_HOME", str(tmp_path))
     marker = f"kvbench-test-{os.getpid()}"
     recipes = [_sleeper("a", 60, marker), _sleeper("b", 60, marker)]
+    # as in `kvbench setup`, Ctrl-C raises KeyboardInterrupt here (a pytest-xdist worker ignores SIGINT)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))  # as Ctrl-C: a real signal
     timer.start()
     started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        _install_side_by_side(Console(file=io.StringIO()), recipes)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _install_side_by_side(Console(file=io.StringIO()), recipes)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, handler)
     assert time.monotonic() - started < 10
     deadline = time.monotonic() + 3
     while time.monotonic() < deadline and _running(marker):

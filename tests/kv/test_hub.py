@@ -128,7 +128,8 @@ def test_llamacpp_makes_the_gguf_of_a_hub_model_once_with_llamas_converter(tmp_p
     from kvbench.kv.model_config import geometry_from_hf
 
     monkeypatch.setenv("KVBENCH_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr("kvbench.backends.llamacpp.adapter.ensure_env", lambda recipe, log=print: tmp_path / "hf-env")
+    # the interpreter with transformers comes from the registry (the hf environment): not installed here
+    monkeypatch.setattr("kvbench.backends.hf_tools_python", lambda log=print: tmp_path / "hf-env" / "bin" / "python")
     calls = []
 
     def convert(cls, python, pairs, log=print, version=None, outtype="f16"):
