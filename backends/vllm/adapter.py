@@ -71,17 +71,21 @@ def read_logprobs(event: dict, result: RequestResult) -> None:
     (its ``token_ids``), each position's top-k by id, and with ``echo`` the prompt's own log-probabilities, which
     lead the first chunk's lists (the first prompt token has none)."""
     for choice in event.get("choices") or []:
-        lp = choice.get("logprobs")
-        if not lp:
-            continue
-        ids = choice.get("token_ids") or []
-        values, tops = lp.get("token_logprobs") or [], lp.get("top_logprobs") or []
-        echoed = max(0, len(values) - len(ids))
-        if echoed and result.prompt_logprobs is None:
-            result.prompt_logprobs = [None if v is None else float(v) for v in values[:echoed]]
-        result.output_ids += [int(i) for i in ids]
-        for top in tops[echoed:]:
-            result.top_logprobs.append({int(str(k).rsplit(":", 1)[-1]): float(v) for k, v in (top or {}).items()})
+        if choice.get("logprobs"):
+            read_choice_logprobs(choice, result)
+
+
+def read_choice_logprobs(choice: dict, result: RequestResult) -> None:
+    """:func:`read_logprobs` for one choice that carries ``logprobs``."""
+    lp = choice["logprobs"]
+    ids = choice.get("token_ids") or []
+    values, tops = lp.get("token_logprobs") or [], lp.get("top_logprobs") or []
+    echoed = max(0, len(values) - len(ids))
+    if echoed and result.prompt_logprobs is None:
+        result.prompt_logprobs = [None if v is None else float(v) for v in values[:echoed]]
+    result.output_ids += [int(i) for i in ids]
+    for top in tops[echoed:]:
+        result.top_logprobs.append({int(str(k).rsplit(":", 1)[-1]): float(v) for k, v in (top or {}).items()})
 
 
 @dataclass(frozen=True)
@@ -331,8 +335,8 @@ class VLLMBackend(PrometheusPolled, Backend):
     def _read_event(event: dict, now: float, result: RequestResult) -> None:
         if "error" in event:
             result.error = json.dumps(event["error"])[:500]
-        read_completion_chunk(event, now, result)  # token_ids per chunk: return_token_ids is always on
-        read_logprobs(event, result)
+        # token_ids per chunk (return_token_ids is always on); logprobs read in the same pass over the choices
+        read_completion_chunk(event, now, result, read_choice_logprobs)
 
     def _read_cache_info(self) -> dict | None:
         if self._cache_info is None:

@@ -96,7 +96,10 @@ async def send_one(backend: Backend, client, prompt, settings: LoadSettings) -> 
     else:
         timed_out = False
         try:
-            result = await asyncio.wait_for(backend.stream(client, prompt), settings.timeout_s)
+            # asyncio.timeout, not wait_for: no task of its own per request (the client's ceiling,
+            # docs/harness-benchmarks.md: wait_for's task cost ~10 us a request)
+            async with asyncio.timeout(settings.timeout_s):
+                result = await backend.stream(client, prompt)
             if streak:
                 streak.record(False)
             return _done(result, settings)

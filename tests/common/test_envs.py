@@ -87,7 +87,7 @@ def test_an_interrupted_setup_leaves_no_installer_running(tmp_path, monkeypatch)
     finally:
         timer.cancel()
         signal.signal(signal.SIGINT, handler)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 30  # the installers sleep 60 s: they were stopped, not waited for
     deadline = time.monotonic() + 3
     while time.monotonic() < deadline and _running(marker):
         time.sleep(0.05)
