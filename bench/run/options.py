@@ -213,7 +213,7 @@ class RunOptions:
     load_workers: int = option(
         Flag("load_workers", int, 1, "Load generator processes, each with its own event loop (requests split over "
              "them): for rates one core cannot send.", min=1),  # bench/load/workers.py
-        read=read_load_workers)
+        read=read_load_workers, default=1)
     # read after each cell: GPU memory (DCGM) and engine metrics
     prometheus: Prometheus | None = option(
         Flag("prometheus", str, None, "Read each cell's GPU memory (DCGM exporter) and the engines' metrics from "
