@@ -72,7 +72,7 @@ def _install_side_by_side(console, recipes: list) -> bool:
         try:
             for recipe, future in zip(recipes, futures):
                 try:
-                    path = future.result()
+                    path = _result(future)
                     console.print(f"[green]ready[/] {recipe.name}: {path}")
                 except EnvInstallError as exc:
                     failed = True
@@ -83,3 +83,13 @@ def _install_side_by_side(console, recipes: list) -> bool:
             stop_installs()
             raise
     return failed
+
+
+def _result(future):
+    """The future's result, waited for in half seconds: a signal that reaches another thread than this one (as
+    under a test runner's worker) is handled when this thread next runs, not when the install ends."""
+    while True:
+        try:
+            return future.result(timeout=0.5)
+        except TimeoutError:
+            continue
