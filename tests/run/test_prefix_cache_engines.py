@@ -50,11 +50,12 @@ def check_cold_then_warm(first, salted, again, warm_at_least):
         assert (cells.prefix_cache_expected == "cold").all()
         assert (cells.prefix_cache_hit_rate < 0.01).all(), cells.prefix_cache_hit_rate.tolist()
     assert load_run_info(a)["prompt_salt"]["value"] is None and load_run_info(b)["prompt_salt"]["value"]
-    # no saving from a cache: the salted run's TTFT median within 15 % of the first run's. Not a rank test: the
-    # server's first traffic runs a few % slower on some machines (2.45 s against 2.35 s on every request), a
-    # shift a rank test of 6 against 6 calls significant; a cache hit saves tens of % (the warm run below).
+    # no saving from a cache: the salted run's TTFT median not below 0.85 of the first run's. Not a rank test:
+    # the server's first traffic runs a few % slower on some machines (2.45 s against 2.35 s on every request),
+    # a shift a rank test of 6 against 6 calls significant; one-sided, as a busy machine slows either run and
+    # only a cache makes one faster (tens of %: the warm run below).
     ratio = statistics.median(ttfts(b)) / statistics.median(ttfts(a))
-    assert 0.85 < ratio < 1.15, (ttfts(a), ttfts(b))
+    assert ratio > 0.85, (ttfts(a), ttfts(b))
     assert (cells_d.prefix_cache_hit_rate >= warm_at_least).all(), cells_d.prefix_cache_hit_rate.tolist()
     assert (cells_d.status == "flagged").all()
     assert all(f[0].startswith("prefix cache hit on a cell meant cold") for f in cells_d["flags"])
