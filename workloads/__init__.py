@@ -19,6 +19,7 @@ from pydantic import (BaseModel, Field, SerializeAsAny, ValidationError, field_v
 
 from kvbench.common.files import check_plain_name
 from kvbench.load import LoadProfile
+from kvbench.load.profile import refuse_true_as_a_number
 from kvbench.load import registry as load_profiles
 
 WORKLOAD_DIR = Path(__file__).parent
@@ -101,17 +102,7 @@ class Workload(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _no_true_as_a_number(cls, data):
-        """TOML's true/false are no lengths, counts or rates (pydantic would read them as 1 and 0)."""
-        if not isinstance(data, dict):
-            return data
-        for key, value in data.items():
-            field = cls.model_fields.get(key)
-            if field is None or "bool" in str(field.annotation):
-                continue
-            if any(isinstance(v, bool) for v in (value if isinstance(value, list) else [value])):
-                raise ValueError(f"{key} = {value!r}: true and false are not numbers".replace("True", "true")
-                                 .replace("False", "false"))
-        return data
+        return refuse_true_as_a_number(cls, data)
 
     @field_validator("name")
     @classmethod

@@ -56,6 +56,21 @@ class LoadPoint:
 Share = tuple[list, LoadPoint, Any]
 
 
+def refuse_true_as_a_number(model: type[BaseModel], data):
+    """``data`` for ``model``, refused where a non-bool field holds true or false: TOML's true/false are no
+    lengths, counts or rates (pydantic would read them as 1 and 0). For a ``mode="before"`` validator."""
+    if not isinstance(data, dict):
+        return data
+    for key, value in data.items():
+        field = model.model_fields.get(key)
+        if field is None or "bool" in str(field.annotation):
+            continue
+        if any(isinstance(v, bool) for v in (value if isinstance(value, list) else [value])):
+            raise ValueError(f"{key} = {value!r}: true and false are not numbers".replace("True", "true")
+                             .replace("False", "false"))
+    return data
+
+
 class LoadProfile(BaseModel):
     """A workload's load. Subclasses declare ``profile: Literal[NAME] = NAME`` (the section's key and the
     class's registered name) and their settings, and override the hooks below that apply to them."""
@@ -85,17 +100,7 @@ class LoadProfile(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _no_true_as_a_number(cls, data):
-        """TOML's true/false are no counts or rates (pydantic would read them as 1 and 0)."""
-        if not isinstance(data, dict):
-            return data
-        for key, value in data.items():
-            field = cls.model_fields.get(key)
-            if field is None or "bool" in str(field.annotation):
-                continue
-            if any(isinstance(v, bool) for v in (value if isinstance(value, list) else [value])):
-                raise ValueError(f"{key} = {value!r}: true and false are not numbers".replace("True", "true")
-                                 .replace("False", "false"))
-        return data
+        return refuse_true_as_a_number(cls, data)
 
     # --- the points a workload's cells run at -----------------------------------------------------------
 
