@@ -1,10 +1,16 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from kvbench.backends import gguf_converter
 from kvbench.common import models
+
+# pytest rewrites the asserts of every test module it imports and caches the result as bytecode, unless
+# bytecode writing is off (PYTHONDONTWRITEBYTECODE, set on the machines this project runs on): then each
+# worker redid it every session, 13 s of a 17 s collection. The cache goes to tests/**/__pycache__ (ignored).
+sys.dont_write_bytecode = False
 
 # pytest-timeout: every test has pyproject.toml's default (300 s); one marked `engine` starts a real engine
 # (a module's engine fixture runs inside its first test) and gets this instead. A test's own

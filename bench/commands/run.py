@@ -11,7 +11,6 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from kvbench import reports
 from kvbench.common import ui
 from kvbench.common.models import ModelError, locate
 from kvbench.common.suggest import with_hint
@@ -86,6 +85,8 @@ def resolve_and_plan(given: dict):
 
 def report(run_dir: Path, console: Console) -> None:
     """Step "report": the run's report written and printed, as `kvbench report` does (and --help promises)."""
+    from kvbench import reports  # matplotlib: imported here, not before a refusal (1.4 s of every `kvbench run`)
+
     try:
         md, page, _, built = reports.write_report([run_dir])
         from kvbench.reports import terminal

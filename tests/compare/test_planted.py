@@ -4,11 +4,13 @@ table and JSON).
 Speed (issue 13's acceptance): a mock engine 10 % slower is caught at the repeats the README recommends (10,
 interleaved), and an unchanged one is not flagged. The mock engines are tests/fakes/openai_server.py servers
 whose every token (the first too) takes ``token_delay_s``: 20 ms against 22 ms is a 10 % slower engine, TTFT
-and ITL alike. Both run in one interleaved run (AB BA AB ...), which compare reads as paired repeats.
+and ITL alike. The baseline, the slower engine and an unchanged copy of the baseline run in one interleaved
+run (ABC CBA ABC ...), which compare reads as paired repeats of whichever two it is given.
 
 KV memory: synthetic runs (tests/synth.py) identical but for the candidate's KV bytes in use: more than the
 1 % tolerance is a regression, less an improvement, a change within it unchanged.
 """
+import contextlib
 import io
 import json
 import subprocess
@@ -29,22 +31,30 @@ WORKLOAD = """name = "planted"
 description = "one short rung, five requests a cell: for compare's acceptance test"
 seed = 3
 prompt_tokens = [64]
-output_tokens = 8
+output_tokens = 4
 concurrency = [1]
 rounds = 5
 warmup_requests = 1
 warmup_prompt_tokens = 32
 """
+# each engine's token time: the baseline, one 10 % slower, and the baseline again (unchanged)
+TOKEN_DELAYS_S = {"baseline": 0.020, "10%-slower": 0.022, "unchanged": 0.020}
 
 
-def ab_run(tmp_path: Path, delay_a: float, delay_b: float) -> tuple[Path, str, str]:
+@pytest.fixture(scope="module")
+def planted_run(tmp_path_factory, smollm2) -> tuple[Path, dict[str, str]]:
+    """One interleaved run of the three mock engines, 10 repeats each: (the run, each engine's backend label)."""
+    tmp_path = tmp_path_factory.mktemp("planted")
     (tmp_path / "planted.toml").write_text(WORKLOAD)
-    with FakeOpenAI(token_delay_s=delay_a) as a, FakeOpenAI(token_delay_s=delay_b) as b:
+    servers = {name: FakeOpenAI(token_delay_s=delay) for name, delay in TOKEN_DELAYS_S.items()}
+    with contextlib.ExitStack() as stack:
+        for server in servers.values():
+            stack.enter_context(server)
         opts = RunOptions(model="smollm2", workload=load(str(tmp_path / "planted.toml")), results_dir=tmp_path,
-                          run_id="ab", repeats=10, interleave=True, estimate=False,
-                          backends=[BackendConfig.parse(f"openai:url={s.url}") for s in (a, b)])
+                          run_id="abc", repeats=10, interleave=True, estimate=False,
+                          backends=[BackendConfig.parse(f"openai:url={s.url}") for s in servers.values()])
         run_dir = Runner(opts, Console(file=io.StringIO())).run()
-    return run_dir, f"openai@127.0.0.1:{a.port}", f"openai@127.0.0.1:{b.port}"
+    return run_dir, {name: f"openai@127.0.0.1:{s.port}" for name, s in servers.items()}
 
 
 def kvbench_compare(*args, json_file: Path) -> tuple[subprocess.CompletedProcess, dict]:
@@ -75,11 +85,12 @@ def table_rows(stdout: str, name: str) -> list[list[str]]:
 INTERLEAVED = "interleaved run (run.json: interleaved)"  # bench/compare/runs.py interleaving(): paired repeats
 
 
-@pytest.mark.parametrize("slower, expected_exit", [(1.10, 1), (1.0, 0)], ids=["10%-slower", "unchanged"])
-def test_compare_catches_a_planted_regression_and_passes_an_unchanged_engine(tmp_path, smollm2, slower,
+@pytest.mark.parametrize("candidate, expected_exit", [("10%-slower", 1), ("unchanged", 0)],
+                         ids=["10%-slower", "unchanged"])
+def test_compare_catches_a_planted_regression_and_passes_an_unchanged_engine(tmp_path, planted_run, candidate,
                                                                              expected_exit):
-    run_dir, a, b = ab_run(tmp_path, 0.020, 0.020 * slower)
-    proc, result = compare(run_dir, a, b, tmp_path / "compare.json")
+    run_dir, labels = planted_run
+    proc, result = compare(run_dir, labels["baseline"], labels[candidate], tmp_path / "compare.json")
     # an unchanged engine is never a regression: unchanged (exit 0), or inconclusive (exit 3) where an interval
     # of the 10 pairs is still wider than its tolerance
     expected_exit = expected_exit or {"unchanged": 0, "inconclusive": 3}.get(result["verdict"], -1)
@@ -87,7 +98,7 @@ def test_compare_catches_a_planted_regression_and_passes_an_unchanged_engine(tmp
     verdict_line = proc.stdout.splitlines()[2]  # after the "# kvbench compare: ..." title: the verdict first
     ttft = metric(result, "ttft_s_p50")
     assert len(ttft) == 1  # one rung, one concurrency: one cell
-    if slower > 1:
+    if candidate == "10%-slower":
         assert result["verdict"] == "REGRESSION" and verdict_line.startswith("**REGRESSION** (exit 1):"), verdict_line
         assert ttft[0]["verdict"] == "regression" and ttft[0]["ci_low"] > 0.05
         assert table_rows(proc.stdout, "ttft_s_p50")[0][8] == "REGRESSION"
