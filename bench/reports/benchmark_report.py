@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from kvbench.common.files import OutputRefused, atomic_write_text, check_output, check_output_folder
+from kvbench.common.files import atomic_write_text, check_output, check_output_folder
 from kvbench.common.metrics import RequestTimes, request_verdict
 from kvbench.store.readers import load_run_info, read_jsonl_rows
 from kvbench.store.schema import OK_STATUSES, CellRow, RequestRow, migrate_row
@@ -238,8 +238,10 @@ def _request_performance(row: dict, requests: list[dict]) -> dict:
 def _request_series(times: list[RequestTimes], to_unix) -> dict:
     """Each request's TTFT at its first token and its E2E at its end; output tokens per second in 1 s bins."""
     done = [t for t in times if t.chunk_times]
-    ttft = [{"ts": _iso(to_unix(t.chunk_times[0])), "value": t.ttft} for t in sorted(done, key=lambda t: t.chunk_times[0])]
-    e2e = [{"ts": _iso(to_unix(t.t_sent + t.e2e)), "value": t.e2e} for t in sorted(done, key=lambda t: t.t_sent + t.e2e)]
+    ttft = [{"ts": _iso(to_unix(t.chunk_times[0])), "value": t.ttft}
+            for t in sorted(done, key=lambda t: t.chunk_times[0])]
+    e2e = [{"ts": _iso(to_unix(t.t_sent + t.e2e)), "value": t.e2e}
+           for t in sorted(done, key=lambda t: t.t_sent + t.e2e)]
     arrivals = [(c, k) for t in done for c, k in zip(t.chunk_times, t.chunk_tokens)]
     first = min(c for c, _ in arrivals)
     bins: dict[int, int] = {}
@@ -406,7 +408,7 @@ def output_folder(run_dir: Path, output: Path | None, many: bool) -> Path:
 
 
 def check_outputs(run_dirs: list[Path], output: Path | None) -> None:
-    """Refuse (:class:`OutputRefused`) before anything is written where a report would go through a link or
+    """Refuse (:class:`kvbench.common.files.OutputRefused`) before anything is written where a report would go through a link or
     over a file kvbench did not write."""
     for run_dir in run_dirs:
         folder = output_folder(run_dir, output, len(run_dirs) > 1)
@@ -438,5 +440,5 @@ def write(run_dirs: list[Path], output: Path | None = None) -> list[Path]:
     return written
 
 
-__all__ = ["FILE_PREFIX", "KV_KEY", "OutputRefused", "cell_reports", "check_outputs", "file_name", "read_back",
+__all__ = ["FILE_PREFIX", "KV_KEY", "cell_reports", "check_outputs", "file_name", "read_back",
            "render", "statistics", "write"]

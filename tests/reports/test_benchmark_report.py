@@ -19,7 +19,8 @@ from kvbench.store.schema import OK_STATUSES
 from tests.helpers import REPO
 from tests.synth import make_run
 
-PUBLISHED = sorted(p.parent for folder in ("published", "gpu") for p in (REPO / "results" / folder).glob("*/cells.jsonl"))
+PUBLISHED = sorted(p.parent for folder in ("published", "gpu")
+                   for p in (REPO / "results" / folder).glob("*/cells.jsonl"))
 
 
 def kvbench(*args):
@@ -104,7 +105,8 @@ def test_time_series_gpus_parallelism_and_a_failed_cell(tmp_path):
     made = reports(run)
     ok = made[br.file_name("vllm-0.31.0_p1024_c2_r0")]
     engine = ok.scenario.stack[0].standardized
-    assert (engine.accelerator.model, engine.accelerator.count, engine.accelerator.parallelism.tp) == ("NVIDIA H200", 2, 2)
+    accelerator = engine.accelerator
+    assert (accelerator.model, accelerator.count, accelerator.parallelism.tp) == ("NVIDIA H200", 2, 2)
     assert ok.scenario.load.standardized.parallelism == 3
     assert ok.scenario.load.standardized.concurrency == 2
     assert ok.run.time.duration == "PT300.000S"

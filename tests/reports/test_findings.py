@@ -16,7 +16,8 @@ from kvbench.reports import findings, html, markdown, terminal
 from tests.helpers import REPO
 from tests.synth import make_run
 
-PUBLISHED = sorted(p.parent for folder in ("published", "gpu") for p in (REPO / "results" / folder).glob("*/cells.jsonl"))
+PUBLISHED = sorted(p.parent for folder in ("published", "gpu")
+                   for p in (REPO / "results" / folder).glob("*/cells.jsonl"))
 # a figure as the tables write it: a decimal (ratio, seconds, ms, tok/s) or a size
 FIGURE = re.compile(r"\d[\d,]*\.\d+(?: [KMGT]iB)?")
 
@@ -70,7 +71,8 @@ def test_a_failed_cell_and_every_layout(tmp_path):
     run = make_run(tmp_path, "findings", backends=(("vllm", "0.31.0"), ("llamacpp", "0.3.36")), prompts=(1024, 2048),
                    concurrency=(1, 4), repeats=1, n_requests=4, failed={("llamacpp-0.3.36", 2048, 4)})
     report = reports.build([run])
-    lines = findings.lines(reports.tables.aggregate(reports.load([run], what="cells")).assign(label=lambda f: f.backend))
+    lines = findings.lines(reports.tables.aggregate(reports.load([run], what="cells")).assign(
+        label=lambda f: f.backend))
     assert lines["llamacpp-0.3.36"][-1].startswith("1 of 4 cells failed (first: prompt 2048, x4, failed: engine failed")
     assert lines["vllm-0.31.0"][-1] == "All 4 cells ran with every request as asked."
     assert any(line.startswith("At the top load (prompt 2048, x4)") for line in lines["vllm-0.31.0"])
