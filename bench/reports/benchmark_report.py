@@ -259,7 +259,7 @@ def _timeline(run_dir: Path, cell_id: str) -> pd.DataFrame | None:
         return None
     tl = pd.read_csv(path)
     if "replica" in tl:  # a deployment's totals (replica ""), not each replica's own samples
-        tl = tl[tl.replica.fillna("") == ""]
+        tl = tl[tl.replica.astype(object).fillna("") == ""]
     return tl
 
 

@@ -56,9 +56,7 @@ def _pool_line(ok: pd.DataFrame, with_variant: bool) -> str:
     if pooled.empty:
         labels = {pool_label(r) for r in ok.itertuples()}
         return f"KV pool: {', '.join(sorted(labels)) if labels else NOT_MEASURED}."
-    waiting = pooled.requests_waiting_peak.fillna(0) if "requests_waiting_peak" in pooled else 0
-    preempted = pooled.preemptions.fillna(0) if "preemptions" in pooled else 0
-    queued = _order(pooled[(waiting > 0) | (preempted > 0)])
+    queued = _order(pooled[(pooled.requests_waiting_peak.fillna(0) > 0) | (pooled.preemptions.fillna(0) > 0)])
     if not queued.empty:
         r = queued.iloc[0]
         held = sequences_fitting(r)
@@ -82,7 +80,7 @@ def _pool_line(ok: pd.DataFrame, with_variant: bool) -> str:
         return (f"The KV pool holds {fmt_int(sequences_fitting(r))} sequences of prompt "
                 f"{int(r.prompt_tokens)} by the KV model, fewer than the {int(r.concurrency)} asked at "
                 f"{_cell(r, with_variant)}; the engine's queue was not measured; {fill}.")
-    queue_measured = "requests_waiting_peak" in pooled and pooled.requests_waiting_peak.notna().any()
+    queue_measured = pooled.requests_waiting_peak.notna().any()
     return (f"The KV pool never saturated" + (" (no request waited or was preempted)" if queue_measured else
                                                " by the KV model (the engine's queue was not measured)") +
             f": {fill}.")
