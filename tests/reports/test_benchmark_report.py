@@ -161,3 +161,15 @@ def test_statistics_keys_are_the_schemas():
     assert stats["p50"] == 2.0 and stats["min"] == 1.0 and stats["max"] == 3.0
     assert set(stats) - {"units"} <= set(BenchmarkReportV02.model_json_schema()["$defs"]["Statistics"]["properties"])
     assert br.statistics([None], "s") is None
+
+
+def test_a_report_the_schema_refuses_is_never_written(tmp_path, monkeypatch):
+    """The package's validators run before anything is written: a figure in a unit the schema does not take
+    for it (seconds as a KV cache usage) stops the run's reports with one line, exit 1, and no file."""
+    run = make_run(tmp_path, "br-invalid", prompts=(1024,), concurrency=(1, 2), repeats=1, n_requests=3)
+    real = br.statistics
+    monkeypatch.setattr(br, "statistics", lambda values, units: real(values, "s" if units == "fraction" else units))
+    code, _, err = kvbench("report", run, "--format", "br")
+    assert code == 1 and "did not validate" in err and "observability" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not list(run.glob(f"{br.FILE_PREFIX}*"))
