@@ -60,6 +60,14 @@ class Backend(ABC):
         """GPUs one server started with ``options`` spans (tensor parallel, a layer split, a device map)."""
         return 1
 
+    @classmethod
+    def parallelism(cls, options: dict) -> dict[str, int]:
+        """How one server started with ``options`` splits the model, in the Benchmark Report's terms (``tp``,
+        ``pp``, ``dp``, ``ep``; bench/reports/benchmark_report.py): only what its options set. {} where it is
+        not split in one of those ways (one GPU, a CPU, or a split those terms do not name: a layer split, a
+        device map)."""
+        return {}
+
     def __init__(self, version: str, env_path: Path, options: dict | None = None):
         self.version = version
         self.env_path = env_path

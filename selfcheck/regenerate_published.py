@@ -3,9 +3,10 @@
     python -m kvbench.selfcheck.regenerate_published OUT_DIR > manifest.txt
 
 Each run under results/published/ and results/gpu/ that has a ``requests.jsonl`` is copied to OUT_DIR without
-its derived files (Parquet, reports, plots, comparisons), then ``kvbench report`` writes its Markdown, HTML,
-PNG plots and Parquet again and, where the run was published with a comparison, ``kvbench compare`` writes
-that again with the command recorded in results/published/README.md. The manifest is one line per file:
+its derived files (Parquet, reports, plots, comparisons, Benchmark Reports), then ``kvbench report`` writes its
+Markdown, HTML, PNG plots, Parquet and (``--format br``) its llm-d Benchmark Reports again and, where the run
+was published with a comparison, ``kvbench compare`` writes that again with the command recorded in
+results/published/README.md. The manifest is one line per file:
 sha256 and path. Run it at two commits in the same environment, into the same OUT_DIR (emptied between: the
 comparison names its run folders' paths), and diff the manifests; the PNG files carry matplotlib's version, so
 manifests from different environments differ for that reason alone.
@@ -21,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "results"
 DERIVED = ("cells.parquet", "requests.parquet", "report.md", "report.html", "plots", "compare.md", "compare.json",
-           "compare.html", "compare_forest.png")
+           "compare.html", "compare_forest.png", "benchmark_report_v0.2,_*.yaml")
 # The comparisons published with their runs: folder -> kvbench compare's arguments after the run folder.
 COMPARISONS = {"20261129-vllm-upgrade-cpu": ["--baseline-backend", "vllm-0.31.0", "--candidate-backend", "vllm-0.32.0"]}
 
@@ -35,6 +36,8 @@ def regenerate(run: Path, out_dir: Path) -> Path:
     shutil.copytree(run, copy, ignore=shutil.ignore_patterns(*DERIVED))
     kvbench = [sys.executable, "-m", "kvbench.cli"]
     subprocess.run([*kvbench, "report", str(copy), "--raw"], check=True, stdout=subprocess.DEVNULL)
+    # the llm-d Benchmark Reports beside the report, one per cell
+    subprocess.run([*kvbench, "report", str(copy), "--format", "br"], check=True, stdout=subprocess.DEVNULL)
     if run.name in COMPARISONS:
         # every verdict writes its outputs: 0 unchanged, 1 regression, 3 inconclusive, 4 improvement
         done = subprocess.run([*kvbench, "compare", str(copy), *COMPARISONS[run.name], "-o", str(copy)],

@@ -185,6 +185,11 @@ class SGLangBackend(PrometheusPolled, Backend):
         return int(options.get("tp") or 1)
 
     @classmethod
+    def parallelism(cls, options: dict) -> dict[str, int]:
+        """Its tensor-parallel size."""
+        return {"tp": cls.gpus_used(options)}
+
+    @classmethod
     def recipe(cls, version: str) -> Recipe:
         if has_nvidia_gpu():
             return Recipe("sglang", version, (

@@ -92,6 +92,11 @@ class TGIBackend(PrometheusPolled, Backend):
     def gpus_used(cls, options: dict) -> int:
         return int(options.get("num_shard") or 1)
 
+    @classmethod
+    def parallelism(cls, options: dict) -> dict[str, int]:
+        """Its shards (tensor parallel)."""
+        return {"tp": cls.gpus_used(options)}
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.mode: str | None = None  # "launcher" or "docker", set by command()

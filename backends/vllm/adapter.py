@@ -225,6 +225,11 @@ class VLLMBackend(PrometheusPolled, Backend):
         """GPUs one server spans: its tensor-parallel size."""
         return int(options.get("tp") or 1)
 
+    @classmethod
+    def parallelism(cls, options: dict) -> dict[str, int]:
+        """Its tensor-parallel size."""
+        return {"tp": cls.gpus_used(options)}
+
     @property
     def deployed(self) -> bool:
         return self.options.get("engine_mode", "sized") == "deployed"

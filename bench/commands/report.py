@@ -1,5 +1,6 @@
 import sys
 import warnings
+from enum import Enum
 from pathlib import Path
 
 import typer
@@ -9,6 +10,11 @@ from kvbench.common import ui
 from kvbench.common.files import OutputRefused
 from kvbench.store.errors import ResultsReadError, ResultsWarning, ResultsWriteError
 from kvbench.store.readers import ensure_parquet, not_a_run_dir
+
+
+class ReportFormat(str, Enum):
+    md = "md"  # the Markdown and HTML report, printed on the terminal
+    br = "br"  # llm-d Benchmark Reports v0.2.1, one YAML per cell (bench/reports/benchmark_report.py)
 
 
 def report(
@@ -24,6 +30,11 @@ def report(
     recompute: bool = typer.Option(False, "--recompute", help="First rebuild every cell's figures from requests.jsonl "
                                                               "under today's definitions and say what changed "
                                                               "(cells.jsonl rewritten, the old one kept as cells.jsonl.bak)."),
+
+    output_format: ReportFormat = typer.Option(
+        ReportFormat.md, "--format", help="md: the report (Markdown, HTML, terminal); br: one llm-d Benchmark Report "
+                                          "v0.2.1 per cell, validated by the llmd-benchmark-report package, as "
+                                          "RUN_DIR/benchmark_report_v0.2,_<cell>.yaml (with -o: into that folder)."),
 ):
     """Turn one or more runs into Markdown tables (KV predicted vs engine vs measured, latency and throughput,
     the KV boundary, failures), PNG plots and one self-contained HTML page; without -o also writes each run's
@@ -34,6 +45,8 @@ def report(
     for run_dir in run_dirs:
         if problem := not_a_run_dir(run_dir):
             raise typer.BadParameter(problem, param_hint="RUN_DIR")
+    if output_format is ReportFormat.br:
+        return _benchmark_reports(run_dirs, output, html_file, raw, recompute)
     try:  # before anything is written (a Parquet copy, a recomputed cells.jsonl)
         reports.check_outputs(*reports.output_paths(run_dirs, output, html_file, plots))
     except OutputRefused as exc:
@@ -72,3 +85,40 @@ def report(
 
         terminal.render(built, ui.console())  # within 120 columns: wide tables in parts
     print(f"\nreport written to {output} and {target_html}")
+
+
+def _benchmark_reports(run_dirs: list[Path], output: Path | None, html_file: Path | None, raw: bool,
+                       recompute: bool) -> None:
+    """``--format br``: each cell of each run as an llm-d Benchmark Report (``-o``: the folder they go to)."""
+    from pydantic import ValidationError
+
+    from kvbench.reports import benchmark_report
+
+    if html_file is not None or raw:
+        print("error: --html and --raw belong to --format md; --format br writes YAML files only", file=sys.stderr)
+        raise typer.Exit(2)
+    try:
+        benchmark_report.check_outputs(run_dirs, output)
+    except OutputRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise typer.Exit(2)
+    if recompute:
+        from kvbench.store.recompute import recompute_runs
+
+        if code := recompute_runs(run_dirs):
+            raise typer.Exit(code)
+    try:
+        written = benchmark_report.write(run_dirs, output)
+    except (ResultsReadError, OutputRefused) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise typer.Exit(2)
+    except ValidationError as exc:  # kvbench built a report the schema refuses: a bug, said in one line
+        first = exc.errors()[0]
+        print(f"error: a Benchmark Report did not validate: {'.'.join(map(str, first['loc']))}: {first['msg']}",
+              file=sys.stderr)
+        raise typer.Exit(1)
+    except (ResultsWriteError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise typer.Exit(1)
+    folders = sorted({str(p.parent) for p in written})
+    print(f"{len(written)} Benchmark Reports (v0.2.1) written to {', '.join(folders) or '(no cells)'}")

@@ -17,7 +17,7 @@ import pandas as pd
 
 from kvbench.common.files import (NEW_FILE_MODE, OutputRefused, atomic_write_text, check_output, check_output_folder,
                                   kvbench_html, kvbench_markdown, kvbench_png)
-from kvbench.reports import plots, prefix_cache, tables
+from kvbench.reports import findings, plots, prefix_cache, tables
 from kvbench.store.errors import DamagedLinesWarning, ResultsReadError, ResultsWarning, ResultsWriteError
 from kvbench.store.readers import load, load_run_info, read_jsonl_rows
 from kvbench.store.writer import run_status
@@ -213,6 +213,7 @@ def _build(run_dirs: list[Path], plots_dir: Path | None) -> Report:
     repeats = REPEATS_NOTE if (agg.repeats > 1).any() else ""
     problems = tables.problems_table(agg)
     sections = [
+        Section("findings", findings.TITLE, findings.INTRO, note=findings.note(agg)),  # first: what the run found
         Section("kv", "KV cache: predicted from the config vs reported by the engine", KV_INTRO + repeats,
                 tables.kv_table(agg), tables.KV_RIGHT, cap, note=tables.kv_source_notes(agg)),
         Section("performance", "Latency and throughput", PERF_INTRO + repeats, tables.performance_table(agg), tables.PERF_RIGHT, cap),

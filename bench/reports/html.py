@@ -31,6 +31,34 @@ def inline(text: str) -> str:
     return re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", text)
 
 
+def note(text: str) -> str:
+    """A section's note: its lines as one paragraph (each on a line of its own), a blank line starting the next
+    paragraph, and lines that start with "- " as a list (the findings, the deployments' lines)."""
+    out, lines, items = [], [], []
+
+    def flush():
+        if lines:
+            out.append("<p>" + "<br>\n".join(inline(line) for line in lines) + "</p>")
+            lines.clear()
+        if items:
+            out.append("<ul>" + "".join(f"<li>{inline(item)}</li>" for item in items) + "</ul>")
+            items.clear()
+
+    for line in text.splitlines():
+        if not line.strip():
+            flush()
+        elif line.startswith("- "):
+            if lines:
+                flush()
+            items.append(line[2:])
+        else:
+            if items:
+                flush()
+            lines.append(line)
+    flush()
+    return "\n".join(out)
+
+
 def table(frame, right: set[str]) -> str:
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in frame.columns)
     cls = ['num' if c in right else '' for c in frame.columns]
@@ -86,7 +114,7 @@ def render(report) -> str:
             if s.caption:
                 out.append(f'<p class="caption">{inline(s.caption)}</p>')
         if s.note:
-            out.append("<p>" + "<br>\n".join(inline(line) for line in s.note.splitlines()) + "</p>")
+            out.append(note(s.note))
         for title, text in s.code_blocks:
             out.append(f"<p>{html.escape(title)}:</p><pre>{html.escape(text)}</pre>")
         out += [_figure(f) for f in placed.get(id(s), [])]
