@@ -180,9 +180,12 @@ def plan_command(
 
 def _print(r: dict) -> None:
     v = r["verdict"]
-    if r.get("startup"):
-        typer.echo(r["startup"]["line"])
-    typer.echo(v["line"])
+    typer.echo(r["asked"]["line"])  # the question asked, answered first; then what the limit implies
+    typer.echo(r["at_limit"]["line"])
+    if r.get("startup") and r["gpu"]:
+        typer.echo(f"  {v['line']}")
+    if r["at_asked_limit"]:
+        typer.echo(r["at_asked_limit"]["line"])
     wall = r.get("memory_wall")
     on = r["gpu"] if wall else f"{r['tp']} x {r['gpu']}" if r.get("gpu") else "no GPU given"
     typer.echo(f"{r['model']} under {r['engine']} on {on}: {r['batch']} at once of {r['context']:,} tokens "

@@ -285,13 +285,21 @@ def parse_hf_dict(raw: dict, source: str = "config.json", folder: str | Path | N
     text = text_config(config, source)
     if builtin(text):
         missing = missing_required(text, raw_text, nested)
-        if missing and not nested:
-            defaults = ", ".join(f"{name} {getattr(text, name, None)!r}" for name in missing)
-            raise ConfigError(f"{source}: {', '.join(missing)} missing: the KV geometry and the weights need this "
-                              f"model's (the {type(text).__name__} class's defaults, {defaults}, are another's)")
-        for name in missing:  # a text_config leaves out what equals its class's defaults (to_diff_dict)
+        if "head_dim" in raw_text and "hidden_size" in missing and not nested:
+            missing.remove("hidden_size")  # the KV reads head_dim; the weights still lack the hidden size
+            text.kvbench_unset = ("hidden_size",)
+        if "vocab_size" in missing and not nested:  # the KV does not read it; the weights count must not guess it
+            text.kvbench_unset = (*getattr(text, "kvbench_unset", ()), "vocab_size")
+        for name in missing if nested else ():  # a text_config leaves out what equals its class's defaults
             notes.append(f"{name} {getattr(text, name, None)!r} from the {type(text).__name__} class default: its "
                          "text_config leaves it out, as transformers writes a nested config")
+        geometry = _geometry(text, raw_text, config, source, notes)  # its own refusals first (no attention layer)
+        kv_missing = [name for name in missing if name != "vocab_size"]
+        if kv_missing and not nested:
+            defaults = ", ".join(f"{name} {getattr(text, name, None)!r}" for name in kv_missing)
+            raise ConfigError(f"{source}: {', '.join(kv_missing)} missing: the KV geometry needs this model's "
+                              f"(the {type(text).__name__} class's defaults, {defaults}, are another model's)")
+        return config, text, geometry
     return config, text, _geometry(text, raw_text, config, source, notes)
 
 
