@@ -210,10 +210,16 @@ def _print(r: dict) -> None:
                    f"{fmt_bytes(shared['kv_bytes_per_gpu'])} {where} for the batch at its typical length "
                    f"({fmt_bytes(shared['kv_bytes_per_gpu_unshared'])} unshared); {shared['rule']}. The ledger "
                    "plans every request at full length, as a pool is sized.")
-    if r["levers"]:
+    fixes = [lv for lv in r["levers"] if lv["fix"]]
+    if fixes:
         typer.echo("What to change (best first):")
-        for i, lv in enumerate(r["levers"], 1):
+        for i, lv in enumerate(fixes, 1):
             typer.echo(f"  {i}. {lv['change']}: {lever_line(lv)} [{lv['what']}]")
+    others = [lv for lv in r["levers"] if not lv["fix"]]
+    if others:
+        typer.echo("Not a fix (another question answered):")
+        for lv in others:
+            typer.echo(f"  - {lv['change']} ({lv['not_a_fix']}): {lever_line(lv)} [{lv['what']}]")
     d = Table(title="The model as read", show_header=False)
     d.add_row("attention", escape(r["geometry"]))
     for note in r["notes"]:

@@ -11,7 +11,8 @@ concurrency, longest request) and written as the engine's own flag.
 - more GPUs (not on a CPU memory wall): tensor parallel 2, 4, 8 ... up to the node, where the engine splits the model so;
 - another engine's rules, where they hold less (llama.cpp's window cache for a sliding-window model).
 
-Best first: levers that make the deployment fit before those that do not; then the cheaper change (a
+Best first: levers that make the deployment fit before those that do not; a lever that serves fewer
+requests than asked or changes the engine is listed after every fix, marked as not one (``fix`` false); then the cheaper change (a
 flag before another checkpoint, before another engine, before more GPUs); then the larger headroom.
 """
 from __future__ import annotations
@@ -128,6 +129,11 @@ def limit_lever(s: Setup, base: Outcome) -> list[dict]:
     fits under it)."""
     if base.fits is not False or base.weights_exceed:
         return []
+    if s.limit_source.startswith("the model's") and s.context < s.limit and s.fits(limit=s.context):
+        # the server's default limit is the model's: the length asked is the limit the user wants
+        lever = _lever("limit", s.rules.limit_flag(s.context, s.batch), f"a limit of {s.context:,} tokens per "
+                       f"request, the length asked (from the model's {s.limit:,})", replace(s, limit=s.context))
+        return [lever] if lever else []
     best = _largest(lambda n: s.fits(limit=n), s.context, s.limit - 1)
     if best < s.context:
         return []
@@ -174,7 +180,13 @@ def levers(s: Setup, base: Outcome) -> list[dict]:
     else:
         found = [*kv_levers(s), *host_levers(s), *weight_levers(s), *limit_lever(s, base), *concurrency_lever(s, base),
                  *tp_levers(s), *engine_levers(s, base)]
-    found.sort(key=lambda lv: (not lv["fits"], lv["_cost"], -(lv["headroom_bytes"] or 0)))
+    for lv in found:  # fewer users than asked, or another engine, answers another question: never a fix
+        lv["fix"] = lv["lever"] not in NOT_A_FIX
+        lv["not_a_fix"] = NOT_A_FIX.get(lv["lever"], "")
+    found.sort(key=lambda lv: (not lv["fix"], not lv["fits"], lv["_cost"], -(lv["headroom_bytes"] or 0)))
     for lv in found:
         lv.pop("_cost")
     return found
+
+
+NOT_A_FIX = {"concurrency": "serves fewer requests at once than asked", "engine": "another engine"}

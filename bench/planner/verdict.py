@@ -147,7 +147,8 @@ def asked_first(s: Setup, o: Outcome, typical: KVAnswer, startup: dict | None) -
     default = s.limit_source.startswith("the model's")
     flag = s.rules.limit_flag(s.limit, s.batch)
     where = (f"At the default limit, the model's {s.limit:,} tokens ({flag})" if default
-             else f"At the limit {s.limit:,} tokens ({flag}; {s.limit_source})")
+             else f"At the limit asked ({flag})" if s.limit_source == "--max-model-len"
+             else f"At a limit of {s.limit:,} tokens ({flag}; {s.limit_source})")
     one = s.kv_bytes(context=s.limit, batch=1, limit=s.limit)
     if startup is not None:
         said = startup["line"]
