@@ -36,6 +36,9 @@ from types import SimpleNamespace
 from kvbench.kv.geometry import KVGeometry, LayerKV, MLAShape
 
 
+READ_PLAIN = True  # read plain configs without transformers (PlainConfig); False: every config through its class
+
+
 class ConfigError(ValueError):
     """A config kvbench cannot read, or a model whose KV question has no answer: one line, naming the file."""
 
@@ -188,6 +191,37 @@ class RawConfig(SimpleNamespace):
     """A config of a model type transformers does not know, read as written (no class defaults, no post-init)."""
 
 
+class PlainConfig(SimpleNamespace):
+    """A config of a model type transformers knows, read without importing transformers (1.5 s of a 2 s plan):
+    only where the file states every field whose class default or post-init would differ from reading it as
+    written (:func:`plain_config`), so that both readings agree (tests/kv/test_plain_configs.py checks every
+    such config of the corpus and the catalog against transformers' class)."""
+
+
+# model_type -> the fields the file must state for it to be read plainly (beyond PLAIN_FIELDS), and the
+# values those fields must have (a Qwen2 with use_sliding_window windows from max_window_layers on: the class's)
+PLAIN_TYPES = {"llama": {}, "mistral": {"sliding_window": None}, "qwen2": {"use_sliding_window": False},
+               "qwen3": {"head_dim": None, "use_sliding_window": False}}
+PLAIN_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
+                "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
+# keys a class reads and derives from (RoPE, layer kinds, nesting, remote code): the class reads those configs
+NOT_PLAIN_KEYS = ("rope_parameters", "layer_types", "text_config", "auto_map", "attribute_map", "sub_configs")
+
+
+def plain_config(raw: dict) -> PlainConfig | None:
+    """``raw`` as a :class:`PlainConfig` where reading it as written is what transformers' class reads, else None."""
+    fields = PLAIN_TYPES.get(raw.get("model_type"))
+    if fields is None or any(k in raw for k in NOT_PLAIN_KEYS) or any(k not in raw for k in (*PLAIN_FIELDS, *fields)):
+        return None
+    if any(value is not None and raw[key] != value for key, value in fields.items()):
+        return None
+    rope = raw.get("rope_scaling")
+    if rope is not None and not (isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) in
+                                 ("llama3", "default")):
+        return None  # a scaling that moves the limit: transformers' rope utilities read it
+    return PlainConfig(**raw)
+
+
 def remote_config_file(raw: dict, folder: str | Path | None) -> tuple[str | None, Path | None]:
     """(the module auto_map's AutoConfig names, its file in ``folder`` if there) for a remote-code config."""
     auto = (raw.get("auto_map") or {}).get("AutoConfig") if isinstance(raw.get("auto_map"), dict) else None
@@ -202,6 +236,8 @@ def hf_config(raw: dict, source: str, folder: str | Path | None = None, trust_re
     """The transformers config object for ``raw`` (its class for the model_type; with ``trust_remote_code``
     and a ``folder`` that ships the configuration module auto_map names, that module's class through
     transformers' AutoConfig; else a :class:`RawConfig`) and notes on how it was read."""
+    if READ_PLAIN and not trust_remote_code and (plain := plain_config(raw)) is not None:
+        return plain, []
     transformers = _transformers()
     from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
 
@@ -244,6 +280,8 @@ def text_config(config, source: str):
         raise ConfigError(f"{source}: {getattr(config, 'model_type', 'this model')} is an encoder-decoder model; "
                           "kvbench plans decoder-only generation (its cross-attention cache depends on the input, "
                           "not the context)")
+    if isinstance(config, PlainConfig):
+        return config  # a decoder without a text_config (plain_config)
     if isinstance(config, RawConfig):
         sub = getattr(config, "text_config", None)
         if isinstance(sub, dict):  # a wrapper transformers does not know: its text_config, as transformers would
@@ -498,6 +536,8 @@ def rope_parameters(text, base: int) -> list[dict]:
     """The config's RoPE parameters as transformers standardizes them (modeling_rope_utils: ``rope_scaling``
     moved to ``rope_parameters``, ``type`` to ``rope_type``, ``original_max_position_embeddings`` filled
     for yarn / llama3 / longrope), one dict per layer type where they are nested."""
+    if isinstance(text, PlainConfig):
+        return []  # read plainly only without a scaling that moves the limit (plain_config)
     from transformers.modeling_rope_utils import RotaryEmbeddingConfigMixin
 
     if builtin(text):
@@ -542,7 +582,8 @@ def rope_limit(text, base: int, model_type: str = "") -> tuple[int, str | None]:
 
 def builtin(config) -> bool:
     """Whether ``config`` is one of transformers' own classes (not a RawConfig, not a remote-code class)."""
-    return not isinstance(config, RawConfig) and type(config).__module__.startswith("transformers.")
+    return isinstance(config, PlainConfig) or (not isinstance(config, RawConfig)
+                                               and type(config).__module__.startswith("transformers."))
 
 
 def quantisation_flags(quant) -> list[str]:

@@ -263,7 +263,7 @@ class KVRules:
         layers = self.gpu_layers(stored, q.tp)
         # each distinct layer asked once (an engine's tokens_kept may read the whole geometry): linear in layers
         total = q.batch * sum(n * self.layer_bytes_per_token(stored, layer, dtype, q.tp) * self.tokens_kept(layer, q.context, q)
-                              for layer, n in Counter(layers).items())
+                              for layer, n in (stored.layer_counts.items() if layers is stored.layers else Counter(layers).items()))
         full = [layer for layer in layers if layer.kind == "full"]
         windowed = [layer for layer in layers if layer.kind in ("sliding", "chunked")]
         return KVAnswer(self.engine, dtype, total,

@@ -37,6 +37,7 @@ from .shared import (
     parse_float,
     parse_int,
     parse_tokens,
+    similar_model,
 )
 from .startup import planned_figures, startup_view
 from .verdict import asked_first, kv_scope, ledger, lever_line, limit_label, verdict
@@ -80,6 +81,7 @@ __all__ = [
     "rule_of_thumb",
     "served_weights",
     "setup",
+    "similar_model",
     "verdict",
 ]
 
