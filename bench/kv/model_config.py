@@ -117,6 +117,9 @@ def check_values(body: dict, source: str) -> None:
     types = body.get("layer_types")
     if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
         raise ConfigError(f"{source}: layer_types must be a list of layer kinds (strings), not {types!r}"[:300])
+    for key in ("rope_scaling", "rope_parameters"):
+        if body.get(key) is not None and not isinstance(body[key], dict):
+            raise ConfigError(f"{source}: {key} is a {type(body[key]).__name__}, not an object (rope_type, factor)")
     quant = body.get("quantization_config")
     if quant is not None and not isinstance(quant, dict):
         raise ConfigError(f"{source}: quantization_config is a {type(quant).__name__}, not an object "
