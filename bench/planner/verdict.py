@@ -82,8 +82,8 @@ def verdict(s: Setup, o: Outcome) -> dict:
         unverified = f" (NOT VERIFIED: the config's {', '.join(s.model.unread_keys)} look per-layer and were not read)"
     if s.gpu is None:
         out["word"] = "NO GPU"
-        out["line"] = (f"NO VERDICT{unverified}: no --gpu or --memory; the KV takes {fmt_gib(o.kv)} per GPU for {s.batch} x "
-                       f"{s.context:,} tokens with a {s.limit:,}-token limit")
+        out["line"] = (f"NO VERDICT{unverified}: no --gpu or --memory; the deployment holds {fmt_gib(o.kv)} of KV "
+                       f"{s.per} ({s.batch} x {s.context:,} tokens asked, under a {s.limit:,}-token limit)")
         return out
     usable = s.usable
     if o.fits is None:
@@ -133,6 +133,12 @@ def lever_line(lv: dict) -> str:
             f"{lv['longest_request']:,} tokens")
 
 
+def _unverified(s: Setup) -> str:
+    if s.model.verified:
+        return ""
+    return f" (NOT VERIFIED: the config's {', '.join(s.model.unread_keys)} look per-layer and were not read)"
+
+
 def asked_first(s: Setup, o: Outcome, typical: KVAnswer, startup: dict | None) -> dict:
     """The question asked, answered before anything else: the KV of ``batch`` x ``context`` tokens (no limit
     reserved); then what the server's limit implies for it (the engine's default, the model's limit, where
@@ -142,7 +148,7 @@ def asked_first(s: Setup, o: Outcome, typical: KVAnswer, startup: dict | None) -
     dtype = f"{typical.dtype}, {s.rules.engine}" + (f": {typical.note}" if s.engine else "")
     asked = {"tokens": s.context, "batch": s.batch, "kv_bytes": typical.bytes_per_gpu * s.tp,
              "kv_bytes_per_gpu": typical.bytes_per_gpu, "kv_dtype": typical.dtype,
-             "line": f"Asked: {s.batch} x {s.context:,} tokens hold {fmt_gib(typical.bytes_per_gpu)} of KV {s.per}"
+             "line": f"Asked{_unverified(s)}: {s.batch} x {s.context:,} tokens hold {fmt_gib(typical.bytes_per_gpu)} of KV {s.per}"
                      f" ({dtype})"}
     default = s.limit_source.startswith("the model's")
     flag = s.rules.limit_flag(s.limit, s.batch)

@@ -72,7 +72,9 @@ def test_an_unread_per_layer_key_is_said_on_the_verdict_line_and_in_json(tmp_pat
     code, output = plan(model, "--gpu", "L4")
     assert code == 0
     assert plan_lines(output)["verdict"].startswith("FITS (NOT VERIFIED: the config's attn_type_list look per-layer and "
-                                             "were not read): ")
+                                                    "were not read): ")
+    # the first line, the KV asked, says it too
+    assert plan_lines(output)["asked"].startswith("Asked (NOT VERIFIED: the config's attn_type_list")
     out = json.loads(plan(model, "--gpu", "L4", "--json")[1])
     assert out["verified"] is False and out["unread_keys"] == ["attn_type_list"]
     assert out["verdict"]["verified"] is False and out["verdict"]["unread_keys"] == ["attn_type_list"]
