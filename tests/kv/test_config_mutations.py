@@ -64,7 +64,7 @@ def _answer(tmp_path, raw: dict):
     return model, plans
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=300, database=None, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(mutated())
 def test_every_mutated_config_is_answered_or_refused_in_one_line(tmp_path, case):
