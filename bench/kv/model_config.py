@@ -204,7 +204,11 @@ class PlainConfig(SimpleNamespace):
 # model_type -> the fields the file must state for it to be read plainly (beyond PLAIN_FIELDS), and the
 # values those fields must have (a Qwen2 with use_sliding_window windows from max_window_layers on: the class's)
 PLAIN_TYPES = {"llama": {}, "mistral": {"sliding_window": None}, "qwen2": {"use_sliding_window": False},
-               "qwen3": {"head_dim": None, "use_sliding_window": False}}
+               "qwen3": {"head_dim": None, "use_sliding_window": False},
+               "qwen3_moe": {"head_dim": None, "use_sliding_window": False, "num_experts": None,
+                             "num_experts_per_tok": None, "moe_intermediate_size": None, "decoder_sparse_step": None,
+                             "mlp_only_layers": None},
+               "mixtral": {"sliding_window": None, "num_local_experts": None, "num_experts_per_tok": None}}
 PLAIN_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
                 "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
 # keys a class reads and derives from (RoPE, layer kinds, nesting, remote code): the class reads those configs
