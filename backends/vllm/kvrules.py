@@ -144,9 +144,10 @@ class VLLMKV(KVRules):
     def groups(self, stored: KVGeometry) -> tuple[list[tuple[str, int | None]], int]:
         """([(kind, span) per group], G layers per group), as _get_kv_cache_groups_uniform_page_size makes them."""
         buckets: dict[tuple, int] = {}
-        for layer in stored.kv_layers:
-            key = (layer.kind, layer.span)
-            buckets[key] = buckets.get(key, 0) + 1
+        for layer, n in stored.layer_counts.items():  # in the layers' order (a dict keeps the first seen)
+            if layer.stores:
+                key = (layer.kind, layer.span)
+                buckets[key] = buckets.get(key, 0) + n
         if len(buckets) == 1 or {kind for kind, _ in buckets} == {"full"}:
             return [next(iter(buckets))], len(stored.kv_layers)
         sizes = list(buckets.values())
@@ -155,7 +156,7 @@ class VLLMKV(KVRules):
 
     def page_bytes(self, stored: KVGeometry, dtype: str, block: int, tp: int) -> float:
         """One layer's block (the largest page, where layers differ: vLLM pads smaller pages up to it)."""
-        return block * max(self.layer_bytes_per_token(stored, layer, dtype, tp) for layer in stored.kv_layers)
+        return block * max(self.layer_bytes_per_token(stored, layer, dtype, tp) for layer in stored.layer_counts if layer.stores)
 
     def bytes_per_block(self, q: KVQuestion) -> float:
         stored = self.stored(q)

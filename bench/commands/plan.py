@@ -18,6 +18,7 @@ from kvbench.planner import (
     PlanError,
     PlanInput,
     catalog_names,
+    similar_model,
     engine_rules,
     engines,
     gpu_catalog,
@@ -32,7 +33,7 @@ from kvbench.planner import (
     setup,
 )
 from kvbench.planner.capacity import engine_pools
-from kvbench.run.backend_config import ConfigError, parse_options
+from kvbench.kv.model_config import ConfigError
 
 EXIT_UNVERIFIED = 3  # --strict and a config with per-layer keys the reader did not read
 
@@ -125,7 +126,7 @@ def plan_command(
     """Will a deployment fit on a GPU (or in a CPU memory wall), and what should change: the verdict first, the
     ledger per GPU, the levers."""
     try:
-        options = parse_options(",".join(engine_option), "--engine-option")
+        options = _engine_options(engine_option)
         wall = parse_bytes(memory, "--memory")
         device = device or ("cpu" if wall is not None else "gpu")
         _check_choices(engine, device, weights_dtype)
@@ -160,7 +161,11 @@ def plan_command(
         else:
             result = plan(p)
     except (PlanError, ConfigError) as exc:
-        message = with_hint(str(exc), model, catalog_names()) if model in str(exc) else str(exc)
+        message = str(exc)
+        if model in message and (near := similar_model(model, catalog_names())):  # its family and size only
+            at = message.find("; catalog:")
+            h = f"did you mean {near!r}?"
+            message = f"{message[:at]}; {h} {message[at + 2:]}" if at >= 0 else f"{message}; {h}"
         if engine and engine in str(exc):
             message = with_hint(message, engine, engines())
         typer.echo(f"error: {message}", err=True)
@@ -180,9 +185,12 @@ def plan_command(
 
 def _print(r: dict) -> None:
     v = r["verdict"]
-    if r.get("startup"):
-        typer.echo(r["startup"]["line"])
-    typer.echo(v["line"])
+    typer.echo(r["asked"]["line"])  # the question asked, answered first; then what the limit implies
+    typer.echo(r["at_limit"]["line"])
+    if r.get("startup") and r["gpu"]:
+        typer.echo(f"  {v['line']}")
+    if r["at_asked_limit"]:
+        typer.echo(r["at_asked_limit"]["line"])
     wall = r.get("memory_wall")
     on = r["gpu"] if wall else f"{r['tp']} x {r['gpu']}" if r.get("gpu") else "no GPU given"
     typer.echo(f"{r['model']} under {r['engine']} on {on}: {r['batch']} at once of {r['context']:,} tokens "
@@ -207,10 +215,16 @@ def _print(r: dict) -> None:
                    f"{fmt_bytes(shared['kv_bytes_per_gpu'])} {where} for the batch at its typical length "
                    f"({fmt_bytes(shared['kv_bytes_per_gpu_unshared'])} unshared); {shared['rule']}. The ledger "
                    "plans every request at full length, as a pool is sized.")
-    if r["levers"]:
+    fixes = [lv for lv in r["levers"] if lv["fix"]]
+    if fixes:
         typer.echo("What to change (best first):")
-        for i, lv in enumerate(r["levers"], 1):
+        for i, lv in enumerate(fixes, 1):
             typer.echo(f"  {i}. {lv['change']}: {lever_line(lv)} [{lv['what']}]")
+    others = [lv for lv in r["levers"] if not lv["fix"]]
+    if others:
+        typer.echo("Not a fix (another question answered):")
+        for lv in others:
+            typer.echo(f"  - {lv['change']} ({lv['not_a_fix']}): {lever_line(lv)} [{lv['what']}]")
     d = Table(title="The model as read", show_header=False)
     d.add_row("attention", escape(r["geometry"]))
     for note in r["notes"]:
@@ -245,6 +259,18 @@ def _print_pools(s, pools, as_json: bool) -> None:
                 "; ".join(f"{p.engine}'s {p.overhead_source.split(';')[0]}" for p in pools))
     typer.echo(f"KV budget: the usable memory less each engine's weights (as it serves them) and overhead "
                f"({overhead}). Measured pools: `kvbench report` of a run (its KV and boundary tables).")
+
+
+def _engine_options(given: list[str]) -> dict:
+    """--engine-option KEY=VALUE pairs; the run's option parser (and pydantic, 0.2 s) imported only when given."""
+    if not given:
+        return {}
+    from kvbench.run.backend_config import ConfigError as OptionsError, parse_options
+
+    try:
+        return parse_options(",".join(given), "--engine-option")
+    except OptionsError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def _finite(value: float | None, option: str) -> float | None:

@@ -101,13 +101,24 @@ def parameter_breakdown(text, wrapper=None) -> Breakdown:
     layers = _need(text, "num_hidden_layers", "n_layer", "num_layers")
     heads = _need(text, "num_attention_heads", "n_head")
     vocab = _need(text, "vocab_size", "padded_vocab_size")
-    heads = max(heads) if isinstance(heads, list) else heads
+    heads_l = _layer_values(heads, layers, "num_attention_heads")
+    heads = max(heads_l)
     hd = _first(text, "head_dim") if isinstance(_first(text, "head_dim"), int) else None
+    if hd is None and len(set(heads_l)) > 1:
+        raise _Unknown("head_dim (num_attention_heads differs per layer)")
     hd = hd or h // heads
-    kv = _first(text, "num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num") or heads
-    kv = max(kv) if isinstance(kv, list) else kv
+    kv_l = _layer_values(_first(text, "num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
+                         or heads_l, layers, "num_key_value_heads")
     if model_type in FALCON and getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
-        kv = 1
+        kv_l = [1] * layers
+    kv = max(kv_l)
+
+    def by_layer(on, *per_layer):
+        """``on`` grouped by the per-layer values at each index (layers past the list, MTP's, take the last)."""
+        groups: dict[tuple, list[int]] = {}
+        for i in on:
+            groups.setdefault(tuple(v[min(i, len(v) - 1)] for v in per_layer), []).append(i)
+        return [(key, tuple(idx)) for key, idx in groups.items()]
     gpt_oss = model_type == "gpt_oss"
 
     def attention(on, kind_override=None):
@@ -127,14 +138,16 @@ def parameter_breakdown(text, wrapper=None) -> Breakdown:
                     Part("mla", at + "kv_b_proj", heads * (nope + v), rank, "linear", on),
                     Part("attention", at + "o_proj", h, heads * v, "linear", on)]
         else:
-            out = [Part("attention", at + "q_proj", heads * hd, h, "linear", on),
-                   Part("attention", at + "k_proj", kv * hd, h, "linear", on),
-                   Part("attention", at + "v_proj", kv * hd, h, "linear", on),
-                   Part("attention", at + "o_proj", h, heads * hd, "linear", on)]
-            if getattr(text, "attention_bias", False) or model_type.startswith("qwen2"):
-                out += [Part("attention", at + "q_proj.bias", heads * hd, 1, "vector", on),
-                        Part("attention", at + "k_proj.bias", kv * hd, 1, "vector", on),
-                        Part("attention", at + "v_proj.bias", kv * hd, 1, "vector", on)]
+            out = []
+            for (nq, nkv), idx in by_layer(on, heads_l, kv_l):  # one group per (heads, KV heads) of the layers
+                out += [Part("attention", at + "q_proj", nq * hd, h, "linear", idx),
+                        Part("attention", at + "k_proj", nkv * hd, h, "linear", idx),
+                        Part("attention", at + "v_proj", nkv * hd, h, "linear", idx),
+                        Part("attention", at + "o_proj", h, nq * hd, "linear", idx)]
+                if getattr(text, "attention_bias", False) or model_type.startswith("qwen2"):
+                    out += [Part("attention", at + "q_proj.bias", nq * hd, 1, "vector", idx),
+                            Part("attention", at + "k_proj.bias", nkv * hd, 1, "vector", idx),
+                            Part("attention", at + "v_proj.bias", nkv * hd, 1, "vector", idx)]
             if gpt_oss:  # its o_proj has a bias too, and each head a learned attention sink
                 out += [Part("attention", at + "o_proj.bias", h, 1, "vector", on),
                         Part("attention", at + "sinks", heads, 1, "vector", on)]
@@ -161,6 +174,9 @@ def parameter_breakdown(text, wrapper=None) -> Breakdown:
     expert_inter = shared = 0
     if experts:
         expert_inter = _need(text, "moe_intermediate_size", "intermediate_size")
+        if not isinstance(expert_inter, int):
+            raise ValueError(f"the experts' width (moe_intermediate_size or intermediate_size) is {expert_inter!r}: "
+                             "kvbench counts experts of one width")
         shared = (_first(text, "n_shared_experts") or 0) * expert_inter
         shared = shared or _first(text, "shared_expert_intermediate_size") or 0
         if model_type.startswith("llama4"):
@@ -183,7 +199,9 @@ def parameter_breakdown(text, wrapper=None) -> Breakdown:
         if dense_idx:
             if dense_inter is None:
                 raise _Unknown("intermediate_size")
-            out += mlp("model.layers.{i}.mlp.", "dense_mlp", dense_inter, dense_idx)
+            for (width,), idx in by_layer(dense_idx, _layer_values(dense_inter, layers, "intermediate_size")):
+                if width:  # 0: a layer without an MLP
+                    out += mlp("model.layers.{i}.mlp.", "dense_mlp", width, idx)
         return [_kind(p, kind_override) for p in out]
 
     mamba_on = _mamba_layer_indices(text, layers)
@@ -222,6 +240,17 @@ def parameter_breakdown(text, wrapper=None) -> Breakdown:
             parts.append(Part("mtp", name, rows, cols, role, on))
         how += f"; the checkpoint also holds {mtp_layers} MTP layer{'s' * (mtp_layers > 1)}"
     return Breakdown(tuple(parts), how, vision=wrapper is not None and wrapper is not text)
+
+
+def _layer_values(value, layers: int, key: str) -> list[int]:
+    """One value per layer: a number for every layer, or a list of one per layer."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != layers or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ValueError(f"{key} lists {len(value)} values for {layers} layers")
+        return list(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key} is {value!r}, not a whole number")
+    return [value] * layers
 
 
 def _kind(part: Part, kind: str | None) -> Part:

@@ -13,7 +13,9 @@ Reading a geometry from a model's files is :mod:`kvbench.kv.model_config`. How e
 """
 from __future__ import annotations
 
+import functools
 import math
+from collections import Counter
 from dataclasses import dataclass, replace
 
 # Bytes per element. llama.cpp's quantised types carry per-block scales (ggml block sizes / 32 values).
@@ -104,9 +106,14 @@ class KVGeometry:
         return cls(tuple(LayerKV("full", num_kv_heads, head_dim_k, dv) for _ in range(num_layers)), **kw)
 
     # --- what the layers say -------------------------------------------------------------------------
-    @property
+    @functools.cached_property  # read on every answer: once per geometry (frozen: fields never change)
     def kv_layers(self) -> tuple[LayerKV, ...]:
         return tuple(layer for layer in self.layers if layer.stores)
+
+    @functools.cached_property
+    def layer_counts(self) -> dict[LayerKV, int]:
+        """Each distinct layer and how many of it (sums over layers read this: linear in distinct layers)."""
+        return dict(Counter(self.layers))
 
     @property
     def num_layers(self) -> int:
@@ -219,7 +226,8 @@ def kv_bytes_per_token(geom: KVGeometry, dtype: str, tp: int = 1) -> float:
     """Bytes one cached token takes on one rank over every layer that caches it (windows not applied):
     2 x layers x kv_heads x head_dim x dtype for MHA/GQA/MQA; layers x (kv_lora_rank + rope) x dtype for
     an MLA latent (replicated on every rank)."""
-    return sum(layer_bytes_per_token(layer, dtype, tp, replicated=geom.mla is not None) for layer in geom.layers)
+    return sum(n * layer_bytes_per_token(layer, dtype, tp, replicated=geom.mla is not None)
+               for layer, n in geom.layer_counts.items())  # each distinct layer once: linear in layers
 
 
 def tokens_kept(layer: LayerKV, tokens: int) -> int:
@@ -234,8 +242,8 @@ def tokens_kept(layer: LayerKV, tokens: int) -> int:
 def kv_bytes_for_sequence(geom: KVGeometry, dtype: str, cached_tokens: int, tp: int = 1) -> float:
     """The plain formula for one sequence of ``cached_tokens``: windows and chunks applied."""
     replicated = geom.mla is not None
-    return sum(layer_bytes_per_token(layer, dtype, tp, replicated) * tokens_kept(layer, cached_tokens)
-               for layer in geom.layers)
+    return sum(n * layer_bytes_per_token(layer, dtype, tp, replicated) * tokens_kept(layer, cached_tokens)
+               for layer, n in geom.layer_counts.items())
 
 
 def round_up(value: int, multiple: int) -> int:

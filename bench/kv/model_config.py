@@ -36,6 +36,9 @@ from types import SimpleNamespace
 from kvbench.kv.geometry import KVGeometry, LayerKV, MLAShape
 
 
+READ_PLAIN = True  # read plain configs without transformers (PlainConfig); False: every config through its class
+
+
 class ConfigError(ValueError):
     """A config kvbench cannot read, or a model whose KV question has no answer: one line, naming the file."""
 
@@ -64,6 +67,95 @@ ALIASES = {
                                 "n_ctx", "model_max_length"),
 }
 KV_HEAD_FIELDS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num", "num_attention_groups")
+
+
+# --- what the values mean: checked before any class or count reads them -------------------------------
+
+MAX_LAYERS = 4_096  # 30 times any published model's (Llama 3.1 405B: 126): past it a config is not a model
+MAX_WIDTH = 2**40  # a width, a count of heads or tokens past it overflows every memory there is
+# Widths and counts kvbench reads, each a whole number (>= 1 where a zero makes no model)
+STRUCTURAL = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_attention_heads", "n_head", "n_heads",
+              "hidden_size", "n_embd", "d_model", "vocab_size", "padded_vocab_size", "num_key_value_heads",
+              "num_kv_heads", "n_head_kv")
+COUNTS = (*STRUCTURAL, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
+          "head_dim", "kv_channels", "intermediate_size", "moe_intermediate_size", "ffn_dim", "n_inner",
+          "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank", "sliding_window",
+          "attention_chunk_size", "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+          "n_shared_experts", "shared_expert_intermediate_size", "num_kv_shared_layers", "multi_query_group_num")
+# the fields kvbench reads layer by layer where a config lists one value per layer
+PER_LAYER = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+REQUIRED = {"num_hidden_layers": "layers", "num_attention_heads": "attention heads", "hidden_size": "hidden size",
+            "vocab_size": "vocabulary"}
+VOCAB_ALIASES = ("vocab_size", "padded_vocab_size", "n_vocab")
+
+
+def check_values(body: dict, source: str) -> None:
+    """The fields the KV model and the weights count read, each a whole number in range (or, for
+    :data:`PER_LAYER`, one per layer), ``quantization_config`` an object and the dtype a name kvbench
+    knows: else one ConfigError naming the key. Runs before transformers' class so that no default, no
+    coercion and no per-layer list reaches a count that assumes one number."""
+    layers = next((body[k] for k in ALIASES["num_hidden_layers"] if body.get(k) is not None), None)
+    for key in COUNTS:
+        value = body.get(key)
+        if value is None:
+            continue
+        if isinstance(value, list) and key in PER_LAYER:
+            if not isinstance(layers, int) or isinstance(layers, bool):
+                continue  # the layer count's own check says what is wrong
+            if len(value) != layers:
+                raise ConfigError(f"{source}: {key} lists {len(value)} values for {layers} layers")
+            for i, v in enumerate(value):
+                _check_count(v, f"{key}[{i}]", source, minimum=0 if key == "intermediate_size" else 1)
+            continue
+        if isinstance(value, list):
+            raise ConfigError(f"{source}: {key} is a list: kvbench reads one value for every layer "
+                              f"(per layer it reads {', '.join(PER_LAYER)})")
+        _check_count(value, key, source, minimum=1 if key in STRUCTURAL else 0)
+        if key in ALIASES["num_hidden_layers"] and value > MAX_LAYERS:
+            raise ConfigError(f"{source}: {key} {value:,}: more layers than any model (kvbench plans at most "
+                              f"{MAX_LAYERS:,})")
+    types = body.get("layer_types")
+    if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+        raise ConfigError(f"{source}: layer_types must be a list of layer kinds (strings), not {types!r}"[:300])
+    for key in ("rope_scaling", "rope_parameters"):
+        if body.get(key) is not None and not isinstance(body[key], dict):
+            raise ConfigError(f"{source}: {key} is a {type(body[key]).__name__}, not an object (rope_type, factor)")
+    quant = body.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise ConfigError(f"{source}: quantization_config is a {type(quant).__name__}, not an object "
+                          "(quant_method and its settings)")
+    for key in ("torch_dtype", "dtype"):
+        value = body.get(key)
+        if value is not None and (not isinstance(value, str) or value.replace("torch.", "") not in CONFIG_DTYPES):
+            raise ConfigError(f"{source}: {key} {value!r} is not a dtype kvbench knows; known: "
+                              f"{', '.join(CONFIG_DTYPES)}")
+
+
+# torch dtype names a config gives its weights (transformers writes torch.dtype's name)
+CONFIG_DTYPES = ("bfloat16", "float16", "half", "float32", "float", "float64", "float8_e4m3fn", "float8_e5m2",
+                 "int8", "uint8")
+
+
+def _check_count(value, key: str, source: str, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{source}: {key} must be a whole number, not {value!r}"[:300])
+    if value < minimum:
+        raise ConfigError(f"{source}: {key} must be >= {minimum}, not {value}")
+    if value > MAX_WIDTH:
+        raise ConfigError(f"{source}: {key} {value:,} is past any model's size (at most {MAX_WIDTH:,})")
+
+
+def missing_required(text, raw_text: dict, nested: bool) -> list[str]:
+    """The required fields (layers, attention heads, hidden size, vocabulary) the file does not give for a
+    transformers class, under any of their names: a class default there is another model's value."""
+    mapped = getattr(type(text), "attribute_map", {}) or {}
+    missing = []
+    for name in REQUIRED:
+        names = {*ALIASES.get(name, (name,)), *(VOCAB_ALIASES if name == "vocab_size" else ()),
+                 *(k for k, v in mapped.items() if v == name)}
+        if not any(raw_text.get(n) is not None for n in names):
+            missing.append(name)
+    return missing
 
 
 def transformers_version() -> str:
@@ -102,6 +194,41 @@ class RawConfig(SimpleNamespace):
     """A config of a model type transformers does not know, read as written (no class defaults, no post-init)."""
 
 
+class PlainConfig(SimpleNamespace):
+    """A config of a model type transformers knows, read without importing transformers (1.5 s of a 2 s plan):
+    only where the file states every field whose class default or post-init would differ from reading it as
+    written (:func:`plain_config`), so that both readings agree (tests/kv/test_plain_configs.py checks every
+    such config of the corpus and the catalog against transformers' class)."""
+
+
+# model_type -> the fields the file must state for it to be read plainly (beyond PLAIN_FIELDS), and the
+# values those fields must have (a Qwen2 with use_sliding_window windows from max_window_layers on: the class's)
+PLAIN_TYPES = {"llama": {}, "mistral": {"sliding_window": None}, "qwen2": {"use_sliding_window": False},
+               "qwen3": {"head_dim": None, "use_sliding_window": False},
+               "qwen3_moe": {"head_dim": None, "use_sliding_window": False, "num_experts": None,
+                             "num_experts_per_tok": None, "moe_intermediate_size": None, "decoder_sparse_step": None,
+                             "mlp_only_layers": None},
+               "mixtral": {"sliding_window": None, "num_local_experts": None, "num_experts_per_tok": None}}
+PLAIN_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
+                "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
+# keys a class reads and derives from (RoPE, layer kinds, nesting, remote code): the class reads those configs
+NOT_PLAIN_KEYS = ("rope_parameters", "layer_types", "text_config", "auto_map", "attribute_map", "sub_configs")
+
+
+def plain_config(raw: dict) -> PlainConfig | None:
+    """``raw`` as a :class:`PlainConfig` where reading it as written is what transformers' class reads, else None."""
+    fields = PLAIN_TYPES.get(raw.get("model_type"))
+    if fields is None or any(k in raw for k in NOT_PLAIN_KEYS) or any(k not in raw for k in (*PLAIN_FIELDS, *fields)):
+        return None
+    if any(value is not None and raw[key] != value for key, value in fields.items()):
+        return None
+    rope = raw.get("rope_scaling")
+    if rope is not None and not (isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) in
+                                 ("llama3", "default")):
+        return None  # a scaling that moves the limit: transformers' rope utilities read it
+    return PlainConfig(**raw)
+
+
 def remote_config_file(raw: dict, folder: str | Path | None) -> tuple[str | None, Path | None]:
     """(the module auto_map's AutoConfig names, its file in ``folder`` if there) for a remote-code config."""
     auto = (raw.get("auto_map") or {}).get("AutoConfig") if isinstance(raw.get("auto_map"), dict) else None
@@ -116,6 +243,8 @@ def hf_config(raw: dict, source: str, folder: str | Path | None = None, trust_re
     """The transformers config object for ``raw`` (its class for the model_type; with ``trust_remote_code``
     and a ``folder`` that ships the configuration module auto_map names, that module's class through
     transformers' AutoConfig; else a :class:`RawConfig`) and notes on how it was read."""
+    if READ_PLAIN and not trust_remote_code and (plain := plain_config(raw)) is not None:
+        return plain, []
     transformers = _transformers()
     from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
 
@@ -145,7 +274,8 @@ def hf_config(raw: dict, source: str, folder: str | Path | None = None, trust_re
                     why = "the config names no configuration module (auto_map AutoConfig)"
                 notes.append(f"{unknown}: fields read as written (no class defaults); {why}")
                 config = RawConfig(**raw)
-    except (StrictDataclassFieldValidationError, StrictDataclassClassValidationError, TypeError, ValueError) as exc:
+    except (StrictDataclassFieldValidationError, StrictDataclassClassValidationError, TypeError, ValueError,
+            AttributeError) as exc:  # AttributeError: a key the class derives (Falcon's head_dim property)
         first = str(exc).strip().splitlines()
         raise ConfigError(f"{source}: {' '.join(line.strip() for line in first[:2])}") from None
     return config, notes
@@ -157,6 +287,8 @@ def text_config(config, source: str):
         raise ConfigError(f"{source}: {getattr(config, 'model_type', 'this model')} is an encoder-decoder model; "
                           "kvbench plans decoder-only generation (its cross-attention cache depends on the input, "
                           "not the context)")
+    if isinstance(config, PlainConfig):
+        return config  # a decoder without a text_config (plain_config)
     if isinstance(config, RawConfig):
         sub = getattr(config, "text_config", None)
         if isinstance(sub, dict):  # a wrapper transformers does not know: its text_config, as transformers would
@@ -189,9 +321,30 @@ def parse_hf_dict(raw: dict, source: str = "config.json", folder: str | Path | N
                   trust_remote_code: bool = False) -> tuple[object, object, KVGeometry]:
     """(the config object, its language model's config, the KV geometry) of a config.json's contents
     (``folder``, ``trust_remote_code``: see :func:`hf_config`)."""
+    nested = isinstance(raw.get("text_config"), dict)
+    raw_text = raw["text_config"] if nested else raw
+    check_values(raw, source)
+    if nested:
+        check_values(raw_text, f"{source} (text_config)")
     config, notes = hf_config(raw, source, folder, trust_remote_code)
     text = text_config(config, source)
-    raw_text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    if builtin(text):
+        missing = missing_required(text, raw_text, nested)
+        if "head_dim" in raw_text and "hidden_size" in missing and not nested:
+            missing.remove("hidden_size")  # the KV reads head_dim; the weights still lack the hidden size
+            text.kvbench_unset = ("hidden_size",)
+        if "vocab_size" in missing and not nested:  # the KV does not read it; the weights count must not guess it
+            text.kvbench_unset = (*getattr(text, "kvbench_unset", ()), "vocab_size")
+        for name in missing if nested else ():  # a text_config leaves out what equals its class's defaults
+            notes.append(f"{name} {getattr(text, name, None)!r} from the {type(text).__name__} class default: its "
+                         "text_config leaves it out, as transformers writes a nested config")
+        geometry = _geometry(text, raw_text, config, source, notes)  # its own refusals first (no attention layer)
+        kv_missing = [name for name in missing if name != "vocab_size"]
+        if kv_missing and not nested:
+            defaults = ", ".join(f"{name} {getattr(text, name, None)!r}" for name in kv_missing)
+            raise ConfigError(f"{source}: {', '.join(kv_missing)} missing: the KV geometry needs this model's "
+                              f"(the {type(text).__name__} class's defaults, {defaults}, are another model's)")
+        return config, text, geometry
     return config, text, _geometry(text, raw_text, config, source, notes)
 
 
@@ -295,9 +448,12 @@ def _geometry(text, raw: dict, config, source: str, notes: list[str]) -> KVGeome
         head_dim = getattr(text, "kv_channels", None) or getattr(text, "hidden_size_per_head", None)
     if not head_dim:
         hidden = field("hidden_size")
-        if not isinstance(heads, int) or not heads:
+        if len(set(heads_per_layer)) != 1:
             raise ConfigError(f"{source}: head_dim is missing and hidden_size / num_attention_heads has no single value")
-        head_dim = hidden // heads
+        head_dim = hidden // heads_per_layer[0]
+        if not head_dim:
+            raise ConfigError(f"{source}: hidden_size {hidden:,} / num_attention_heads {heads_per_layer[0]:,} is "
+                              "below 1: no head width (give head_dim)")
     head_dim_v = getattr(text, "v_head_dim", None) or head_dim
     if known:
         for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv), ("head_dim", head_dim),
@@ -387,6 +543,8 @@ def rope_parameters(text, base: int) -> list[dict]:
     """The config's RoPE parameters as transformers standardizes them (modeling_rope_utils: ``rope_scaling``
     moved to ``rope_parameters``, ``type`` to ``rope_type``, ``original_max_position_embeddings`` filled
     for yarn / llama3 / longrope), one dict per layer type where they are nested."""
+    if isinstance(text, PlainConfig):
+        return []  # read plainly only without a scaling that moves the limit (plain_config)
     from transformers.modeling_rope_utils import RotaryEmbeddingConfigMixin
 
     if builtin(text):
@@ -431,7 +589,8 @@ def rope_limit(text, base: int, model_type: str = "") -> tuple[int, str | None]:
 
 def builtin(config) -> bool:
     """Whether ``config`` is one of transformers' own classes (not a RawConfig, not a remote-code class)."""
-    return not isinstance(config, RawConfig) and type(config).__module__.startswith("transformers.")
+    return isinstance(config, PlainConfig) or (not isinstance(config, RawConfig)
+                                               and type(config).__module__.startswith("transformers."))
 
 
 def quantisation_flags(quant) -> list[str]:

@@ -11,6 +11,7 @@ summary, the reports and ``kvbench validate`` ask these methods and never switch
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import ClassVar
 
@@ -260,8 +261,9 @@ class KVRules:
         self.check(q)
         stored, dtype = self.stored(q), self.resolve_dtype(q)
         layers = self.gpu_layers(stored, q.tp)
-        total = q.batch * sum(self.layer_bytes_per_token(stored, layer, dtype, q.tp) * self.tokens_kept(layer, q.context, q)
-                              for layer in layers)
+        # each distinct layer asked once (an engine's tokens_kept may read the whole geometry): linear in layers
+        total = q.batch * sum(n * self.layer_bytes_per_token(stored, layer, dtype, q.tp) * self.tokens_kept(layer, q.context, q)
+                              for layer, n in (stored.layer_counts.items() if layers is stored.layers else Counter(layers).items()))
         full = [layer for layer in layers if layer.kind == "full"]
         windowed = [layer for layer in layers if layer.kind in ("sliding", "chunked")]
         return KVAnswer(self.engine, dtype, total,
@@ -325,6 +327,8 @@ class KVRules:
 
 def with_kinds(geom: KVGeometry, kinds: dict[str, str]) -> KVGeometry:
     """``geom`` with layers of one kind stored as another (e.g. {"sliding": "full"}: windows not kept)."""
+    if not any(layer.kind in kinds for layer in geom.layers):
+        return geom
     return replace(geom, layers=tuple(replace(layer, kind=kinds.get(layer.kind, layer.kind),
                                               span=None if kinds.get(layer.kind) == "full" else layer.span)
                                       for layer in geom.layers))

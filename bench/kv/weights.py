@@ -158,8 +158,16 @@ def _vision(b: Breakdown) -> str:
 
 def _breakdown(text, wrapper) -> Breakdown | Weights:
     """The config's parameters by module kind, or the "unknown" Weights that says what the count lacks."""
+    unset = getattr(text, "kvbench_unset", ())  # required fields the file lacks (model_config.parse_hf_dict)
+    if unset:
+        defaults = ", ".join(f"{name} {getattr(text, name, None)!r}" for name in unset)
+        return Weights(None, f"unknown: the config gives no {' or '.join(unset)} (the {type(text).__name__} class's "
+                             f"{defaults} is another model's; give a folder with safetensors or --weights-bytes)",
+                       method="unknown")
     try:
-        return parameter_breakdown(text, wrapper)
+        b = parameter_breakdown(text, wrapper)
+        b.parameters  # noqa: B018 - a size that does not add up fails here, with the others, not in the caller
+        return b
     except _Unknown as exc:
         return Weights(None, f"unknown: the config has no {exc} (give a folder with safetensors or a GGUF file)",
                        method="unknown")

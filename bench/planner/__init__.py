@@ -37,9 +37,10 @@ from .shared import (
     parse_float,
     parse_int,
     parse_tokens,
+    similar_model,
 )
 from .startup import planned_figures, startup_view
-from .verdict import kv_scope, ledger, lever_line, limit_label, verdict
+from .verdict import asked_first, kv_scope, ledger, lever_line, limit_label, verdict
 
 __all__ = [
     "CATALOG_DIR",
@@ -80,6 +81,7 @@ __all__ = [
     "rule_of_thumb",
     "served_weights",
     "setup",
+    "similar_model",
     "verdict",
 ]
 
@@ -137,6 +139,7 @@ def plan(p: PlanInput, with_levers: bool = True) -> dict:
     out["ledger"] = ledger(s, o, deploy)
     out["verdict"] = verdict(s, o)
     out["startup"] = startup_view(s)
+    out.update(asked_first(s, o, typical, out["startup"]))  # the question asked, answered first
     out["levers"] = []
     if s.gpu is None:
         return out

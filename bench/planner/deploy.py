@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from kvbench.common.hardware import cpu_flags
 from kvbench.kv.geometry import KVGeometry, dtype_bytes
 from kvbench.kv.rules import KVAnswer, KVQuestion, KVRuleError, KVRules
 from kvbench.kv.units import GIB, fmt_gib
@@ -313,11 +312,14 @@ def setup(p: PlanInput) -> Setup:
     else:
         fixed, per_token, why = p.overhead_gib * GIB, p.overhead_per_token_bytes, p.overhead_source
     margin = p.margin if p.margin is not None else (0.0 if g is not None and g.wall else MARGIN)
+    if p.device == "cpu" and p.cpu_features is None:
+        from kvbench.common.hardware import cpu_flags  # psutil: only a CPU plan reads this machine's flags
+        p = replace(p, cpu_features=tuple(cpu_flags()))
     s = Setup(p.model, rules, p.engine, p.kv_dtype, p.tp, p.context or limit, p.batch, limit, source,
               served_weights(p.model, rules, g.capability if g else None), fixed, per_token, why, margin, g,
               p.block_size, p.device, p.engine_version, dict(p.engine_options), p.node_gpus, p.overhead_gib is None,
               startup_rule=rules_startup, margin_default=p.margin is None,
-              cpu_features=(tuple(cpu_flags()) if p.cpu_features is None else p.cpu_features) if p.device == "cpu" else ())
+              cpu_features=p.cpu_features if p.device == "cpu" else ())
     # the engine's own rule where it has one (KVRules.startup_memory), else the margin and the overhead
     return s if s.startup is not None else replace(s, startup_rule=False)
 

@@ -9,9 +9,12 @@ concurrency, longest request) and written as the engine's own flag.
 - fewer requests at once (the most that fit);
 - the engine's host caches, where a CPU memory plan counts them (llama.cpp's prompt cache: --cache-ram);
 - more GPUs (not on a CPU memory wall): tensor parallel 2, 4, 8 ... up to the node, where the engine splits the model so;
-- another engine's rules, where they hold less (llama.cpp's window cache for a sliding-window model).
+- another engine's rules, where they hold less (llama.cpp's window cache for a sliding-window model);
+- where no single lever fits: the cheapest combinations of the engine's own levers that do (fewest GPUs,
+  then fewest changes).
 
-Best first: levers that make the deployment fit before those that do not; then the cheaper change (a
+Best first: levers that make the deployment fit before those that do not; a lever that serves fewer
+requests than asked or changes the engine is listed after every fix, marked as not one (``fix`` false); then the cheaper change (a
 flag before another checkpoint, before another engine, before more GPUs); then the larger headroom.
 """
 from __future__ import annotations
@@ -25,7 +28,7 @@ from kvbench.kv.weights import WEIGHT_DTYPE_BYTES, Weights
 from .deploy import Outcome, Setup, _largest, with_engine
 from .shared import PlanError, engines
 
-COST = {"kv_dtype": 1, "host": 1, "limit": 1, "weights": 2, "concurrency": 2, "engine": 3, "tp": 4}
+COST = {"kv_dtype": 1, "host": 1, "limit": 1, "weights": 2, "concurrency": 2, "engine": 3, "tp": 4, "combined": 0}
 
 
 def _lever(kind: str, change: str, what: str, s: Setup, extra: float = 0.0, note: str = "") -> dict | None:
@@ -50,6 +53,16 @@ def _served_width(s: Setup) -> tuple[float | None, float | None]:
 
 
 def weight_levers(s: Setup) -> list[dict]:
+    out = []
+    for flag, w in weight_options(s):
+        lever = _lever("weights", flag, f"weights {w.source}", replace(s, weights=w))
+        if lever:
+            out.append(lever)
+    return out
+
+
+def weight_options(s: Setup) -> list[tuple[str, Weights]]:
+    """(the engine's flag, the weights at it) for each of its weight formats smaller than the weights served."""
     m = s.model
     if m.quantised or m.geometry.source == "gguf" or m.weights_dtype not in ("auto", "fp32", "bf16", "fp16") \
             or s.weights.method == "user":
@@ -71,7 +84,70 @@ def weight_levers(s: Setup) -> list[dict]:
             w = Weights(params * fmt_per, f"{fmt}: {fmt_gib(params * fmt_per)}, {params / 1e9:.2f} B parameters x "
                                           f"{fmt_per:g} B",
                         parameters=params, method="lever")
-        lever = _lever("weights", s.rules.weights_flag(fmt), f"weights {w.source}", replace(s, weights=w))
+        out.append((s.rules.weights_flag(fmt), w))
+    return out
+
+
+COMBINED_SHOWN = 3  # the cheapest combinations that fit
+
+
+def combined_levers(s: Setup, singles: list[dict]) -> list[dict]:
+    """Where no single lever makes the deployment fit: every combination of the engine's levers (a smaller KV
+    dtype, a weight format, the asked length as the limit, more GPUs), each planned, and the few cheapest
+    that fit: fewest GPUs, then fewest changes. Fewer requests and another engine are never in them."""
+    if any(lv["fits"] for lv in singles if lv["lever"] not in NOT_A_FIX):
+        return []
+    kv = [(None, s.kv_dtype)]
+    try:
+        current = s.kv_dtype_bytes()
+        for dtype in s.rules.kv_levers():
+            if replace(s, kv_dtype=dtype).kv_dtype_bytes() < current:
+                kv.append((s.rules.kv_dtype_flag(dtype), dtype))
+    except (PlanError, KVRuleError):
+        pass
+    weights = [(None, s.weights), *weight_options(s)]
+    limits = [(None, s.limit)]
+    if s.limit_source.startswith("the model's") and s.context < s.limit:
+        limits.append((s.rules.limit_flag(s.context, s.batch), s.context))
+    tps = [(None, s.tp)]
+    if s.gpu is None or not s.gpu.wall:
+        t = 2
+        while t <= s.node_gpus:
+            if t > s.tp:
+                tps.append((s.rules.tp_flag(t), t))
+            t *= 2
+    found, closest = [], None
+    for tp_flag, tp in tps:  # fewest GPUs first: the first that fit are the cheapest
+        for kv_flag, dtype in kv:
+            for w_flag, w in weights:
+                for limit_flag, limit in limits:
+                    flags = [f for f in (kv_flag, w_flag, limit_flag, tp_flag) if f]
+                    if len(flags) < 2:
+                        continue  # a single lever: already planned
+                    t = replace(s, kv_dtype=dtype, weights=w, limit=limit, tp=tp)
+                    if t.startup_rule and t.startup is None:
+                        t = replace(t, startup_rule=False)
+                    try:
+                        short = t.need() - t.usable
+                    except (PlanError, KVRuleError, ValueError):  # a split the engine refuses
+                        continue
+                    if short > 0:
+                        if closest is None or short < closest[0]:
+                            closest = (short, (tp, len(flags), flags, t))
+                        continue
+                    found.append((tp, len(flags), flags, t))
+        if len(found) >= COMBINED_SHOWN:
+            break
+    found.sort(key=lambda f: (f[0], f[1]))
+    if not found and closest is not None:  # none fits: the nearest, planned, says by how much
+        found = [closest[1]]
+    out = []
+    for tp, n, flags, t in found[:COMBINED_SHOWN]:
+        what = f"{n} changes together" + (f", {tp} GPUs" if tp > 1 else "")
+        if len(found) == 1 and not t.fits():
+            what += "; the nearest combination: none of the engine's levers together fits"
+        lever = _lever("combined", " ".join(flags), what,
+                       t, extra=n + tp / 100)
         if lever:
             out.append(lever)
     return out
@@ -128,6 +204,11 @@ def limit_lever(s: Setup, base: Outcome) -> list[dict]:
     fits under it)."""
     if base.fits is not False or base.weights_exceed:
         return []
+    if s.limit_source.startswith("the model's") and s.context < s.limit and s.fits(limit=s.context):
+        # the server's default limit is the model's: the length asked is the limit the user wants
+        lever = _lever("limit", s.rules.limit_flag(s.context, s.batch), f"a limit of {s.context:,} tokens per "
+                       f"request, the length asked (from the model's {s.limit:,})", replace(s, limit=s.context))
+        return [lever] if lever else []
     best = _largest(lambda n: s.fits(limit=n), s.context, s.limit - 1)
     if best < s.context:
         return []
@@ -174,7 +255,18 @@ def levers(s: Setup, base: Outcome) -> list[dict]:
     else:
         found = [*kv_levers(s), *host_levers(s), *weight_levers(s), *limit_lever(s, base), *concurrency_lever(s, base),
                  *tp_levers(s), *engine_levers(s, base)]
-    found.sort(key=lambda lv: (not lv["fits"], lv["_cost"], -(lv["headroom_bytes"] or 0)))
+    for lv in found:  # fewer users than asked, or another engine, answers another question: never a fix
+        lv["fix"] = lv["lever"] not in NOT_A_FIX
+        lv["not_a_fix"] = NOT_A_FIX.get(lv["lever"], "")
+    if not base.weights_exceed or any(lv["lever"] in ("weights", "tp") for lv in found):
+        found += combined_levers(s, found)
+    for lv in found:
+        lv.setdefault("fix", True)
+        lv.setdefault("not_a_fix", "")
+    found.sort(key=lambda lv: (not lv["fix"], not lv["fits"], lv["_cost"], -(lv["headroom_bytes"] or 0)))
     for lv in found:
         lv.pop("_cost")
     return found
+
+
+NOT_A_FIX = {"concurrency": "serves fewer requests at once than asked", "engine": "another engine"}

@@ -36,6 +36,35 @@ def model_names() -> list[str]:
     return [*EMBEDDED, *catalog_names()]
 
 
+SIZE = re.compile(r"(?<![a-z\d.])(\d+(?:\.\d+)?)b(?![a-z])")  # 70b, 0.5b, 235b (of 235b-a22b)
+FAMILY = re.compile(r"^[a-z-]*?([a-z]+)[-_]?v?(\d+(?:\.\d+)?)(?![\d.]*b(?![a-z]))")  # llama-3.1, qwen2.5, deepseek-v3
+
+
+def model_family(name: str) -> tuple[str, str | None, str | None]:
+    """(family, generation, size) of a model's name, a hub id's included: ``meta-llama/Llama-3.1-70B-Instruct``
+    is ("llama", "3.1", "70"); a part the name does not say is None."""
+    base = name.rsplit("/", 1)[-1].lower()
+    size = SIZE.search(base)
+    m = FAMILY.match(base)
+    family = m[1] if m else re.match(r"[a-z]*", base)[0]
+    return family, m[2] if m else None, size[1] if size else None
+
+
+def similar_model(word: str, names: list[str]) -> str | None:
+    """The name of ``names`` that ``word`` is a typo or a longer spelling of, only within its family, generation
+    and size: ``Llama-3.1-70B-Instruct`` may be llama-3.1-70b, never llama-3-8b-instruct-fp8."""
+    import difflib
+
+    family, generation, size = model_family(word)
+    near = [n for n in names
+            if (f := model_family(n)) and difflib.SequenceMatcher(None, family, f[0]).ratio() >= 0.75
+            and (size is None or f[2] == size) and (generation is None or f[1] in (None, generation))
+            and (generation is not None or f[1] is None or size is not None)]
+    base = word.rsplit("/", 1)[-1].lower()
+    match = difflib.get_close_matches(base, near, n=1, cutoff=0.5)
+    return match[0] if match and match[0] != word else None
+
+
 def engines() -> list[str]:
     """The engines whose KV rules the planner knows (every adapter that has them)."""
     return engines_with_rules()

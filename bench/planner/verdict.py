@@ -3,6 +3,8 @@ longest request at the asked concurrency, in one line; then the ledger per GPU (
 margin, each with where its figure comes from)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvbench.kv.rules import KVAnswer
 from kvbench.kv.units import fmt_gib
 
@@ -80,8 +82,8 @@ def verdict(s: Setup, o: Outcome) -> dict:
         unverified = f" (NOT VERIFIED: the config's {', '.join(s.model.unread_keys)} look per-layer and were not read)"
     if s.gpu is None:
         out["word"] = "NO GPU"
-        out["line"] = (f"NO VERDICT{unverified}: no --gpu or --memory; the KV takes {fmt_gib(o.kv)} per GPU for {s.batch} x "
-                       f"{s.context:,} tokens with a {s.limit:,}-token limit")
+        out["line"] = (f"NO VERDICT{unverified}: no --gpu or --memory; the deployment holds {fmt_gib(o.kv)} of KV "
+                       f"{s.per} ({s.batch} x {s.context:,} tokens asked, under a {s.limit:,}-token limit)")
         return out
     usable = s.usable
     if o.fits is None:
@@ -129,3 +131,49 @@ def lever_line(lv: dict) -> str:
         return f"{word}: the weights and the fixed overheads alone exceed the usable memory ({head})"
     return (f"{word}: {head} ({_pct(lv['headroom_pct'])}); {lv['max_concurrency']:,} at once; longest request "
             f"{lv['longest_request']:,} tokens")
+
+
+def _unverified(s: Setup) -> str:
+    if s.model.verified:
+        return ""
+    return f" (NOT VERIFIED: the config's {', '.join(s.model.unread_keys)} look per-layer and were not read)"
+
+
+def asked_first(s: Setup, o: Outcome, typical: KVAnswer, startup: dict | None) -> dict:
+    """The question asked, answered before anything else: the KV of ``batch`` x ``context`` tokens (no limit
+    reserved); then what the server's limit implies for it (the engine's default, the model's limit, where
+    none was given: one request at that limit is what the engine reserves or refuses on), and, where that
+    limit is longer than the request asked, the same deployment started with the asked length as its limit.
+    Each labelled, each computed."""
+    dtype = f"{typical.dtype}, {s.rules.engine}" + (f": {typical.note}" if s.engine else "")
+    asked = {"tokens": s.context, "batch": s.batch, "kv_bytes": typical.bytes_per_gpu * s.tp,
+             "kv_bytes_per_gpu": typical.bytes_per_gpu, "kv_dtype": typical.dtype,
+             "line": f"Asked{_unverified(s)}: {s.batch} x {s.context:,} tokens hold {fmt_gib(typical.bytes_per_gpu)} of KV {s.per}"
+                     f" ({dtype})"}
+    default = s.limit_source.startswith("the model's")
+    flag = s.rules.limit_flag(s.limit, s.batch)
+    where = (f"At the default limit, the model's {s.limit:,} tokens ({flag})" if default
+             else f"At the limit asked ({flag})" if s.limit_source == "--max-model-len"
+             else f"At a limit of {s.limit:,} tokens ({flag}; {s.limit_source})")
+    one = s.kv_bytes(context=s.limit, batch=1, limit=s.limit)
+    if startup is not None:
+        said = startup["line"]
+    elif s.gpu is None:
+        said = f"one request at the limit holds {fmt_gib(one)} of KV {s.per}; no --gpu or --memory: no verdict"
+    else:
+        said = verdict(s, o)["line"]
+    at_limit = {"limit": s.limit, "limit_source": s.limit_source, "flag": flag, "default": default,
+                "one_request_kv_bytes_per_gpu": one, "fits": o.fits, "refused": bool(startup and startup["refusal"]),
+                "line": f"{where}: {said}"}
+    out = {"asked": asked, "at_limit": at_limit, "at_asked_limit": None}
+    if default and s.limit > s.context and s.gpu is not None and s.weights.bytes is not None:
+        t = replace(s, limit=s.context, limit_source="--max-model-len")
+        if t.startup_rule and t.startup is None:
+            t = replace(t, startup_rule=False)
+        ot = t.outcome()
+        v = verdict(t, ot)
+        tflag = s.rules.limit_flag(s.context, s.batch)
+        out["at_asked_limit"] = {"limit": s.context, "flag": tflag, "fits": ot.fits, "word": v["word"],
+                                 "max_concurrency": ot.max_concurrency, "headroom_bytes": ot.headroom,
+                                 "line": f"With {tflag} (the {s.context:,} tokens asked as the limit): {v['line']}"}
+    return out

@@ -18,7 +18,7 @@ from kvbench.kv.geometry import KV_DTYPE_BYTES
 from kvbench.planner import WEIGHT_DTYPES, engines, gpu_catalog
 
 from tests.fakes.hub_server import COMMIT
-from tests.helpers import REPO, DATA
+from tests.helpers import REPO, DATA, plan_lines
 
 runner = CliRunner()
 ROOT = REPO  # the repository
@@ -71,8 +71,10 @@ def test_an_unread_per_layer_key_is_said_on_the_verdict_line_and_in_json(tmp_pat
     model = str(folder(tmp_path, HYBRID))
     code, output = plan(model, "--gpu", "L4")
     assert code == 0
-    assert output.splitlines()[0].startswith("FITS (NOT VERIFIED: the config's attn_type_list look per-layer and "
-                                             "were not read): ")
+    assert plan_lines(output)["verdict"].startswith("FITS (NOT VERIFIED: the config's attn_type_list look per-layer and "
+                                                    "were not read): ")
+    # the first line, the KV asked, says it too
+    assert plan_lines(output)["asked"].startswith("Asked (NOT VERIFIED: the config's attn_type_list")
     out = json.loads(plan(model, "--gpu", "L4", "--json")[1])
     assert out["verified"] is False and out["unread_keys"] == ["attn_type_list"]
     assert out["verdict"]["verified"] is False and out["verdict"]["unread_keys"] == ["attn_type_list"]

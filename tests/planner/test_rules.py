@@ -13,7 +13,7 @@ from kvbench.kv.model_config import geometry_from_hf_dict
 from kvbench.kv.rules import KVQuestion, KVRuleError
 from kvbench.kv.units import GIB
 from kvbench.planner import PlanError, PlanInput, engines, gpu_memory, plan, resolve_model
-from tests.helpers import DATA
+from tests.helpers import DATA, plan_lines
 
 runner = CliRunner()
 CORPUS = DATA / "configs"
@@ -223,9 +223,9 @@ def test_plan_cli_json_and_errors():
     # the model's 131,072-token limit is what the server accepts unless told: one such request does not fit an
     # L4 beside the weights; with the limit at 8,192 the four requests do
     code, output = plan_cli("qwen2.5-7b", "--context", "8192", "--batch", "4", "--gpu", "L4")
-    assert code == 0 and output.startswith("DOES NOT FIT: short by")
+    assert code == 0 and plan_lines(output)["verdict"].startswith("DOES NOT FIT: short by")
     code, output = plan_cli("qwen2.5-7b", "--context", "8192", "--batch", "4", "--gpu", "L4", "--max-model-len", "8192")
-    assert code == 0 and output.startswith("FITS: ")
+    assert code == 0 and plan_lines(output)["verdict"].startswith("FITS: ")
 
 
 @pytest.mark.parametrize("args, message", [

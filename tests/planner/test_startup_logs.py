@@ -14,6 +14,7 @@ from kvbench.backends.sglang import gpumem as sglang_mem
 from kvbench.backends.vllm import gpumem as vllm_mem
 from kvbench.cli import app
 from kvbench.selfcheck import startup_logs as sl
+from tests.helpers import plan_lines
 
 VERIFIED = vllm_mem.VERIFIED_CLASSES | sglang_mem.VERIFIED_CLASSES | llamacpp_mem.VERIFIED_CLASSES
 
@@ -102,7 +103,7 @@ def test_verdict_reads_like_vllms_log():
     r = CliRunner().invoke(app, ["plan", "llama-3-8b", "--engine", "vllm", "--gpu", "H100-80GB",
                                  "--engine-version", "0.6.5"])
     assert r.exit_code == 0, r.output
-    first = r.output.splitlines()[0]
+    first = plan_lines(r.output)["limit"]
     assert re.fullmatch(r"vLLM would start with a 53\.29 GiB KV pool \([\d,]+ tokens\): 53 requests of 8,192 "
                         r"tokens at once", first), first
 
@@ -111,7 +112,7 @@ def test_refusal_in_vllms_words():
     r = CliRunner().invoke(app, ["plan", "llama-3.1-8b", "--engine", "vllm", "--gpu", "RTX-3090",
                                  "--engine-version", "0.6.4", "--max-model-len", "29000"])
     assert r.exit_code == 0, r.output
-    assert r.output.startswith("vLLM would refuse to start: \"The model's max seq len (29000) is larger than the "
+    assert plan_lines(r.output)["limit"].startswith("vLLM would refuse to start: \"The model's max seq len (29000) is larger than the "
                                "maximum number of tokens that can be stored in KV cache")
     assert "Fix: --max-model-len" in r.output
 
@@ -119,11 +120,12 @@ def test_refusal_in_vllms_words():
 def test_unverified_class_says_so_on_the_verdict_line():
     r = CliRunner().invoke(app, ["plan", "gpt-oss-20b", "--engine", "vllm", "--gpu", "H100-80GB",
                                  "--max-model-len", "32768"])
-    assert "unverified: no public startup log of class 'vllm v1 moe'" in r.output.splitlines()[0]
+    assert "unverified: no public startup log of class 'vllm v1 moe'" in plan_lines(r.output)["limit"]
     # current vLLM (0.21 on) takes its CUDA-graph estimate out of the pool: checked on Hopper logs only, so on an L4
     # the verdict says by how much the pool may be smaller
     r = CliRunner().invoke(app, ["plan", "qwen2.5-7b", "--engine", "vllm", "--gpu", "L4", "--max-model-len", "8192"])
-    assert "unverified on this GPU" in r.output.splitlines()[0] and "up to 1.6 GiB smaller" in r.output.splitlines()[0]
+    limit = plan_lines(r.output)["limit"]
+    assert "unverified on this GPU" in limit and "up to 1.6 GiB smaller" in limit
 
 
 def test_current_vllm_dense_on_an_h100_is_verified():

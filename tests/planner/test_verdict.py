@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from kvbench.cli import app
 from kvbench.kv.units import GIB
-from tests.helpers import REPO
+from tests.helpers import REPO, plan_lines
 
 runner = CliRunner()
 CATALOG = REPO / "bench" / "planner" / "catalog"
@@ -177,7 +177,7 @@ def test_without_rope_scaling_the_128k_limit_is_refused_or_labelled_as_past_the_
     assert code == 2 and "exceeds the model's limit of 32,768" in output and len(output.strip().splitlines()) == 1
     code, output = plan_text(model, "--engine", "vllm", "--gpu", "L40S", "--max-model-len", "128K", "-n", "10k",
                              "--allow-long-context")
-    verdict = output.splitlines()[0]
+    verdict = plan_lines(output)["verdict"]
     assert code == 0 and verdict.startswith("FITS: ")
     assert "(the model's limit)" not in output
     assert verdict.endswith("131,072 tokens (the limit planned, past the model's 32,768)")

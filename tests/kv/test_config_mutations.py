@@ -1,0 +1,165 @@
+"""Issue 36 item 3: never silently wrong. Every real config of the corpus, mutated (lists for numbers,
+numbers for lists, keys removed, zeros, negatives, huge values, strings, optional fields of the wrong type),
+gets an answer or one line (exit 2 on the command line), never a traceback and never a class default in
+place of a required field."""
+import json
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from kvbench.cli import app
+from kvbench.kv.model_config import MAX_LAYERS, ConfigError
+from kvbench.planner import PlanError, PlanInput, plan, resolve_model
+
+from tests.helpers import DATA
+
+CORPUS = sorted((DATA / "configs").glob("*.json"))
+KEYS = ["num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "intermediate_size",
+        "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window", "layer_types",
+        "quantization_config", "torch_dtype", "rope_scaling", "kv_lora_rank", "moe_intermediate_size",
+        "num_local_experts", "n_routed_experts", "attention_chunk_size", "tie_word_embeddings"]
+VALUES = st.one_of(st.sampled_from([0, -1, 1, 10**6, 10**12, 2**63, "x", "float128", 1.5, True, None, {}, [],
+                                    [1], [[1]], [1, 2]]),
+                   st.integers(-10, 10**13), st.text(max_size=5))
+
+
+def _body(raw: dict) -> dict:
+    return raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+
+
+@st.composite
+def mutated(draw):
+    path = draw(st.sampled_from(CORPUS))
+    raw = json.loads(path.read_text())
+    for _ in range(draw(st.integers(1, 3))):
+        body = _body(raw)
+        key = draw(st.sampled_from(KEYS))
+        how = draw(st.sampled_from(["set", "delete", "per layer", "one of the list"]))
+        if how == "delete":
+            body.pop(key, None)
+        elif how == "per layer" and isinstance(body.get(key), int):
+            n = body.get("num_hidden_layers")
+            body[key] = [body[key]] * (n if isinstance(n, int) and 0 < n < 200 else 3)
+        elif how == "one of the list" and isinstance(body.get(key), list) and body[key]:
+            body[key] = body[key][0]
+        else:
+            body[key] = draw(VALUES)
+    return path.name, raw
+
+
+def _answer(tmp_path, raw: dict):
+    """The model and its plans under the plain formula and vLLM on a GPU, or the one-line refusal."""
+    file = tmp_path / "config.json"
+    file.write_text(json.dumps(raw))
+    try:
+        model = resolve_model(str(file))
+        context = 8192 if (model.geometry.max_context or 0) >= 8192 else None
+        plans = [plan(PlanInput(model=model, context=context)),
+                 plan(PlanInput(model=model, context=context, engine="vllm", gpu="H100-80GB"))]
+    except (PlanError, ConfigError) as exc:
+        return str(exc)
+    return model, plans
+
+
+@settings(max_examples=300, database=None, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(mutated())
+def test_every_mutated_config_is_answered_or_refused_in_one_line(tmp_path, case):
+    name, raw = case
+    started = time.perf_counter()
+    out = _answer(tmp_path, raw)  # any other exception fails the test with its traceback
+    assert time.perf_counter() - started < 10, f"{name}: took {time.perf_counter() - started:.1f} s"
+    if isinstance(out, str):
+        assert out and "\n" not in out and "Traceback" not in out, out
+        return
+    model, plans = out
+    # an answer is made of this file's values: the layers the plan counts are the file's
+    body = _body(raw)
+    given_layers = next((body[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in body), None)
+    if isinstance(given_layers, int):
+        assert len(model.geometry.layers) == given_layers
+
+
+@pytest.mark.parametrize("key", ["num_hidden_layers", "hidden_size", "num_attention_heads"])
+def test_a_missing_required_field_is_named_not_taken_from_the_class(tmp_path, key):
+    raw = json.loads((DATA / "configs" / "llama-3.1-70b.json").read_text())
+    del raw[key]
+    out = _answer(tmp_path, raw)
+    assert isinstance(out, str) and key in out and "missing" in out
+
+
+def test_a_missing_vocabulary_leaves_the_weights_unknown_not_guessed(tmp_path):
+    """The KV does not read the vocabulary; the weights count would take LlamaConfig's 32,000: unknown, named."""
+    raw = json.loads((DATA / "configs" / "llama-3.1-70b.json").read_text())
+    del raw["vocab_size"]
+    model, plans = _answer(tmp_path, raw)
+    assert model.weights.bytes is None and "vocab_size" in model.weights.source
+    assert plans[1]["verdict"]["word"] == "UNKNOWN"
+
+
+def test_a_nested_text_config_leaves_out_its_class_defaults_and_says_so(tmp_path):
+    # gemma-3-4b-it's text_config omits num_attention_heads (Gemma3TextConfig's 8): transformers writes a
+    # nested config without the values equal to its class's defaults
+    raw = json.loads((DATA / "configs" / "gemma-3-4b-it.json").read_text())
+    model, _ = _answer(tmp_path, raw)
+    assert any(n.startswith("num_attention_heads 8 from the Gemma3TextConfig class default") for n in
+               model.geometry.notes)
+
+
+def test_per_layer_widths_are_counted_per_layer(tmp_path):
+    """A model type transformers does not know, with one intermediate size and KV-head count per layer: the
+    weights count each layer at its own width (hand-worked: Llama 3.1 8B, the last 16 layers without an MLP
+    and with 4 KV heads instead of 8)."""
+    raw = json.loads((DATA / "configs" / "llama-3.1-8b.json").read_text())
+    whole, _ = _answer(tmp_path, raw)
+    raw.update(model_type="my_llama", intermediate_size=[14336] * 16 + [0] * 16,
+               num_key_value_heads=[8] * 16 + [4] * 16)
+    model, _ = _answer(tmp_path, raw)
+    mlp = 3 * 4096 * 14336  # gate, up, down
+    kv_proj = 2 * 4096 * 4 * 128  # k and v of the 4 KV heads a layer lost
+    assert whole.weights.parameters - model.weights.parameters == 16 * (mlp + kv_proj)
+    assert [layer.kv_heads for layer in model.geometry.layers] == [8] * 16 + [4] * 16
+
+
+def test_a_per_layer_list_kvbench_does_not_read_is_refused_by_name(tmp_path):
+    raw = json.loads((DATA / "configs" / "llama-3.1-8b.json").read_text())
+    raw.update(model_type="my_llama", head_dim=[128] * 32)
+    out = _answer(tmp_path, raw)
+    assert isinstance(out, str) and "head_dim is a list" in out
+
+
+@pytest.mark.parametrize("layers", [10**6, 10**12])
+def test_huge_layer_counts_answer_at_once(tmp_path, layers):
+    raw = json.loads((DATA / "configs" / "llama-3.1-8b.json").read_text())
+    raw["num_hidden_layers"] = layers
+    started = time.perf_counter()
+    out = _answer(tmp_path, raw)
+    assert time.perf_counter() - started < 1
+    assert isinstance(out, str) and f"{MAX_LAYERS:,}" in out
+
+
+def test_a_thousand_layers_plan_in_linear_time(tmp_path):
+    raw = json.loads((DATA / "configs" / "llama-3.1-8b.json").read_text())
+    raw["num_hidden_layers"] = 1000
+    model, plans = _answer(tmp_path, raw)
+    assert plans[0]["layers"] == 1000 and plans[1]["levers"] is not None
+
+
+@pytest.mark.parametrize("key, value, words", [("quantization_config", [1], "quantization_config is a list"),
+                                               ("torch_dtype", "float128", "torch_dtype 'float128'"),
+                                               ("num_key_value_heads", "8", "num_key_value_heads must be a whole")])
+def test_wrong_typed_fields_are_one_line_and_exit_2(tmp_path, key, value, words):
+    raw = json.loads((DATA / "configs" / "qwen2.5-7b.json").read_text())
+    raw[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    result = CliRunner().invoke(app, ["plan", str(tmp_path / "config.json"), "-n", "8k"])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0] and "Traceback" not in result.output
+
+
+def test_the_mutations_draw_from_the_whole_corpus():
+    assert len(CORPUS) >= 30  # tests/data/configs: the real public configs of corpus.toml
