@@ -39,6 +39,8 @@ from urllib.parse import unquote, urlsplit
 import httptools
 import orjson
 
+from kvbench.common.redact import holding, scrub
+
 from .types import RequestResult
 
 
@@ -51,6 +53,8 @@ class StreamCutOff(ConnectionError):
 TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (OSError, httptools.HttpParserError)
 
 _DONE = b"[DONE]"
+_BOM = b"\xef\xbb\xbf"
+_NO_EVENT = object()  # an SSE event that carries no JSON for the adapter: [DONE], or empty data
 perf_counter = time.perf_counter
 
 Origin = tuple[str, str, int]  # (scheme, host, port): a pool of connections, and an endpoint's settings
@@ -357,12 +361,13 @@ _NDJSON_TYPES = (b"json",)  # application/x-ndjson (Ollama), application/jsonl, 
 
 
 async def _stream(client: Client, url: str, body: dict, prompt, split_events,
-                  accept: tuple[bytes, ...] = (), what: str = "") -> tuple[RequestResult, bytes, bool]:
-    """The request, its body fed through ``split_events(data, now, state)``; returns the result, the
-    unfinished tail of the body and whether the SSE [DONE] marker came. A 200 answer of a Content-Type
+                  accept: tuple[bytes, ...] = (), what: str = "") -> tuple[RequestResult, dict]:
+    """The request, its body fed through ``split_events(data, now, state)``; returns the result and the
+    splitter's state at the end (:func:`new_stream_state`: the unfinished tail of the body, whether the SSE
+    [DONE] marker came, ...). A 200 answer of a Content-Type
     other than ``accept`` fails with ``what`` (the kind of stream asked for) in its error."""
     result = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, perf_counter())
-    state = {"buf": bytearray(), "done": False, "result": result}
+    state = new_stream_state(result)
 
     def on_body(data: bytes, now: float):
         split_events(data, now, state)
@@ -373,20 +378,96 @@ async def _stream(client: Client, url: str, body: dict, prompt, split_events,
             await _finish(client, conn, result)
         except StreamCutOff:
             pass
-        text = b"".join(conn.error_chunks).decode(errors="replace")
+        text = scrub(b"".join(conn.error_chunks).decode(errors="replace"))  # before it is cut: no half key
         if conn.status != 200:
             result.error = f"HTTP {conn.status}: {text[:500]}"
         else:
             ctype = conn.content_type.decode("latin-1").split(";")[0].strip()
             result.error = f"HTTP 200 but content-type {ctype}, not {what}: {text[:300]}"
         result.t_done = perf_counter()
-        return result, b"", False
+        return result, state
     try:
         await _finish(client, conn, result)
     finally:
         if conn.failure is not None and not isinstance(conn.failure, ConnectionError):
             raise conn.failure  # the adapter's own error (e.g. a malformed event), not the transport's
-    return result, bytes(state["buf"]), state["done"]
+    return result, state
+
+
+def new_stream_state(result: RequestResult) -> dict:
+    """What a stream's splitter keeps between two reads: ``buf`` the unfinished line; ``done`` the SSE [DONE]
+    marker came; ``data`` the data lines of an SSE event not ended yet (None: none); ``odd`` whether the next
+    read needs :func:`_sse_line_ends` (None before the first read, True after a read ending in CR);
+    ``other`` the first line that was no SSE field (an HTML page served as text/event-stream); ``bad_utf8``
+    the events whose text was not UTF-8."""
+    return {"buf": bytearray(), "done": False, "result": result, "data": None, "odd": None, "other": None,
+            "bad_utf8": 0}
+
+
+def sse_payloads(body: bytes) -> list[bytes]:
+    """The data of every event of a whole SSE body, by the standard (the same reading as the timed
+    splitter in :func:`stream_sse`, for a body read whole off the timed path: an attach probe)."""
+    if body[:3] == _BOM:
+        body = body[3:]
+    events, data = [], None
+    for line in body.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n"):
+        if not line:
+            if data is not None:
+                events.append(data)
+            data = None
+        elif line[:1] != b":":
+            name, _, value = line.partition(b":")
+            if name == b"data":
+                value = value[1:] if value[:1] == b" " else value
+                data = value if data is None else data + b"\n" + value
+    return events
+
+
+def _sse_line_ends(data: bytes, state: dict) -> bytes:
+    """``data`` with its CRLF and bare CR line ends made LF (the standard allows all three); a CRLF cut
+    between two reads is one line end, and a byte-order mark at the stream's start is dropped. Only reads
+    holding a CR (and the first) come here: LF streams keep the fast path."""
+    if state["odd"] is None:  # the stream's first bytes: a byte-order mark, maybe cut between reads
+        head = bytes(state["buf"]) + data
+        if len(head) < 3 and _BOM.startswith(head):
+            state["buf"][:] = head
+            return b""
+        state["buf"].clear()
+        data = head[3:] if head[:3] == _BOM else head
+    elif state["odd"] and data[:1] == b"\n":  # the read before ended in CR: this LF is the same line end
+        data = data[1:]
+    state["odd"] = data[-1:] == b"\r"
+    return data.replace(b"\r\n", b"\n").replace(b"\r", b"\n") if b"\r" in data else data
+
+
+def _sse_field(line: bytes, pending: bytes | None, state: dict) -> bytes | None:
+    """A line that is neither ``data:`` nor a blank line nor a comment: a field kvbench does not read
+    (``event``, ``id``, ``retry``; ignored as the standard says), or ``data`` without a colon (an empty
+    data line). The first such line is kept: a body with no event at all is said with it."""
+    if line == b"data":
+        return b"" if pending is None else pending + b"\n"
+    if state["other"] is None and line.partition(b":")[0] not in (b"event", b"id", b"retry"):
+        state["other"] = line[:4096]  # cut to 200 once scrubbed
+    return pending
+
+
+def _sse_event(payload: bytes, state: dict, loads):
+    """The JSON of an event whose fast parse failed: :data:`_NO_EVENT` for ``[DONE]`` and an empty event, the event read
+    with its invalid UTF-8 replaced by U+FFFD (and counted) when that was the only fault; else the parse
+    error is raised (a malformed event fails its request)."""
+    text = payload.strip()
+    if text == _DONE:
+        state["done"] = True
+        return _NO_EVENT
+    if not text:
+        return _NO_EVENT
+    try:
+        decoded = text.decode()
+    except UnicodeDecodeError:
+        state["bad_utf8"] += 1
+        state["result"].engine_details["events_not_utf8"] = state["bad_utf8"]
+        return loads(text.decode(errors="replace"))
+    return loads(decoded)  # raises the parse error
 
 
 def _complete_lines(data: bytes, tail: bytearray) -> list[bytes]:
@@ -408,6 +489,13 @@ def _complete_lines(data: bytes, tail: bytearray) -> list[bytes]:
     return lines
 
 
+def _scrubbed(data: bytes | bytearray, limit: int = 200) -> bytes:
+    """The first ``limit`` bytes of a server's text for an error, held credentials masked before the cut."""
+    if not holding():
+        return bytes(data[:limit])
+    return scrub(bytes(data[:limit + 4096]).decode("latin-1")).encode("latin-1")[:limit]
+
+
 def _ended_early(result: RequestResult, done_marker: bool, final_event: str) -> None:
     if not done_marker and result.error is None and result.output_tokens_reported is None:
         result.error = f"stream ended before {final_event} (connection closed early)"
@@ -421,29 +509,48 @@ async def stream_sse(client, url: str, body: dict, prompt, handle,
     loads, JSONDecodeError = orjson.loads, orjson.JSONDecodeError
 
     def split_events(data: bytes, now: float, state: dict) -> None:
-        result = state["result"]
+        # The WHATWG standard's event-stream parsing: an event is its data lines (joined by LF) up to a
+        # blank line; lines end in LF, CRLF or CR; ":" starts a comment; "data:" takes one space after it.
+        # The usual stream (LF, one data line an event) costs one slice test and one parse an event.
+        if state["odd"] is not False or b"\r" in data:
+            data = _sse_line_ends(data, state)
+        result, pending = state["result"], state["data"]
         for line in _complete_lines(data, state["buf"]):
-            if line[:5] == b"data:":
-                try:  # orjson skips the space after "data:" and a trailing "\r" itself
-                    event = loads(line[5:])
-                except JSONDecodeError:
-                    payload = line[5:].strip()
-                    if payload == _DONE:
-                        state["done"] = True
-                        continue
-                    if not payload:
-                        continue
-                    raise
-                handle(event, now, result)
+            if not line:  # the blank line: the event is complete
+                if pending is not None:
+                    try:  # orjson skips the space after "data:" itself
+                        event = loads(pending)
+                    except JSONDecodeError:
+                        event = _sse_event(pending, state, loads)
+                        if event is _NO_EVENT:
+                            pending = None
+                            continue
+                    pending = None
+                    handle(event, now, result)
+            elif line[:5] == b"data:":
+                if pending is None:
+                    pending = line[5:]
+                else:  # one event over several data lines
+                    value = line[5:]
+                    pending += b"\n" + (value[1:] if value[:1] == b" " else value)
+            elif line[:1] != b":":  # a comment is skipped
+                pending = _sse_field(line, pending, state)
+        state["data"] = pending
 
-    result, buf, done_marker = await _stream(client, url, body, prompt, split_events, _SSE_TYPES,
-                                             "an event stream (text/event-stream)")
+    result, state = await _stream(client, url, body, prompt, split_events, _SSE_TYPES,
+                                  "an event stream (text/event-stream)")
     if result.error:
         return result
+    buf = state["buf"]
+    if state["data"] is not None and not buf.strip():  # data lines without the blank line ending the event
+        buf = b"data:" + state["data"]
     if buf.strip():
-        result.error = f"stream cut off inside an event: {buf[:200]!r}"
+        result.error = f"stream cut off inside an event: {_scrubbed(buf)!r}"
+    elif state["other"] is not None and not (state["done"] or result.chunk_times or result.output_tokens_reported):
+        result.error = (f"HTTP 200 text/event-stream but the body held no server-sent event: it began "
+                        f"{_scrubbed(state['other']).decode(errors='replace')!r}")
     else:
-        _ended_early(result, done_marker, final_event)
+        _ended_early(result, state["done"], final_event)
     return result
 
 
@@ -460,15 +567,16 @@ async def stream_ndjson(client, url: str, body: dict, prompt, handle,
             if line.strip():
                 handle(loads(line), now, state["result"])
 
-    result, buf, _ = await _stream(client, url, body, prompt, split_events, _NDJSON_TYPES,
-                                   "a JSON-lines stream (application/x-ndjson)")
+    result, state = await _stream(client, url, body, prompt, split_events, _NDJSON_TYPES,
+                                  "a JSON-lines stream (application/x-ndjson)")
     if result.error:
         return result
+    buf = bytes(state["buf"])
     if buf.strip():  # a last line without its newline: complete if it parses
         try:
             event = loads(buf)
         except orjson.JSONDecodeError:
-            result.error = f"stream cut off inside an event: {buf[:200]!r}"
+            result.error = f"stream cut off inside an event: {_scrubbed(buf)!r}"
             return result
         handle(event, last["now"], result)
     _ended_early(result, False, final_event)
