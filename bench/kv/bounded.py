@@ -122,20 +122,88 @@ GGUF_MAX_KEYS = 1 << 16
 
 
 def check_gguf_header(path: str | Path) -> None:
-    """Nothing when ``path`` is a regular file that starts as a GGUF file does (magic, version 1-3, tensor
-    and key counts within bounds); else InputError, before gguf's reader maps the file."""
+    """Nothing when ``path`` is a regular file holding a whole GGUF header: the magic, version 1-3, tensor and
+    key counts within bounds, every key and tensor description within the file, and the tensor data reaching
+    no further than the file (a file cut short); else InputError, before gguf's reader (numpy) maps it."""
     fd = open_regular(path, "GGUF file")
-    try:
-        head = os.read(fd, 24)
-    finally:
-        os.close(fd)
-    if len(head) < 24 or head[:4] != GGUF_MAGIC:
-        got = "too short" if len(head) < 24 else f"starts {head[:4]!r}"
-        raise InputError(f"GGUF file {path} is not a GGUF file ({got}, not the GGUF magic and header)")
-    version = int.from_bytes(head[4:8], "little")
-    tensors, keys = int.from_bytes(head[8:16], "little"), int.from_bytes(head[16:24], "little")
-    if version not in (1, 2, 3):
-        raise InputError(f"GGUF file {path}: GGUF version {version}, not 1-3 (damaged or not a GGUF file)")
-    if tensors > GGUF_MAX_TENSORS or keys > GGUF_MAX_KEYS:
-        raise InputError(f"GGUF file {path}: its header claims {tensors:,} tensors and {keys:,} keys "
-                         f"(damaged or not a GGUF file)")
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        head = f.read(24)
+        if len(head) < 24 or head[:4] != GGUF_MAGIC:
+            got = "too short" if len(head) < 24 else f"starts {head[:4]!r}"
+            raise InputError(f"GGUF file {path} is not a GGUF file ({got}, not the GGUF magic and header)")
+        version = int.from_bytes(head[4:8], "little")
+        tensors, keys = int.from_bytes(head[8:16], "little"), int.from_bytes(head[16:24], "little")
+        if version not in (1, 2, 3):
+            raise InputError(f"GGUF file {path}: GGUF version {version}, not 1-3 (damaged or not a GGUF file)")
+        if tensors > GGUF_MAX_TENSORS or keys > GGUF_MAX_KEYS:
+            raise InputError(f"GGUF file {path}: its header claims {tensors:,} tensors and {keys:,} keys "
+                             f"(damaged or not a GGUF file)")
+        if version == 1:  # 32-bit counts and lengths: too old to walk here; gguf's reader says what it finds
+            return
+        try:
+            _walk_gguf(f, size, tensors, keys)
+        except _Cut as exc:
+            raise InputError(f"GGUF file {path} is damaged or cut short: {exc} (the file has {size:,} bytes)") from None
+
+
+class _Cut(Exception):
+    pass
+
+
+_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
+_STRING, _ARRAY = 8, 9
+
+
+def _walk_gguf(f, size: int, tensors: int, keys: int) -> None:
+    """Read past every key and tensor description of a GGUF v2/v3 header, checking each length against the
+    file's size; _Cut says where it fails."""
+    def take(n: int, what: str) -> bytes:
+        if n > size - f.tell():
+            raise _Cut(f"{what} of {n:,} bytes at byte {f.tell():,} runs past the end")
+        return f.read(n)
+
+    def u(n: int, what: str) -> int:
+        return int.from_bytes(take(n, what), "little")
+
+    def skip(n: int, what: str) -> None:
+        if n > size - f.tell():
+            raise _Cut(f"{what} of {n:,} bytes at byte {f.tell():,} runs past the end")
+        f.seek(n, os.SEEK_CUR)
+
+    def value(kind: int, what: str) -> int | None:
+        if kind in _SCALARS:
+            data = take(_SCALARS[kind], what)
+            return int.from_bytes(data, "little") if kind in (4, 10) else None
+        if kind == _STRING:
+            skip(u(8, what), what)
+            return None
+        if kind == _ARRAY:
+            item, count = u(4, what), u(8, what)
+            if item in _SCALARS:
+                skip(_SCALARS[item] * count, what)
+            elif item in (_STRING, _ARRAY) and count <= size:
+                for _ in range(count):
+                    value(item, what)
+            else:
+                raise _Cut(f"{what}: an array of {count:,} items of type {item}")
+            return None
+        raise _Cut(f"{what}: value type {kind} is no GGUF type")
+
+    alignment = 32
+    for i in range(keys):
+        name = take(u(8, f"the name of key {i + 1}"), f"the name of key {i + 1}").decode(errors="replace")
+        got = value(u(4, f"key {name}"), f"key {name}")
+        if name == "general.alignment" and got:
+            alignment = got
+    end = 0
+    for i in range(tensors):
+        skip(u(8, f"the name of tensor {i + 1}"), f"the name of tensor {i + 1}")
+        dims = u(4, f"tensor {i + 1}")
+        if dims > 8:
+            raise _Cut(f"tensor {i + 1} has {dims} dimensions")
+        skip(8 * dims + 4, f"tensor {i + 1}")
+        end = max(end, u(8, f"tensor {i + 1}"))
+    data_start = -(-f.tell() // alignment) * alignment
+    if tensors and data_start + end >= size:
+        raise _Cut(f"its tensor data reaches byte {data_start + end:,}")
