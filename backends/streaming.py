@@ -24,6 +24,10 @@ https: TLS through the standard ``ssl`` module, certificates verified (:func:`tl
 to one server carries besides its body, its credential headers and the TLS context that trusts its
 certificate, is that server's :class:`Endpoint`, set by the adapter when it attaches
 (:func:`configure_endpoint`); a URL's own ``user:password@`` is sent as basic auth.
+
+Long because the transport, the connection pool and both stream readers (the SSE one reading every framing
+the standard allows) share the timed path, whose per-token cost the harness benchmarks watch: kept in one
+module, its calls stay local.
 """
 from __future__ import annotations
 

@@ -179,7 +179,8 @@ class OpenAIBackend(Backend):
     def _read_event(event: dict, now: float, result: RequestResult) -> None:
         if "error" in event or event.get("object") == "error":
             error = event.get("error", event)
-            result.error = scrub(str((error.get("message") if isinstance(error, dict) else None) or json.dumps(error)))[:500]
+            message = (error.get("message") if isinstance(error, dict) else None) or json.dumps(error)
+            result.error = scrub(str(message))[:500]  # before the cut: no half key
             return
         read_completion_chunk(event, now, result)
 

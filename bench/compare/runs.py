@@ -30,6 +30,9 @@ metric's change with a confidence interval, judged against a tolerance.
   self-comparison, different hardware, or nothing comparable (no cell matched, or every match was set
   aside). ``pass_unless_regression`` (``--pass-unless-regression``) makes 3 and 4 exit 0: a gate that asks
   only for no evidence of a regression.
+
+Long because matching, the intervals and the checks of a pair of sides (hardware, engine versions, models)
+all read the same :class:`Side` objects of one comparison.
 """
 from __future__ import annotations
 

@@ -27,6 +27,10 @@ class InputError(ValueError):
     """An input file kvbench will not read: not a regular file, too large, too deeply nested, not JSON/TOML."""
 
 
+def _named(what: str, path) -> str:
+    return f"{what} {path}" if what else str(path)
+
+
 def _kind(mode: int) -> str:
     for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")):
@@ -43,11 +47,11 @@ def open_regular(path: str | Path, what: str = "file") -> int:
     except FileNotFoundError:
         raise
     except OSError as exc:
-        raise InputError(f"{what} {path}: {(exc.strerror or str(exc)).lower()}") from None
+        raise InputError(f"{_named(what, path)}: {(exc.strerror or str(exc)).lower()}") from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise InputError(f"{what} {path} is {_kind(mode)}, not a regular file: kvbench reads only regular files")
+        raise InputError(f"{_named(what, path)} is {_kind(mode)}, not a regular file: kvbench reads only regular files")
     return fd
 
 
@@ -57,10 +61,11 @@ def read_bytes(path: str | Path, max_bytes: int, what: str = "file") -> bytes:
     with os.fdopen(fd, "rb", buffering=0) as f:
         size = os.fstat(fd).st_size
         if size > max_bytes:
-            raise InputError(f"{what} {path} is {size / MiB:,.1f} MiB, over the {max_bytes / MiB:,g} MiB kvbench reads")
+            raise InputError(f"{_named(what, path)} is {size / MiB:,.1f} MiB, over the {max_bytes / MiB:,g} MiB "
+                             f"kvbench reads")
         data = f.readall()  # one buffer of the file's size, as Path.read_bytes
     if len(data) > max_bytes:  # it grew while read
-        raise InputError(f"{what} {path} is over the {max_bytes / MiB:,g} MiB kvbench reads")
+        raise InputError(f"{_named(what, path)} is over the {max_bytes / MiB:,g} MiB kvbench reads")
     return data
 
 
@@ -78,9 +83,13 @@ def depth(value) -> int:
     return deepest
 
 
+def _too_deep(path, what: str, max_depth: int) -> InputError:
+    return InputError(f"{_named(what, path)} nests deeper than {max_depth} levels: not a file kvbench reads")
+
+
 def _check_depth(value, path, what: str, max_depth: int):
     if depth(value) > max_depth:
-        raise InputError(f"{what} {path} nests deeper than {max_depth} levels: not a file kvbench reads")
+        raise _too_deep(path, what, max_depth)
     return value
 
 
@@ -91,9 +100,9 @@ def read_json(path: str | Path, max_bytes: int = CONFIG_MAX_BYTES, what: str = "
     try:
         value = json.loads(data)
     except RecursionError:
-        raise InputError(f"{what} {path} nests deeper than {max_depth} levels: not a file kvbench reads") from None
+        raise _too_deep(path, what, max_depth) from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-        raise InputError(f"{what} {path}: not valid JSON ({exc})") from None
+        raise InputError(f"{_named(what, path)}: not valid JSON ({exc})") from None
     return _check_depth(value, path, what, max_depth)
 
 
@@ -104,11 +113,11 @@ def read_toml(path: str | Path, max_bytes: int = TOML_MAX_BYTES, what: str = "fi
     try:
         value = tomllib.loads(data.decode())
     except RecursionError:
-        raise InputError(f"{what} {path} nests deeper than {max_depth} levels: not a file kvbench reads") from None
+        raise _too_deep(path, what, max_depth) from None
     except UnicodeDecodeError as exc:
-        raise InputError(f"{what} {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        raise InputError(f"{_named(what, path)}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
-        raise InputError(f"{what} {path}: not valid TOML: {exc}") from None
+        raise InputError(f"{_named(what, path)}: not valid TOML: {exc}") from None
     return _check_depth(value, path, what, max_depth)
 
 

@@ -39,7 +39,7 @@ def _numbered_rows(path: Path) -> tuple[list[tuple[int, dict]], list[int]]:
     if not path.exists():
         return [], []
     try:  # a regular file (a FIFO or /dev/zero in its place is refused, never read)
-        data = bounded.read_bytes(path, JSONL_MAX_BYTES, what="results file")
+        data = bounded.read_bytes(path, JSONL_MAX_BYTES, what="")
     except bounded.InputError as exc:
         raise ResultsReadError(str(exc)) from None
     except OSError as exc:
@@ -106,7 +106,7 @@ def load_run_info(run_dir: str | Path) -> dict:
     """run.json as a dict; :class:`ResultsReadError` (naming the file) when it is not a JSON object."""
     path = Path(run_dir) / "run.json"
     try:  # a regular file, bounded in size and nesting (kvbench.kv.bounded)
-        info = bounded.read_json(path, bounded.RUN_JSON_MAX_BYTES, what="run.json")
+        info = bounded.read_json(path, bounded.RUN_JSON_MAX_BYTES, what="")  # the path names it
     except bounded.InputError as exc:
         raise ResultsReadError(str(exc)) from None
     except FileNotFoundError:

@@ -195,7 +195,7 @@ def test_a_run_json_or_record_that_is_no_regular_file_is_refused(tmp_path, kind)
     run = make_run(tmp_path, "a", repeats=1, prompts=(1024,), concurrency=(1,), n_requests=2)
     (run / "run.json").unlink()
     hostile(run, "run.json", kind)
-    with pytest.raises(ResultsReadError, match=f"run.json {run}/run.json is {KINDS[kind]}, not a regular file"):
+    with pytest.raises(ResultsReadError, match=f"^{run}/run.json is {KINDS[kind]}, not a regular file"):
         load_run_info(run)
     (run / "cells.jsonl").unlink()
     hostile(run, "cells.jsonl", kind)
