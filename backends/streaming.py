@@ -507,13 +507,13 @@ def _ended_early(result: RequestResult, done_marker: bool, final_event: str) -> 
 async def stream_sse(client, url: str, body: dict, prompt, handle,
                      final_event: str = "its final event") -> RequestResult:
     """POST ``body`` and read a server-sent-event stream; ``handle(event, arrival_time, result)`` reads
-    each JSON event (one ``data:`` line) into the result. ``final_event`` names, in the error of a
+    each JSON event (its data lines, as the standard joins them) into the result. ``final_event`` names, in the error of a
     stream that ended early, the engine's last event (the one that carries its token counts)."""
     loads, JSONDecodeError = orjson.loads, orjson.JSONDecodeError
     # what the splitter carries from one read to the next (per request: one splitter a request): the data
     # lines of an event not ended yet (None: none), and whether the next read needs _sse_line_ends (None
     # before the first read, True after one ending in CR). Closure variables, not state's keys: this runs
-    # once a read, and a dict's lookups there cost the client's ceiling ~2 % (docs/harness-benchmarks.md).
+    # once a read, where a dict's lookups cost ~1 % a token (docs/fault-matrix.md, "Wire formats").
     pending, odd = None, None
 
     def split_events(data: bytes, now: float, state: dict) -> None:
