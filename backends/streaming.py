@@ -24,6 +24,10 @@ https: TLS through the standard ``ssl`` module, certificates verified (:func:`tl
 to one server carries besides its body, its credential headers and the TLS context that trusts its
 certificate, is that server's :class:`Endpoint`, set by the adapter when it attaches
 (:func:`configure_endpoint`); a URL's own ``user:password@`` is sent as basic auth.
+
+Long because the transport, the connection pool and both stream readers (the SSE one reading every framing
+the standard allows) share the timed path, whose per-token cost the harness benchmarks watch: kept in one
+module, its calls stay local.
 """
 from __future__ import annotations
 
@@ -39,6 +43,8 @@ from urllib.parse import unquote, urlsplit
 import httptools
 import orjson
 
+from kvbench.common.redact import holding, scrub
+
 from .types import RequestResult
 
 
@@ -51,6 +57,8 @@ class StreamCutOff(ConnectionError):
 TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (OSError, httptools.HttpParserError)
 
 _DONE = b"[DONE]"
+_BOM = b"\xef\xbb\xbf"
+_NO_EVENT = object()  # an SSE event that carries no JSON for the adapter: [DONE], or empty data
 perf_counter = time.perf_counter
 
 Origin = tuple[str, str, int]  # (scheme, host, port): a pool of connections, and an endpoint's settings
@@ -357,12 +365,13 @@ _NDJSON_TYPES = (b"json",)  # application/x-ndjson (Ollama), application/jsonl, 
 
 
 async def _stream(client: Client, url: str, body: dict, prompt, split_events,
-                  accept: tuple[bytes, ...] = (), what: str = "") -> tuple[RequestResult, bytes, bool]:
-    """The request, its body fed through ``split_events(data, now, state)``; returns the result, the
-    unfinished tail of the body and whether the SSE [DONE] marker came. A 200 answer of a Content-Type
+                  accept: tuple[bytes, ...] = (), what: str = "") -> tuple[RequestResult, dict]:
+    """The request, its body fed through ``split_events(data, now, state)``; returns the result and the
+    splitter's state at the end (:func:`new_stream_state`: the unfinished tail of the body, whether the SSE
+    [DONE] marker came, ...). A 200 answer of a Content-Type
     other than ``accept`` fails with ``what`` (the kind of stream asked for) in its error."""
     result = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, perf_counter())
-    state = {"buf": bytearray(), "done": False, "result": result}
+    state = new_stream_state(result)
 
     def on_body(data: bytes, now: float):
         split_events(data, now, state)
@@ -373,20 +382,95 @@ async def _stream(client: Client, url: str, body: dict, prompt, split_events,
             await _finish(client, conn, result)
         except StreamCutOff:
             pass
-        text = b"".join(conn.error_chunks).decode(errors="replace")
+        text = scrub(b"".join(conn.error_chunks).decode(errors="replace"))  # before it is cut: no half key
         if conn.status != 200:
             result.error = f"HTTP {conn.status}: {text[:500]}"
         else:
             ctype = conn.content_type.decode("latin-1").split(";")[0].strip()
             result.error = f"HTTP 200 but content-type {ctype}, not {what}: {text[:300]}"
         result.t_done = perf_counter()
-        return result, b"", False
+        return result, state
     try:
         await _finish(client, conn, result)
     finally:
         if conn.failure is not None and not isinstance(conn.failure, ConnectionError):
             raise conn.failure  # the adapter's own error (e.g. a malformed event), not the transport's
-    return result, bytes(state["buf"]), state["done"]
+    return result, state
+
+
+def new_stream_state(result: RequestResult) -> dict:
+    """What a stream's splitter keeps between two reads: ``buf`` the unfinished line; ``done`` the SSE [DONE]
+    marker came; ``other`` the first line that was no SSE field (an HTML page served as text/event-stream);
+    ``bad_utf8`` the events whose text was not UTF-8. (The SSE splitter's own per-read state is in its
+    closure: :func:`stream_sse`.)"""
+    return {"buf": bytearray(), "done": False, "result": result, "other": None, "bad_utf8": 0}
+
+
+def sse_payloads(body: bytes) -> list[bytes]:
+    """The data of every event of a whole SSE body, by the standard (the same reading as the timed
+    splitter in :func:`stream_sse`, for a body read whole off the timed path: an attach probe)."""
+    if body[:3] == _BOM:
+        body = body[3:]
+    events, data = [], None
+    for line in body.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n"):
+        if not line:
+            if data is not None:
+                events.append(data)
+            data = None
+        elif line[:1] != b":":
+            name, _, value = line.partition(b":")
+            if name == b"data":
+                value = value[1:] if value[:1] == b" " else value
+                data = value if data is None else data + b"\n" + value
+    return events
+
+
+def _sse_line_ends(data: bytes, state: dict, odd: bool | None) -> tuple[bytes, bool | None]:
+    """``data`` with its CRLF and bare CR line ends made LF (the standard allows all three), and the splitter's
+    ``odd`` for the next read (True: this read ended in CR). A CRLF cut between two reads is one line end;
+    a byte-order mark at the stream's start (``odd`` None) is dropped. Only reads holding a CR (and the
+    first) come here: LF streams keep the fast path."""
+    if odd is None:  # the stream's first bytes: a byte-order mark, maybe cut between reads
+        head = bytes(state["buf"]) + data
+        if len(head) < 3 and _BOM.startswith(head):
+            state["buf"][:] = head
+            return b"", None
+        state["buf"].clear()
+        data = head[3:] if head[:3] == _BOM else head
+    elif odd and data[:1] == b"\n":  # the read before ended in CR: this LF is the same line end
+        data = data[1:]
+    odd = data[-1:] == b"\r"
+    return (data.replace(b"\r\n", b"\n").replace(b"\r", b"\n") if 13 in data else data), odd
+
+
+def _sse_field(line: bytes, pending: bytes | None, state: dict) -> bytes | None:
+    """A line that is neither ``data:`` nor a blank line nor a comment: a field kvbench does not read
+    (``event``, ``id``, ``retry``; ignored as the standard says), or ``data`` without a colon (an empty
+    data line). The first such line is kept: a body with no event at all is said with it."""
+    if line == b"data":
+        return b"" if pending is None else pending + b"\n"
+    if state["other"] is None and line.partition(b":")[0] not in (b"event", b"id", b"retry"):
+        state["other"] = line[:4096]  # cut to 200 once scrubbed
+    return pending
+
+
+def _sse_event(payload: bytes, state: dict, loads):
+    """The JSON of an event whose fast parse failed: :data:`_NO_EVENT` for ``[DONE]`` and an empty event, the event read
+    with its invalid UTF-8 replaced by U+FFFD (and counted) when that was the only fault; else the parse
+    error is raised (a malformed event fails its request)."""
+    text = payload.strip()
+    if text == _DONE:
+        state["done"] = True
+        return _NO_EVENT
+    if not text:
+        return _NO_EVENT
+    try:
+        decoded = text.decode()
+    except UnicodeDecodeError:
+        state["bad_utf8"] += 1
+        state["result"].engine_details["events_not_utf8"] = state["bad_utf8"]
+        return loads(text.decode(errors="replace"))
+    return loads(decoded)  # raises the parse error
 
 
 def _complete_lines(data: bytes, tail: bytearray) -> list[bytes]:
@@ -408,6 +492,13 @@ def _complete_lines(data: bytes, tail: bytearray) -> list[bytes]:
     return lines
 
 
+def _scrubbed(data: bytes | bytearray, limit: int = 200) -> bytes:
+    """The first ``limit`` bytes of a server's text for an error, held credentials masked before the cut."""
+    if not holding():
+        return bytes(data[:limit])
+    return scrub(bytes(data[:limit + 4096]).decode("latin-1")).encode("latin-1")[:limit]
+
+
 def _ended_early(result: RequestResult, done_marker: bool, final_event: str) -> None:
     if not done_marker and result.error is None and result.output_tokens_reported is None:
         result.error = f"stream ended before {final_event} (connection closed early)"
@@ -416,34 +507,60 @@ def _ended_early(result: RequestResult, done_marker: bool, final_event: str) -> 
 async def stream_sse(client, url: str, body: dict, prompt, handle,
                      final_event: str = "its final event") -> RequestResult:
     """POST ``body`` and read a server-sent-event stream; ``handle(event, arrival_time, result)`` reads
-    each JSON event (one ``data:`` line) into the result. ``final_event`` names, in the error of a
+    each JSON event (its data lines, as the standard joins them) into the result. ``final_event`` names, in the error of a
     stream that ended early, the engine's last event (the one that carries its token counts)."""
     loads, JSONDecodeError = orjson.loads, orjson.JSONDecodeError
+    # what the splitter carries from one read to the next (per request: one splitter a request): the data
+    # lines of an event not ended yet (None: none), and whether the next read needs _sse_line_ends (None
+    # before the first read, True after one ending in CR). Closure variables, not state's keys: this runs
+    # once a read, where a dict's lookups cost ~1 % a token (docs/fault-matrix.md, "Wire formats").
+    pending, odd = None, None
 
     def split_events(data: bytes, now: float, state: dict) -> None:
-        result = state["result"]
+        # The WHATWG standard's event-stream parsing: an event is its data lines (joined by LF) up to a
+        # blank line; lines end in LF, CRLF or CR; ":" starts a comment; "data:" takes one space after it.
+        # The usual stream (LF, one data line an event) costs one slice test and one parse an event.
+        nonlocal pending, odd
+        # a CR is looked for as the int 13 (memchr); b"\r" in data searched 1 KiB in ~0.3 us, +2-4 % a token
+        if odd is not False or 13 in data:
+            data, odd = _sse_line_ends(data, state, odd)
+        result, waiting = state["result"], pending  # a local in the loop: faster than the closure's cell
         for line in _complete_lines(data, state["buf"]):
-            if line[:5] == b"data:":
-                try:  # orjson skips the space after "data:" and a trailing "\r" itself
-                    event = loads(line[5:])
-                except JSONDecodeError:
-                    payload = line[5:].strip()
-                    if payload == _DONE:
-                        state["done"] = True
-                        continue
-                    if not payload:
-                        continue
-                    raise
-                handle(event, now, result)
+            if not line:  # the blank line: the event is complete
+                if waiting is not None:
+                    try:  # orjson skips the space after "data:" itself
+                        event = loads(waiting)
+                    except JSONDecodeError:
+                        event = _sse_event(waiting, state, loads)
+                        if event is _NO_EVENT:
+                            waiting = None
+                            continue
+                    waiting = None
+                    handle(event, now, result)
+            elif line[:5] == b"data:":
+                if waiting is None:
+                    waiting = line[5:]
+                else:  # one event over several data lines
+                    value = line[5:]
+                    waiting += b"\n" + (value[1:] if value[:1] == b" " else value)
+            elif line[:1] != b":":  # a comment is skipped
+                waiting = _sse_field(line, waiting, state)
+        pending = waiting
 
-    result, buf, done_marker = await _stream(client, url, body, prompt, split_events, _SSE_TYPES,
-                                             "an event stream (text/event-stream)")
+    result, state = await _stream(client, url, body, prompt, split_events, _SSE_TYPES,
+                                  "an event stream (text/event-stream)")
     if result.error:
         return result
+    buf = state["buf"]
+    if pending is not None and not buf.strip():  # data lines without the blank line ending the event
+        buf = b"data:" + pending
     if buf.strip():
-        result.error = f"stream cut off inside an event: {buf[:200]!r}"
+        result.error = f"stream cut off inside an event: {_scrubbed(buf)!r}"
+    elif state["other"] is not None and not (state["done"] or result.chunk_times or result.output_tokens_reported):
+        result.error = (f"HTTP 200 text/event-stream but the body held no server-sent event: it began "
+                        f"{_scrubbed(state['other']).decode(errors='replace')!r}")
     else:
-        _ended_early(result, done_marker, final_event)
+        _ended_early(result, state["done"], final_event)
     return result
 
 
@@ -460,15 +577,16 @@ async def stream_ndjson(client, url: str, body: dict, prompt, handle,
             if line.strip():
                 handle(loads(line), now, state["result"])
 
-    result, buf, _ = await _stream(client, url, body, prompt, split_events, _NDJSON_TYPES,
-                                   "a JSON-lines stream (application/x-ndjson)")
+    result, state = await _stream(client, url, body, prompt, split_events, _NDJSON_TYPES,
+                                  "a JSON-lines stream (application/x-ndjson)")
     if result.error:
         return result
+    buf = bytes(state["buf"])
     if buf.strip():  # a last line without its newline: complete if it parses
         try:
             event = loads(buf)
         except orjson.JSONDecodeError:
-            result.error = f"stream cut off inside an event: {buf[:200]!r}"
+            result.error = f"stream cut off inside an event: {_scrubbed(buf)!r}"
             return result
         handle(event, last["now"], result)
     _ended_early(result, False, final_event)

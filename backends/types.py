@@ -63,6 +63,24 @@ class RequestResult:
             self.chunk_times.append(t)
             self.chunk_tokens.append(n_tokens)
 
+    def drop_bad_counts(self) -> str | None:
+        """The engine's token counts that are no count (a string, a float, a bool, a negative number, one
+        beyond 64 bits) set to None, and what they were, or None when every count is sound. The caller fails
+        this request with it; its timings stay, and the cell's other requests keep their rows."""
+        bad = []
+        for name, what in _REPORTED_COUNTS:
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or not 0 <= value <= _INT64_MAX):
+                bad.append(f"{what} {value!r} ({type(value).__name__})"[:120])
+                setattr(self, name, None)
+        return f"the engine's {', '.join(bad)}: not a token count" if bad else None
+
+
+_INT64_MAX = 2**63 - 1
+_REPORTED_COUNTS = (("prompt_tokens_reported", "prompt token count"),
+                    ("output_tokens_reported", "output token count"),
+                    ("prompt_tokens_cached", "cached prompt token count"))
+
 
 @dataclass
 class KVPool:

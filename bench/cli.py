@@ -13,11 +13,13 @@ import ast
 import importlib
 import importlib.util
 import inspect
+import sys
 
 import typer
 from typer._click.exceptions import NoArgsIsHelpError, UsageError  # typer's own click, as its commands raise
 from typer.core import TyperCommand, TyperGroup
 
+from kvbench.common.redact import ScrubbingStream
 from kvbench.common.suggest import closest
 
 #: verb -> (module, function); the order of `kvbench --help`.
@@ -110,6 +112,11 @@ app = typer.Typer(cls=LazyGroup, no_args_is_help=True, add_completion=False, ric
 @app.callback()
 def main():
     """Measured KV-cache memory, throughput and latency of LLM inference engines."""
+    # whatever a verb prints goes through the credential scrubber (a server's error page echoing a key)
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if not isinstance(stream, ScrubbingStream):
+            setattr(sys, name, ScrubbingStream(stream))
 
 
 if __name__ == "__main__":

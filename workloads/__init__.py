@@ -10,7 +10,6 @@ A file from before ``[load]`` gives the load as top-level keys (``load_profile``
 """
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Literal, Union
 
@@ -18,6 +17,7 @@ from pydantic import (BaseModel, Field, SerializeAsAny, ValidationError, field_v
                       model_validator)
 
 from kvbench.common.files import check_plain_name
+from kvbench.kv import bounded
 from kvbench.load import LoadProfile
 from kvbench.load.profile import refuse_true_as_a_number
 from kvbench.load import registry as load_profiles
@@ -180,10 +180,10 @@ def load(name_or_path: str) -> Workload:
     if not path.exists():
         raise WorkloadError(f"unknown workload {name_or_path!r}; known: {', '.join(available())} "
                             "(or give a path to a .toml file)")
-    try:
-        return Workload.model_validate(tomllib.loads(path.read_text()))
-    except tomllib.TOMLDecodeError as exc:
-        raise WorkloadError(f"{path}: not valid TOML: {exc}") from None
+    try:  # a regular file of at most 4 MiB and 64 levels (a FIFO or /dev/zero: one line, no hang)
+        return Workload.model_validate(bounded.read_toml(path, what="workload"))
+    except bounded.InputError as exc:
+        raise WorkloadError(str(exc)) from None
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'workload'}: {e['msg'].removeprefix('Value error, ')}"
                              for e in exc.errors())

@@ -18,6 +18,7 @@ import httpx
 from kvbench.common.envs import InstallStep, Recipe, ensure_env
 from kvbench.common.hardware import cpu_flags, cpu_model, has_nvcc, has_nvidia_gpu
 from kvbench.common.models import ModelFiles
+from kvbench.common.redact import scrub
 from kvbench.kv.rules import KVCheck, KVQuestion, KVRules
 from kvbench.kv.units import MIB
 
@@ -367,7 +368,7 @@ class LlamaCppBackend(Backend):
     @staticmethod
     def _read_event(event: dict, now: float, result: RequestResult) -> None:
         if "error" in event:
-            result.error = str(event["error"])[:500]
+            result.error = scrub(str(event["error"]))[:500]
             return
         result.add_chunk(now, len(event.get("tokens") or []))
         for p in event.get("completion_probabilities") or []:  # one per generated token, asked with n_probs

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from kvbench.common.envs import Recipe, kvbench_home
+from kvbench.common.redact import scrub
 from kvbench.kv.model_config import geometry_from_gguf_keys
 from kvbench.kv.rules import KVQuestion
 from kvbench.kv.units import MIB
@@ -204,7 +205,7 @@ class OllamaBackend(Backend):
     @staticmethod
     def _read_event(event: dict, now: float, result: RequestResult) -> None:
         if "error" in event:
-            result.error = str(event["error"])[:500]
+            result.error = scrub(str(event["error"]))[:500]
             return
         result.add_chunk(now, 1 if event.get("response") else 0)
         if event.get("done"):

@@ -18,20 +18,24 @@ the usage's completion_tokens stays exact, and the runner compares the two).
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from kvbench.common.envs import Recipe
+from kvbench.common.redact import scrub
 
 from ..base import Backend
 from ..capabilities import Capabilities, PrefixCache, ServedModel
 from ..options import Option
 from ..shared.openai_chunks import read_completion_chunk
-from ..streaming import stream_sse
+from ..streaming import sse_payloads, stream_sse
 from ..types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 
+PROBE_DEADLINE_S = 30.0  # one probe request, from connect to its last byte
+PROBE_MAX_BYTES = 1 << 20  # a 2-token answer is a few hundred bytes
 NEEDS_URL = "the openai backend benchmarks a running server: give it a url (-b openai:url=http://host:port)"
 
 
@@ -120,22 +124,35 @@ class OpenAIBackend(Backend):
             self.probed["ignore_eos"] = ok
 
     def _try(self, body: dict) -> tuple[bool, dict | str | None]:
-        """(accepted, the usage chunk or None; the error text when refused) of one streamed 2-token request."""
+        """(accepted, the usage chunk or None; the error text when refused) of one streamed 2-token request.
+        Its whole answer within :data:`PROBE_DEADLINE_S` (httpx's timeout is per read: a server dripping a
+        byte at a time held it for ever) and :data:`PROBE_MAX_BYTES`."""
         body = {"model": self.model, "max_tokens": 2, "temperature": 0.0, "stream": True, **body}
+        deadline = time.monotonic() + PROBE_DEADLINE_S
         try:
-            with self.http.stream("POST", self.base_url + "/v1/completions", json=body, timeout=30.0) as response:
+            with self.http.stream("POST", self.base_url + "/v1/completions", json=body,
+                                  timeout=PROBE_DEADLINE_S) as response:
+                pieces, size = [], 0
+                for piece in response.iter_bytes():
+                    pieces.append(piece)
+                    size += len(piece)
+                    if time.monotonic() > deadline or size > PROBE_MAX_BYTES:
+                        return False, (f"no whole answer within {PROBE_DEADLINE_S:g} s and "
+                                       f"{PROBE_MAX_BYTES // 1024} KiB")
+                answer = b"".join(pieces)
                 if response.status_code >= 400:
-                    return False, f"HTTP {response.status_code}: {response.read().decode(errors='replace')[:300]}"
+                    return False, f"HTTP {response.status_code}: {scrub(answer.decode(errors='replace'))[:300]}"
                 usage = None
-                for line in response.iter_lines():
-                    if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
-                        event = json.loads(line[5:])
-                        if "error" in event:
-                            return False, str(event["error"])[:300]
-                        usage = event.get("usage") or usage
+                for data in sse_payloads(answer):
+                    if data.strip() in (b"", b"[DONE]"):
+                        continue
+                    event = json.loads(data)
+                    if "error" in event:
+                        return False, scrub(str(event["error"]))[:300]
+                    usage = event.get("usage") or usage
                 return True, usage
         except Exception as exc:  # noqa: BLE001 - whatever the server answered, it is not "supported"
-            return False, f"{type(exc).__name__}: {exc}"
+            return False, scrub(f"{type(exc).__name__}: {exc}")
 
     def reported_version(self) -> str | None:
         try:  # vLLM and SGLang answer /version; others do not: then the version is unknown
@@ -162,7 +179,8 @@ class OpenAIBackend(Backend):
     def _read_event(event: dict, now: float, result: RequestResult) -> None:
         if "error" in event or event.get("object") == "error":
             error = event.get("error", event)
-            result.error = (error.get("message") if isinstance(error, dict) else None) or json.dumps(error)[:500]
+            message = (error.get("message") if isinstance(error, dict) else None) or json.dumps(error)
+            result.error = scrub(str(message))[:500]  # before the cut: no half key
             return
         read_completion_chunk(event, now, result)
 

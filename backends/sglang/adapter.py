@@ -29,6 +29,7 @@ import httpx
 
 from kvbench.common.envs import InstallStep, Recipe, env_python, pip_install
 from kvbench.common.hardware import has_nvidia_gpu
+from kvbench.common.redact import scrub
 from kvbench.kv.geometry import round_up
 from kvbench.kv.rules import KVQuestion
 from kvbench.kv.units import GIB
@@ -297,7 +298,7 @@ class SGLangBackend(PrometheusPolled, Backend):
             if "error" in event:
                 err = event["error"]
                 result.error = (err.get("message") if isinstance(err, dict) else str(err)) or str(err)
-                result.error = result.error[:500]
+                result.error = scrub(result.error)[:500]
                 return
             meta = event.get("meta_info") or {}
             done = meta.get("completion_tokens")

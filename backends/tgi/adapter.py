@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvbench.common.envs import Recipe
+from kvbench.common.redact import scrub
 
 from ..base import Backend, extra_args
 from ..capabilities import Capabilities, ServedModel
@@ -198,7 +199,7 @@ class TGIBackend(PrometheusPolled, Backend):
     @staticmethod
     def _read_event(event: dict, now: float, result: RequestResult) -> None:
         if "error" in event:  # validation / overloaded / generation errors arrive as one event, HTTP 200
-            result.error = f"{event.get('error_type') or 'error'}: {event['error']}"[:500]
+            result.error = scrub(f"{event.get('error_type') or 'error'}: {event['error']}")[:500]
             return
         token = event.get("token")
         # One event per generated token; a special token (EOS) is a generated token too.

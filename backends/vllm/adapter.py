@@ -20,6 +20,7 @@ import httpx
 from kvbench.common.envs import InstallStep, Recipe, env_python
 from kvbench.common.hardware import cpu_flags, has_nvidia_gpu
 from kvbench.common.models import ModelFiles
+from kvbench.common.redact import scrub
 from kvbench.kv.geometry import kv_bytes_per_token
 from kvbench.kv.rules import KVCheck, KVQuestion
 
@@ -339,7 +340,7 @@ class VLLMBackend(PrometheusPolled, Backend):
     @staticmethod
     def _read_event(event: dict, now: float, result: RequestResult) -> None:
         if "error" in event:
-            result.error = json.dumps(event["error"])[:500]
+            result.error = scrub(json.dumps(event["error"]))[:500]
         # token_ids per chunk (return_token_ids is always on); logprobs read in the same pass over the choices
         read_completion_chunk(event, now, result, read_choice_logprobs)
 

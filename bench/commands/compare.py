@@ -62,6 +62,10 @@ def compare(
     except (CompareError, ResultsReadError) as exc:  # ResultsReadError: a run folder that cannot be read
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
+    except Exception as exc:  # noqa: BLE001 - input of a shape nothing foresaw: never exit 1, which means REGRESSION
+        typer.echo(f"error: the runs could not be compared ({type(exc).__name__}: {str(exc)[:200]}): a run folder "
+                   f"holds data of an unexpected shape (bad input, exit 2)", err=True)
+        raise typer.Exit(2)
     for warning in result["warnings"]:
         typer.echo(f"WARNING: {warning}", err=True)
     text = markdown(result)

@@ -73,6 +73,12 @@ def report(
         except ResultsWriteError as exc:
             print(f"error: {exc}", file=sys.stderr)
             raise typer.Exit(1)
+        except (KeyboardInterrupt, OSError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a run folder of a shape nothing foresaw: one line, bad input
+            print(f"error: the report could not be made ({type(exc).__name__}: {str(exc)[:200]}): a run folder "
+                  f"holds data of an unexpected shape", file=sys.stderr)
+            raise typer.Exit(2)
     for message in dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, ResultsWarning)):
         print(f"warning: {message}", file=sys.stderr)
     for w in caught:  # anything else as Python would have shown it

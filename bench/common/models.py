@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbench.common.envs import kvbench_home, tail
-from kvbench.kv import hub
+from kvbench.kv import bounded, hub
 from kvbench.kv.geometry import KVGeometry
 from kvbench.kv.model_config import ConfigError, geometry_from_hf
 
@@ -55,7 +55,11 @@ def sha256_file(path: Path) -> str:
 def _sha256(path: str, mtime_ns: int, size: int) -> str:
     """Cached per file version: the run's checks before its folder exists and the run itself hash a GGUF once."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    try:  # a regular file only: a FIFO would block, /dev/zero never end
+        fd = bounded.open_regular(path, "model file")
+    except bounded.InputError as exc:
+        raise ModelError(str(exc)) from None
+    with open(fd, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -150,6 +154,11 @@ def locate(model: str) -> Path:
             raise ModelError(f"{path} has no tokenizer.json: kvbench builds token-exact prompts with it")
     elif path.suffix != ".gguf":
         raise ModelError(f"{path}: expected a .gguf file or an HF model folder")
+    else:  # a regular file with a GGUF's header (a FIFO, a device or a damaged file: one line, never a hang)
+        try:
+            bounded.check_gguf_header(path)
+        except bounded.InputError as exc:
+            raise ModelError(str(exc)) from None
     return path
 
 

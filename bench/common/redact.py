@@ -3,11 +3,20 @@
 A URL is shown with its userinfo (``user:password@``) as ``***@`` and the values of query parameters whose
 names look secret (key, token, secret, password, ...) as ``***``. :func:`redact_text` does that to every
 URL inside a free text (a command line, an error message).
+
+What a server sends back is another matter: a proxy's error page may echo the ``Authorization`` header, a
+server its Basic credentials. Every credential kvbench holds is registered when the backend options are
+parsed (:func:`hold_secret`, :func:`hold_userinfo`); :func:`scrub` masks each in every form a server could
+echo (plain, Basic's base64, percent-encoded, JSON-escaped), and the writers, the server-text entry points
+and the console (:class:`ScrubbingStream`) apply it. A form shorter than :data:`MIN_HELD` characters is not
+masked in free text (a three-letter password would mask ordinary words); its base64 form still is.
 """
 from __future__ import annotations
 
+import base64
+import json
 import re
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, quote_plus, urlsplit, urlunsplit
 
 #: Query parameter names whose values are secrets (api_key, access_token, X-Amz-Signature, sig, ...).
 SECRET_NAME = re.compile(r"key|token|secret|passw|pwd|auth|credential|signature|^sig$|session", re.IGNORECASE)
@@ -47,3 +56,77 @@ def redact_text(text: str) -> str:
 def host_port(url: str) -> str:
     """The ``host[:port]`` of ``url``, without any userinfo: what a label or a file name may show."""
     return urlsplit(url).netloc.rpartition("@")[2]
+
+
+# --- credentials held by this process, masked wherever a server's text goes ------------------------------
+
+MIN_HELD = 4
+_held: set[str] = set()
+_pattern: re.Pattern | None = None
+
+
+def _forms(value: str) -> set[str]:
+    """The ways a server could echo ``value``: as is, base64 (what Basic sends), percent-encoded (a URL's
+    userinfo), JSON-escaped (an error body quoting the header)."""
+    escaped = json.dumps(value)[1:-1]
+    forms = {value, quote(value, safe=""), quote(value), quote_plus(value), escaped, escaped.replace("/", "\\/"),
+             base64.b64encode(value.encode()).decode()}
+    return {f for f in forms if len(f) >= MIN_HELD}
+
+
+def hold_secret(value: str) -> None:
+    """From now on :func:`scrub` masks ``value`` (an API key) in every form of :func:`_forms`."""
+    global _pattern
+    if value and not _forms(value) <= _held:
+        _held.update(_forms(value))
+        # the longest first: a form inside another (the key inside "Bearer key") never leaves a tail
+        _pattern = re.compile("|".join(re.escape(f) for f in sorted(_held, key=len, reverse=True)))
+
+
+def hold_userinfo(user: str, password: str) -> None:
+    """A URL's ``user:password@``: the password, and the pair (Basic's base64 is of the pair; percent-encoded
+    as the URL had it)."""
+    hold_secret(password)
+    hold_secret(f"{user}:{password}")
+    hold_secret(f"{quote(user, safe='')}:{quote(password, safe='')}")
+
+
+def holding() -> bool:
+    return _pattern is not None
+
+
+def scrub(text: str) -> str:
+    """``text`` with every held credential masked (``***``); as is when none is held."""
+    return text if _pattern is None else _pattern.sub(MASK, text)
+
+
+def scrub_value(value):
+    """``value`` (str, or dicts and lists of them, as JSON holds) with every held credential masked in its
+    strings and keys; the same object when nothing was masked."""
+    if _pattern is None:
+        return value
+    if isinstance(value, str):
+        return _pattern.sub(MASK, value)
+    if isinstance(value, dict):
+        return {scrub_value(k): scrub_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [scrub_value(v) for v in value]
+    return value
+
+
+class ScrubbingStream:
+    """A text stream (sys.stdout, sys.stderr) that masks held credentials in what is written to it; every
+    other attribute is the wrapped stream's (isatty, fileno, encoding: rich and click ask)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        return self._stream.write(text if _pattern is None or not isinstance(text, str) else _pattern.sub(MASK, text))
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)

@@ -30,11 +30,13 @@ metric's change with a confidence interval, judged against a tolerance.
   self-comparison, different hardware, or nothing comparable (no cell matched, or every match was set
   aside). ``pass_unless_regression`` (``--pass-unless-regression``) makes 3 and 4 exit 0: a gate that asks
   only for no evidence of a regression.
+
+Long because matching, the intervals and the checks of a pair of sides (hardware, engine versions, models)
+all read the same :class:`Side` objects of one comparison.
 """
 from __future__ import annotations
 
 import math
-import tomllib
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +48,7 @@ from kvbench.common import stats
 from kvbench.common.hardware import driver_differences, hardware_differences, hardware_line
 from kvbench.common.metrics import RequestTimes
 from kvbench.compare.verdict import EXIT_CODES, overall_verdict, settle_summary
+from kvbench.kv import bounded
 from kvbench.run.prefix_cache import cache_state, cold_cells_that_hit
 from kvbench.store.readers import load, load_run_info, not_a_run_dir
 from kvbench.store.schema import CELL_CONFIG_FIELDS, OK_STATUSES
@@ -99,10 +102,12 @@ class CompareConfig:
 def load_config(path: Path | None = None, match_on: list[str] | None = None) -> CompareConfig:
     """The default tolerances, with ``path``'s keys laid over them; ``match_on`` overrides the file's."""
     def read(p: Path) -> dict:
-        try:
-            return tomllib.loads(Path(p).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise CompareError(f"tolerances file {p}: {exc}") from None
+        try:  # a regular file, bounded (kvbench.kv.bounded)
+            return bounded.read_toml(p, what="tolerances file")
+        except bounded.InputError as exc:
+            raise CompareError(str(exc)) from None
+        except OSError as exc:
+            raise CompareError(f"tolerances file {p}: {exc.strerror or exc}") from None
 
     data = read(DEFAULT_TOLERANCES)
     tolerances = dict(data.get("tolerance", {}))
@@ -110,6 +115,8 @@ def load_config(path: Path | None = None, match_on: list[str] | None = None) -> 
     fields = None
     if path is not None:
         user = read(path)
+        if not isinstance(user.get("tolerance", {}), dict) or not isinstance(user.get("match", {}), dict):
+            raise CompareError(f"tolerances file {path}: [tolerance] and [match] must be tables")
         unknown = set(user) - {"tolerance", "confidence", "match"}
         if unknown:
             raise CompareError(f"tolerances file {path}: unknown key(s) {', '.join(sorted(unknown))} "
@@ -121,10 +128,12 @@ def load_config(path: Path | None = None, match_on: list[str] | None = None) -> 
     if bad:
         raise CompareError(f"unknown metric(s) in the tolerances: {', '.join(bad)} (known: {', '.join(METRICS)})")
     for k, v in tolerances.items():
-        if v is not False and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
-            raise CompareError(f"tolerance of {k} must be a number >= 0 (0.05 = 5 %) or false, not {v!r}")
-    if not 0 < confidence < 1:
+        if v is not False and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+            raise CompareError(f"tolerance of {k} must be a finite number >= 0 (0.05 = 5 %) or false, not {v!r}")
+    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 < confidence < 1:
         raise CompareError(f"confidence must be between 0 and 1, not {confidence}")
+    if fields is not None and (not isinstance(fields, list) or not all(isinstance(f, str) for f in fields)):
+        raise CompareError(f"tolerances file {path}: [match] fields must be a list of field names, not {fields!r}")
     fields = match_on or fields or list(DEFAULT_MATCH)
     unknown = [f for f in fields if f not in CELL_CONFIG_FIELDS and f not in ("backend", "token_contract", "attached")]
     if unknown:
@@ -351,12 +360,46 @@ def checks(baseline: Side, candidate: Side, allow_different_hardware: bool = Fal
     return warnings
 
 
+def _models(side: Side) -> dict[str, set[str]]:
+    """{model name: the sha256 of its files} of a side, from its cells and each run's run.json."""
+    out: dict[str, set[str]] = {str(m): set() for m in side.cells.get("model", pd.Series(dtype=object)).dropna()}
+    for info in side.infos:
+        model = info.get("model") or {}
+        if model.get("name"):
+            out.setdefault(model["name"], set()).update([model["sha256"]] if model.get("sha256") else [])
+    return out
+
+
+def _model_text(models: dict[str, set[str]]) -> str:
+    return ", ".join(f"{name} (sha256 {', '.join(s[:12] + '...' for s in sorted(sums)) or 'not recorded'})"
+                     for name, sums in sorted(models.items())) or "no model"
+
+
+def model_checks(baseline: Side, candidate: Side, matched_on_model: bool) -> list[str]:
+    """CompareError when the sides ran different models and cells are matched on the model (nothing could
+    match: say which models instead of "nothing to compare"); a warning when one model name stands for other
+    files on the two sides (another sha256: the model changed, not only the engine)."""
+    mb, mc = _models(baseline), _models(candidate)
+    if mb and mc and not set(mb) & set(mc) and matched_on_model:
+        raise CompareError(f"DIFFERENT MODELS: the baseline ran {_model_text(mb)}, the candidate "
+                           f"{_model_text(mc)}: no cell can match (match on other fields with --match-on to "
+                           f"compare them anyway)")
+    warnings = []
+    for name in sorted(set(mb) & set(mc)):
+        if mb[name] and mc[name] and mb[name] != mc[name]:
+            warnings.append(f"SAME MODEL NAME, OTHER FILES: {name} is sha256 {', '.join(sorted(mb[name]))} in the "
+                            f"baseline and {', '.join(sorted(mc[name]))} in the candidate: the changes below "
+                            f"include the model's")
+    return warnings
+
+
 def compare(baseline: Side, candidate: Side, config: CompareConfig, allow_different_hardware: bool = False,
             pass_unless_regression: bool = False, allow_cache_mismatch: bool = False) -> dict:
     """Everything ``kvbench compare`` reports, as one JSON-ready dict (schema ``kvbench.compare/3``).
     Raises CompareError for bad input (a self-comparison, different hardware unless allowed)."""
     fields = config.match_on
     warnings = checks(baseline, candidate, allow_different_hardware)
+    warnings += model_checks(baseline, candidate, "model" in fields)
     pairing = interleaving(baseline, candidate)
     gb, gc = _groups(baseline, fields), _groups(candidate, fields)
     result = {"schema": JSON_SCHEMA, "warnings": warnings, "pairing": pairing.why,

@@ -33,6 +33,7 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+from kvbench.kv import bounded
 from kvbench.kv.geometry import KVGeometry, LayerKV, MLAShape
 
 
@@ -179,12 +180,12 @@ def config_file(path: str | Path) -> Path:
 
 
 def read_json(path: Path) -> dict:
-    try:
-        raw = json.loads(path.read_text())
+    try:  # a regular file of at most 16 MiB and 64 levels (a FIFO, /dev/zero or a bomb: one line)
+        raw = bounded.read_json(path, what="config")
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    except bounded.InputError as exc:
+        raise ConfigError(str(exc)) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a config.json holds one JSON object, not a {type(raw).__name__}")
     return raw
@@ -720,7 +721,15 @@ def gguf_reader(path: str | Path):
 def _gguf_reader(path: str, mtime_ns: int, size: int):
     from gguf import GGUFReader  # heavy import only when a GGUF is read
 
-    return GGUFReader(path)
+    try:  # a regular file whose header is a GGUF's, before gguf maps it
+        bounded.check_gguf_header(path)
+    except bounded.InputError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
+        return GGUFReader(path)
+    except Exception as exc:  # noqa: BLE001 - numpy's and struct's errors of a truncated or damaged file
+        raise ConfigError(f"GGUF file {path} cannot be read: damaged or truncated "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
 
 
 def gguf_keys(path: str | Path) -> dict:
@@ -729,7 +738,10 @@ def gguf_keys(path: str | Path) -> dict:
     for name, f in gguf_reader(path).fields.items():
         if name.startswith("tokenizer.ggml.") and name not in ("tokenizer.ggml.model",):
             continue
-        out[name] = f.contents()
+        try:
+            out[name] = f.contents()
+        except Exception as exc:  # noqa: BLE001 - a field whose bytes do not hold what its type says
+            raise ConfigError(f"GGUF file {path}: its key {name} cannot be read ({type(exc).__name__})") from None
     return out
 
 

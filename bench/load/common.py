@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from kvbench.backends.base import Backend
 from kvbench.backends.streaming import TRANSPORT_ERRORS
+from kvbench.common.redact import holding, scrub, scrub_value
 from kvbench.backends.types import RequestResult
 
 from .interrupt import signals_call, stopping
@@ -102,6 +103,8 @@ async def send_one(backend: Backend, client, prompt, settings: LoadSettings) -> 
                 result = await backend.stream(client, prompt)
             if streak:
                 streak.record(False)
+            if (bad := result.drop_bad_counts()) is not None:
+                result.error = f"bad response: {bad}" if result.error is None else result.error
             return _done(result, settings)
         except (asyncio.TimeoutError, TimeoutError):
             # a replica's timeout while the deployment still answers: "replica H:P: timed out ...", which
@@ -123,6 +126,9 @@ async def send_one(backend: Backend, client, prompt, settings: LoadSettings) -> 
 
 
 def _done(result: RequestResult, settings: LoadSettings) -> RequestResult:
+    if holding():  # a server's words (an error page echoing the key) lose every credential kvbench holds
+        result.error = scrub(result.error) if result.error else result.error
+        result.engine_details = scrub_value(result.engine_details)
     if settings.on_done is not None:
         settings.on_done(result)
     return result

@@ -12,7 +12,8 @@ from pydantic import BaseModel, Field, SecretStr, model_validator
 from kvbench.backends import REGISTRY
 from kvbench.backends.options import OptionError, validate
 from kvbench.common.files import PlainNameError, check_plain_name
-from kvbench.common.redact import SECRET_NAME, SECRET_OPTIONS, host_port, redact_text
+from kvbench.common.redact import (SECRET_NAME, SECRET_OPTIONS, hold_secret, hold_userinfo, host_port,
+                                   redact_text)
 from kvbench.common.suggest import hint as did_you_mean
 
 
@@ -78,8 +79,16 @@ class BackendConfig(BaseModel):
             if any(c in value for c in "\r\n\0"):
                 raise ConfigError(f"api_key_env={name}: the value of {name} holds a line break or NUL, which "
                                   f"cannot go into an HTTP header")
+            if not (value.isascii() and value.isprintable()):  # the character itself is not shown
+                where = next(i for i, c in enumerate(value) if not (c.isascii() and c.isprintable()))
+                raise ConfigError(f"api_key_env={name}: the value of {name} holds a character that is not "
+                                  f"printable ASCII (at position {where + 1} of {len(value)}), which an HTTP "
+                                  f"header cannot carry: check the variable")
+            hold_secret(value)  # masked from here on in whatever a server sends back
             return {"Authorization": f"Bearer {value}"}
         if self.credentials is not None:
+            user, _, password = self.credentials.get_secret_value().partition(":")
+            hold_userinfo(user, password)
             token = base64.b64encode(self.credentials.get_secret_value().encode()).decode()
             return {"Authorization": f"Basic {token}"}
         return {}

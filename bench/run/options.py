@@ -10,10 +10,11 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from kvbench.backends import DEFAULT_ENGINES, REGISTRY
 from kvbench.common.files import PlainNameError, check_plain_name
-from kvbench.common.redact import redact_text
+from kvbench.common.redact import hold_userinfo, redact_text
 from kvbench.run.backend_config import BackendConfig, ConfigError, check_attachable, distinct_labels, url_problem
 from kvbench.run.cells import PromptSalt
 from kvbench.run.option_fields import Flag, FlagError, option
@@ -114,6 +115,9 @@ def read_prometheus(flags: dict, earlier: dict) -> Prometheus | None:
         return None
     if problem := url_problem(url):
         raise ConfigError(f"--prometheus {redact_text(url)!r} {problem}")
+    parts = urlsplit(url)
+    if parts.password is not None:  # masked from here on in whatever the Prometheus answers
+        hold_userinfo(unquote(parts.username or ""), unquote(parts.password))
     return Prometheus(url, flags["prometheus_selector"], flags["prometheus_gpu_selector"])
 
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvbench.common.files import atomic_write_bytes
 from kvbench.common.metrics import RequestTimes, request_verdict
+from kvbench.kv import bounded
 from kvbench.store.errors import DamagedLinesWarning, ResultsReadError, ResultsWarning, ResultsWriteError
 from kvbench.store.schema import SCHEMA_VERSION, CellRow, RequestRow, migrate_row
 
@@ -37,8 +38,10 @@ def read_jsonl_rows(path: Path) -> tuple[list[dict], list[int]]:
 def _numbered_rows(path: Path) -> tuple[list[tuple[int, dict]], list[int]]:
     if not path.exists():
         return [], []
-    try:
-        data = path.read_bytes()
+    try:  # a regular file (a FIFO or /dev/zero in its place is refused, never read)
+        data = bounded.read_bytes(path, JSONL_MAX_BYTES, what="")
+    except bounded.InputError as exc:
+        raise ResultsReadError(str(exc)) from None
     except OSError as exc:
         raise ResultsReadError(f"{path}: cannot be read: {(exc.strerror or str(exc)).lower()}") from None
     rows, damaged = [], []
@@ -54,6 +57,7 @@ def _numbered_rows(path: Path) -> tuple[list[tuple[int, dict]], list[int]]:
 
 
 INT64_MAX = 2**63 - 1
+JSONL_MAX_BYTES = 64 << 30  # a run's requests.jsonl: ~3 KB a request, 10^7 requests
 
 
 def _damaged_number(row: dict) -> str | None:
@@ -101,17 +105,66 @@ def load_cells(run_dir: str | Path) -> pd.DataFrame:
 def load_run_info(run_dir: str | Path) -> dict:
     """run.json as a dict; :class:`ResultsReadError` (naming the file) when it is not a JSON object."""
     path = Path(run_dir) / "run.json"
-    try:
-        info = json.loads(path.read_bytes())
-    except ValueError as exc:
-        raise ResultsReadError(f"{path}: not valid JSON ({exc})") from None
+    try:  # a regular file, bounded in size and nesting (kvbench.kv.bounded)
+        info = bounded.read_json(path, bounded.RUN_JSON_MAX_BYTES, what="")  # the path names it
+    except bounded.InputError as exc:
+        raise ResultsReadError(str(exc)) from None
     except FileNotFoundError:
         raise
     except OSError as exc:
         raise ResultsReadError(f"{path}: cannot be read: {(exc.strerror or str(exc)).lower()}") from None
     if not isinstance(info, dict):
         raise ResultsReadError(f"{path}: not a JSON object")
+    try:  # the fields every reader takes for granted, of their types (a hand-edited or hostile run.json)
+        _RunInfoShape.model_validate(info)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].lower()}" for e in exc.errors()[:3])
+        raise ResultsReadError(f"{path}: a field of the wrong type ({problems})") from None
     return info
+
+
+class _ModelShape(BaseModel):
+    name: str | None = None
+    sha256: str | None = None
+    max_context: int | None = None
+
+
+class _EnvironmentShape(BaseModel):
+    cpu: str | None = None
+    cpu_flags: list[str] | None = None
+    cpu_count: int | None = None
+    memory_bytes: int | None = None
+    gpus: list[dict] | None = None
+
+
+class _RunInfoShape(BaseModel):
+    """What run.json's readers (report, compare, resume, recompute) read, with its types: None where a run
+    of an older schema lacks it; every other key is free."""
+
+    schema_version: int | None = None
+    run_id: str | None = None
+    command: str | None = None
+    started_at: str | None = None
+    finished_at: str | None = None
+    status: str | None = None
+    environment: _EnvironmentShape | None = None
+    workload: dict | None = None
+    repeats: int | None = None
+    kv_dtype: str | None = None
+    backends: list[dict] | None = None
+    interleaved: bool | None = None
+    harness_pid: int | None = None
+    harness_host: str | None = None
+    harness_started_at: float | None = None
+    invocations: list[dict] | None = None
+    model: _ModelShape | None = None
+    prompt_lengths: list[int] | None = None
+    load_points: list[dict] | None = None
+    engine_versions: dict[str, str | None] | None = None
+    gpu_baselines: dict | None = None
+    token_checks: dict | None = None
+    estimates: dict | None = None
+    engine_stops: dict | None = None
 
 
 # --- the columnar copy (Parquet) and the one public loader ---------------------------------------------

@@ -28,6 +28,8 @@ import pandas as pd
 import kvbench
 from kvbench.common.files import atomic_write_text
 from kvbench.common.metrics import RequestTimes, cell_metrics, request_verdict
+from kvbench.kv import bounded
+from kvbench.store.readers import JSONL_MAX_BYTES, load_run_info
 from kvbench.store.schema import OK_STATUSES, SCHEMA_VERSION, CellRow, RequestRow, migrate_row
 
 #: the fields of a cell row that :func:`kvbench.common.metrics.cell_metrics` makes
@@ -49,7 +51,10 @@ class Recompute:
 
 
 def _read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if not path.exists():
+        return []
+    data = bounded.read_bytes(path, JSONL_MAX_BYTES, what="")  # a regular file (kvbench.kv.bounded)
+    return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
 
 
 def _same(a, b) -> bool:
@@ -127,8 +132,8 @@ def _pool_sequences(run_dir: Path, result: Recompute) -> None:
     from kvbench.backends import REGISTRY, kv_rules
 
     try:
-        geometry = _geometry(json.loads((run_dir / "run.json").read_text()))
-    except (OSError, ValueError, TypeError, KeyError):
+        geometry = _geometry(load_run_info(run_dir))
+    except (OSError, ValueError, TypeError, KeyError):  # ResultsReadError and bounded.InputError too
         return
     pools: dict[str, object] = {}
     for row in result.rows:
@@ -176,7 +181,7 @@ def write(result: Recompute) -> Path | None:
         shutil.copy2(run_dir / "cells.jsonl", backup)
     atomic_write_text(run_dir / "cells.jsonl", "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in result.rows))
     info_path = run_dir / "run.json"
-    info = json.loads(info_path.read_text())
+    info = load_run_info(run_dir)
     from kvbench.common.hardware import environment_info  # the commit of the kvbench that recomputed
 
     info.setdefault("recomputed", []).append({

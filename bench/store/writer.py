@@ -31,6 +31,7 @@ import psutil
 from pydantic import BaseModel
 
 from kvbench.common.files import append_line, atomic_write_bytes, atomic_write_text
+from kvbench.common.redact import holding, scrub_value
 from kvbench.store.errors import ResultsWriteError, RunExistsError, RunFolderError
 from kvbench.store.readers import _decode_row, load_run_info, read_jsonl_rows
 from kvbench.store.schema import SCHEMA_VERSION, CellRow, RequestRow
@@ -178,6 +179,7 @@ class RunWriter:
         return self._info
 
     def _write_info(self, info: dict) -> None:
+        info = scrub_value(info)  # every credential kvbench holds masked (a server's words it recorded)
         with self._writing("writing run.json"):
             atomic_write_text(self.root / "run.json", json.dumps(info, indent=2))
         self._info = info
@@ -225,6 +227,10 @@ class RunWriter:
 
     # --- rows --------------------------------------------------------------------------------------
     def _append(self, name: str, row: BaseModel) -> None:
+        if holding():  # the last guard: no credential in a row, whatever put it there
+            changed = {k: v2 for k, v in row.__dict__.items()
+                       if isinstance(v, (str, dict, list)) and (v2 := scrub_value(v)) != v}
+            row = row.model_copy(update=changed) if changed else row
         with self._writing(f"writing {name}"):
             append_line(self.root / name, row.model_dump_json())
 

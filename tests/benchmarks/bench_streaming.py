@@ -45,7 +45,8 @@ def _splitter(stream_fn, handle, monkeypatch):
 
     async def fake_stream(client, url, body, prompt, split_events, *more, **named):  # any later parameters
         captured["split"] = split_events
-        return RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, 0.0), b"", True
+        result = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, 0.0)
+        return result, streaming.new_stream_state(result)
 
     monkeypatch.setattr(streaming, "_stream", fake_stream)
     prompt = Prompt("r", (1,) * 8, "x", TOKENS)
@@ -56,7 +57,7 @@ def _splitter(stream_fn, handle, monkeypatch):
 
 def _feed(split, body: bytes) -> RequestResult:
     result = RequestResult("r", 8, TOKENS, 0.0)
-    state = {"buf": b"", "done": False, "result": result}
+    state = streaming.new_stream_state(result)  # what _stream gives the splitter
     for i, start in enumerate(range(0, len(body), READ)):
         split(body[start:start + READ], float(i), state)
     return result

@@ -1,0 +1,218 @@
+"""Every file kvbench reads as input (a model's config.json, a GGUF's header, a workload, a tolerances file,
+run.json), read with bounds: a regular file only (a FIFO, a device such as /dev/zero behind a symbolic link,
+a folder or a socket is refused, and opening never blocks: ``O_NONBLOCK``, then ``fstat`` on what was
+opened), at most ``max_bytes``, and for JSON and TOML at most ``max_depth`` levels of nesting. Each
+violation is an :class:`InputError`, one line naming the file, which the commands turn into exit 2.
+
+In the KV model's folder, the bottom layer, because the KV model reads configs and GGUF headers itself and
+may import nothing above it; every layer above uses it from here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tomllib
+from pathlib import Path
+
+MiB = 1 << 20
+#: Bounds by kind of file; the largest real ones are far below (a config.json of 10 KiB, a run.json of 1 MiB).
+CONFIG_MAX_BYTES = 16 * MiB
+RUN_JSON_MAX_BYTES = 256 * MiB
+TOML_MAX_BYTES = 4 * MiB
+MAX_DEPTH = 64
+
+
+class InputError(ValueError):
+    """An input file kvbench will not read: not a regular file, too large, too deeply nested, not JSON/TOML."""
+
+
+def _named(what: str, path) -> str:
+    return f"{what} {path}" if what else str(path)
+
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def open_regular(path: str | Path, what: str = "file") -> int:
+    """A file descriptor of ``path`` opened for reading, when it is (or links to) a regular file. Never
+    blocks: a FIFO opened with O_NONBLOCK returns at once, and is then refused by fstat. The caller closes it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise InputError(f"{_named(what, path)}: {(exc.strerror or str(exc)).lower()}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise InputError(f"{_named(what, path)} is {_kind(mode)}, not a regular file: kvbench reads only regular files")
+    return fd
+
+
+def read_bytes(path: str | Path, max_bytes: int, what: str = "file") -> bytes:
+    """The whole of ``path`` (a regular file, :func:`open_regular`), at most ``max_bytes``."""
+    fd = open_regular(path, what)
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise InputError(f"{_named(what, path)} is {size / MiB:,.1f} MiB, over the {max_bytes / MiB:,g} MiB "
+                             f"kvbench reads")
+        data = f.readall()  # one buffer of the file's size, as Path.read_bytes
+    if len(data) > max_bytes:  # it grew while read
+        raise InputError(f"{_named(what, path)} is over the {max_bytes / MiB:,g} MiB kvbench reads")
+    return data
+
+
+def depth(value) -> int:
+    """How deeply ``value`` (parsed JSON or TOML) nests: 0 for a scalar, 1 for a flat list or object."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            level += 1
+            deepest = max(deepest, level)
+            stack.extend((v, level) for v in item if isinstance(v, (dict, list)))
+    return deepest
+
+
+def _too_deep(path, what: str, max_depth: int) -> InputError:
+    return InputError(f"{_named(what, path)} nests deeper than {max_depth} levels: not a file kvbench reads")
+
+
+def _check_depth(value, path, what: str, max_depth: int):
+    if depth(value) > max_depth:
+        raise _too_deep(path, what, max_depth)
+    return value
+
+
+def read_json(path: str | Path, max_bytes: int = CONFIG_MAX_BYTES, what: str = "file",
+              max_depth: int = MAX_DEPTH):
+    """``path`` parsed as JSON, within the bounds. Not JSON (or not UTF-8) is an InputError too."""
+    data = read_bytes(path, max_bytes, what)
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise _too_deep(path, what, max_depth) from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise InputError(f"{_named(what, path)}: not valid JSON ({exc})") from None
+    return _check_depth(value, path, what, max_depth)
+
+
+def read_toml(path: str | Path, max_bytes: int = TOML_MAX_BYTES, what: str = "file",
+              max_depth: int = MAX_DEPTH) -> dict:
+    """``path`` parsed as TOML, within the bounds."""
+    data = read_bytes(path, max_bytes, what)
+    try:
+        value = tomllib.loads(data.decode())
+    except RecursionError:
+        raise _too_deep(path, what, max_depth) from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{_named(what, path)}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise InputError(f"{_named(what, path)}: not valid TOML: {exc}") from None
+    return _check_depth(value, path, what, max_depth)
+
+
+# --- GGUF headers ------------------------------------------------------------------------------------------
+
+GGUF_MAGIC = b"GGUF"
+#: Far above any real model's (the embedded model: 291 tensors, ~40 keys), far below what a random or hostile
+#: header would claim.
+GGUF_MAX_TENSORS = 1 << 20
+GGUF_MAX_KEYS = 1 << 16
+
+
+def check_gguf_header(path: str | Path) -> None:
+    """Nothing when ``path`` is a regular file holding a whole GGUF header: the magic, version 1-3, tensor and
+    key counts within bounds, every key and tensor description within the file, and the tensor data reaching
+    no further than the file (a file cut short); else InputError, before gguf's reader (numpy) maps it."""
+    fd = open_regular(path, "GGUF file")
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        head = f.read(24)
+        if len(head) < 24 or head[:4] != GGUF_MAGIC:
+            got = "too short" if len(head) < 24 else f"starts {head[:4]!r}"
+            raise InputError(f"GGUF file {path} is not a GGUF file ({got}, not the GGUF magic and header)")
+        version = int.from_bytes(head[4:8], "little")
+        tensors, keys = int.from_bytes(head[8:16], "little"), int.from_bytes(head[16:24], "little")
+        if version not in (1, 2, 3):
+            raise InputError(f"GGUF file {path}: GGUF version {version}, not 1-3 (damaged or not a GGUF file)")
+        if tensors > GGUF_MAX_TENSORS or keys > GGUF_MAX_KEYS:
+            raise InputError(f"GGUF file {path}: its header claims {tensors:,} tensors and {keys:,} keys "
+                             f"(damaged or not a GGUF file)")
+        if version == 1:  # 32-bit counts and lengths: too old to walk here; gguf's reader says what it finds
+            return
+        try:
+            _walk_gguf(f, size, tensors, keys)
+        except _Cut as exc:
+            raise InputError(f"GGUF file {path} is damaged or cut short: {exc} (the file has {size:,} bytes)") from None
+
+
+class _Cut(Exception):
+    pass
+
+
+_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
+_STRING, _ARRAY = 8, 9
+
+
+def _walk_gguf(f, size: int, tensors: int, keys: int) -> None:
+    """Read past every key and tensor description of a GGUF v2/v3 header, checking each length against the
+    file's size; _Cut says where it fails."""
+    def take(n: int, what: str) -> bytes:
+        if n > size - f.tell():
+            raise _Cut(f"{what} of {n:,} bytes at byte {f.tell():,} runs past the end")
+        return f.read(n)
+
+    def u(n: int, what: str) -> int:
+        return int.from_bytes(take(n, what), "little")
+
+    def skip(n: int, what: str) -> None:
+        if n > size - f.tell():
+            raise _Cut(f"{what} of {n:,} bytes at byte {f.tell():,} runs past the end")
+        f.seek(n, os.SEEK_CUR)
+
+    def value(kind: int, what: str) -> int | None:
+        if kind in _SCALARS:
+            data = take(_SCALARS[kind], what)
+            return int.from_bytes(data, "little") if kind in (4, 10) else None
+        if kind == _STRING:
+            skip(u(8, what), what)
+            return None
+        if kind == _ARRAY:
+            item, count = u(4, what), u(8, what)
+            if item in _SCALARS:
+                skip(_SCALARS[item] * count, what)
+            elif item in (_STRING, _ARRAY) and count <= size:
+                for _ in range(count):
+                    value(item, what)
+            else:
+                raise _Cut(f"{what}: an array of {count:,} items of type {item}")
+            return None
+        raise _Cut(f"{what}: value type {kind} is no GGUF type")
+
+    alignment = 32
+    for i in range(keys):
+        name = take(u(8, f"the name of key {i + 1}"), f"the name of key {i + 1}").decode(errors="replace")
+        got = value(u(4, f"key {name}"), f"key {name}")
+        if name == "general.alignment" and got:
+            alignment = got
+    end = 0
+    for i in range(tensors):
+        skip(u(8, f"the name of tensor {i + 1}"), f"the name of tensor {i + 1}")
+        dims = u(4, f"tensor {i + 1}")
+        if dims > 8:
+            raise _Cut(f"tensor {i + 1} has {dims} dimensions")
+        skip(8 * dims + 4, f"tensor {i + 1}")
+        end = max(end, u(8, f"tensor {i + 1}"))
+    data_start = -(-f.tell() // alignment) * alignment
+    if tensors and data_start + end >= size:
+        raise _Cut(f"its tensor data reaches byte {data_start + end:,}")
