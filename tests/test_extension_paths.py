@@ -4,6 +4,7 @@ runs from that copy, not installed (selfcheck/uninstalled.py), against a fake Op
 Each test asserts the change shows where the doc promises; the last runs tests/test_structure.py's checks
 on a copy with all five planted, and on one with an upward import, which they must catch.
 
+The doc's lines in docs/ (results-schema.md, metrics.md) are not planted: docs/ is not part of the product.
 A planted change that needs a file the doc does not name fails here (its edit finds nothing to change, or
 the run does not show it): then the doc or the extension point is wrong.
 """

@@ -242,7 +242,7 @@ def test_every_engine_is_one_folder_and_one_registry_line():
 
 def test_every_engine_folder_is_an_installed_package():
     """pyproject.toml lists the packages setuptools installs: an engine folder left out is missing from a
-    wheel (an editable install of the checkout would not show it)."""
+    wheel."""
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     assert [e for e in ENGINE_DIRS if f"kvbench.backends.{e}" not in packages] == []
 
