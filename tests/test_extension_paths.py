@@ -155,9 +155,8 @@ class Burst(LoadProfile):
 
 def plant_load_profile(tree: Path) -> None:
     write(tree, "bench/load/burst.py", BURST)
-    edit(tree, "bench/load/registry.py", "from .concurrent import Concurrent\n",
-         "from .burst import Burst\nfrom .concurrent import Concurrent\n")
-    edit(tree, "bench/load/registry.py", "(Concurrent, Poisson, Constant, Sweep)", "(Concurrent, Poisson, Constant, Sweep, Burst)")
+    edit(tree, "bench/load/registry.py", "from .sweep import Sweep  # noqa: F401\n",
+         "from .sweep import Sweep  # noqa: F401\nfrom .burst import Burst  # noqa: F401\n")
 
 
 REQUESTS_TABLE = '''
