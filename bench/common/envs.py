@@ -230,7 +230,8 @@ def _run(argv: list[str], out, extra_env: dict[str, str], record: Path | None = 
             return -signal.SIGTERM
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         _RUNNING.add(proc)
-    if record is not None:  # a setup killed now leaves this group running: the next one ends it from here
+    watcher = _watch_group(proc.pid)
+    if record is not None:  # should the watcher die too, the next setup ends this group from here
         try:
             started = psutil.Process(proc.pid).create_time()
         except psutil.Error:
@@ -243,6 +244,31 @@ def _run(argv: list[str], out, extra_env: dict[str, str], record: Path | None = 
             _stop_group(proc)
         with _RUNNING_LOCK:
             _RUNNING.discard(proc)
+        if watcher is not None:  # done: what is left of the group (a straggler of the step) goes with it
+            watcher.stdin.close()
+            watcher.wait()
+
+
+# Ends an installer's process group when its stdin closes: when the install is done, or when kvbench dies,
+# however it dies (a SIGKILLed process runs nothing, but the OS closes its end of the pipe). Standard library only.
+_WATCH_GROUP = """
+import os, signal, sys
+sys.stdin.buffer.read()
+try:
+    os.killpg(int(sys.argv[1]), signal.SIGKILL)
+except OSError:
+    pass
+"""
+
+
+def _watch_group(pgid: int) -> subprocess.Popen | None:
+    """A watcher of the installer's group, in a session of its own (a Ctrl-C in the terminal is kvbench's to
+    handle), holding the read end of a pipe only this process writes to. None where it cannot start."""
+    try:
+        return subprocess.Popen([sys.executable, "-c", _WATCH_GROUP, str(pgid)], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    except OSError:
+        return None
 
 
 def stop_installs(timeout_s: float = 5.0) -> None:
