@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from kvbench.common import models
+from kvbench.common import envs, models
 from kvbench.common.envs import InstallStep, Recipe, ensure_env, env_dir, is_installed
 from tests.helpers import REPO
 
@@ -36,6 +36,12 @@ def start_setup(home: Path, name: str, script: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", ENSURE, json.dumps([name, script])], cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "KVBENCH_HOME": str(home), "PYTHONPATH": str(REPO)})
+
+
+@pytest.fixture(autouse=True)
+def installs_allowed():
+    """As `kvbench setup` starts: an earlier test's stop_installs() (an interrupted setup) holds no more."""
+    envs.allow_installs()
 
 
 def recipe(name: str, script: str) -> Recipe:
