@@ -19,7 +19,8 @@ from kvbench.run.cells import NothingFits
 from kvbench.run.option_fields import Flag, FlagError, flags
 from kvbench.run.options import RunOptions
 from kvbench.run.plan import plan_early
-from kvbench.run.resolve import home_refusal, options_from_flags, recipes_needed
+from kvbench.run.home import home_refusal, recipes_needed
+from kvbench.run.resolve import options_from_flags
 from kvbench.run.runner import Runner
 from kvbench.store.errors import ResultsReadError, ResultsWriteError, RunFolderError
 from kvbench.store.readers import load_cells

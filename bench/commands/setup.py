@@ -10,7 +10,7 @@ from kvbench.common.envs import EnvInstallError, HomeError, allow_installs, ensu
 from kvbench.common.suggest import with_hint
 from kvbench.planner import model_names
 from kvbench.run.backend_config import BackendConfig, ConfigError
-from kvbench.run.resolve import home_refusal, recipes_needed
+from kvbench.run.home import home_refusal, recipes_needed
 
 
 def setup(

@@ -231,13 +231,13 @@ def _run(argv: list[str], out, extra_env: dict[str, str], record: Path | None = 
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         _RUNNING.add(proc)
     watcher = _watch_group(proc.pid)
-    if record is not None:  # should the watcher die too, the next setup ends this group from here
-        try:
-            started = psutil.Process(proc.pid).create_time()
-        except psutil.Error:
-            started = 0.0
-        record.write_text(json.dumps({"pgid": proc.pid, "started": started}))
     try:
+        if record is not None:  # should the watcher die too, the next setup ends this group from here
+            try:
+                started = psutil.Process(proc.pid).create_time()
+            except psutil.Error:
+                started = 0.0
+            record.write_text(json.dumps({"pgid": proc.pid, "started": started}))
         return proc.wait()
     finally:
         if proc.poll() is None:  # interrupted while waiting: the installer's whole tree (pip's builds, ninja's compilers)
