@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvbench.common import models
+from kvbench.store.schema import SCHEMA_VERSION
 from tests.fakes.openai_server import FakeOpenAI
 from tests.helpers import REPO
 from tests.test_cli import kvbench
@@ -158,7 +159,8 @@ def test_resume_of_an_older_schema_run_is_refused_never_measured_again(tmp_path)
     before = snapshot(run)
     out = kvbench("run", "-b", "hf", "-b", "vllm", "-b", "llamacpp", "--results-dir", str(run.parent), "--run-id",
                   run.name, "--resume", timeout=120)
-    refused(out, f"run {run.name} was written under results schema v1, an older one than this kvbench's v7")
+    refused(out, f"run {run.name} was written under results schema v1, an older one than this kvbench's "
+                 f"v{SCHEMA_VERSION}")
     assert snapshot(run) == before and sorted(p.name for p in run.iterdir()) == ["cells.jsonl", "run.json"]
     assert json.loads((run / "run.json").read_text())["status"] == "finished"
 
