@@ -1,3 +1,5 @@
+import contextlib
+import fcntl
 import os
 import sys
 from pathlib import Path
@@ -25,8 +27,8 @@ ENGINE_TIMEOUT_S = 1200
 # reads.)
 ENGINE_MODULES = "_engines.py"
 # Modules whose verdicts rest on wall-clock time (a 10 % slower mock engine caught by `kvbench compare`, load
-# workers ended within seconds, a salted run's TTFTs set against a cold one's): one unit, handed out only
-# when every other unit is done, and then run alone while the other workers wait (under another worker's
+# workers ended within seconds, a salted run's TTFTs set against a cold one's) run alone: each holds a lock
+# that no other test runs beside (quiet_alone), and their unit is handed out last (under another worker's
 # load the planted regression once read as inconclusive).
 QUIET_MODULES = ("tests/compare/test_planted.py", "tests/load/test_workers.py", "tests/run/test_prefix_cache_engines.py")
 ENGINES, QUIET = "engines", "quiet"
@@ -52,26 +54,34 @@ def pytest_xdist_make_scheduler(config, log):
             return ENGINES if module.endswith(ENGINE_MODULES) else QUIET if module in QUIET_MODULES else module
 
         def _assign_work_unit(self, node) -> None:
-            if next(iter(self.workqueue)) != QUIET:
-                return super()._assign_work_unit(node)
-            if len(self.workqueue) > 1:  # the quiet unit goes after the others
+            if QUIET in self.workqueue and len(self.workqueue) > 1:
                 self.workqueue.move_to_end(QUIET)
-                return super()._assign_work_unit(node)
-            busy = [n for n, work in self.assigned_work.items() if self._pending_of(work)]
-            if busy:
-                return  # handed out when the last busy worker completes its last test (_reschedule)
             super()._assign_work_unit(node)
-            for other in self.nodes:
-                if other is not node and not other.shutting_down:
-                    other.shutdown()
-
-        def _reschedule(self, node) -> None:
-            if self.workqueue and list(self.workqueue) == [QUIET] and not node.shutting_down:
-                self._assign_work_unit(node)  # or wait, idle, until it is this worker's turn
-                return
-            super()._reschedule(node)
 
     return EnginesTogetherQuietLast(config, log)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def quiet_alone(request, tmp_path_factory):
+    """Every module holds the session's lock while it runs (its module fixtures too: an engine's start),
+    shared, and a quiet module (QUIET_MODULES) alone: a worker that reaches a quiet module waits for the
+    modules running beside it to end, and the other workers wait for it. One lock file per session, beside
+    the workers' temporary folders."""
+    alone = module_of(request.node.nodeid) in QUIET_MODULES
+    with _session_lock(tmp_path_factory, fcntl.LOCK_EX if alone else fcntl.LOCK_SH):
+        yield
+
+
+@contextlib.contextmanager
+def _session_lock(tmp_path_factory, how: int):
+    base = tmp_path_factory.getbasetemp()
+    folder = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # pytest-N/, shared by the workers
+    with open(folder / "quiet.lock", "a") as f:
+        fcntl.flock(f, how)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def pytest_addoption(parser):
