@@ -88,7 +88,7 @@ prometheus:
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 test: engines browser prometheus
-	$(BIN)/python -m pytest tests $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 report: setup
 	@test -n "$(RUN)" || { echo "no run under results/runs/: make report RUN=path/to/run"; exit 2; }

@@ -1,3 +1,5 @@
+import contextlib
+import fcntl
 import os
 import sys
 from pathlib import Path
@@ -16,33 +18,70 @@ sys.dont_write_bytecode = False
 # (a module's engine fixture runs inside its first test) and gets this instead. A test's own
 # @pytest.mark.timeout(...) wins over both.
 ENGINE_TIMEOUT_S = 1200
-# Under pytest-xdist (`make test` runs two workers) the modules of tests that start a real engine, named
-# *_engines.py, are one unit of work: one worker runs them one after another, as alone as before (two
-# engines at once on 2 cores would each measure the other, and the tests that look for an engine's
-# processes left behind would find the other's); the other worker takes the rest, a module at a time, so
-# module fixtures are made once. (xdist's own loadgroup marks do not group under pytest 9.2: it renames
-# items through an attribute pytest no longer reads.)
+# Under pytest-xdist (`make test` runs two workers; a bare `pytest` runs `-n auto`, see
+# pytest_xdist_auto_num_workers) the modules of tests that start a real engine, named *_engines.py, are one
+# unit of work: one worker runs them one after another, as alone as before (two engines at once on 2 cores
+# would each measure the other, and the tests that look for an engine's processes left behind would find the
+# other's); the other workers take the rest, a module at a time, so module fixtures are made once. (xdist's
+# own loadgroup marks do not group under pytest 9.2: it renames items through an attribute pytest no longer
+# reads.)
 ENGINE_MODULES = "_engines.py"
 # Modules whose verdicts rest on wall-clock time (a 10 % slower mock engine caught by `kvbench compare`, load
-# workers ended within seconds, a salted run's TTFTs set against a cold one's): they join the engine worker's
-# unit and run last, when the other worker has finished (under its load the planted regression once read as
-# inconclusive).
+# workers ended within seconds, a salted run's TTFTs set against a cold one's) run alone: each holds a lock
+# that no other test runs beside (quiet_alone), and their unit is handed out last (under another worker's
+# load the planted regression once read as inconclusive).
 QUIET_MODULES = ("tests/compare/test_planted.py", "tests/load/test_workers.py", "tests/run/test_prefix_cache_engines.py")
+ENGINES, QUIET = "engines", "quiet"
 
 
 def module_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml's addopts): two workers per core. Half the time of the tests that start no
+    engine is spent waiting (on timeouts, stalls, mock engines' token delays, processes that must die), and
+    a second worker per core runs in those waits: `pytest -m "not engine"` took 5.4 min on 2 workers here."""
+    return 2 * (os.cpu_count() or 1)
+
+
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
-    class EnginesTogether(LoadScopeScheduling):
+    class EnginesTogetherQuietLast(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = module_of(nodeid)
-            return "engines" if module.endswith(ENGINE_MODULES) or module in QUIET_MODULES else module
+            return ENGINES if module.endswith(ENGINE_MODULES) else QUIET if module in QUIET_MODULES else module
 
-    return EnginesTogether(config, log)
+        def _assign_work_unit(self, node) -> None:
+            if QUIET in self.workqueue and len(self.workqueue) > 1:
+                self.workqueue.move_to_end(QUIET)
+            super()._assign_work_unit(node)
+
+    return EnginesTogetherQuietLast(config, log)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def quiet_alone(request, tmp_path_factory):
+    """Every module holds the session's lock while it runs (its module fixtures too: an engine's start),
+    shared, and a quiet module (QUIET_MODULES) alone: a worker that reaches a quiet module waits for the
+    modules running beside it to end, and the other workers wait for it. One lock file per session, beside
+    the workers' temporary folders."""
+    alone = module_of(request.node.nodeid) in QUIET_MODULES
+    with _session_lock(tmp_path_factory, fcntl.LOCK_EX if alone else fcntl.LOCK_SH):
+        yield
+
+
+@contextlib.contextmanager
+def _session_lock(tmp_path_factory, how: int):
+    base = tmp_path_factory.getbasetemp()
+    folder = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # pytest-N/, shared by the workers
+    with open(folder / "quiet.lock", "a") as f:
+        fcntl.flock(f, how)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def pytest_addoption(parser):
@@ -62,7 +101,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("engine") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(ENGINE_TIMEOUT_S))
-    # the quiet modules last (every worker sorts alike, so xdist's collections still agree)
+    # the quiet modules last (every worker sorts alike, so xdist's collections still agree): the order of a
+    # run without workers
     items.sort(key=lambda item: module_of(item.nodeid) in QUIET_MODULES)
 
 

@@ -2,14 +2,18 @@
 import circles, an engine's name and facts in its own folder only, hooks declared rather than probed, and
 the self-checks out of the product's path, reaching the engines only through the registry."""
 import ast
+import os
 import re
 import subprocess
 import sys
 import tomllib
+from functools import cache
 from pathlib import Path
 from tests.helpers import REPO
 
-ROOT = REPO  # the repository
+# The tree read: this checkout, or another product tree named by KVBENCH_TREE (tests/test_extension_paths.py
+# runs these checks on a copy with a change planted, under that copy's own kvbench).
+ROOT = Path(os.environ.get("KVBENCH_TREE") or REPO).resolve()
 # The layers, bottom first: a module imports only from its own layer and those before it (data flows one
 # way: workload -> cells -> runner -> rows -> store -> reports). The package's own __init__ is below all.
 LAYERS = ["kvbench.kv", "kvbench.common", "kvbench.backends", "kvbench.load", "kvbench.workloads", "kvbench.store",
@@ -24,6 +28,12 @@ def package_dirs() -> dict[str, Path]:
     return {name: ROOT / folder for name, folder in config["package-dir"].items()}
 
 
+@cache  # each file parsed once per session: the checks below read the same files
+def parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+@cache  # read once per session: every check below walks the same tree
 def modules() -> dict[str, Path]:
     out = {}
     for package, folder in package_dirs().items():
@@ -43,7 +53,7 @@ def imports(name: str, path: Path, type_checking: bool = True) -> set[str]:
     """The modules ``name`` imports: at run time (function-level imports too) and, unless ``type_checking`` is
     False, for type checking (an import under TYPE_CHECKING is a dependency all the same: a layer that names a
     type of a layer above it depends on it)."""
-    tree = ast.parse(path.read_text())
+    tree = parsed(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
                    for stmt in block.body for n in ast.walk(stmt)}
@@ -69,6 +79,7 @@ def _is_type_checking(test: ast.expr) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+@cache
 def graph(type_checking: bool = True) -> dict[str, set[str]]:
     mods = modules()
     edges = {}
@@ -120,7 +131,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def test_one_installed_name():
     assert set(package_dirs()) == {"kvbench", "kvbench.backends", "kvbench.workloads", "kvbench.selfcheck"}
     for name, path in modules().items():
-        tree = ast.parse(path.read_text())
+        tree = parsed(path)
         for node in ast.walk(tree):
             roots = ([a.name.split(".")[0] for a in node.names] if isinstance(node, ast.Import) else
                      [node.module.split(".")[0]] if isinstance(node, ast.ImportFrom) and node.module and not node.level
@@ -229,6 +240,13 @@ def test_every_engine_is_one_folder_and_one_registry_line():
                                  and type(REGISTRY[engine].kv_rules) is type(rules))
 
 
+def test_every_engine_folder_is_an_installed_package():
+    """pyproject.toml lists the packages setuptools installs: an engine folder left out is missing from a
+    wheel."""
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert [e for e in ENGINE_DIRS if f"kvbench.backends.{e}" not in packages] == []
+
+
 def test_importing_the_planner_loads_no_adapter_streaming_client_or_guard():
     code = ("import sys, kvbench.planner as p; p.engine_rules('vllm').answer; p.engine_rules('llamacpp');"
             "print('\\n'.join(m for m in sys.modules if m.startswith('kvbench')))")
@@ -253,7 +271,7 @@ def engine_names_outside_their_folders(files: list[Path], engines: list[str]) ->
     found = []
     for path in files:
         rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
-        tree = ast.parse(path.read_text())
+        tree = parsed(path)
         docs = {id(n.body[0].value) for n in ast.walk(tree)
                 if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
                 and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
@@ -270,7 +288,7 @@ def engine_folder_imports(files: list[Path], engines: list[str]) -> list[str]:
     found = []
     for path in files:
         rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
-        for n in ast.walk(ast.parse(path.read_text())):
+        for n in ast.walk(parsed(path)):
             if isinstance(n, (ast.Import, ast.ImportFrom)):
                 names = ([a.name for a in n.names] if isinstance(n, ast.Import) else
                          [n.module or ""] + [f"{n.module}.{a.name}" for a in n.names])
@@ -339,7 +357,7 @@ def hook_probes(files: list[Path]) -> list[str]:
     hooks = {n for cls in (Backend, KVRules, *groups) for n in dir(cls) if not n.startswith("__")}
     found = []
     for path in files:
-        for n in ast.walk(ast.parse(path.read_text())):
+        for n in ast.walk(parsed(path)):
             if (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "hasattr")
                     and len(n.args) >= 2 and isinstance(n.args[1], ast.Constant) and n.args[1].value in hooks):
                 where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
@@ -375,12 +393,12 @@ def test_the_editable_install_is_a_tree_static_readers_follow():
     lines = [line for line in pth[0].read_text().splitlines() if line.strip()]
     assert len(lines) == 1 and not lines[0].startswith("import"), lines
     tree = Path(lines[0])
-    assert (tree / "kvbench" / "backends" / "vllm" / "adapter.py").resolve() == ROOT / "backends" / "vllm" / "adapter.py"
-    assert (tree / "kvbench" / "kv" / "geometry.py").resolve() == ROOT / "bench" / "kv" / "geometry.py"
+    assert (tree / "kvbench" / "backends" / "vllm" / "adapter.py").resolve() == REPO / "backends" / "vllm" / "adapter.py"
+    assert (tree / "kvbench" / "kv" / "geometry.py").resolve() == REPO / "bench" / "kv" / "geometry.py"
 
 
 def long_functions(path: Path, limit: int) -> list[str]:
-    return [f"{n.name}: {n.end_lineno - n.lineno + 1} lines" for n in ast.walk(ast.parse(path.read_text()))
+    return [f"{n.name}: {n.end_lineno - n.lineno + 1} lines" for n in ast.walk(parsed(path))
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > limit]
 
 
@@ -410,13 +428,13 @@ def test_every_test_that_starts_an_engine_lives_in_an_engines_module():
     from tests.conftest import ENGINE_MODULES
 
     elsewhere = []
-    for path in sorted((ROOT / "tests").rglob("test_*.py")):
-        tree = ast.parse(path.read_text())
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        tree = parsed(path)
         module_marked = any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
                             and "mark.engine" in ast.unparse(n.value) for n in tree.body)
         marked = module_marked or any(isinstance(n, ast.FunctionDef) and any("mark.engine" in ast.unparse(d)
                                                                               for d in n.decorator_list)
                                       for n in ast.walk(tree))
         if marked and not path.name.endswith(ENGINE_MODULES):
-            elsewhere.append(str(path.relative_to(ROOT)))
+            elsewhere.append(str(path.relative_to(REPO)))
     assert elsewhere == []

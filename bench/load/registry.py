@@ -1,7 +1,7 @@
 """The load profiles, and a workload's ``[load]`` section read into one.
 
 Adding a profile = one module in this package with a :class:`~.profile.LoadProfile` subclass (its settings,
-points and run), and one import here. Workload files and load points then know its name.
+points and run), and one import here (no second list to keep: :data:`PROFILES` is what the imports registered). Workload files and load points then know its name.
 
 The flat form: workload files from before ``[load]`` give the load as top-level keys (``load_profile``,
 ``concurrency``, ``request_rates``, ...), and run.json records every workload that way. Each profile reads
@@ -10,13 +10,14 @@ the flat keys that name it (:meth:`~.profile.LoadProfile.from_flat`) and writes 
 """
 from __future__ import annotations
 
+# A profile class registers its name when it is defined (profile.py): importing its module here is what adds it.
 from .concurrent import Concurrent
-from .constant import Constant
-from .poisson import Poisson
+from .constant import Constant  # noqa: F401
+from .poisson import Poisson  # noqa: F401
 from .profile import LoadProfile, profile_class, registered
-from .sweep import Sweep
+from .sweep import Sweep  # noqa: F401
 
-PROFILES: dict[str, type[LoadProfile]] = {c.name: c for c in (Concurrent, Poisson, Constant, Sweep)}
+PROFILES: dict[str, type[LoadProfile]] = registered()
 DEFAULT = Concurrent  # a workload that names no profile
 
 # the flat form's load keys, in the order run.json records them, with the values that meant "not given"
