@@ -113,6 +113,12 @@ class Backend(ABC):
         """Everything `kvbench setup` installs for this engine: its environment, and any tool beside it."""
         return [cls.recipe(version)]
 
+    @classmethod
+    def own_install(cls, options: dict) -> str | None:
+        """What a server started with ``options`` runs from instead of kvbench's environment (e.g. "python=PATH"),
+        where its options name an install of the user's: then nothing is installed for it. None: kvbench's."""
+        return None
+
     # --- lifecycle -----------------------------------------------------------------------------
     @abstractmethod
     def command(self, spec: ServerSpec) -> tuple[list[str], dict[str, str]]:

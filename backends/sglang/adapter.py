@@ -191,6 +191,11 @@ class SGLangBackend(PrometheusPolled, Backend):
         return {"tp": cls.gpus_used(options)}
 
     @classmethod
+    def own_install(cls, options: dict) -> str | None:
+        """python=PATH: an interpreter with the user's own SGLang (a CPU build, say): nothing installed."""
+        return f"python={options['python']}" if options.get("python") else None
+
+    @classmethod
     def recipe(cls, version: str) -> Recipe:
         if has_nvidia_gpu():
             return Recipe("sglang", version, (

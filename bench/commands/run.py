@@ -19,6 +19,7 @@ from kvbench.run.cells import NothingFits
 from kvbench.run.option_fields import Flag, FlagError, flags
 from kvbench.run.options import RunOptions
 from kvbench.run.plan import plan_early
+from kvbench.run.home import home_refusal, recipes_needed
 from kvbench.run.resolve import options_from_flags
 from kvbench.run.runner import Runner
 from kvbench.store.errors import ResultsReadError, ResultsWriteError, RunFolderError
@@ -75,6 +76,9 @@ def resolve_and_plan(given: dict):
         path = locate(options.model)  # a model that is not there is refused before a run folder exists
     except ModelError as exc:
         typer.echo(f"error: {with_hint(str(exc), options.model, model_names())}", err=True)
+        raise typer.Exit(2)
+    if refusal := home_refusal(recipes_needed(options.backends), path):  # a file, read-only: before the folder
+        typer.echo(f"error: {refusal}", err=True)
         raise typer.Exit(2)
     try:
         return options, plan_early(options, path)

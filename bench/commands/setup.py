@@ -6,10 +6,11 @@ from rich.markup import escape
 
 from kvbench.backends import DEFAULT_ENGINES, REGISTRY, gguf_converter
 from kvbench.common import models, ui
-from kvbench.common.envs import EnvInstallError, allow_installs, ensure_env, stop_installs
+from kvbench.common.envs import EnvInstallError, HomeError, allow_installs, ensure_env, stop_installs
 from kvbench.common.suggest import with_hint
 from kvbench.planner import model_names
 from kvbench.run.backend_config import BackendConfig, ConfigError
+from kvbench.run.home import home_refusal, recipes_needed
 
 
 def setup(
@@ -29,6 +30,9 @@ def setup(
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         failed = _prepare(console, configs, model)
+    except HomeError as exc:  # KVBENCH_HOME a file, read-only: found as it was written to
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(2)
     except KeyboardInterrupt:
         for sig in (signal.SIGINT, signal.SIGTERM):  # no second signal cuts the exit short (status -2)
             signal.signal(sig, signal.SIG_IGN)
@@ -45,12 +49,19 @@ def _sigterm_as_interrupt(signum, frame):
 
 def _prepare(console, configs: list[BackendConfig], model: str) -> bool:
     """Install every engine's environments and prepare the model; whether anything failed."""
-    recipes = []
     for cfg in configs:
-        if REGISTRY[cfg.engine].attach_only:  # nothing of its own to install: no empty environment made
+        cls = REGISTRY[cfg.engine]
+        if cls.attach_only:  # nothing of its own to install: no empty environment made
             console.print(f"{cfg.label}: nothing to install (it attaches to a running server)")
-            continue
-        recipes += REGISTRY[cfg.engine].recipes(cfg.version)
+        elif own := cls.own_install(cfg.options):  # honoured before anything is installed
+            console.print(f"{cfg.label}: nothing to install (it runs from {own})")
+    recipes = recipes_needed(configs, every=True)
+    try:
+        path = models.locate(model)
+    except models.ModelError:
+        path = None  # said below, after the engines' installs
+    if refusal := home_refusal(recipes, path):  # one line before any install, not a traceback during one
+        raise HomeError(refusal)
     failed = _install_side_by_side(console, recipes)
     try:
         files = models.resolve(model, gguf_converter(console.print), log=console.print)

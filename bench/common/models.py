@@ -16,11 +16,12 @@ import functools
 import hashlib
 import importlib.util
 import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbench.common.envs import kvbench_home, tail
+from kvbench.common.envs import HomeError, held, kvbench_home, tail
 from kvbench.kv import bounded, hub
 from kvbench.kv.geometry import KVGeometry
 from kvbench.kv.model_config import ConfigError, geometry_from_hf
@@ -204,16 +205,32 @@ def resolve(model: str, convert: GGUFConverter | None, log=print) -> ModelFiles:
     if not (hf_dir / "config.json").exists():
         if convert is None:
             raise ModelError(f"{gguf.name} has no HF-format copy yet and no converter to make one")
-        log(f"preparing an HF-format copy of {gguf.name} in {hf_dir} (once)")
-        hf_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = hf_dir.with_name(HF_FOLDER + ".partial")
-        log_file = hf_dir.with_name("convert.log")
-        try:
-            convert(gguf, staging, log_file)
-        except Exception as exc:
-            raise ModelError(f"converting {gguf.name} failed ({exc}):\n{tail(log_file)}") from None
-        staging.rename(hf_dir)  # only a complete copy ever has the final name
+        try:  # one kvbench prepares a model at a time: a second waits, then finds the copy made
+            with held(hf_dir.with_name(".lock"), f"preparing {gguf.name}'s HF-format copy", log):
+                if not (hf_dir / "config.json").exists():
+                    _convert(gguf, hf_dir, convert, log)
+        except HomeError as exc:
+            raise ModelError(str(exc)) from None
     return ModelFiles(name=name, hf_dir=hf_dir, gguf_path=gguf, sha256=digest, geometry=_geometry(hf_dir))
+
+
+def _convert(gguf: Path, hf_dir: Path, convert: GGUFConverter, log) -> None:
+    """Convert into a staging folder (emptied first: a killed conversion may have left one) renamed to ``hf_dir``
+    when complete, so that only a complete copy ever has the final name. Called under the model's lock."""
+    log(f"preparing an HF-format copy of {gguf.name} in {hf_dir} (once)")
+    staging = hf_dir.with_name(HF_FOLDER + ".partial")
+    log_file = hf_dir.with_name("convert.log")
+    try:
+        for leftover in (staging, hf_dir):  # hf_dir without config.json: not a copy (made by hand, or damaged)
+            if leftover.exists():
+                shutil.rmtree(leftover)
+    except OSError as exc:
+        raise ModelError(f"{leftover}: cannot be removed ({(exc.strerror or str(exc)).lower()})") from None
+    try:
+        convert(gguf, staging, log_file)
+    except Exception as exc:
+        raise ModelError(f"converting {gguf.name} failed ({exc}):\n{tail(log_file)}") from None
+    staging.rename(hf_dir)
 
 
 def _geometry(folder: Path) -> KVGeometry:

@@ -185,8 +185,9 @@ class RunOptions:
              "dtype below 16 bits it takes); default: the workload's (docs/kv-quant.md).", metavar="LIST"),
         read=lambda flags, earlier: check_kv_dtypes(flags["kv_dtypes"], earlier["workload"], earlier["backends"]),
         default=None)
+    # recorded as asked (run.json's model.max_context is the limit the run used): a resume must ask the same
     max_context: int | None = option(Flag("max_context", int, None, "Cap the context below the model's own limit."),
-                                     read=read_max_context, default=None)
+                                     read=read_max_context, default=None, record="max_context_asked")
     results_dir: Path = option(Flag("results_dir", Path, Path("results/runs"), "Where the run's folder is created."))
     run_id: str | None = option(
         Flag("run_id", str, None, "Name of the run folder (default: time, workload, host, pid): letters, digits, "

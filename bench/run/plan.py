@@ -38,3 +38,8 @@ def plan_record(model: ModelFiles, plan: RunPlan) -> dict:
                        "max_context": plan.max_context},
                 skipped_prompt_lengths=list(plan.skipped), prompt_lengths=list(plan.lengths),
                 load_points=[asdict(p) for p in plan.points])
+
+
+def recorded_model_path(record: dict) -> str | None:
+    """The model file or folder a run's record (:func:`plan_record`'s ``model``) names: its GGUF, else its HF folder."""
+    return record.get("gguf") or record.get("hf_dir")

@@ -32,16 +32,16 @@ from kvbench.load import interrupt
 from kvbench.run import kvquant
 from kvbench.run.backend_config import BackendConfig
 from kvbench.run.cells import CellPrompts, NothingFits, PromptSalt, RunPlan
-from kvbench.run.option_fields import recorded
+from kvbench.run.option_fields import declared, recorded
 from kvbench.run.options import RunOptions
-from kvbench.run.plan import plan_record, plan_run
+from kvbench.run.plan import plan_record, plan_run, recorded_model_path
 from kvbench.run.progress import run_progress
 from kvbench.run.resolve import resolve_model
 from kvbench.run.session import EngineSession
 from kvbench.store.errors import ResultsWriteError, RunFolderError
 from kvbench.store.readers import ensure_parquet, load_cells, load_run_info
 from kvbench.store.run_record import RunRecord
-from kvbench.store.writer import RunFolderLock, RunWriter
+from kvbench.store.writer import RunFolderLock, RunWriter, check_same_schema
 from kvbench.workloads import Workload
 from kvbench.workloads.prompts import PromptBuilder
 
@@ -57,9 +57,12 @@ def new_run_id(workload: str) -> str:
     return f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{workload}-{socket.gethostname()[:12]}-{os.getpid()}"
 
 
-def resumable(info: dict, o: RunOptions) -> None:
+def resumable(info: dict, o: RunOptions, plan: RunPlan | None = None) -> None:
     """A resumed run's unfinished cells must measure what its finished ones did: the same workload, backends
-    (labels and options) and KV dtype, else RunFolderError naming what differs."""
+    (labels and options), KV dtype, model (path and sha256), --max-context and every other option run.json
+    records, else RunFolderError naming what differs with its two values. ``plan``: the plan made before
+    the folder (its context limit, for a run that did not record the --max-context asked)."""
+    check_same_schema(info, info.get("run_id") or "?")
     differ = []
     try:
         recorded_workload = Workload.model_validate(info.get("workload") or {}).model_dump()
@@ -76,9 +79,68 @@ def resumable(info: dict, o: RunOptions) -> None:
                       + (", options differ" if set(before) == set(after) else "") + ")")
     if info.get("kv_dtype", o.kv_dtype) != o.kv_dtype:
         differ.append(f"--kv-dtype ({info['kv_dtype']} then, {o.kv_dtype} now)")
+    differ += _model_differs(info.get("model") or {}, o.model)
+    differ += _context_differs(info, o, plan)
+    differ += _options_differ(info, o)
     if differ:
         raise RunFolderError(f"--resume: run {info.get('run_id')} was started with another {'; '.join(differ)}: "
                              "resume it as it was started, or start a new run")
+
+
+# recorded options compared on their own above (or not settings of the measurement: the run's id, its command,
+# the salt, which PromptSalt.resumed keeps)
+_COMPARED_APART = {"workload", "backends", "kv_dtype", "run_id", "command", "prompt_salt", "max_context_asked"}
+
+
+def _options_differ(info: dict, o: RunOptions) -> list[str]:
+    """The other options run.json records (repeats, interleave, memory wall, cache resets) that differ."""
+    out = []
+    for name, opt in declared(RunOptions):
+        key = opt.record
+        if key is None or key in _COMPARED_APART or key not in info:  # not recorded then: nothing to hold it to
+            continue
+        value = getattr(o, name)
+        now = opt.recorded(value, _Resolved(o)) if opt.recorded else value
+        if info[key] != now:
+            out.append(f"{key} ({_shown(info[key])} then, {_shown(now)} now)")
+    return out
+
+
+class _Resolved:
+    """What an option's ``recorded`` reads of the runner (the workload's repeats), before the runner exists."""
+
+    def __init__(self, o: RunOptions):
+        self.o = o
+
+
+def _shown(value) -> str:
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _model_differs(recorded_model: dict, given: str) -> list[str]:
+    """The model given now against the one the run recorded: its path (the GGUF, or the HF folder) and sha256.
+    Nothing where the run recorded no model yet (stopped before it was resolved)."""
+    then_sha, then_path = recorded_model.get("sha256"), recorded_model_path(recorded_model)
+    if not then_sha and not then_path:
+        return []
+    path = models.locate(given)  # located before the folder was opened: cheap, and a missing one refused then
+    sha = models.sha256_folder(path) if path.is_dir() else models.sha256_file(path)
+    same_path = then_path is None or os.path.realpath(then_path) == os.path.realpath(path)
+    if same_path and (then_sha is None or then_sha == sha):
+        return []
+    return [f"model ({then_path} sha256 {(then_sha or 'unrecorded')[:12]} then, {path} sha256 {sha[:12]} now)"]
+
+
+def _context_differs(info: dict, o: RunOptions, plan: RunPlan | None) -> list[str]:
+    """--max-context as asked (runs that record it), else the context limit the run used against this plan's."""
+    if "max_context_asked" in info:
+        if info["max_context_asked"] != o.max_context:
+            return [f"--max-context ({_shown(info['max_context_asked'])} then, {_shown(o.max_context)} now)"]
+        return []
+    then = (info.get("model") or {}).get("max_context")
+    if plan is not None and then is not None and then != plan.max_context:
+        return [f"context limit ({then} then, {plan.max_context} now: give the --max-context it was started with)"]
+    return []
 
 
 def _interrupt(signum, frame):
@@ -116,12 +178,13 @@ class Runner:
 
     def _open(self, options: RunOptions) -> None:
         """The run's writer, and for a resumed run what it finished and recorded, and its salt."""
-        self.writer = RunWriter(options.results_dir / self.run_id, mode=options.results_mode)
+        # resuming: the run is held to what it was started with before anything in its folder is written
+        self.writer = RunWriter(options.results_dir / self.run_id, mode=options.results_mode,
+                                check=lambda info: resumable(info, options, self.carried_plan))
         self.record = RunRecord()
         # resuming: the cells that have rows already (any status) are kept, not run again
         self.finished: dict[str, float | None] = {}
         if options.results_mode == "resume":
-            resumable(load_run_info(self.writer.root), options)
             done = load_cells(self.writer.root)
             self.finished = dict(zip(done.cell_id, done.requests_per_s))
             self.writer.discard_unfinished_requests()

@@ -16,7 +16,7 @@ def make_backend(s: EngineSession, cls) -> Backend | None:
     """The engine's adapter: installed where kvbench starts it (None: the install failed, its cells with it)."""
     if s.cfg.deployment:  # several replicas (or a gateway): one adapter attached to each
         return Deployment.of(cls, s.cfg.version, s.cfg.options, s.cfg.urls, s.cfg.gateway)
-    if s.cfg.url:
+    if s.cfg.url or cls.own_install(s.cfg.options):  # attached, or the options name the engine's own install
         return cls(s.cfg.version, None, s.cfg.options)
     s.progress.update(s.bar, description=f"{s.cfg.label}: installing")
     try:

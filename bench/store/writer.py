@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import socket
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
@@ -101,6 +102,25 @@ class RunFolderLock:
         self.release()
 
 
+def is_published(run_dir: Path) -> bool:
+    """Whether a run folder lies under results/published (the runs the docs cite: never rewritten by a run)."""
+    parts = Path(os.path.realpath(run_dir)).parts
+    return any(a == "results" and b == "published" for a, b in zip(parts, parts[1:]))
+
+
+def check_same_schema(info: dict, name: str) -> None:
+    """A run is resumed by a kvbench that writes its schema: an older run's rows (and cell ids: before
+    repeats they had no ``_r0``) would mix with rows of today's, its finished cells be taken as missing and
+    measured again. RunFolderError naming both versions otherwise."""
+    version = info.get("schema_version") or 1
+    if version != SCHEMA_VERSION:
+        which = "an older" if version < SCHEMA_VERSION else "a newer"
+        raise RunFolderError(f"--resume: run {name} was written under results schema v{version}, {which} one than "
+                             f"this kvbench's v{SCHEMA_VERSION}: resuming would mix two schemas in one run (its "
+                             "finished cells measured again where their ids changed); start a new run (report and "
+                             "compare read it as it is)")
+
+
 def lock_holder(fd: int) -> int | None:
     """The pid holding a flock on the file behind ``fd``, from /proc/locks (None where it cannot be read)."""
     st = os.fstat(fd)
@@ -128,7 +148,7 @@ class RunWriter:
     beside the earlier ones in run.json's ``invocations``.
     """
 
-    def __init__(self, root: Path, mode: RunMode = "new"):
+    def __init__(self, root: Path, mode: RunMode = "new", check: Callable[[dict], None] | None = None):
         if mode not in RUN_MODES:
             raise ValueError(f"mode must be one of {', '.join(RUN_MODES)}, not {mode!r}")
         self.root = Path(root)
@@ -140,11 +160,16 @@ class RunWriter:
         if mode == "new" and has_run:
             raise RunExistsError(f"run {name} already exists in {where}: use --resume to finish its missing cells "
                                  "or --overwrite to replace it")
+        if mode in ("resume", "overwrite") and has_run and is_published(root):
+            raise RunFolderError(f"run {name} in {where} is a published run: it is never rewritten (--{mode}); "
+                                 "copy it elsewhere to resume it, or start a new run")
         if mode == "resume":
             if not (root / "run.json").exists():
                 raise RunFolderError(f"run {name} not found in {where} (no run.json): nothing to resume; "
                                      "leave out --resume to start it")
-            self._read_info()  # a damaged run.json is refused now, before any engine starts
+            info = self._read_info()  # a damaged run.json is refused now, before any engine starts
+            if check is not None:  # the caller's (a resumed run is resumed as it was started), before any write
+                check(info)
         if mode == "overwrite" and root.is_dir():
             if not (root / "run.json").exists() and any(root.iterdir()):
                 raise RunFolderError(f"{root} is not a kvbench run folder (no run.json): refusing to overwrite it")

@@ -41,7 +41,8 @@ def test_failed_install_keeps_the_log_and_is_not_stamped(tmp_path, monkeypatch):
     with pytest.raises(EnvInstallError) as err:
         ensure_env(bad)
     assert "no such package" in err.value.log_tail
-    assert not is_installed(bad) and (env_dir(bad) / "install.log").exists()
+    assert not is_installed(bad) and err.value.log_path.exists() and str(err.value.log_path) in str(err.value)
+    assert not env_dir(bad).exists()  # no half environment under the name
 
 
 def _sleeper(name: str, seconds: float, marker: str) -> Recipe:

@@ -74,6 +74,8 @@ def test_install_failure_gives_failed_rows(tmp_path):
         run_dir, cells = run(tmp_path, "hf@0.0.0rc999")
     finally:
         shutil.rmtree(broken, ignore_errors=True)
+        for build in broken.parent.glob(f".builds/{broken.name}-*"):  # the failed install's folder, its log
+            shutil.rmtree(build, ignore_errors=True)
     assert len(cells) == 4 and (cells.status == "failed").all()
     assert cells.error.str.contains("install failed").all()
     assert cells.log_tail.str.contains("0.0.0rc999").all()

@@ -63,4 +63,5 @@ def test_every_flag_of_kvbench_run_is_a_run_options_flag():
 def test_run_json_records_the_options_it_always_recorded():
     keys = {opt.record for _, opt in declared(RunOptions) if opt.record}
     assert keys == {"backends", "workload", "kv_dtype", "run_id", "repeats", "interleaved", "memory_limit_bytes",
-                    "prompt_salt", "reset_cache_between_cells", "command"}
+                    "prompt_salt", "reset_cache_between_cells", "command",
+                    "max_context_asked"}  # --max-context as given, so that a resume is held to it
