@@ -18,13 +18,12 @@ sys.dont_write_bytecode = False
 # (a module's engine fixture runs inside its first test) and gets this instead. A test's own
 # @pytest.mark.timeout(...) wins over both.
 ENGINE_TIMEOUT_S = 1200
-# Under pytest-xdist (`make test` runs two workers; a bare `pytest` runs `-n auto`, see
-# pytest_xdist_auto_num_workers) the modules of tests that start a real engine, named *_engines.py, are one
-# unit of work: one worker runs them one after another, as alone as before (two engines at once on 2 cores
-# would each measure the other, and the tests that look for an engine's processes left behind would find the
-# other's); the other workers take the rest, a module at a time, so module fixtures are made once. (xdist's
-# own loadgroup marks do not group under pytest 9.2: it renames items through an attribute pytest no longer
-# reads.)
+# Under pytest-xdist (`make test` runs two workers; a bare `pytest` runs `-n auto`, a worker per core) the
+# modules of tests that start a real engine, named *_engines.py, are one unit of work: one worker runs them
+# one after another, as alone as before (two engines at once on 2 cores would each measure the other, and the
+# tests that look for an engine's processes left behind would find the other's); the other workers take the
+# rest, a module at a time, so module fixtures are made once. (xdist's own loadgroup marks do not group under
+# pytest 9.2: it renames items through an attribute pytest no longer reads.)
 ENGINE_MODULES = "_engines.py"
 # Modules whose verdicts rest on wall-clock time (a 10 % slower mock engine caught by `kvbench compare`, load
 # workers ended within seconds, a salted run's TTFTs set against a cold one's) run alone: each holds a lock
@@ -39,10 +38,10 @@ def module_of(nodeid: str) -> str:
 
 
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (pyproject.toml's addopts): two workers per core. Half the time of the tests that start no
-    engine is spent waiting (on timeouts, stalls, mock engines' token delays, processes that must die), and
-    a second worker per core runs in those waits: `pytest -m "not engine"` took 5.4 min on 2 workers here."""
-    return 2 * (os.cpu_count() or 1)
+    """`-n auto` (pyproject.toml's addopts): a worker per core. Two per core ran `pytest -m "not engine"` in
+    8.3 min here against 5.4 min on one per core: the tests that wait (timeouts, stalls, processes that must
+    die) waited longer with the cores oversubscribed than the extra workers gained."""
+    return os.cpu_count() or 1
 
 
 def pytest_xdist_make_scheduler(config, log):

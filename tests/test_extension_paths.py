@@ -321,7 +321,7 @@ def structure(tree: Path, checks: str) -> subprocess.CompletedProcess:
     """tests/test_structure.py's ``checks`` (a -k expression) of the product tree, on ``tree`` under its own
     kvbench (no conftest, no plugins: they read nothing of the tree, and cost a second)."""
     return subprocess.run([sys.executable, str(tree / "selfcheck" / "uninstalled.py"), "pytest", "-q", "-vv",
-                           "--noconftest", "-p", "no:cacheprovider", str(REPO / "tests" / "test_structure.py"),
+                           "--noconftest", "-p", "no:cacheprovider", "-o", "addopts=", str(REPO / "tests" / "test_structure.py"),
                            "-k", checks], capture_output=True, text=True, timeout=180, cwd=REPO,
                           env={**os.environ, "KVBENCH_TREE": str(tree), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
 

@@ -149,7 +149,7 @@ def test_ctrl_c_while_the_report_is_written_is_exit_130_without_a_traceback(tmp_
         raise KeyboardInterrupt
 
     monkeypatch.setattr(kvbench.commands.run, "Runner", FinishedRunner)
-    monkeypatch.setattr(kvbench.commands.run.reports, "write_report", interrupted)
+    monkeypatch.setattr(kvbench.reports, "write_report", interrupted)
     result = CliRunner().invoke(app, ["run", "-b", "llamacpp", "--workload", "smoke",
                                       "--results-dir", str(tmp_path / "r")])
     assert result.exit_code == 130, result.output
