@@ -27,7 +27,7 @@ ENGINE_TIMEOUT_S = 1200
 ENGINE_MODULES = "_engines.py"
 # Modules whose verdicts rest on wall-clock time (a 10 % slower mock engine caught by `kvbench compare`, load
 # workers ended within seconds, a salted run's TTFTs set against a cold one's) run alone: each holds a lock
-# that no other test runs beside (quiet_alone), and their unit is handed out last (under another worker's
+# that no other test runs beside (pytest_runtest_protocol), and their unit is handed out last (under another worker's
 # load the planted regression once read as inconclusive).
 QUIET_MODULES = ("tests/compare/test_planted.py", "tests/load/test_workers.py", "tests/run/test_prefix_cache_engines.py")
 ENGINES, QUIET = "engines", "quiet"
@@ -60,19 +60,21 @@ def pytest_xdist_make_scheduler(config, log):
     return EnginesTogetherQuietLast(config, log)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def quiet_alone(request, tmp_path_factory):
-    """Every module holds the session's lock while it runs (its module fixtures too: an engine's start),
-    shared, and a quiet module (QUIET_MODULES) alone: a worker that reaches a quiet module waits for the
-    modules running beside it to end, and the other workers wait for it. One lock file per session, beside
-    the workers' temporary folders."""
-    alone = module_of(request.node.nodeid) in QUIET_MODULES
-    with _session_lock(tmp_path_factory, fcntl.LOCK_EX if alone else fcntl.LOCK_SH):
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Every test holds the session's lock from its setup to its teardown (the engines that fixtures of any
+    scope start and stop inside them too), shared, and a test of a quiet module (QUIET_MODULES) alone: it
+    waits for the tests running beside it to end, and the other workers wait for it. A lock held per module,
+    by an autouse fixture, left out the session fixtures (shared engine servers), which started beside a
+    quiet module."""
+    alone = module_of(item.nodeid) in QUIET_MODULES
+    with _session_lock(item.config._tmp_path_factory, fcntl.LOCK_EX if alone else fcntl.LOCK_SH):
         yield
 
 
 @contextlib.contextmanager
 def _session_lock(tmp_path_factory, how: int):
+    """One lock file per session, beside the workers' temporary folders."""
     base = tmp_path_factory.getbasetemp()
     folder = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # pytest-N/, shared by the workers
     with open(folder / "quiet.lock", "a") as f:

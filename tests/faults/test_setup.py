@@ -80,7 +80,11 @@ def test_a_sigkilled_setup_leaves_no_installer_and_no_half_environment(tmp_path,
     setup = start_setup(tmp_path, "dummy", script)
     builds = tmp_path / "envs" / ".builds"
     poll(lambda: any(builds.glob("dummy-1-*/junk-*")), what="the installer writing")
-    watchers = [p for p in psutil.Process(setup.pid).children() if "killpg" in " ".join(p.cmdline())]
+    # the watcher is started once the installer's group exists, so it may come a moment after its writes
+    def find_watchers() -> list[psutil.Process]:
+        return [p for p in psutil.Process(setup.pid).children() if "killpg" in " ".join(p.cmdline())]
+    poll(find_watchers, 10, "the installer's watcher")
+    watchers = find_watchers()
     assert len(watchers) == 1
     if watcher == "killed too":
         watchers[0].kill()
