@@ -36,6 +36,7 @@ LAUNCHER_SCRIPT = Path(__file__).with_name("launcher.py")  # run as a script: th
 # (unix socket paths end at 108 bytes), and removed once the server has stopped or kvbench has died
 PRIVATE_TMP = "{kvbench:private-tmp}"
 MAX_GUARD_RESTARTS = 5  # a guard that dies this often is not started again (it would fail the same way)
+LAUNCHER_FOLLOWS_S = 5.0  # a launcher whose server is gone kills what is left (no grace) and exits
 
 
 def free_port(host: str = LOCALHOST) -> int:
@@ -256,6 +257,11 @@ class ServerProcess:
         return log_excerpt(self.log_path, self.log_offset, lines)
 
     def exit_description(self, wait_s: float = 0.0) -> str:
+        if self.proc and self.proc.poll() is None and self.server_pid != self.proc.pid \
+                and not _pid_running(self.server_pid):
+            # the server is gone and its launcher is ending the rest of the tree: its exit, with the
+            # server's status, follows within moments (a cell started in that gap read a vanished pid)
+            wait_s = max(wait_s, LAUNCHER_FOLLOWS_S)
         if self.proc and wait_s > 0:
             try:
                 self.proc.wait(timeout=wait_s)

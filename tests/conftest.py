@@ -1,6 +1,7 @@
 import contextlib
 import fcntl
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -68,8 +69,13 @@ def pytest_runtest_protocol(item, nextitem):
     by an autouse fixture, left out the session fixtures (shared engine servers), which started beside a
     quiet module."""
     alone = module_of(item.nodeid) in QUIET_MODULES
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     with _session_lock(item.config._tmp_path_factory, fcntl.LOCK_EX if alone else fcntl.LOCK_SH):
         yield
+    # a command run in-process that was interrupted ignores both signals from then on (as kvbench does while
+    # it winds down): left so, every later process this worker started inherited the ignored SIGTERM
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 @contextlib.contextmanager

@@ -174,11 +174,13 @@ def _worker_main(conn) -> None:
     """A worker process: read its share, start its event loop, run (:func:`_share`), send the result."""
     # Ctrl-C in a terminal reaches the whole process group: the parent decides, and ends its workers itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM (the parent's terminate()) ends the worker at once, also where the parent ignores it and a
+    # spawned child would inherit that (kvbench ignores both signals while it winds down after a Ctrl-C)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     threading.Thread(target=_exit_with_the_parent, daemon=True).start()
     try:
         backend, dropped, endpoints, prompts, point, offsets, settings = pickle.loads(conn.recv_bytes())
         _apply_endpoints(backend, endpoints)
-        # SIGTERM (the parent's terminate()) keeps its default: the worker ends at once
         result = run_async(_share(conn, backend, dropped, prompts, point, offsets, settings), signals=False)
         if result is not None:
             conn.send(("done", result))
@@ -229,10 +231,12 @@ def run_workers(backend: Backend, prompts: list, point: LoadPoint, settings: Loa
             conn.close()
         for proc in procs:
             if stop is not None and stop.is_set():
-                proc.terminate()
+                # SIGKILL: a cancelled load keeps nothing of theirs, and a worker still starting up has
+                # not yet undone a SIGTERM ignored in the process that spawned it
+                proc.kill()
             proc.join(5)
             if proc.is_alive():
-                proc.terminate()
+                proc.kill()
                 proc.join(5)
     merged = merge(results, t_go, point.request_rate)
     if settings.streak:

@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 import httpx
+import psutil
 
 from kvbench.backends.base import Backend
 from kvbench.load import LoadSettings, frozen_heap, run, run_async
@@ -84,7 +85,10 @@ def measure(s: EngineSession, backend: Backend, cell: Cell) -> CellMeasurement:
     counters_before = prefix_counters(backend)
     memory, rss_baseline = None, None
     if backend.pid:
-        rss_baseline = tree_rss(backend.pid)[0]
+        try:
+            rss_baseline = tree_rss(backend.pid)[0]
+        except psutil.NoSuchProcess:  # ended since the check above: its requests fail and name the engine's end
+            rss_baseline = None
         memory = ProcessTreeMemorySampler(backend.pid, r.o.memory_hz, r.nvml, baseline=s.gpu_baseline)
     engine = EnginePoller(backend, r.o.kv_poll_hz)
     samplers = [sampler for sampler in (memory, engine) if sampler]

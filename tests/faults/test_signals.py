@@ -136,6 +136,7 @@ def test_ctrl_c_while_the_report_is_written_is_exit_130_without_a_traceback(tmp_
     from typer.testing import CliRunner
 
     import kvbench.commands.run
+    import kvbench.reports
     from kvbench.cli import app
 
     class FinishedRunner:
