@@ -198,3 +198,24 @@ def test_busy_threads_of_an_engine_that_has_ended_is_unknown():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     assert busy_threads(proc.pid) is None
+
+
+def test_a_server_gone_before_its_launcher_is_read_as_ended(tmp_path):
+    # the launcher reaps its server, then kills what is left and exits with the server's status: a cell
+    # that looked in between saw a live launcher and a vanished server pid ("backend failed: NoSuchProcess")
+    import subprocess
+
+    server = ServerProcess(["sleep", "30"], {}, tmp_path / "engine.log")
+    server.start()
+    launcher = server.proc
+    try:
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        server.proc = subprocess.Popen(["sh", "-c", "sleep 0.5; kill -9 $$"])  # the launcher, ending as its server
+        server.server_pid = gone.pid
+        t0 = time.monotonic()
+        assert server.exit_description() == "killed by SIGKILL"
+        assert time.monotonic() - t0 < 5
+    finally:
+        server.proc = launcher
+        server.stop()
