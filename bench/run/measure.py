@@ -85,10 +85,7 @@ def measure(s: EngineSession, backend: Backend, cell: Cell) -> CellMeasurement:
     counters_before = prefix_counters(backend)
     memory, rss_baseline = None, None
     if backend.pid:
-        try:
-            rss_baseline = tree_rss(backend.pid)[0]
-        except psutil.NoSuchProcess:  # ended since the check above: its requests fail and name the engine's end
-            rss_baseline = None
+        rss_baseline = _rss_before(backend.pid)
         memory = ProcessTreeMemorySampler(backend.pid, r.o.memory_hz, r.nvml, baseline=s.gpu_baseline)
     engine = EnginePoller(backend, r.o.kv_poll_hz)
     samplers = [sampler for sampler in (memory, engine) if sampler]
@@ -134,6 +131,15 @@ def measure(s: EngineSession, backend: Backend, cell: Cell) -> CellMeasurement:
     r.writer.write_timeline(cell.cell_id(label), timeline_frame(t0, m.memory_samples or [], engine.kv_samples,
                                                                 engine.queue_samples, replicas))
     return m
+
+
+def _rss_before(pid: int) -> int | None:
+    """The engine tree's RSS before the cell; None for a server ended since the cell's check (its requests
+    then fail and name the engine's end)."""
+    try:
+        return tree_rss(pid)[0]
+    except psutil.NoSuchProcess:
+        return None
 
 
 def answers_again(s: EngineSession, backend: Backend) -> bool:
