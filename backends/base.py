@@ -330,6 +330,16 @@ class Backend(ABC):
             backend.stop()
 
     @classmethod
+    def validation_refusal(cls) -> str | None:
+        """Why ``kvbench validate`` has nothing to check for this engine (None: it checks its rules against
+        the engine): no KV rules, or no engine here whose allocation its cases can read."""
+        if cls.kv_rules is None:
+            return "has no KV rules to check (it attaches to any server and predicts nothing of its own)"
+        if cls.kv_checks.__func__ is Backend.kv_checks.__func__ and cls.measure_kv.__func__ is Backend.measure_kv.__func__:
+            return "has no validation cases: its engine does not run here, so there is no allocation to check its rules against"
+        return None
+
+    @classmethod
     def kv_checks(cls, env: Path, model: ModelFiles, log_dir: Path) -> list[KVCheck]:
         """This engine's own cases on the embedded model (dtypes, sizes, slots): the rules against the engine."""
         return []

@@ -37,6 +37,10 @@ def validate(
         chosen = families(only or None) if (with_families or only) else []
     except (ConfigError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
+    for cfg in configs:  # before anything is installed: an empty table would read as a pass
+        if refusal := REGISTRY[cfg.engine].validation_refusal():
+            typer.echo(f"error: kvbench validate: {cfg.engine} {refusal}", err=True)
+            raise typer.Exit(2)
     out_dir = into or Path("results/validation")
     try:  # only new files or kvbench's own: never through a link, onto a device or over another's file
         check_output_folder(out_dir, "--into folder",

@@ -148,6 +148,19 @@ def test_a_thousand_layers_plan_in_linear_time(tmp_path):
     assert plans[0]["layers"] == 1000 and plans[1]["levers"] is not None
 
 
+@pytest.mark.parametrize("key", ["num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
+                                 "vocab_size"])
+def test_a_zero_count_is_refused_not_planned_as_fitting_everything(tmp_path, key):
+    # zeros used to give "FITS ... 1,048,576 requests at once"
+    raw = json.loads((DATA / "configs" / "qwen2.5-7b.json").read_text())
+    raw[key] = 0
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    result = CliRunner().invoke(app, ["plan", str(tmp_path / "config.json"), "-n", "8k", "--gpu", "H100-80GB"])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0] and ">= 1" in lines[0] and "FITS" not in result.output
+
+
 @pytest.mark.parametrize("key, value, words", [("quantization_config", [1], "quantization_config is a list"),
                                                ("torch_dtype", "float128", "torch_dtype 'float128'"),
                                                ("num_key_value_heads", "8", "num_key_value_heads must be a whole")])
