@@ -25,10 +25,11 @@ from kvbench.kv.rules import KVCheck, KVQuestion, KVRules
 
 from .capabilities import Capabilities
 from .options import Option
-from .process import ServerProcess, free_port
+from .process import ServerProcess, free_port, port_taken
 from .types import EngineStartError, EngineState, KVInUse, KVPool, RequestResult, ServerSpec
 
 ATTACH_REFUSED_S = 2.0  # an attached server whose port refuses connections this long is not there
+PORT_TRIES = 3  # free ports chosen for one start, where another process took the one chosen before the spawn
 
 
 class Backend(ABC):
@@ -127,10 +128,7 @@ class Backend(ABC):
     health_path: ClassVar[str] = "/health"
 
     def start(self, spec: ServerSpec, log_path: Path, timeout_s: float) -> None:
-        port = spec.port or free_port(spec.host)
-        self.spec = ServerSpec(**{**spec.__dict__, "port": port})
-        self.base_url = f"http://{spec.host}:{port}"
-        argv, env = self.command(self.spec)
+        argv, env = self._command_on_free_port(spec)
         self.server = ServerProcess(argv, env, log_path, memory_limit_bytes=self.spec.memory_limit_bytes)
         self.server.start()
         try:
@@ -140,6 +138,19 @@ class Backend(ABC):
             if hint:
                 raise EngineStartError(f"{exc}: {hint}", exc.log_tail) from None
             raise
+
+    def _command_on_free_port(self, spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
+        """The server's argv and environment for ``spec`` on its port (a free one unless ``spec`` names it),
+        checked right before the spawn that nothing listens there: a port is free only until another
+        process binds it, and whatever then answers the health path would be benchmarked as the engine."""
+        for _ in range(1 if spec.port else PORT_TRIES):
+            port = spec.port or free_port(spec.host)
+            self.spec = ServerSpec(**{**spec.__dict__, "port": port})
+            self.base_url = f"http://{spec.host}:{port}"
+            argv, env = self.command(self.spec)
+            if not (taken := port_taken(port, spec.host)):
+                return argv, env
+        raise EngineStartError(taken)
 
     def start_failure_hint(self, failure: str, log_tail: str) -> str | None:
         """What a start that failed this way means for this engine, and what to try (added to the failed

@@ -8,6 +8,7 @@ page of its tree counts; the guard stays outside. When the wall's OOM killer end
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import psutil
@@ -37,6 +39,11 @@ LAUNCHER_SCRIPT = Path(__file__).with_name("launcher.py")  # run as a script: th
 PRIVATE_TMP = "{kvbench:private-tmp}"
 MAX_GUARD_RESTARTS = 5  # a guard that dies this often is not started again (it would fail the same way)
 LAUNCHER_FOLLOWS_S = 5.0  # a launcher whose server is gone kills what is left (no grace) and exits
+# A server started through a container CLI publishes its port through the runtime (docker-proxy, root's, or
+# no process at all with iptables): such a listener, or none, is the container's, never in the tree
+CONTAINER_CLIS = frozenset({"docker", "podman", "nerdctl"})
+CONTAINER_PROXIES = frozenset({"docker-proxy", "rootlessport", "rootlesskit", "slirp4netns", "pasta", "conmon"})
+CMDLINE_HEAD = 100  # characters of a stranger's command line in the one line that refuses it
 
 
 def free_port(host: str = LOCALHOST) -> int:
@@ -100,6 +107,61 @@ def log_excerpt(path: Path, offset: int = 0, lines: int = 40, context: int = 3) 
         return "\n".join(last)
     around = all_lines[max(0, first - context):first + context + 1]
     return "\n".join(["[first error in the log]", *around, "[...]", "[last lines]", *last])
+
+
+def _reaches(listen_ip: str, host: str | None) -> bool:
+    """Whether a socket listening at ``listen_ip`` takes connections made to ``host``: the same address or
+    a wildcard one (any address where ``host`` is a name or not given)."""
+    try:
+        listening, target = ipaddress.ip_address(listen_ip), ipaddress.ip_address(host or "")
+    except ValueError:
+        return True
+    return listening.is_unspecified or listening == target or getattr(listening, "ipv4_mapped", None) == target
+
+
+def listeners_of(port: int, host: str | None = None) -> list[int | None]:
+    """The pids of the processes listening on ``port`` where connections to ``host`` arrive; None for a
+    socket whose process this user may not see (another user's, when kvbench is not root)."""
+    try:
+        sockets = psutil.net_connections(kind="inet")
+    except psutil.AccessDenied:  # macOS without root (Linux lets every user list them): nothing to tell
+        return []
+    return list(dict.fromkeys(c.pid for c in sockets if c.status == psutil.CONN_LISTEN and c.laddr
+                              and c.laddr.port == port and _reaches(c.laddr.ip, host)))
+
+
+def in_tree(pid: int, root: int) -> bool:
+    """Whether ``pid`` is of the process tree rooted at ``root`` (the launcher): it, a descendant (the
+    launcher is a subreaper, so orphans of the tree stay its descendants), or in its session."""
+    if pid == root:
+        return True
+    try:
+        return any(p.pid == root for p in psutil.Process(pid).parents()) or os.getsid(pid) == root
+    except (psutil.Error, OSError):  # gone: it serves nothing
+        return False
+
+
+def process_line(pid: int | None) -> str:
+    """A process in a few words for a one-line error: "pid 4242 python3 -m http.server 38123"."""
+    if pid is None:
+        return "another user's, which kvbench may not see"
+    try:
+        p = psutil.Process(pid)
+        words = [p.name(), *p.cmdline()[1:]]
+    except psutil.Error:
+        return f"pid {pid}"
+    return f"pid {pid} " + " ".join(" ".join(words).split())[:CMDLINE_HEAD]  # one line, whatever its arguments hold
+
+
+def stranger_line(port: int, pid: int | None) -> str:
+    return f"port {port} is served by another process ({process_line(pid)}), not the engine kvbench started"
+
+
+def port_taken(port: int, host: str | None = None) -> str:
+    """Right before an engine is spawned on ``port``: the line naming whatever already listens there (it
+    would answer the engine's health checks and be benchmarked in its place); empty when nothing does."""
+    pids = listeners_of(port, host)
+    return stranger_line(port, pids[0]) if pids else ""
 
 
 class NotReady(Exception):
@@ -275,8 +337,8 @@ class ServerProcess:
         return _describe_exit(code)
 
     def wait_http(self, url: str, timeout_s: float) -> None:
-        """Until ``url`` answers 200; an EngineStartError with the log excerpt when the server dies first or
-        is not ready in ``timeout_s``."""
+        """Until ``url`` answers 200; an EngineStartError with the log excerpt when the server dies first, is
+        not ready in ``timeout_s``, or what answered is another process than this server (:meth:`stranger_at`)."""
         def gone() -> str:
             return "" if self.alive() else f"server {self.exit_description() or 'not started'} before it was ready"
         try:
@@ -284,6 +346,31 @@ class ServerProcess:
         except NotReady as exc:
             raise EngineStartError(exc.why or f"server not ready after {timeout_s:.0f} s ({url}: {exc.last})",
                                    self.log_tail()) from None
+        if refusal := self.stranger_at(url):
+            raise EngineStartError(refusal, self.log_tail())
+
+    def stranger_at(self, url: str) -> str:
+        """Why what answered at ``url`` is not this server (empty when it is): a 200 proves only that
+        something listens on the port, so its socket must belong to this server's own tree."""
+        parts = urlsplit(url)
+        if parts.port is None or self.proc is None:
+            return ""
+        pids = listeners_of(parts.port, parts.hostname)
+        if strangers := [pid for pid in pids if not self._owns(pid)]:
+            return stranger_line(parts.port, strangers[0])
+        if not pids and not self._in_container():
+            return f"port {parts.port} answered, but no process kvbench can see listens on it"
+        return ""
+
+    def _in_container(self) -> bool:
+        return bool(self.argv) and Path(self.argv[0]).name in CONTAINER_CLIS
+
+    def _owns(self, pid: int | None) -> bool:
+        """Whether a listener's process is this server's: of its tree, or its container runtime's proxy
+        (root's, unseen when kvbench is not root)."""
+        if self._in_container() and (pid is None or _process_name(pid) in CONTAINER_PROXIES):
+            return True
+        return pid is not None and in_tree(pid, self.proc.pid)
 
     def wall_record(self) -> dict | None:
         """The memory wall for the run's record (None without one): ``{"limit_bytes", "peak_bytes",
@@ -354,6 +441,13 @@ def _pid_running(pid: int) -> bool:
         return running(psutil.Process(pid))
     except psutil.Error:
         return False
+
+
+def _process_name(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return ""
 
 
 def _describe_pid(pid: int) -> dict:

@@ -1,0 +1,162 @@
+"""The third fault matrix's wrong server on the engine's port (docs/fault-matrix.md, "The wrong server"): a
+200 on the health path proves only that something listens on the port, so the socket must belong to the
+engine's own process tree (backends/process.py ServerProcess.stranger_at), and the port must be free right
+before the spawn (Backend.start). A stranger is refused with one line naming its pid and command line."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import psutil
+import pytest
+
+import kvbench.backends.base as base
+from kvbench.backends.base import Backend
+from kvbench.backends.process import ServerProcess, free_port, listeners_of, port_taken
+from kvbench.backends.types import EngineStartError, ServerSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+# answers 200 to every GET and POST, as an unrelated web server or another benchmark's mock would
+STRANGER = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class Yes(BaseHTTPRequestHandler):
+    def answer(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+    do_GET = do_POST = answer
+    def log_message(self, *args):
+        pass
+
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Yes).serve_forever()
+"""
+
+
+def wait_listening(port: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"nothing listens on {port} after {timeout_s} s")
+
+
+@contextmanager
+def stranger_on(port: int):
+    """A process that is not kvbench's answering 200 on ``port`` for the test's length."""
+    proc = subprocess.Popen([sys.executable, "-c", STRANGER, str(port)])
+    try:
+        wait_listening(port)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def server(tmp_path, argv: list[str]) -> ServerProcess:
+    proc = ServerProcess(argv, {}, tmp_path / "engine.log")
+    proc.start()
+    return proc
+
+
+def test_a_stranger_on_the_engine_s_port_is_refused_naming_it(tmp_path):
+    port = free_port()
+    with stranger_on(port) as stranger:
+        engine = server(tmp_path, ["sleep", "30"])  # alive, and never listening: the stranger answers for it
+        try:
+            with pytest.raises(EngineStartError) as info:
+                engine.wait_http(f"http://127.0.0.1:{port}/health", timeout_s=10)
+        finally:
+            assert engine.stop() == []
+        assert str(info.value).startswith(f"port {port} is served by another process (pid {stranger.pid} python")
+        assert str(info.value).endswith("), not the engine kvbench started")
+        assert "\n" not in str(info.value)  # one line, though the stranger's command line has several
+        assert stranger.poll() is None  # the stranger is not kvbench's to stop
+
+
+def test_an_engine_serving_its_own_port_passes(tmp_path):
+    port = free_port()
+    engine = server(tmp_path, [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"])
+    try:
+        engine.wait_http(f"http://127.0.0.1:{port}/", timeout_s=20)
+        assert listeners_of(port, "127.0.0.1") == [engine.pid]
+    finally:
+        assert engine.stop() == []
+
+
+def test_a_listener_started_by_the_server_is_the_engine_s(tmp_path):
+    # vLLM's, TGI's and SGLang's HTTP servers can be children of the process kvbench started
+    port = free_port()
+    engine = server(tmp_path, ["sh", "-c", f"'{sys.executable}' -m http.server {port} --bind 127.0.0.1; :"])
+    try:
+        engine.wait_http(f"http://127.0.0.1:{port}/", timeout_s=20)
+        listener = listeners_of(port, "127.0.0.1")[0]
+        assert listener != engine.pid and engine.pid in [p.pid for p in psutil.Process(listener).parents()]
+    finally:
+        assert engine.stop() == []
+
+
+def test_a_port_taken_before_the_spawn_is_named(tmp_path):
+    port = free_port()
+    assert port_taken(port, "127.0.0.1") == ""
+    with stranger_on(port) as stranger:
+        line = port_taken(port, "127.0.0.1")
+        name = psutil.Process(stranger.pid).name()
+        assert line.startswith(f"port {port} is served by another process (pid {stranger.pid} {name} -c import sys ")
+        assert line.endswith("), not the engine kvbench started") and "\n" not in line
+        assert port_taken(port, "10.255.255.1") == ""  # a listener at 127.0.0.1 takes no connection to another address
+
+
+class Sleeper(Backend):
+    engine, default_version = "sleeper", "0"
+    recipe = stream = kv_pool = kv_in_use = None
+
+    def command(self, spec):
+        return ["sleep", "30"], {}
+
+
+Sleeper.__abstractmethods__ = frozenset()
+SPEC = ServerSpec(model=None, max_context=16, max_concurrency=1, kv_dtype="auto")
+
+
+def test_a_chosen_port_taken_before_the_spawn_spawns_nothing(tmp_path, monkeypatch):
+    port = free_port()
+    chosen = []
+    monkeypatch.setattr(base, "free_port", lambda host: chosen.append(port) or port)
+    backend = Sleeper("0", tmp_path)
+    with stranger_on(port) as stranger:
+        with pytest.raises(EngineStartError, match=rf"^port {port} is served by another process \(pid {stranger.pid} "):
+            backend.start(SPEC, tmp_path / "engine.log", timeout_s=10)
+    assert backend.server is None  # nothing was spawned, nothing is left to stop
+    assert len(chosen) == base.PORT_TRIES  # a port another process took is chosen again, a few times
+
+
+def test_a_port_taken_once_is_chosen_again(tmp_path, monkeypatch):
+    taken, free = free_port(), free_port()
+    ports = iter([taken, free])
+    monkeypatch.setattr(base, "free_port", lambda host: next(ports))
+    backend = Sleeper("0", tmp_path)
+    with stranger_on(taken):
+        try:
+            with pytest.raises(EngineStartError, match="not ready after 1 s"):  # the sleeper never listens
+                backend.start(SPEC, tmp_path / "engine.log", timeout_s=1)
+            assert backend.spec.port == free and backend.base_url.endswith(f":{free}")
+        finally:
+            assert backend.stop() == []
+
+
+def test_a_port_the_spec_names_is_not_exchanged(tmp_path):
+    port = free_port()
+    backend = Sleeper("0", tmp_path)
+    with stranger_on(port) as stranger:
+        with pytest.raises(EngineStartError, match=rf"^port {port} is served by another process \(pid {stranger.pid} "):
+            backend.start(ServerSpec(**{**SPEC.__dict__, "port": port}), tmp_path / "engine.log", timeout_s=10)
+    assert backend.server is None
