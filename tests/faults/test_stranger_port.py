@@ -160,3 +160,22 @@ def test_a_port_the_spec_names_is_not_exchanged(tmp_path):
         with pytest.raises(EngineStartError, match=rf"^port {port} is served by another process \(pid {stranger.pid} "):
             backend.start(ServerSpec(**{**SPEC.__dict__, "port": port}), tmp_path / "engine.log", timeout_s=10)
     assert backend.server is None
+
+
+def test_an_unseen_or_missing_listener_is_refused_unless_a_container_publishes_the_port(tmp_path, monkeypatch):
+    import kvbench.backends.process as process
+
+    engine = server(tmp_path, ["sleep", "30"])
+    url = "http://127.0.0.1:8/health"
+    try:
+        monkeypatch.setattr(process, "listeners_of", lambda port, host: [None])  # another user's socket
+        assert engine.stranger_at(url) == "port 8 is served by another process (another user's, which kvbench " \
+                                          "may not see), not the engine kvbench started"
+        monkeypatch.setattr(process, "listeners_of", lambda port, host: [])
+        assert engine.stranger_at(url) == "port 8 answered, but no process kvbench can see listens on it"
+        engine.argv = ["/usr/bin/docker", "run", "-p", "127.0.0.1:8:80"]  # root's docker-proxy, or iptables
+        for listeners in ([], [None]):
+            monkeypatch.setattr(process, "listeners_of", lambda port, host: listeners)
+            assert engine.stranger_at(url) == ""
+    finally:
+        assert engine.stop() == []
