@@ -152,6 +152,12 @@ class Backend(ABC):
                 return argv, env
         raise EngineStartError(taken)
 
+    def start_refusal(self, spec: ServerSpec) -> str | None:
+        """Why this engine, started here, would refuse ``spec`` before serving it, known without starting it
+        (from its own source, e.g. a KV dtype this CPU lacks): its cells are "not run" with this reason and no
+        start is spent on them. None where nothing is known."""
+        return None
+
     def start_failure_hint(self, failure: str, log_tail: str) -> str | None:
         """What a start that failed this way means for this engine, and what to try (added to the failed
         row's error); None where the engine knows nothing more than the failure itself."""

@@ -22,7 +22,7 @@ from kvbench.common.hardware import cpu_flags, has_nvidia_gpu
 from kvbench.common.models import ModelFiles
 from kvbench.common.redact import scrub
 from kvbench.kv.geometry import kv_bytes_per_token
-from kvbench.kv.rules import KVCheck, KVQuestion
+from kvbench.kv.rules import KVCheck, KVQuestion, KVRuleError
 
 from ..base import Backend, extra_args
 from ..capabilities import Capabilities, KVQuantisation, PrefixCache, Telemetry
@@ -242,6 +242,14 @@ class VLLMBackend(PrometheusPolled, Backend):
                           block_size=int(block) if block else None,
                           device="gpu" if has_nvidia_gpu() else "cpu", version=self.version,
                           cpu_features=tuple(cpu_flags()))
+
+    def start_refusal(self, spec: ServerSpec) -> str | None:
+        """What vLLM's rules refuse on this machine (an fp8 KV cache on a CPU without AVX-512 or AMX)."""
+        try:
+            self.kv_rules.check(self.kv_question(spec))
+        except KVRuleError as exc:
+            return str(exc)
+        return None
 
     def pool_budget_bytes(self, spec: ServerSpec) -> int:
         """Every sequence at full length in whole blocks, plus vLLM's null block."""

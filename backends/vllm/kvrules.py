@@ -139,7 +139,22 @@ class VLLMKV(KVRules):
         if q.tp > 1 and heads and heads % q.tp:
             raise KVRuleError(f"vllm: Total number of attention heads ({heads}) must be divisible by tensor "
                               f"parallel size ({q.tp})")
+        if q.device == "cpu" and self.resolve_dtype(q).startswith("fp8"):
+            self.check_cpu_fp8(q)
         super().check(q)
+
+    def check_cpu_fp8(self, q: KVQuestion) -> None:
+        """v1/attention/backends/cpu_attn.py _get_attn_isa (0.32.0), which fails the engine core's start: an
+        fp8 KV cache on a CPU needs AVX-512 or AMX tiles (as torch sees them), and a head size that is a
+        multiple of 32 where it is one of 16. ``cpu_features`` empty: the CPU is unknown, nothing refused."""
+        heads = {layer.head_dim_k for layer in self.stored(q).kv_layers if layer.stores}
+        if odd := sorted(h for h in heads if h % 32 and not h % 16):
+            raise KVRuleError(f"vllm: FP8 KV cache requires head_size divisible by 32 on CPU (head size {odd[0]})")
+        features = set(q.cpu_features)
+        if features and not features & {"avx512f", "amx_tile"}:
+            raise KVRuleError("vllm: FP8 KV cache on CPU requires x86 with AVX-512 or AMX; this CPU has neither "
+                              "(flags: " + (" ".join(f for f in ("avx2", "avx512f", "amx_tile") if f in features)
+                                            or "none of avx2, avx512f, amx_tile") + ")")
 
     def groups(self, stored: KVGeometry) -> tuple[list[tuple[str, int | None]], int]:
         """([(kind, span) per group], G layers per group), as _get_kv_cache_groups_uniform_page_size makes them."""

@@ -83,7 +83,7 @@ def rows(run_dir: Path, cells: pd.DataFrame, baselines: dict[str, str]) -> list[
                     "sequences": int(FIXED_MEMORY // per_seq) if per_seq else None,
                     "itl_p50": ok.itl_s_p50.mean() if not ok.empty else None, "divergence": div,
                     "flags": [f for fl in group["flags"] for f in (fl or []) if "declined" in f],
-                    "status": "ok" if not ok.empty else "failed"})
+                    "status": "ok" if not ok.empty else "not run" if set(group.status) == {"not run"} else "failed"})
     return out
 
 
@@ -137,7 +137,7 @@ def table(data: list[dict], ppl_note: dict[str, str]) -> pd.DataFrame:
             "KL max": "-" if is_base or not d else _kl(d.kl_max),
             "positions": "-" if is_base or not d else str(d.kl_positions),
             "PPL": ppl,
-            "flag": "; ".join(r["flags"]) or ("failed" if r["status"] == "failed" else ""),
+            "flag": "; ".join(r["flags"]) or (r["status"] if r["status"] in ("failed", "not run") else ""),
         })
     return pd.DataFrame(lines)
 

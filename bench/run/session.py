@@ -79,6 +79,9 @@ class EngineSession:
                 return self.fail_remaining(f"the {self.cfg.engine} adapter cannot switch prefix caching "
                                            f"{'on' if self.spec.prefix_caching else 'off'}", status="not run")
             backend = start.make_backend(self, cls)
+            if backend is not None and not (self.cfg.url or self.cfg.deployment) \
+                    and (refusal := backend.start_refusal(self.spec)):
+                return self.fail_remaining(f"not run: {refusal}", status="not run")
             if backend is not None:
                 backend.auth_headers = self.cfg.auth_headers()
                 self.run_steps(backend)

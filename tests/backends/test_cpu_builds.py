@@ -12,7 +12,7 @@ from kvbench.backends.types import EngineStartError
 from kvbench.backends.vllm.kvrules import VLLMKV
 from kvbench.kv.geometry import KVGeometry
 from kvbench.kv.model_config import geometry_from_hf_dict
-from kvbench.kv.rules import KVQuestion
+from kvbench.kv.rules import KVQuestion, KVRuleError
 from tests.fakes.testkit import spec
 from tests.helpers import DATA
 
@@ -119,3 +119,24 @@ def test_vllm_cpu_mla_block_follows_amx():
     assert block(DEEPSEEK_V2_LITE, "gpu", SAPPHIRE_RAPIDS) == 16
     gqa = KVGeometry.uniform(4, 2, 64, max_context=4096)
     assert block(gqa, "cpu", ICE_LAKE) == block(gqa, "cpu", SAPPHIRE_RAPIDS) == 128
+
+
+def test_vllm_cpu_fp8_kv_needs_avx512_or_amx_and_a_head_size_of_32s():
+    """v1/attention/backends/cpu_attn.py _get_attn_isa (0.32.0) fails the engine core's start: fp8 KV on a CPU
+    needs AVX-512 or AMX tiles, and a head size that is a multiple of 32 where it is one of 16. The run gives
+    such cells "not run" (the engine checked to refuse alike: tests/run/test_kvquant_engines.py)."""
+    rules = VLLMKV()
+    gqa = KVGeometry.uniform(4, 2, 64, max_context=4096)
+
+    def question(geometry, dtype, flags, device="cpu"):
+        return KVQuestion(geometry, dtype, device=device, cpu_features=tuple(flags))
+    for flags in (SAPPHIRE_RAPIDS, ICE_LAKE):
+        rules.check(question(gqa, "fp8_e4m3", flags))
+    with pytest.raises(KVRuleError, match=r"requires x86 with AVX-512 or AMX; this CPU has neither \(flags: avx2\)"):
+        rules.check(question(gqa, "fp8", ZEN3))
+    rules.check(question(gqa, "bf16", ZEN3))  # a 16-bit cache runs on any x86
+    rules.check(question(gqa, "fp8", ZEN3, device="gpu"))  # a GPU's rules are not the CPU's
+    rules.check(question(gqa, "fp8", ()))  # an unknown CPU: nothing refused on a guess
+    with pytest.raises(KVRuleError, match=r"head_size divisible by 32 on CPU \(head size 80\)"):
+        rules.check(question(KVGeometry.uniform(4, 2, 80, max_context=4096), "fp8", SAPPHIRE_RAPIDS))
+    rules.check(question(KVGeometry.uniform(4, 2, 80, max_context=4096), "bf16", SAPPHIRE_RAPIDS))

@@ -2,8 +2,8 @@
 same short prompts. Each pool's bytes equal llama.cpp's KV rules for its dtype (no silent fallback), the
 records hold the engine's own top-k log-probabilities, the divergence figures are computed from them, and
 a planted bad cache (the baseline's records compared with themselves) gives exactly zero. vLLM's fp8 KV on
-a CPU is not started here (one more engine start of minutes on the shared machine): its parsers are tested
-on scripted events in tests/run/test_kvquant.py. transformers' QuantizedCache (optimum-quanto int4 and int2, one
+a CPU beside its bf16 one where the CPU has AVX-512 or AMX, and refused (its rules and the engine alike) where it has
+neither. transformers' QuantizedCache (optimum-quanto int4 and int2, one
 worker start each, beside its bf16 DynamicCache): the bytes the cache object held after each generate equal
 its KV rules to the byte, and the divergence comes from the worker's own top-20 log-probabilities. The math:
 tests/run/test_kvquant.py."""
@@ -14,6 +14,8 @@ import pytest
 from rich.console import Console
 
 from kvbench.backends import kv_rules
+from kvbench.backends.types import EngineStartError, ServerSpec
+from kvbench.common.hardware import cpu_flags
 from kvbench.common.divergence import compare_requests
 from kvbench.kv.rules import KVQuestion
 from kvbench.reports import kvquant
@@ -85,7 +87,10 @@ def test_divergence_is_computed_from_them_and_a_planted_bad_cache_gives_zero(run
     assert data["q8_0"]["saved"] == pytest.approx(1 - 17 / 32, abs=1e-3)
 
 
-# --- vLLM: fp8 KV on a CPU (AVX-512 here), natural text, the prompt's own log-probabilities -------------------
+# --- vLLM: fp8 KV on a CPU, natural text, the prompt's own log-probabilities ----------------------------------
+# vLLM's CPU attention takes an fp8 cache only with AVX-512 or AMX (cpu_attn.py _get_attn_isa): elsewhere its
+# rules refuse it, the run gives the fp8 cells "not run" with the reason, and the engine is checked to refuse it
+FP8_KV_HERE = bool({"avx512f", "amx_tile"} & set(cpu_flags()))
 VLLM_WORKLOAD = Workload(name="kv_quant_vllm_test", family="kv_quant", seed=11, prompt_tokens=[96], output_tokens=6,
                          concurrency=[1], requests=2, warmup_requests=0, kv_dtypes=["baseline", "fp8_e4m3"],
                          prompt_text="kjv")
@@ -101,22 +106,53 @@ def vllm_run(tmp_path_factory, smollm2):
     return run_dir, load_cells(run_dir)
 
 
-def test_vllm_fp8_halves_the_bytes_and_its_perplexity_comes_from_prompt_logprobs(vllm_run):
+def test_vllm_fp8_halves_the_bytes_or_is_not_run_where_the_cpu_lacks_it(vllm_run):
     run_dir, cells = vllm_run
-    assert sorted(cells.kv_dtype) == ["bf16", "fp8_e4m3"] and set(cells.status) == {"ok"}, cells.error.tolist()
+    by = {c.kv_dtype: c for _, c in cells.iterrows()}
+    assert sorted(by) == ["bf16", "fp8_e4m3"] and by["bf16"].status == "ok", cells.error.tolist()
+    if not FP8_KV_HERE:
+        fp8 = by["fp8_e4m3"]
+        assert fp8.status == "not run" and "FP8 KV cache on CPU requires x86 with AVX-512 or AMX" in fp8.error
+        assert not (run_dir / "logs" / "vllm-0.32.0_kv-fp8_e4m3.log").exists()  # no start spent on it
+        return
+    assert set(cells.status) == {"ok"}, cells.error.tolist()
     for _, c in cells.iterrows():  # the pool the rules predict from the engine's own blocks, to the byte
         assert c.kv_pool_bytes_predicted == pytest.approx(c.kv_pool_bytes_engine, rel=1e-3), c.kv_dtype
     per_token = {c.kv_dtype: c.kv_pool_bytes_engine / c.kv_pool_tokens_engine for _, c in cells.iterrows()}
     assert per_token["fp8_e4m3"] / per_token["bf16"] == pytest.approx(0.5, rel=0.01)
-    records = load_logprobs(run_dir)
-    base = records["vllm-0.32.0_kv-bf16_p96_c1_r0"]
+    data = {r["kv_dtype"]: r for r in kvquant.rows(run_dir, cells, {"vllm-0.32.0": "bf16"})}
+    d = data["fp8_e4m3"]["divergence"]
+    assert d.ppl_baseline is not None and d.ppl_other is not None and d.kl_mean is not None
+
+
+def test_vllm_perplexity_comes_from_prompt_logprobs(vllm_run):
+    run_dir, cells = vllm_run
+    base = load_logprobs(run_dir)["vllm-0.32.0_kv-bf16_p96_c1_r0"]
     for r in base.values():
         assert len(r["tokens"]) == len(r["top"]) == 6 and r["k"] == 20
         assert r["prompt_logprobs"][0] is None and len(r["prompt_logprobs"]) == 96
     assert compare_requests(base, base).kl_mean == 0.0
     data = {r["kv_dtype"]: r for r in kvquant.rows(run_dir, cells, {"vllm-0.32.0": "bf16"})}
-    d = data["fp8_e4m3"]["divergence"]
-    assert d.ppl_baseline is not None and d.ppl_other is not None and d.kl_mean is not None
+    assert data["bf16"]["divergence"].ppl_baseline is not None
+    assert data["fp8_e4m3"]["status"] == ("ok" if FP8_KV_HERE else "not run")
+
+
+def test_vllm_itself_refuses_an_fp8_cache_exactly_where_its_rules_do(smollm2, tmp_path):
+    """The rule checked against the engine: where the rules refuse, vLLM started anyway (its rules bypassed)
+    fails its core with the same words (about 20 s: before it loads the weights). Where they do not, the run
+    above started it with an fp8 cache."""
+    from kvbench.backends.vllm.adapter import VLLMBackend
+
+    spec = ServerSpec(model=smollm2, max_context=128, max_concurrency=1, kv_dtype="fp8_e4m3")
+    refusal = VLLMBackend(VLLMBackend.default_version, None, {}).start_refusal(spec)
+    if FP8_KV_HERE:
+        assert refusal is None
+        return
+    assert "requires x86 with AVX-512 or AMX" in refusal
+    with pytest.raises(EngineStartError) as failed:
+        VLLMBackend.pool_at_start(engine_env("vllm"), spec, tmp_path / "fp8.log", 300,
+                           {"kv_cache_memory_bytes": 2**22, "single_process": True})
+    assert "FP8 KV cache on CPU requires x86 with AVX-512 or AMX." in (tmp_path / "fp8.log").read_text()
 
 
 # --- transformers: its QuantizedCache over optimum-quanto (int4, int2), top-k from the worker's raw logits -----
