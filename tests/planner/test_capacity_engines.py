@@ -18,6 +18,7 @@ $KVBENCH_HOME/families, about 40 s once).
 """
 import math
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -125,19 +126,62 @@ def started_pool(backend, spec: ServerSpec, log: Path, timeout_s: float):
         backend.stop()
 
 
+def two_at_a_time(starts: dict) -> dict:
+    """{name: the pool of ``starts[name]()``, or the exception it raised}, two starts at once: a start is mostly
+    one interpreter importing (two pool-only vLLM starts took 35 s together here against 65 s one after
+    the other), and these read only the pool and the log."""
+    def result(start):
+        try:
+            return start()
+        except Exception as exc:  # noqa: BLE001 - the test of that model raises it
+            return exc
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(starts, pool.map(result, starts.values())))
+
+
+def pool_of(results: dict, name: str):
+    found = results[name]
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
+@pytest.fixture(scope="module")
+def vllm_pools(served, tmp_path_factory) -> tuple[dict, Path]:
+    """vLLM started once per KV layout for the budget the planner's GPU has: ({name: its pool}, the logs' folder)."""
+    logs, env = tmp_path_factory.mktemp("vllm-capacity"), engine_env("vllm")
+
+    def start(name):
+        budget = vllm_planned(name, served)[1]
+        backend = VLLMBackend(VLLMBackend.default_version, env,  # one process: 20 s a start instead of 38
+                              {"kv_cache_memory_bytes": budget, "single_process": True})
+        spec = ServerSpec(model=served[name], max_context=VLLM_LIMIT, max_concurrency=1, kv_dtype="bf16")
+        return lambda: started_pool(backend, spec, logs / f"vllm-{name}.log", 300)
+    return two_at_a_time({p.values[0]: start(p.values[0]) for p in VLLM_PARAMS}), logs
+
+
+@pytest.fixture(scope="module")
+def llama_pools(served, tmp_path_factory) -> tuple[dict, Path]:
+    """llama.cpp started once per model with LLAMA_SLOTS slots of LLAMA_LIMIT: ({name: its pool}, the logs' folder)."""
+    logs, env = tmp_path_factory.mktemp("llamacpp-capacity"), engine_env("llamacpp")
+
+    def start(name):
+        backend = LlamaCppBackend(LlamaCppBackend.default_version, env, {})
+        spec = ServerSpec(model=served[name], max_context=LLAMA_LIMIT, max_concurrency=LLAMA_SLOTS, kv_dtype="f16")
+        return lambda: started_pool(backend, spec, logs / f"llamacpp-{name}.log", 120)
+    return two_at_a_time({name: start(name) for name in MODELS}), logs
+
+
 @pytest.mark.parametrize("name", VLLM_PARAMS)
-def test_vllm_pool_and_concurrency_equal_the_planners(name, served, tmp_path):
-    model = served[name]
+def test_vllm_pool_and_concurrency_equal_the_planners(name, served, vllm_pools):
     p, budget = vllm_planned(name, served)
     s, out = setup(p), plan(p, with_levers=False)
     cap = capacity(s)
     assert s.usable == budget and out["verdict"]["word"] == "FITS"
 
-    backend = VLLMBackend(VLLMBackend.default_version, engine_env("vllm"),  # one process: 20 s a start instead of 38
-                          {"kv_cache_memory_bytes": budget, "single_process": True})
-    spec = ServerSpec(model=model, max_context=VLLM_LIMIT, max_concurrency=1, kv_dtype="bf16")
-    log = tmp_path / f"vllm-{name}.log"
-    pool = started_pool(backend, spec, log, 300)
+    results, logs = vllm_pools
+    log = logs / f"vllm-{name}.log"
+    pool = pool_of(results, name)
     m = VLLM_LINE.search(log.read_text(errors="replace"))
     assert m and pool, f"no capacity line or no pool in {log}"
     blocks, x = pool.details["num_gpu_blocks"], m["x"]
@@ -162,16 +206,14 @@ def test_vllm_pool_and_concurrency_equal_the_planners(name, served, tmp_path):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_llamacpp_cells_and_slots_equal_the_planners(name, served, tmp_path):
-    model = served[name]
+def test_llamacpp_cells_and_slots_equal_the_planners(name, served, llama_pools):
     p = planned(name, served, engine="llamacpp", kv_dtype="f16", max_model_len=LLAMA_LIMIT, batch=LLAMA_SLOTS)
     s = setup(p)
     cap, out = capacity(s), plan(p, with_levers=False)
 
-    backend = LlamaCppBackend(LlamaCppBackend.default_version, engine_env("llamacpp"), {})
-    spec = ServerSpec(model=model, max_context=LLAMA_LIMIT, max_concurrency=LLAMA_SLOTS, kv_dtype="f16")
-    log = tmp_path / f"llamacpp-{name}.log"
-    pool = started_pool(backend, spec, log, 120)
+    results, logs = llama_pools
+    log = logs / f"llamacpp-{name}.log"
+    pool = pool_of(results, name)
     text = log.read_text(errors="replace")
     caches = parse_kv_log(text)  # the full-attention cache first, then a window cache (llama_kv_cache_iswa)
     assert caches and pool, f"no llama_kv_cache line in {log}"
