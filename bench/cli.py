@@ -19,7 +19,7 @@ import typer
 from typer._click.exceptions import NoArgsIsHelpError, UsageError  # typer's own click, as its commands raise
 from typer.core import TyperCommand, TyperGroup
 
-from kvbench.common.redact import ScrubbingStream
+from kvbench.common.redact import ScrubbingStream, hold_environment_tokens
 from kvbench.common.suggest import closest
 
 #: verb -> (module, function); the order of `kvbench --help`.
@@ -117,6 +117,7 @@ def main():
         stream = getattr(sys, name)
         if not isinstance(stream, ScrubbingStream):
             setattr(sys, name, ScrubbingStream(stream))
+    hold_environment_tokens()  # the hub token: an engine's log or a server that prints it is masked too
 
 
 if __name__ == "__main__":

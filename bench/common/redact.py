@@ -6,15 +6,21 @@ URL inside a free text (a command line, an error message).
 
 What a server sends back is another matter: a proxy's error page may echo the ``Authorization`` header, a
 server its Basic credentials. Every credential kvbench holds is registered when the backend options are
-parsed (:func:`hold_secret`, :func:`hold_userinfo`); :func:`scrub` masks each in every form a server could
-echo (plain, Basic's base64, percent-encoded, JSON-escaped), and the writers, the server-text entry points
-and the console (:class:`ScrubbingStream`) apply it. A form shorter than :data:`MIN_HELD` characters is not
-masked in free text (a three-letter password would mask ordinary words); its base64 form still is.
+parsed (:func:`hold_secret`, :func:`hold_userinfo`), and the hub token of the environment when a command
+starts (:func:`hold_environment_tokens`); :func:`scrub` masks each in every form a server could echo (plain,
+base64 standard and URL-safe, padded or not and at any offset inside a longer base64 text (a piece of
+at least 8 characters), percent-encoded
+with upper- or lower-case hex, JSON-escaped, HTML-escaped), and the writers, the server-text entry points and
+the console (:class:`ScrubbingStream`) apply it. A form shorter than :data:`MIN_HELD` characters is not
+masked in free text (a three-letter password would mask ordinary words); its base64 form still is. A load
+worker process holds what its parent holds (:func:`held_values`, re-held there: ``kvbench.load.workers``).
 """
 from __future__ import annotations
 
 import base64
+import html
 import json
+import os
 import re
 from urllib.parse import quote, quote_plus, urlsplit, urlunsplit
 
@@ -62,15 +68,38 @@ def host_port(url: str) -> str:
 
 MIN_HELD = 4
 _held: set[str] = set()
+_values: list[str] = []  # what was held, as given (a worker process holds the same: held_values)
 _pattern: re.Pattern | None = None
+_PERCENT_HEX = re.compile(r"%[0-9A-F]{2}")
+#: Environment variables that hold a hub token (huggingface_hub reads them; the engines inherit them).
+TOKEN_VARIABLES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+
+
+def _base64_forms(data: bytes) -> set[str]:
+    """``data`` in base64 (standard and URL-safe alphabets, padded and not), also where it sits inside a longer
+    base64 text: at each of the three byte offsets, the characters that only ``data``'s bits decide."""
+    out = set()
+    for offset in range(3):
+        encoded = base64.b64encode(bytes(offset) + data).decode()
+        first, last = -(-offset * 8 // 6), (offset + len(data)) * 8 // 6  # characters wholly inside data
+        inner = encoded[first:last]
+        if offset == 0:
+            out |= {encoded, encoded.rstrip("=")}
+        if len(inner) >= 8:  # a shorter piece of base64 could be any text's
+            out.add(inner)
+    return out | {f.translate(str.maketrans("+/", "-_")) for f in out}
 
 
 def _forms(value: str) -> set[str]:
-    """The ways a server could echo ``value``: as is, base64 (what Basic sends), percent-encoded (a URL's
-    userinfo), JSON-escaped (an error body quoting the header)."""
+    """The ways a server could echo ``value``: as is, base64 (what Basic sends, and any base64 text holding
+    it), percent-encoded (a URL's userinfo; hex in either case), JSON-escaped (an error body quoting the
+    header), HTML-escaped (an error page)."""
     escaped = json.dumps(value)[1:-1]
-    forms = {value, quote(value, safe=""), quote(value), quote_plus(value), escaped, escaped.replace("/", "\\/"),
-             base64.b64encode(value.encode()).decode()}
+    percent = {quote(value, safe=""), quote(value), quote_plus(value)}
+    percent |= {_PERCENT_HEX.sub(lambda m: m.group(0).lower(), p) for p in percent}
+    html_forms = {html.escape(value), html.escape(value, quote=False)}
+    html_forms |= {h.replace("&#x27;", "&#39;") for h in html_forms}
+    forms = {value, escaped, escaped.replace("/", "\\/"), *percent, *html_forms, *_base64_forms(value.encode())}
     return {f for f in forms if len(f) >= MIN_HELD}
 
 
@@ -78,6 +107,7 @@ def hold_secret(value: str) -> None:
     """From now on :func:`scrub` masks ``value`` (an API key) in every form of :func:`_forms`."""
     global _pattern
     if value and not _forms(value) <= _held:
+        _values.append(value)
         _held.update(_forms(value))
         # the longest first: a form inside another (the key inside "Bearer key") never leaves a tail
         _pattern = re.compile("|".join(re.escape(f) for f in sorted(_held, key=len, reverse=True)))
@@ -89,6 +119,30 @@ def hold_userinfo(user: str, password: str) -> None:
     hold_secret(password)
     hold_secret(f"{user}:{password}")
     hold_secret(f"{quote(user, safe='')}:{quote(password, safe='')}")
+
+
+def held_values() -> list[str]:
+    """Every credential held, as it was given: what another process of the run (a load worker) holds too."""
+    return list(_values)
+
+
+def hold_environment_tokens() -> None:
+    """The hub token of the environment (:data:`TOKEN_VARIABLES`, else huggingface_hub's token file), held:
+    a server or an engine's log that prints it has it masked."""
+    for name in TOKEN_VARIABLES:
+        if value := os.environ.get(name, "").strip():
+            hold_secret(value)
+    path = os.environ.get("HF_TOKEN_PATH") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                                  "huggingface"), "token")
+    from kvbench.kv import bounded  # the bounded reader: a token file that is a FIFO never blocks
+
+    try:
+        token = bounded.read_bytes(path, 64 * 1024, "hub token file").decode(errors="replace").strip()
+    except (OSError, ValueError):  # none (the usual case), or not one kvbench reads
+        return
+    if token:
+        hold_secret(token)
 
 
 def holding() -> bool:

@@ -22,7 +22,9 @@ Workers are started with the ``spawn`` context (a fresh interpreter: the harness
 ``fork`` would copy in whatever state they are in). The backend goes to each worker as a copy of its state
 without the server process handle, HTTP clients and TLS contexts (none is needed to stream:
 :class:`_WorkerPickler`); the credentials and TLS settings of attached servers
-(:func:`kvbench.backends.streaming.configure_endpoint`) go with it.
+(:func:`kvbench.backends.streaming.configure_endpoint`) go with it, and so do the credentials the harness
+holds for scrubbing (:func:`kvbench.common.redact.held_values`): a worker masks them in a server's words before
+it cuts an error to its length, as the harness would (a spawned interpreter holds none of its own).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ import httpx
 from kvbench.backends import streaming
 from kvbench.backends.base import Backend
 from kvbench.backends.process import ServerProcess
+from kvbench.common import redact
 
 from .common import LoadResult, LoadSettings, run_async
 from .open_loop import send_on_schedule
@@ -179,7 +182,9 @@ def _worker_main(conn) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     threading.Thread(target=_exit_with_the_parent, daemon=True).start()
     try:
-        backend, dropped, endpoints, prompts, point, offsets, settings = pickle.loads(conn.recv_bytes())
+        backend, dropped, endpoints, secrets, prompts, point, offsets, settings = pickle.loads(conn.recv_bytes())
+        for secret in secrets:  # before any answer is read: an echoed key is masked before it is cut
+            redact.hold_secret(secret)
         _apply_endpoints(backend, endpoints)
         result = run_async(_share(conn, backend, dropped, prompts, point, offsets, settings), signals=False)
         if result is not None:
@@ -204,7 +209,7 @@ def run_workers(backend: Backend, prompts: list, point: LoadPoint, settings: Loa
     load was cancelled: Ctrl-C, SIGTERM)."""
     shares = plan(prompts, point, settings, settings.workers)
     clone, dropped = portable_backend(backend)
-    endpoints = endpoint_settings()
+    endpoints, secrets = endpoint_settings(), redact.held_values()
     # each worker keeps its own timeout streak (a copy); the parent's is brought up to date after
     worker_settings = replace(settings, workers=1)
     ctx = multiprocessing.get_context(CONTEXT)
@@ -218,7 +223,8 @@ def run_workers(backend: Backend, prompts: list, point: LoadPoint, settings: Loa
             procs.append(proc)
             conns.append(parent_end)
         for conn, (share, share_point, offsets) in zip(conns, shares):
-            conn.send_bytes(dumps_for_worker((clone, dropped, endpoints, share, share_point, offsets, worker_settings)))
+            conn.send_bytes(dumps_for_worker((clone, dropped, endpoints, secrets, share, share_point, offsets,
+                                               worker_settings)))
         for i, conn in enumerate(conns):
             _expect(conn, procs[i], "ready", READY_TIMEOUT_S, i, stop)
         t_go = time.perf_counter() + START_MARGIN_S

@@ -43,7 +43,7 @@ import pandas as pd
 
 from kvbench.backends import REGISTRY
 from kvbench.backends.prometheus import capped_get, describe_dropped, note_dropped, take_dropped
-from kvbench.common.redact import redact_text, redact_url
+from kvbench.common.redact import redact_text, redact_url, scrub
 
 MIB = 1 << 20
 #: The most of one Prometheus answer read: a cell's raw samples of a few dozen series are well under 1 MiB;
@@ -313,7 +313,8 @@ class Prometheus:
         except httpx.HTTPError as exc:  # ResponseTooLarge included: an answer over the cap is not read
             raise TelemetryError(f"{type(exc).__name__}: {redact_text(str(exc))}") from None
         except ValueError:
-            raise TelemetryError(f"HTTP {response.status_code}, not JSON: {response.text[:200]}") from None
+            # every held credential masked before the cut: a key echoed across it would leave a piece
+            raise TelemetryError(f"HTTP {response.status_code}, not JSON: {scrub(response.text)[:200]}") from None
         return parse_matrix(payload)
 
     def queries(self) -> list[str]:
@@ -380,7 +381,7 @@ class Prometheus:
             return CellTelemetry({**base, "prom_source": f"not measured: {self.describe()}: {exc}"})
         except Exception as exc:  # noqa: BLE001 - telemetry never fails a cell: an answer of a shape not foreseen
             return CellTelemetry({**base, "prom_source": f"not measured: {self.describe()}: "
-                                                         f"{type(exc).__name__}: {redact_text(str(exc))[:200]}"})
+                                                         f"{type(exc).__name__}: {scrub(redact_text(str(exc)))[:200]}"})
 
     def _cell(self, start_unix: float, end_unix: float, base: dict) -> CellTelemetry:
         series, note = self.read(start_unix, end_unix)

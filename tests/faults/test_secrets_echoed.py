@@ -5,6 +5,7 @@ the console. A key that cannot go into a header is refused at parse time."""
 from __future__ import annotations
 
 import base64
+import html
 import json
 import os
 import subprocess
@@ -51,7 +52,10 @@ class _Echoing(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self):
-        if self.path == "/version":
+        if self.path.startswith("/api/v1/query"):  # a Prometheus behind a proxy whose error page echoes
+            page = f"<html><body><h1>400 Bad Request</h1><pre>{'x' * 120}{self._echo()}</pre></body></html>"
+            self._send(400, "text/html", page.encode())  # the echo straddles the 200 characters kept
+        elif self.path == "/version":
             self._send(200, "application/json", json.dumps({"version": self._echo()}).encode())
         else:
             self._send(200, "application/json", json.dumps({"object": "list", "data": [{"id": "m"}]}).encode())
@@ -87,19 +91,34 @@ def forms(secret: str) -> set[str]:
     return {secret, quote(secret, safe=""), json.dumps(secret)[1:-1], base64.b64encode(secret.encode()).decode()}
 
 
-@pytest.mark.parametrize("how", ["api_key_env", "url_userinfo"])
+def pieces(secrets: set[str], n: int = 8) -> set[str]:
+    """Every n characters in a row of every form: a piece of a key cut off with the text around it (an
+    error cut at 500 characters before it was masked) is a leak too."""
+    return {f[i:i + n] for f in secrets for i in range(len(f) - n + 1)}
+
+
+@pytest.mark.parametrize("how", ["api_key_env", "url_userinfo", "load_workers", "prometheus"])
 def test_a_server_echoing_the_credentials_puts_none_in_the_results_or_the_console(tmp_path, echoing, how):
+    """``load_workers``: the key's echoes read in spawned load workers (--load-workers 2), which hold the
+    parent's credentials before they cut an error to 500 characters. ``prometheus``: the --prometheus URL's
+    Basic credentials echoed by its error page, cut to 200 characters."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "COLUMNS": "200"}
-    if how == "api_key_env":
+    userinfo = f"{quote(USER, safe='')}:{quote(PASSWORD, safe='')}"
+    extra = []
+    if how in ("api_key_env", "load_workers"):
         env["KVBENCH_TEST_KEY"] = KEY
         backend, secrets = f"openai:url=http://{echoing},api_key_env=KVBENCH_TEST_KEY", forms(KEY)
-    else:
-        userinfo = f"{quote(USER, safe='')}:{quote(PASSWORD, safe='')}"
+        extra = ["--load-workers", "2"] if how == "load_workers" else []
+    elif how == "url_userinfo":
         backend = f"openai:url=http://{userinfo}@{echoing}"
         secrets = forms(PASSWORD) | forms(f"{USER}:{PASSWORD}") | {userinfo}
+    else:
+        backend = f"openai:url=http://{echoing}"
+        secrets = forms(PASSWORD) | forms(f"{USER}:{PASSWORD}") | {userinfo}
+        extra = ["--prometheus", f"http://{userinfo}@{echoing}"]
     proc = subprocess.run([sys.executable, "-m", "kvbench.cli", "run", "-b", backend, "--workload", "smoke",
                            "--results-dir", str(tmp_path), "--run-id", "run", "--request-timeout", "20",
-                           "--start-timeout", "20", "--allow-model-mismatch"], cwd=REPO, env=env,
+                           "--start-timeout", "20", "--allow-model-mismatch", *extra], cwd=REPO, env=env,
                           capture_output=True, timeout=600)
     console = (proc.stdout + proc.stderr).decode(errors="replace")
     run_dir = tmp_path / "run"
@@ -112,16 +131,22 @@ def test_a_server_echoing_the_credentials_puts_none_in_the_results_or_the_consol
                           for e in errors), errors[:3]
     assert any(e.startswith("HTTP 502") and "you sent Authorization: " in e for e in errors)  # cut after the echo
     assert any("upstream refused" in e for e in errors)
-    scheme = "Bearer" if how == "api_key_env" else "Basic"
-    assert f"you sent Authorization: {scheme} ***" in (run_dir / "run.json").read_text()  # /version's echo
-    for secret in secrets:
-        for path in files:
-            data = path.read_bytes()
-            assert secret.encode() not in data, f"{secret!r} in {path.relative_to(run_dir)}"
-            if path.suffix == ".parquet":
-                table = pq.read_table(path).to_pandas()
-                assert secret not in table.to_csv() + str(pq.read_metadata(path).metadata), path
-        assert secret not in console, secret
+    if how == "prometheus":  # its echo recorded, masked, in every cell's telemetry source
+        cells = [json.loads(line) for line in (run_dir / "cells.jsonl").read_text().splitlines()]
+        assert all("HTTP 400, not JSON: <html>" in c["prom_source"] for c in cells), [c["prom_source"] for c in cells]
+        assert any("you sent Authorization: Basic ***" in c["prom_source"] for c in cells)
+    else:
+        scheme = "Basic" if how == "url_userinfo" else "Bearer"
+        assert f"you sent Authorization: {scheme} ***" in (run_dir / "run.json").read_text()  # /version's echo
+    texts = {"the console": console}
+    for path in files:
+        texts[str(path.relative_to(run_dir))] = path.read_bytes().decode("latin-1")
+        if path.suffix == ".parquet":
+            table = pq.read_table(path).to_pandas()
+            texts[f"{path.name}'s table"] = table.to_csv() + str(pq.read_metadata(path).metadata)
+    for secret in pieces(secrets):
+        for where, text in texts.items():
+            assert secret not in text, f"{secret!r} in {where}"
 
 
 def test_scrub_masks_every_form_and_leaves_other_text():
@@ -152,3 +177,42 @@ def test_a_non_ascii_key_is_one_line_and_exit_2(tmp_path):
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert len(lines) == 1 and "not printable ASCII" in lines[0] and "PLANTED" not in lines[0], lines
     assert not (tmp_path / "run").exists()
+
+
+def test_scrub_masks_html_lowercase_percent_and_every_base64_form():
+    """A proxy's HTML error page (&quot; &amp;), a URL's lower-case percent-escapes, URL-safe or unpadded
+    base64, the key inside a longer base64 text (a header block encoded whole)."""
+    key = 'sk-html/"quoted"&amp+key?'
+    redact.hold_secret(key)
+    assert redact.scrub(f"<pre>{html.escape(key)}</pre>") == "<pre>***</pre>"
+    assert redact.scrub(html.escape(key, quote=False)) == "***"
+    parts = quote(key, safe="").split("%")
+    lower = "%".join([parts[0], *(p[:2].lower() + p[2:] for p in parts[1:])])
+    assert redact.scrub(f"key={lower}") == "key=***"
+    urlsafe = base64.urlsafe_b64encode(key.encode()).decode()
+    assert redact.scrub(urlsafe) == "***" and redact.scrub(urlsafe.rstrip("=")) == "***"
+    for prefix in (b"Authorization: Bearer ", b"x", b"xy", b"xyz"):
+        blob = base64.b64encode(prefix + key.encode() + b"\r\nHost: h").decode()
+        masked = redact.scrub(blob)
+        # the characters that only the key's bits decide went, whatever the key's offset in the blob
+        assert "***" in masked and len(blob) - len(masked) >= 4 * len(key) // 3 - 6, (prefix, masked)
+    assert redact.scrub("ordinary words and c2stadG") == "ordinary words and c2stadG"
+
+
+def test_the_hub_token_of_the_environment_is_held(tmp_path, monkeypatch):
+    token = "hf_PLANTEDtokenOfTheHub0123456789"
+    monkeypatch.setenv("HF_TOKEN", token)
+    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "fifo"))
+    os.mkfifo(tmp_path / "fifo")  # a token file that is a FIFO: refused, never blocks
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    CliRunner().invoke(app, ["backends"])  # every command holds it as it starts
+    assert redact.scrub(f"token {token} echoed") == "token *** echoed"
+    filed = "hf_PLANTEDfromTheTokenFile98765"
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "token"))
+    (tmp_path / "token").write_text(filed + "\n")
+    redact.hold_environment_tokens()
+    assert redact.scrub(filed) == "***"
