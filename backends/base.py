@@ -25,8 +25,10 @@ from kvbench.kv.rules import KVCheck, KVQuestion, KVRules
 
 from .capabilities import Capabilities
 from .options import Option
-from .process import ServerProcess, free_port, port_taken
+from .ports import PortHold, PortInUse, hold_port
+from .process import ServerProcess, port_taken
 from .types import EngineStartError, EngineState, KVInUse, KVPool, RequestResult, ServerSpec
+from .untimed import bounded_client
 
 ATTACH_REFUSED_S = 2.0  # an attached server whose port refuses connections this long is not there
 PORT_TRIES = 3  # free ports chosen for one start, where another process took the one chosen before the spawn
@@ -45,6 +47,10 @@ class Backend(ABC):
     #: True when the engine can be made to generate exactly the asked number of tokens (ignore_eos);
     #: False: output is normalised by the tokens actually generated and short outputs are flagged.
     forces_output_length: ClassVar[bool] = True
+    #: True when a server kvbench started reports exactly the version it was started as (kvbench's environment
+    #: is that version's install): another version answering means the port's answers are another server's,
+    #: and the start is refused. False where the version is nominal (the engine on PATH, a container tag).
+    reports_started_version: ClassVar[bool] = False
     #: How the engine stores and rounds KV (None: unknown, e.g. any OpenAI-compatible server).
     kv_rules: ClassVar[KVRules | None] = None
     #: The capability groups the engine opts into (prefix cache, KV quantisation, telemetry, served model,
@@ -90,9 +96,9 @@ class Backend(ABC):
 
     def http_client(self, timeout_s: float | None = None) -> httpx.Client:
         """A new client for untimed calls to this engine, with its credentials and TLS settings (for a
-        thread that needs its own, e.g. the poller)."""
-        return httpx.Client(timeout=self.untimed_timeout_s if timeout_s is None else timeout_s,
-                            headers=self.auth_headers, verify=self.tls)
+        thread that needs its own, e.g. the poller): each call has a deadline and each answer a size cap,
+        whatever the server does (:mod:`kvbench.backends.untimed`)."""
+        return bounded_client(self.untimed_timeout_s if timeout_s is None else timeout_s, self.auth_headers, self.tls)
 
     @property
     def http(self) -> httpx.Client:
@@ -128,28 +134,45 @@ class Backend(ABC):
     health_path: ClassVar[str] = "/health"
 
     def start(self, spec: ServerSpec, log_path: Path, timeout_s: float) -> None:
-        argv, env = self._command_on_free_port(spec)
-        self.server = ServerProcess(argv, env, log_path, memory_limit_bytes=self.spec.memory_limit_bytes)
-        self.server.start()
+        argv, env, hold = self._command_on_free_port(spec)
         try:
+            self.server = ServerProcess(argv, env, log_path, memory_limit_bytes=self.spec.memory_limit_bytes)
+            self.server.start()
             self.server.wait_http(self.base_url + self.health_path, timeout_s)
         except EngineStartError as exc:
             hint = self.start_failure_hint(str(exc), exc.log_tail)
             if hint:
                 raise EngineStartError(f"{exc}: {hint}", exc.log_tail) from None
             raise
+        finally:
+            hold.release()  # the engine has bound it (it answered), or will not
 
-    def _command_on_free_port(self, spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
+    def _command_on_free_port(self, spec: ServerSpec) -> tuple[list[str], dict[str, str], PortHold]:
         """The server's argv and environment for ``spec`` on its port (a free one unless ``spec`` names it),
-        checked right before the spawn that nothing listens there: a port is free only until another
-        process binds it, and whatever then answers the health path would be benchmarked as the engine."""
+        and the port held (:class:`~kvbench.backends.process.PortHold`) from its choice until the engine
+        binds it: nothing else is given it meanwhile, and nothing listens there right before the spawn
+        (whatever answered the health path would be benchmarked as the engine)."""
+        taken = ""
         for _ in range(1 if spec.port else PORT_TRIES):
-            port = spec.port or free_port(spec.host)
+            try:
+                hold = hold_port(spec.host, spec.port or 0)
+            except PortInUse as exc:  # a listener has the port the spec names
+                taken = port_taken(exc.port, spec.host) or f"{exc}: another process has it"
+                continue
+            except OSError as exc:
+                raise EngineStartError(f"cannot bind {spec.host}:{spec.port or 0} for the engine: "
+                                       f"{(exc.strerror or str(exc)).lower()}") from None
+            port = hold.port
             self.spec = ServerSpec(**{**spec.__dict__, "port": port})
             self.base_url = f"http://{spec.host}:{port}"
-            argv, env = self.command(self.spec)
+            try:
+                argv, env = self.command(self.spec)
+            except BaseException:
+                hold.release()
+                raise
             if not (taken := port_taken(port, spec.host)):
-                return argv, env
+                return argv, env, hold
+            hold.release()
         raise EngineStartError(taken)
 
     def start_refusal(self, spec: ServerSpec) -> str | None:

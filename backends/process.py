@@ -31,6 +31,7 @@ from kvbench.common.memory_wall import MemoryWall, MemoryWallError, cleanup_stal
 
 from .guard import describe, running, terminate
 from .types import LOCALHOST, EngineStartError
+from .untimed import bounded_client
 
 GUARD_SCRIPT = Path(__file__).with_name("guard.py")  # run as a script: it imports only psutil
 LAUNCHER_SCRIPT = Path(__file__).with_name("launcher.py")  # run as a script: the standard library only
@@ -175,7 +176,7 @@ def wait_http(url: str, timeout_s: float, gone: Callable[[], str] | None = None,
     or at once when ``gone()`` says why waiting is pointless (e.g. the server died)."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    with httpx.Client(timeout=2.0) as client:
+    with bounded_client(2.0) as client:  # a health answer that trickles or never ends is no answer
         while time.monotonic() < deadline:
             if gone and (why := gone()):
                 raise NotReady(last, why)

@@ -42,6 +42,7 @@ SCRIPT_ENV = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(Path.h
 class HFBackend(Backend):
     engine = "hf"
     default_version = "5.24.0"
+    reports_started_version = True
     #: The options this adapter reads (-b hf:KEY=VALUE); checked by BackendConfig.parse, listed by `kvbench backends`.
     option_specs = (
         Option("engine_mode", str, "sized", "transformers has no pool to size; deployed loads the model with "

@@ -119,6 +119,7 @@ class VLLMPrefixCache(PrefixCache):
 class VLLMBackend(PrometheusPolled, Backend):
     engine = "vllm"
     default_version = "0.32.0"
+    reports_started_version = True
     #: The options this adapter reads (-b vllm:KEY=VALUE); checked by BackendConfig.parse, listed by `kvbench backends`.
     option_specs = (
         Option("block_size", int, None, "KV block size in tokens (--block-size)", default_text="vLLM's own: 16 GPU, 128 CPU"),

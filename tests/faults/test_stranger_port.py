@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import psutil
 import pytest
@@ -127,10 +128,29 @@ Sleeper.__abstractmethods__ = frozenset()
 SPEC = ServerSpec(model=None, max_context=16, max_concurrency=1, kv_dtype="auto")
 
 
+def force_ports(monkeypatch, ports) -> list:
+    """Backend.start holds the ports of ``ports`` (an iterator) in turn instead of the kernel's choice; the
+    holds, for the test to look at."""
+    real, holds = base.hold_port, []
+
+    def hold(host, port=0):
+        holds.append(real(host, next(ports)))
+        return holds[-1]
+
+    monkeypatch.setattr(base, "hold_port", hold)
+    return holds
+
+
 def test_a_chosen_port_taken_before_the_spawn_spawns_nothing(tmp_path, monkeypatch):
     port = free_port()
     chosen = []
-    monkeypatch.setattr(base, "free_port", lambda host: chosen.append(port) or port)
+
+    def forced():
+        while True:
+            chosen.append(port)
+            yield port
+
+    force_ports(monkeypatch, forced())
     backend = Sleeper("0", tmp_path)
     with stranger_on(port) as stranger:
         with pytest.raises(EngineStartError, match=rf"^port {port} is served by another process \(pid {stranger.pid} "):
@@ -141,8 +161,7 @@ def test_a_chosen_port_taken_before_the_spawn_spawns_nothing(tmp_path, monkeypat
 
 def test_a_port_taken_once_is_chosen_again(tmp_path, monkeypatch):
     taken, free = free_port(), free_port()
-    ports = iter([taken, free])
-    monkeypatch.setattr(base, "free_port", lambda host: next(ports))
+    force_ports(monkeypatch, iter([taken, free]))
     backend = Sleeper("0", tmp_path)
     with stranger_on(taken):
         try:
@@ -179,3 +198,123 @@ def test_an_unseen_or_missing_listener_is_refused_unless_a_container_publishes_t
             assert engine.stranger_at(url) == ""
     finally:
         assert engine.stop() == []
+
+
+class HttpServerEngine(Sleeper):
+    """Python's http.server as the engine, binding its port half a second after it starts (an engine's
+    imports): the window in which the port is free unless kvbench holds it."""
+
+    health_path = "/"
+
+    def command(self, spec):
+        script = ("import sys, time, http.server; time.sleep(0.5); "
+                  "http.server.ThreadingHTTPServer(('127.0.0.1', int(sys.argv[1])), "
+                  "http.server.SimpleHTTPRequestHandler).serve_forever()")
+        return [sys.executable, "-c", script, str(spec.port)], {}
+
+
+def test_the_chosen_port_is_held_from_its_choice_until_the_engine_binds_it(tmp_path, monkeypatch):
+    """Between the spawn and the engine's bind, the port is given to nobody else (a server binding it without
+    SO_REUSEADDR is refused "address already in use", the kernel hands it to no ephemeral socket); the
+    engine, binding with SO_REUSEADDR, gets it; once the engine answers, kvbench lets go of it."""
+    import errno as errno_
+
+    spawn, tried = ServerProcess.start, []
+    holds = []
+    real = base.hold_port
+    monkeypatch.setattr(base, "hold_port", lambda host, port=0: holds.append(real(host, port)) or holds[-1])
+
+    def then_try_to_take_it(self):
+        spawn(self)
+        port = int(self.argv[-1])
+        with socket.socket() as s:  # a stranger without SO_REUSEADDR, in the engine's start-up window
+            try:
+                s.bind(("127.0.0.1", port))
+                tried.append("bound")
+            except OSError as exc:
+                tried.append(exc.errno)
+        ephemeral = []
+        for _ in range(200):  # nor does the kernel choose it for anyone
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                ephemeral.append(s.getsockname()[1])
+        tried.append(port in ephemeral)
+
+    monkeypatch.setattr(ServerProcess, "start", then_try_to_take_it)
+    backend = HttpServerEngine("0", tmp_path)
+    try:
+        backend.start(SPEC, tmp_path / "engine.log", timeout_s=20)
+        (hold,) = holds
+        assert tried == [errno_.EADDRINUSE, False]
+        assert backend.spec.port == hold.port and not hold.held  # let go once the engine answered
+        assert listeners_of(hold.port, "127.0.0.1") == [backend.pid]  # and the engine has it
+    finally:
+        assert backend.stop() == []
+
+
+def test_the_hold_is_let_go_when_the_engine_fails_to_start(tmp_path, monkeypatch):
+    holds = []
+    real = base.hold_port
+    monkeypatch.setattr(base, "hold_port", lambda host, port=0: holds.append(real(host, port)) or holds[-1])
+    backend = Sleeper("0", tmp_path)
+    try:
+        with pytest.raises(EngineStartError, match="not ready after 1 s"):
+            backend.start(SPEC, tmp_path / "engine.log", timeout_s=1)
+        assert len(holds) == 1 and not holds[0].held
+    finally:
+        assert backend.stop() == []
+
+
+# --- what a started engine says of itself ------------------------------------------------------------------
+
+def _session(cfg, record=None, mode="new"):
+    """What check() reads of an engine session, for one started (or attached) engine."""
+    from types import SimpleNamespace
+
+    from kvbench.store.run_record import RunRecord
+
+    writer = SimpleNamespace(failed=None, update_run_info=lambda **fields: None)
+    model = SimpleNamespace(name="smollm2", gguf_path=Path("SmolLM2-135M-Instruct.Q4_1.gguf"), hf_dir=Path("/m/hf"))
+    run = SimpleNamespace(record=record or RunRecord(), writer=writer, console=None,
+                          o=SimpleNamespace(results_mode=mode, model="smollm2", allow_model_mismatch=True))
+    return SimpleNamespace(cfg=cfg, r=run, spec=SimpleNamespace(model=model))
+
+
+def test_a_started_engine_answering_as_another_version_or_model_is_refused(tmp_path, monkeypatch):
+    """kvbench knows what it started: another version answering (vLLM, transformers: their environment is
+    that version) or another model served (llama.cpp's /v1/models) is not its engine."""
+    from kvbench.backends import REGISTRY
+    from kvbench.run import check
+    from kvbench.run.backend_config import BackendConfig
+
+    vllm = REGISTRY["vllm"]("0.32.0", tmp_path, {})
+    vllm.base_url = "http://127.0.0.1:8"
+    monkeypatch.setattr(type(vllm), "reported_version", lambda self: "0.31.0")
+    with pytest.raises(EngineStartError, match=r"^http://127.0.0.1:8 answers as vllm 0.31.0, not the 0.32.0 kvbench "
+                                               r"started: not the engine kvbench started$"):
+        check.check(_session(BackendConfig.parse("vllm")), vllm)
+    llama = REGISTRY["llamacpp"]("0.3.36", tmp_path, {})
+    llama.base_url = "http://127.0.0.1:8"
+    monkeypatch.setattr(type(llama), "reported_version", lambda self: "0.3.36 (b1-0c1e570)")
+    monkeypatch.setattr(type(llama.capabilities.served_model), "models", lambda self, backend: ["other-model.gguf"])
+    with pytest.raises(EngineStartError, match=r"^the server serves other-model.gguf, not --model smollm2: .*: not "
+                                               r"the engine kvbench started$"):
+        check.check(_session(BackendConfig.parse("llamacpp")), llama)
+
+
+def test_an_engine_other_than_the_one_the_run_recorded_is_refused_for_the_run(tmp_path, monkeypatch):
+    from kvbench.backends import REGISTRY
+    from kvbench.run import check
+    from kvbench.run.backend_config import BackendConfig
+    from kvbench.store.errors import RunFolderError
+    from kvbench.store.run_record import RunRecord
+
+    cfg = BackendConfig.parse("openai:url=http://127.0.0.1:8")
+    openai = REGISTRY["openai"]("v1", tmp_path, {})
+    openai.base_url = "http://127.0.0.1:8"
+    monkeypatch.setattr(type(openai), "reported_version", lambda self: "0.33.0")
+    record = RunRecord(engine_versions={cfg.label: "0.32.0"})
+    with pytest.raises(RunFolderError, match=r"^--resume: openai@127.0.0.1:8 at http://127.0.0.1:8 now reports "
+                                             r"version 0.33.0; the run's cells of it ran on version 0.32.0"):
+        check.check(_session(cfg, record, mode="resume"), openai)
+    assert record.engine_versions == {cfg.label: "0.32.0"}  # nothing recorded over the run's

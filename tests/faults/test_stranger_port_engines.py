@@ -1,6 +1,7 @@
-"""The wrong server on the engine's port, with the real transformers engine (docs/fault-matrix.md, "The wrong
-server"): `kvbench run -b hf --workload smoke` with another process answering 200 on the port kvbench chose
-gives failed cells naming that process, never a cell the stranger served, and leaves no engine process.
+"""The wrong server on the engine's port, with the real transformers and vLLM engines (docs/fault-matrix.md,
+"The wrong server"): `kvbench run -b hf|vllm --workload smoke` with another process answering 200 on the port
+kvbench chose gives failed cells naming that process, never a cell the stranger served, and leaves no engine
+process. Cheap: the engine is refused before it is spawned, or stopped while it still imports.
 
 In-process (typer's CliRunner), so that the port kvbench chooses can be set to the stranger's: once already
 listening before the spawn, once bound in the moment between kvbench's check and the spawn (the race the
@@ -23,8 +24,8 @@ from tests.helpers import engine_env
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 
 
-def smoke_run(tmp_path):
-    result = CliRunner().invoke(app, ["run", "-b", "hf", "--workload", "smoke", "--results-dir", str(tmp_path),
+def smoke_run(tmp_path, engine: str = "hf"):
+    result = CliRunner().invoke(app, ["run", "-b", engine, "--workload", "smoke", "--results-dir", str(tmp_path),
                                       "--run-id", "run"])
     return result, load_cells(tmp_path / "run")
 
@@ -38,20 +39,31 @@ def assert_refused(result, cells, port, stranger, env):
     assert not processes_of(env)  # nothing of the engine's tree is left
 
 
-def test_a_stranger_already_on_the_chosen_port_fails_the_cells(tmp_path, monkeypatch):
-    env = engine_env("hf")
+def force_port(monkeypatch, port: int) -> None:
+    """The engine's port is ``port`` (the stranger's), not the kernel's choice."""
+    real = base.hold_port
+    monkeypatch.setattr(base, "hold_port", lambda host, _=0: real(host, port))
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_a_stranger_already_on_the_chosen_port_fails_the_cells(tmp_path, monkeypatch, engine):
+    # vLLM's cells once failed with "Expecting value: line 1 column 1 (char 0)" (the stranger's "ok")
+    env = engine_env(engine)
     port = free_port()
-    monkeypatch.setattr(base, "free_port", lambda host: port)
+    force_port(monkeypatch, port)
     with stranger_on(port) as stranger:
-        result, cells = smoke_run(tmp_path)
+        result, cells = smoke_run(tmp_path, engine)
         assert_refused(result, cells, port, stranger, env)
 
 
-def test_a_stranger_that_binds_before_the_engine_fails_the_cells(tmp_path, monkeypatch):
-    # the port is free when kvbench checks it; the stranger takes it before the engine binds it
-    env = engine_env("hf")
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_a_stranger_that_binds_before_the_engine_fails_the_cells(tmp_path, monkeypatch, engine):
+    # the port is free when kvbench checks it; a stranger binding with SO_REUSEADDR (Python's http.server
+    # does) takes it from under kvbench's hold before the engine binds it: the engine's bind fails, the
+    # stranger answers the health path, and the ownership check after "ready" refuses it
+    env = engine_env(engine)
     port = free_port()
-    monkeypatch.setattr(base, "free_port", lambda host: port)
+    force_port(monkeypatch, port)
     spawn = ServerProcess.start
     strangers = []
     with ExitStack() as stack:
@@ -60,6 +72,6 @@ def test_a_stranger_that_binds_before_the_engine_fails_the_cells(tmp_path, monke
             spawn(self)
 
         monkeypatch.setattr(ServerProcess, "start", stranger_first)
-        result, cells = smoke_run(tmp_path)
+        result, cells = smoke_run(tmp_path, engine)
         (stranger,) = strangers
         assert_refused(result, cells, port, stranger, env)
