@@ -43,7 +43,10 @@ def run(**given):
     try:
         run_dir = runner.run()
     except ModelError as exc:
-        console.print(f"[red]error:[/] {with_hint(str(exc), options.model, model_names())}")
+        console.print(f"[red]error:[/] {escape(with_hint(str(exc), options.model, model_names()))}", soft_wrap=True)
+        raise typer.Exit(2)
+    except RunFolderError as exc:  # an engine that is not the one the run's cells ran on: refused, exit 2
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(2)
     except ResultsWriteError as exc:  # the runner stopped: say the first write error, once
         console.print(f"[red]error:[/] {escape(str(runner.writer.failed or exc))}", soft_wrap=True)

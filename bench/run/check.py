@@ -1,6 +1,8 @@
 """Step "check" of an engine session: what the engine says of itself (version, the models it serves, its
 capabilities, its tokenizer against the model's) recorded, an attached server serving another model
-refused, and the engine's startup figures beside the plan's (bench/run/startup_checks.py)."""
+refused, a started one answering as another version or model refused, an engine that is not the one the
+run's earlier cells ran on refused for the run, and the engine's startup figures beside the plan's
+(bench/run/startup_checks.py)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -11,31 +13,58 @@ import httpx
 from kvbench.backends.base import Backend
 from kvbench.backends.types import EngineStartError
 from kvbench.common import models
+from kvbench.common.redact import redact_url
 from kvbench.run import startup_checks
+from kvbench.store.errors import RunFolderError
 
 if TYPE_CHECKING:
     from kvbench.run.session import EngineSession
 
 
 def check(s: EngineSession, backend: Backend) -> None:
-    """The version the engine reports, the models it serves (an attached server's checked against
-    --model), what it supports and how its prompts and tokenizer were checked, recorded."""
+    """The version the engine reports, the models it serves (checked against --model), what it supports and
+    how its prompts and tokenizer were checked, recorded. An engine that is not the one the run's other
+    cells ran on (another version behind an attached URL, another build) is refused for the whole run
+    (RunFolderError); a started engine that reports another version or model than it was started with is
+    not the engine kvbench started (EngineStartError)."""
     version = backend.reported_version()
-    s.r.record.engine_versions[s.cfg.label] = version
+    cls, label, record = type(backend), s.cfg.label, s.r.record
+    build = cls.machine_build(backend.version) if not s.cfg.url else None
+    _held_to_the_run(s, "version", record.engine_versions.get(label), version)
+    _held_to_the_run(s, "build", record.engine_builds.get(label), build)
+    if not s.cfg.url and cls.reports_started_version and cls.own_install(s.cfg.options) is None \
+            and version is not None and version.split(" ")[0] != backend.version:
+        raise EngineStartError(f"{backend.base_url} answers as {s.cfg.engine} {version}, not the {backend.version} "
+                               f"kvbench started: not the engine kvbench started")
+    record.engine_versions[label] = version
     served_model = backend.capabilities.served_model
-    s.r.record.served_models[s.cfg.label] = served = served_model.models(backend)
-    s.r.record.capabilities[s.cfg.label] = served_model.support(backend)
-    if not s.cfg.url and (build := type(backend).machine_build(backend.version)):
-        s.r.record.engine_builds[s.cfg.label] = build
-    s.r.record.save(s.r.writer)
-    if s.cfg.url and served is not None and not models.serves(served, s.spec.model, s.r.o.model):
+    record.served_models[label] = served = served_model.models(backend)
+    record.capabilities[label] = served_model.support(backend)
+    if build:
+        record.engine_builds[label] = build
+    record.save(s.r.writer)
+    if served is not None and not models.serves(served, s.spec.model, s.r.o.model):
         problem = (f"the server serves {', '.join(served) or 'no model'}, not --model {s.r.o.model}: its "
                    f"figures would be set against {s.spec.model.name}'s KV")
+        if not s.cfg.url:  # kvbench gave it the model: another one answering is another server
+            raise EngineStartError(f"{problem}: not the engine kvbench started")
         if not s.r.o.allow_model_mismatch:
             raise EngineStartError(problem + " (--allow-model-mismatch to run anyway)")
         s.r.console.print(f"[yellow]warning: {problem} (--allow-model-mismatch)[/]")
     s.info = replace(s.info, engine_version_reported=version, token_contract=token_contract(s, backend))
-    s.r.record.save(s.r.writer)
+    record.save(s.r.writer)
+
+
+def _held_to_the_run(s: EngineSession, what: str, then: str | None, now: str | None) -> None:
+    """The engine's ``what`` (its reported version, its build) as the run recorded it for this label (an
+    earlier invocation, or an earlier start of this one): another one would put cells of two engines under
+    one label, so the run is refused with both values."""
+    if then is None or now is None or then == now:
+        return
+    where = f" at {redact_url(s.cfg.url)}" if s.cfg.url else ""
+    resumed = "--resume: " if s.r.o.results_mode == "resume" else ""
+    raise RunFolderError(f"{resumed}{s.cfg.label}{where} now reports {what} {now}; the run's cells of it ran on "
+                         f"{what} {then}: resume it on that engine, or start a new run")
 
 
 def token_contract(s: EngineSession, backend: Backend) -> str:

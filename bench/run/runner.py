@@ -27,7 +27,8 @@ from rich.console import Console
 from kvbench.backends import REGISTRY
 from kvbench.backends.types import ServerSpec
 from kvbench.common import models
-from kvbench.common.hardware import NVML, environment_info
+from kvbench.common.hardware import NVML, environment_info, hardware_differences
+from kvbench.kv import bounded
 from kvbench.load import interrupt
 from kvbench.run import kvquant
 from kvbench.run.backend_config import BackendConfig
@@ -57,11 +58,13 @@ def new_run_id(workload: str) -> str:
     return f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{workload}-{socket.gethostname()[:12]}-{os.getpid()}"
 
 
-def resumable(info: dict, o: RunOptions, plan: RunPlan | None = None) -> None:
+def resumable(info: dict, o: RunOptions, plan: RunPlan | None = None, environment: dict | None = None) -> None:
     """A resumed run's unfinished cells must measure what its finished ones did: the same workload, backends
-    (labels and options), KV dtype, model (path and sha256), --max-context and every other option run.json
-    records, else RunFolderError naming what differs with its two values. ``plan``: the plan made before
-    the folder (its context limit, for a run that did not record the --max-context asked)."""
+    (labels and options), KV dtype, model (path and sha256), --max-context, every other option run.json
+    records and the same machine (``environment``: this one's, against the run's), else RunFolderError
+    naming what differs with its two values. ``plan``: the plan made before the folder (its context limit,
+    for a run that did not record the --max-context asked). The engines themselves (the version each
+    reports, its build) are held to the run's when each is checked (bench/run/check.py)."""
     check_same_schema(info, info.get("run_id") or "?")
     differ = []
     try:
@@ -82,6 +85,9 @@ def resumable(info: dict, o: RunOptions, plan: RunPlan | None = None) -> None:
     differ += _model_differs(info.get("model") or {}, o.model)
     differ += _context_differs(info, o, plan)
     differ += _options_differ(info, o)
+    if environment is not None and isinstance(info.get("environment"), dict):
+        if machine := hardware_differences(info["environment"], environment):
+            differ.append(f"machine ({'; '.join(machine)}; then vs now)")
     if differ:
         raise RunFolderError(f"--resume: run {info.get('run_id')} was started with another {'; '.join(differ)}: "
                              "resume it as it was started, or start a new run")
@@ -165,6 +171,7 @@ class Runner:
         self.o = options
         self.console = console or Console()
         self.carried_plan = plan
+        self.environment = environment_info()  # recorded in run.json; a resumed run's is held to it
         self.run_id = options.run_id or new_run_id(options.workload.name)
         # one live harness per run folder: a second one (same --run-id, a --resume or --overwrite of a run
         # still running) is refused before it touches anything
@@ -180,11 +187,14 @@ class Runner:
         """The run's writer, and for a resumed run what it finished and recorded, and its salt."""
         # resuming: the run is held to what it was started with before anything in its folder is written
         self.writer = RunWriter(options.results_dir / self.run_id, mode=options.results_mode,
-                                check=lambda info: resumable(info, options, self.carried_plan))
+                                check=lambda info: resumable(info, options, self.carried_plan, self.environment))
         self.record = RunRecord()
         # resuming: the cells that have rows already (any status) are kept, not run again
         self.finished: dict[str, float | None] = {}
+        self.ended_before: dict | None = None  # resuming: how the run stood before this invocation
         if options.results_mode == "resume":
+            before = load_run_info(self.writer.root)
+            self.ended_before = {k: before[k] for k in ("status", "finished_at", "error") if k in before}
             done = load_cells(self.writer.root)
             self.finished = dict(zip(done.cell_id, done.requests_per_s))
             self.writer.discard_unfinished_requests()
@@ -216,38 +226,54 @@ class Runner:
     def run_info(self) -> dict:
         """run.json as the run starts: who and where, and the options' record (bench/run/options.py)."""
         info = recorded(self.o, self) | {"started_at": datetime.now(timezone.utc).isoformat(), "status": "running",
-                                         "environment": environment_info()}
+                                         "environment": self.environment}
         return {k: info[k] for k in RUN_JSON_ORDER if k in info} | info
 
     def _run(self) -> Path:
         o, w = self.o, self.o.workload
         self.writer.write_run_info(self.run_info())
         self.console.print(f"[bold]kvbench run[/] {self.run_id} -> {self.run_dir}")
+        # every way out of here says how the run ended in run.json: never left "running" by a refusal
+        status, error = "interrupted", None
         try:
-            model = resolve_model(o, self.console)
-            plan = plan_run(o, model, self.carried_plan)
-        except (models.ModelError, NothingFits) as exc:
-            self.writer.update_run_info(status="failed", error=str(exc))
-            raise models.ModelError(str(exc)) from None
-        if plan.skipped:
-            self.console.print(f"[yellow]prompt lengths {list(plan.skipped)} skipped: they do not fit the context "
-                               f"limit {plan.max_context} with {w.output_tokens} output tokens[/]")
-        self.writer.update_run_info(**plan_record(model, plan))
-        prompts = CellPrompts(PromptBuilder(model.hf_dir / "tokenizer.json"), w, self.salt)
-        spec = ServerSpec(model=model, max_context=plan.server_context, max_concurrency=plan.server_concurrency,
-                          kv_dtype=o.kv_dtype, kv_pool_sequences=w.kv_pool_sequences,
-                          memory_limit_bytes=o.memory_limit_bytes, reset_prefix_cache=o.reset_cache_between_cells)
-        status = "interrupted"
-        try:
+            try:
+                model = resolve_model(o, self.console)
+                plan = plan_run(o, model, self.carried_plan)
+                # the tokenizer read within bounds (a FIFO or a link to /dev/zero is one line, not a hang)
+                builder = PromptBuilder(model.hf_dir / "tokenizer.json")
+            except (models.ModelError, NothingFits, bounded.InputError) as exc:
+                status, error = "failed", str(exc)
+                raise models.ModelError(str(exc)) from None
+            if plan.skipped:
+                self.console.print(f"[yellow]prompt lengths {list(plan.skipped)} skipped: they do not fit the "
+                                   f"context limit {plan.max_context} with {w.output_tokens} output tokens[/]")
+            self.writer.update_run_info(**plan_record(model, plan))
+            prompts = CellPrompts(builder, w, self.salt)
+            spec = ServerSpec(model=model, max_context=plan.server_context, max_concurrency=plan.server_concurrency,
+                              kv_dtype=o.kv_dtype, kv_pool_sequences=w.kv_pool_sequences,
+                              memory_limit_bytes=o.memory_limit_bytes, reset_prefix_cache=o.reset_cache_between_cells)
             with run_progress(self.console) as progress:
                 self.run_sessions(plan, spec, prompts, progress, model.geometry)
             status = "finished"
         except ResultsWriteError:
             status = "stopped: results folder not writable"
             raise
+        except RunFolderError as exc:  # the engine is not the one the run's cells ran on (bench/run/check.py)
+            status, error = "refused", str(exc)
+            raise
+        except Exception as exc:
+            if error is None:
+                status, error = "failed", f"{type(exc).__name__}: {exc}"
+            raise
         finally:
             if self.writer.failed is None:  # else the first error stands alone, not buried under a second
-                self.writer.update_run_info(status=status, finished_at=datetime.now(timezone.utc).isoformat())
+                ended = {"finished_at": datetime.now(timezone.utc).isoformat()}
+                ended |= {"error": error} if error is not None else {}
+                if status == "refused" and self.ended_before is not None:
+                    # a refused resume ran nothing: the run stays as it was, the invocation says why
+                    self.writer.update_run_info(**self.ended_before, invocation={"status": status, **ended})
+                else:
+                    self.writer.update_run_info(status=status, **ended)
                 if (self.run_dir / "cells.jsonl").exists():
                     ensure_parquet(self.run_dir)  # the columnar copy beside the JSONL record
         return self.run_dir

@@ -24,7 +24,7 @@ from kvbench.run import check, measure, start, stop, warmup
 from kvbench.run.backend_config import BackendConfig
 from kvbench.run.cells import CellPrompts, RunPlan
 from kvbench.run.rows import EngineRun, engine_setup, failed_row
-from kvbench.store.errors import ResultsWriteError
+from kvbench.store.errors import ResultsWriteError, RunFolderError
 
 if TYPE_CHECKING:
     from kvbench.run.runner import Runner
@@ -85,7 +85,7 @@ class EngineSession:
             if backend is not None:
                 backend.auth_headers = self.cfg.auth_headers()
                 self.run_steps(backend)
-        except (ResultsWriteError, KeyboardInterrupt):
+        except (ResultsWriteError, KeyboardInterrupt, RunFolderError):  # RunFolderError: the run's, not the engine's
             raise
         except Exception as exc:  # noqa: BLE001 - whatever goes wrong with one backend fails that backend only
             self.fail_remaining(f"backend failed: {type(exc).__name__}: {exc}", _traceback_tail(exc))
@@ -104,6 +104,8 @@ class EngineSession:
             check.check_startup(self, backend, started=True)
             warmup.warm_up(self, backend)
             measure.measure_cells(self, backend)
+        except RunFolderError:  # not this engine's failure: the run is refused (bench/run/check.py)
+            raise
         except (EngineStartError, ValueError, httpx.HTTPError) as exc:
             self.fail_engine(backend, exc, started)
         except (ResultsWriteError, KeyboardInterrupt):

@@ -33,8 +33,9 @@ from pydantic import BaseModel
 
 from kvbench.common.files import append_line, atomic_write_bytes, atomic_write_text
 from kvbench.common.redact import holding, scrub_value
-from kvbench.store.errors import ResultsWriteError, RunExistsError, RunFolderError
-from kvbench.store.readers import _decode_row, load_run_info, read_jsonl_rows
+from kvbench.kv import bounded
+from kvbench.store.errors import ResultsReadError, ResultsWriteError, RunExistsError, RunFolderError
+from kvbench.store.readers import JSONL_MAX_BYTES, _decode_row, load_run_info, read_jsonl_rows
 from kvbench.store.schema import SCHEMA_VERSION, CellRow, RequestRow
 
 RunMode = Literal["new", "resume", "overwrite"]
@@ -215,16 +216,23 @@ class RunWriter:
         ``invocations``. In "resume" mode the earlier run.json is kept underneath: its ``started_at`` and
         invocations stay, the new fields win, and an earlier ``finished_at``/``error`` is dropped."""
         harness = harness_identity()
+        own = {}  # what this invocation records of itself only
         if self.mode == "resume":
             old = self._read_info()
             earlier = old.get("invocations") or [_invocation_of(old)]
             merged = {k: v for k, v in old.items() if k not in ("finished_at", "error")}
             merged.update({"schema_version": SCHEMA_VERSION, **info, **harness,
                            "started_at": old.get("started_at", info.get("started_at"))})
+            if isinstance(old.get("environment"), dict):
+                # the machine the run's cells were measured on stays the run's (a resume on another is
+                # refused before this); this invocation's own goes to its entry where it differs at all
+                merged["environment"] = old["environment"]
+                if "environment" in info and info["environment"] != old["environment"]:
+                    own["environment"] = info["environment"]
             merged["invocations"] = list(earlier)
         else:
             merged = {"schema_version": SCHEMA_VERSION, **info, **harness, "invocations": []}
-        merged["invocations"].append(_invocation_of({**info, **harness}) | {"mode": self.mode})
+        merged["invocations"].append(_invocation_of({**info, **harness}) | {"mode": self.mode} | own)
         self._write_info(merged)
 
     def record_invocation(self, info: dict) -> None:
@@ -238,15 +246,16 @@ class RunWriter:
         entry = {**(invocations.pop() if same else {"mode": self.mode}), **info, **harness}
         self._write_info({**current, "invocations": [*invocations, entry]})
 
-    def update_run_info(self, **fields) -> None:
+    def update_run_info(self, invocation: dict | None = None, **fields) -> None:
         """Set fields of run.json (atomically); ``status``, ``finished_at`` and ``error`` also go to the
-        current invocation's entry, so each invocation's outcome stays recorded."""
+        current invocation's entry, so each invocation's outcome stays recorded, and ``invocation``'s go
+        there only (a refused resume: the run's status stays what it was, the invocation says "refused")."""
         info = dict(self._read_info())
         info.update(fields)
         invocations = list(info.get("invocations") or [])
         if invocations:
             outcome = {k: fields[k] for k in ("status", "finished_at", "error") if k in fields}
-            invocations[-1] = {**invocations[-1], **outcome}
+            invocations[-1] = {**invocations[-1], **outcome, **(invocation or {})}
             info["invocations"] = invocations
         self._write_info(info)
 
@@ -279,8 +288,11 @@ class RunWriter:
             return 0
         finished = self.finished_cell_ids()
         kept, removed = [], 0
-        with self._writing("reading requests.jsonl"):
-            lines = path.read_bytes().splitlines()
+        try:  # a regular file within the readers' bound (a FIFO or /dev/zero in its place: refused, not read)
+            with self._writing("reading requests.jsonl"):
+                lines = bounded.read_bytes(path, JSONL_MAX_BYTES, what="").splitlines()
+        except bounded.InputError as exc:
+            raise ResultsReadError(str(exc)) from None
         for line in lines:
             if not line.strip():
                 continue

@@ -49,7 +49,7 @@ def started(tmp_path_factory):
         assert out.returncode == 0, out.stdout + out.stderr
         cells = (root / "runs" / "r" / "cells.jsonl").read_text().splitlines(keepends=True)
         (root / "runs" / "r" / "cells.jsonl").write_text("".join(cells[:-1]))
-        yield root, server.url
+        yield root, server.url, server
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -58,7 +58,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 @pytest.fixture
 def copy(started, tmp_path):
-    root, url = started
+    root, url, _ = started
     shutil.copytree(root / "runs", tmp_path / "runs")
     return tmp_path / "runs", root / "model", url
 
@@ -184,3 +184,60 @@ def test_resume_refuses_before_the_engine_is_contacted(copy):
                         "--resume"), timeout=120)
     refused(out, "another backends (openai@127.0.0.1:")
     assert snapshot(runs / "r") == before
+
+
+def test_resume_on_another_machine_is_refused_with_both(copy):
+    runs, model, url = copy
+    info = json.loads((runs / "r" / "run.json").read_text())
+    now = info["environment"]["cpu"]
+    info["environment"]["cpu"] = "Another CPU(R) @ 1.00GHz"
+    info["environment"]["cpu_count"] += 64
+    (runs / "r" / "run.json").write_text(json.dumps(info))
+    before = snapshot(runs / "r")
+    out = kvbench(*args(url, model, "--max-context", "1024", "--results-dir", str(runs), "--run-id", "r",
+                        "--resume"), timeout=120)
+    refused(out, f"another machine (cpu: Another CPU(R) @ 1.00GHz vs {now}; cpu_count: ")
+    assert snapshot(runs / "r") == before
+
+
+def test_resume_keeps_the_machine_record_and_notes_this_invocation_s(copy):
+    """run.json's environment is the one the run's cells were measured on; a resume's own (the same machine,
+    another kvbench commit here) goes to its invocation's entry, not over it."""
+    runs, model, url = copy
+    info = json.loads((runs / "r" / "run.json").read_text())
+    info["environment"]["kvbench_commit"] = "0" * 40
+    (runs / "r" / "run.json").write_text(json.dumps(info))
+    out = kvbench(*args(url, model, "--max-context", "1024", "--results-dir", str(runs), "--run-id", "r",
+                        "--resume"), timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    after = json.loads((runs / "r" / "run.json").read_text())
+    assert after["environment"] == info["environment"]
+    assert after["invocations"][-1]["environment"]["kvbench_commit"] != "0" * 40
+    assert "environment" not in after["invocations"][0]
+
+
+def test_resume_on_a_server_that_now_reports_another_version_is_refused(started, copy):
+    """The same URL, another engine behind it: refused with both versions once the server says which, the
+    run's rows and status as they were, the invocation recorded as refused."""
+    runs, model, url = copy
+    server = started[2]
+    cells_before = (runs / "r" / "cells.jsonl").read_bytes()
+    requests_before = set((runs / "r" / "requests.jsonl").read_bytes().splitlines())
+    status_before = json.loads((runs / "r" / "run.json").read_text())["status"]
+    server.version = "0.33.0"
+    try:
+        out = kvbench(*args(url, model, "--max-context", "1024", "--results-dir", str(runs), "--run-id", "r",
+                            "--resume"), timeout=120)
+    finally:
+        server.version = "0.32.0"
+    text = " ".join((out.stdout + out.stderr).split())
+    assert out.returncode == 2 and "Traceback" not in text, out.stdout + out.stderr
+    host = url.removeprefix("http://")
+    assert (f"error: --resume: openai@{host} at {url} now reports version 0.33.0; the run's cells of it ran on "
+            "version 0.32.0") in text
+    assert (runs / "r" / "cells.jsonl").read_bytes() == cells_before
+    # nothing measured: no row added (the cut-off cell's requests go, as on every resume)
+    assert set((runs / "r" / "requests.jsonl").read_bytes().splitlines()) <= requests_before
+    info = json.loads((runs / "r" / "run.json").read_text())
+    assert info["status"] == status_before and info["invocations"][-1]["status"] == "refused"
+    assert "0.33.0" in info["invocations"][-1]["error"]
