@@ -23,6 +23,13 @@ from kvbench.load.profile import refuse_true_as_a_number
 from kvbench.load import registry as load_profiles
 
 WORKLOAD_DIR = Path(__file__).parent
+# Bounds on the counts a workload (or --repeats) asks for: far above any real benchmark's, far below what
+# would exhaust memory before the first request (10**12 repeats once ended in a MemoryError traceback)
+MAX_REPEATS = 1_000
+MAX_WARMUP_REQUESTS = 10_000
+MAX_REQUESTS_PER_CELL = 1_000_000
+MAX_IN_FLIGHT = 100_000
+MAX_CELLS = 100_000  # per engine start: prompt lengths x load points x turns x repeats
 
 
 class Workload(BaseModel):
@@ -143,6 +150,29 @@ class Workload(BaseModel):
             raise ValueError("family \"kv_boundary\" needs kv_pool_sequences (the pool is sized for that many)")
         return self
 
+    @model_validator(mode="after")
+    def _within_bounds(self):
+        """Counts within :data:`MAX_REPEATS` and its siblings: one line naming the key, never a plan that
+        exhausts memory or never ends."""
+        if self.repeats > MAX_REPEATS:
+            raise ValueError(f"repeats = {self.repeats:,}: at most {MAX_REPEATS:,}")
+        if self.warmup_requests > MAX_WARMUP_REQUESTS:
+            raise ValueError(f"warmup_requests = {self.warmup_requests:,}: at most {MAX_WARMUP_REQUESTS:,}")
+        try:
+            points = self.load.points()
+            in_flight = self.load.max_in_flight()
+            per_cell = max((self.load.requests_per_cell(p) for p in points), default=0)
+        except OverflowError:  # a rate times a duration beyond any float
+            raise ValueError("the load's request_rates x duration_s is beyond any count of requests") from None
+        if per_cell > MAX_REQUESTS_PER_CELL:
+            raise ValueError(f"load: a cell of {per_cell:,} requests (requests, or concurrency x rounds, or rate "
+                             f"x duration_s): at most {MAX_REQUESTS_PER_CELL:,}")
+        if in_flight > MAX_IN_FLIGHT:
+            raise ValueError(f"load: {in_flight:,} requests in flight at once (concurrency, or max_concurrency, or "
+                             f"4 x the rate): at most {MAX_IN_FLIGHT:,}")
+        check_cells(self, self.repeats)
+        return self
+
     def prompt_lengths(self, max_context: int) -> list[int]:
         """Resolve "max" against the model's context limit; drop rungs that would not fit (a multi-turn
         rung must fit all its turns)."""
@@ -164,6 +194,21 @@ class Workload(BaseModel):
 
 class WorkloadError(ValueError):
     pass
+
+
+def cells_per_start(workload: Workload, repeats: int) -> int:
+    """Cells one engine start runs before any a load profile adds: lengths x points x turns x repeats."""
+    turns = workload.turns if workload.family == "multi_turn" else 1
+    return len(workload.prompt_tokens) * len(workload.load.points()) * turns * repeats
+
+
+def check_cells(workload: Workload, repeats: int) -> None:
+    """ValueError (one line) where one engine start would run more than :data:`MAX_CELLS` cells."""
+    n = cells_per_start(workload, repeats)
+    if n > MAX_CELLS:
+        raise ValueError(f"{len(workload.prompt_tokens)} prompt lengths x {len(workload.load.points())} load points"
+                         + (f" x {workload.turns} turns" if workload.family == "multi_turn" else "")
+                         + f" x {repeats:,} repeats = {n:,} cells per engine start: at most {MAX_CELLS:,}")
 
 
 def available() -> list[str]:

@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from kvbench.kv import bounded
+
 _PLAIN_WORD = re.compile(r"^ [A-Za-z]{2,12}$")
 
 
@@ -49,8 +51,14 @@ _WORDS_BY_TOKENIZER: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
 class PromptBuilder:
     def __init__(self, tokenizer_file: str | Path):
-        raw = Path(tokenizer_file).read_bytes()
-        self.tokenizer = Tokenizer.from_str(raw.decode())
+        # a regular file within bounds: a FIFO or a link to /dev/zero is refused (InputError), never read
+        raw = bounded.read_bytes(tokenizer_file, bounded.TOKENIZER_MAX_BYTES, "tokenizer")
+        try:
+            self.tokenizer = Tokenizer.from_str(raw.decode())
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises its own Exception for a file it cannot read
+            why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            raise bounded.InputError(f"tokenizer {tokenizer_file}: not a tokenizer.json the tokenizers library "
+                                     f"reads ({why})") from None
         self._tokenizer_sha256 = hashlib.sha256(raw).hexdigest()
 
     @cached_property

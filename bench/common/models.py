@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -153,6 +154,10 @@ def locate(model: str) -> Path:
             raise ModelError(f"{path} is a folder without config.json: not an HF model folder")
         if not (path / "tokenizer.json").exists():
             raise ModelError(f"{path} has no tokenizer.json: kvbench builds token-exact prompts with it")
+        try:  # a FIFO or a link to /dev/zero in its place: refused here, before a run folder exists
+            os.close(bounded.open_regular(path / "tokenizer.json", "tokenizer"))
+        except bounded.InputError as exc:
+            raise ModelError(str(exc)) from None
     elif path.suffix != ".gguf":
         raise ModelError(f"{path}: expected a .gguf file or an HF model folder")
     else:  # a regular file with a GGUF's header (a FIFO, a device or a damaged file: one line, never a hang)

@@ -20,6 +20,7 @@ MiB = 1 << 20
 CONFIG_MAX_BYTES = 16 * MiB
 RUN_JSON_MAX_BYTES = 256 * MiB
 TOML_MAX_BYTES = 4 * MiB
+TOKENIZER_MAX_BYTES = 128 * MiB  # the largest real tokenizer.json (Gemma 3's) is ~33 MiB
 MAX_DEPTH = 64
 
 
@@ -96,7 +97,11 @@ def _check_depth(value, path, what: str, max_depth: int):
 def read_json(path: str | Path, max_bytes: int = CONFIG_MAX_BYTES, what: str = "file",
               max_depth: int = MAX_DEPTH):
     """``path`` parsed as JSON, within the bounds. Not JSON (or not UTF-8) is an InputError too."""
-    data = read_bytes(path, max_bytes, what)
+    return parse_json(read_bytes(path, max_bytes, what), path, what, max_depth)
+
+
+def parse_json(data: bytes, path: str | Path, what: str = "file", max_depth: int = MAX_DEPTH):
+    """``data`` (read from ``path``, within its own bound) parsed as JSON of at most ``max_depth`` levels."""
     try:
         value = json.loads(data)
     except RecursionError:

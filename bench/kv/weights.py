@@ -14,12 +14,12 @@ The text model only: a multimodal model's vision tower is not counted, and the l
 """
 from __future__ import annotations
 
-import json
 import math
+import os
 import struct
 from pathlib import Path
 
-from kvbench.kv import quantized
+from kvbench.kv import bounded, quantized
 from kvbench.kv.checkpoint import Breakdown, Weights, _first, _Unknown, parameter_breakdown
 from kvbench.kv.model_config import gguf_reader
 
@@ -36,27 +36,55 @@ CONFIG_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "flo
 
 # --- exact: files, the index, the hub ------------------------------------------------------------------
 
+#: The safetensors format's own bound on a header (the library refuses a larger one: "HeaderTooLarge")
+SAFETENSORS_HEADER_MAX_BYTES = 100_000_000
+
+
 def safetensors_bytes(folder: Path) -> int:
-    """Exact tensor bytes of every *.safetensors file, read from their headers."""
+    """Exact tensor bytes of every *.safetensors file, read from their headers: each a regular file
+    (:mod:`kvbench.kv.bounded`), its header within the format's bound and the file, JSON of at most
+    :data:`~kvbench.kv.bounded.MAX_DEPTH` levels, every tensor's ``data_offsets`` two integers within the
+    file; else InputError naming the file."""
     total = 0
     for f in sorted(folder.glob("*.safetensors")):
-        with f.open("rb") as fh:
-            (length,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(length))
-        total += sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__")
+        fd = bounded.open_regular(f, "safetensors file")
+        with os.fdopen(fd, "rb") as fh:
+            size = os.fstat(fd).st_size
+            head = fh.read(8)
+            if len(head) < 8:
+                raise bounded.InputError(f"safetensors file {f} is {size} bytes: too short for a header")
+            (length,) = struct.unpack("<Q", head)
+            if length > min(SAFETENSORS_HEADER_MAX_BYTES, size - 8):
+                raise bounded.InputError(f"safetensors file {f}: its header claims {length:,} bytes, more than the "
+                                         f"file's {size - 8:,} after the length or the format's "
+                                         f"{SAFETENSORS_HEADER_MAX_BYTES:,} (damaged or not a safetensors file)")
+            data = fh.read(length)
+        header = bounded.parse_json(data, f, "safetensors header")
+        if not isinstance(header, dict):
+            raise bounded.InputError(f"safetensors file {f}: its header is not a JSON object")
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            offsets = t.get("data_offsets") if isinstance(t, dict) else None
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                    and 0 <= offsets[0] <= offsets[1] <= size):
+                raise bounded.InputError(f"safetensors file {f}: tensor {name[:80]!r} has no data_offsets of two "
+                                         f"integers within the file (damaged or not a safetensors file)")
+            total += offsets[1] - offsets[0]
     return total
 
 
 def index_total_size(folder: Path) -> int | None:
-    """``metadata.total_size`` of model.safetensors.index.json (a sharded checkpoint's exact tensor bytes)."""
+    """``metadata.total_size`` of model.safetensors.index.json (a sharded checkpoint's exact tensor bytes);
+    None where there is none, or it is not one kvbench reads (a FIFO, too large or deep, not JSON)."""
     index = folder / "model.safetensors.index.json"
     if not index.exists():
         return None
     try:
-        size = json.loads(index.read_text()).get("metadata", {}).get("total_size")
-    except (json.JSONDecodeError, AttributeError):
+        size = bounded.read_json(index, what="safetensors index").get("metadata", {}).get("total_size")
+    except (bounded.InputError, OSError, AttributeError):
         return None
-    return int(size) if isinstance(size, (int, float)) and size > 0 else None
+    return int(size) if isinstance(size, (int, float)) and not isinstance(size, bool) and 0 < size < 2**63 else None
 
 
 def gguf_tensor_bytes(path: Path) -> int:
@@ -119,7 +147,10 @@ def of_folder(folder: Path, config_estimate: Weights) -> Weights:
 
 def _folder_exact(folder: Path) -> Weights | None:
     if list(folder.glob("*.safetensors")):
-        return Weights(safetensors_bytes(folder), "safetensors tensor bytes", exact=True, method="safetensors")
+        try:
+            return Weights(safetensors_bytes(folder), "safetensors tensor bytes", exact=True, method="safetensors")
+        except bounded.InputError as exc:  # said, never a figure made up in its place
+            return Weights(None, f"unknown: {exc}; give --weights-bytes", method="unknown")
     total = index_total_size(folder)
     if total:
         return Weights(total, "model.safetensors.index.json total_size", exact=True, method="index")
@@ -229,9 +260,11 @@ def for_model(source=None, config=None, text=None, *, raw: dict | None = None, w
         return Weights(gguf_tensor_bytes(path), "GGUF tensor bytes", exact=True, method="gguf")
     folder = (path if path.is_dir() else path.parent) if path is not None else None
     if hf_quant_config is None and folder is not None and (folder / "hf_quant_config.json").exists():
-        try:
-            hf_quant_config = json.loads((folder / "hf_quant_config.json").read_text())
-        except (OSError, json.JSONDecodeError):
+        try:  # a regular file within bounds (kvbench.kv.bounded)
+            hf_quant_config = bounded.read_json(folder / "hf_quant_config.json", what="hf_quant_config.json")
+        except (OSError, bounded.InputError):
+            hf_quant_config = None
+        if not isinstance(hf_quant_config, dict):
             hf_quant_config = None
     hf_quant_config = hf_quant_config or raw.get("kvbench_hf_quant_config")
     text = text if text is not None else config

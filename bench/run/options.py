@@ -20,7 +20,7 @@ from kvbench.run.cells import PromptSalt
 from kvbench.run.option_fields import Flag, FlagError, option
 from kvbench.run.telemetry import Prometheus
 from kvbench.store.writer import RunMode
-from kvbench.workloads import Workload, available
+from kvbench.workloads import MAX_REPEATS, Workload, available, check_cells
 from kvbench.workloads import load as load_workload
 
 DEFAULT_BACKENDS = list(DEFAULT_ENGINES)
@@ -87,6 +87,16 @@ def read_max_context(flags: dict, earlier: dict) -> int | None:
     value = flags["max_context"]
     if value is not None and value < 1:
         raise ValueError(f"--max-context takes a number of tokens of 1 or more, not {value}")
+    return value
+
+
+def read_repeats(flags: dict, earlier: dict) -> int | None:
+    """--repeats within the workloads' bound, and the cells it makes with the workload's within theirs."""
+    value = flags["repeats"]
+    if value is not None:
+        if value > MAX_REPEATS:
+            raise ValueError(f"--repeats {value:,}: at most {MAX_REPEATS:,}")
+        check_cells(earlier["workload"], value)
     return value
 
 
@@ -203,7 +213,8 @@ class RunOptions:
     repeats: int | None = option(
         Flag("repeats", int, None, "Run every cell this many times (default: the workload's); repeats give "
              "confidence intervals to kvbench compare.", min=1),
-        record="repeats", recorded=lambda repeats, run: repeats or run.o.workload.repeats)
+        read=read_repeats, default=None, record="repeats",
+        recorded=lambda repeats, run: repeats or run.o.workload.repeats)
     # each repeat runs on every backend in turn (one engine at a time, restarted per repeat), the order
     # reversed on odd repeats (AB BA AB ...); compare then pairs the repeats by index
     interleave: bool = option(

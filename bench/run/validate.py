@@ -23,6 +23,7 @@ from kvbench.backends import GGUF_TOOLS_ENGINE, HF_TOOLS_ENGINE, REGISTRY
 from kvbench.backends.types import EngineStartError
 from kvbench.common.envs import EnvInstallError, ensure_env, env_python, kvbench_home
 from kvbench.common.models import HF_FOLDER, ModelFiles
+from kvbench.kv import bounded
 from kvbench.kv.model_config import ConfigError, geometry_from_hf
 from kvbench.kv.rules import KVCheck
 
@@ -46,9 +47,9 @@ def families(names: list[str] | None = None) -> list[Family]:
             if not names or name in names]
 
 
-def _digest(family: Family, tokenizer_dir: Path) -> str:
+def _digest(family: Family, tokenizer: bytes) -> str:
     h = hashlib.sha256(json.dumps(family.config, sort_keys=True).encode())
-    h.update((tokenizer_dir / "tokenizer.json").read_bytes())
+    h.update(tokenizer)
     h.update(REGISTRY[HF_TOOLS_ENGINE].BUILDER.read_bytes())
     return h.hexdigest()[:16]
 
@@ -56,9 +57,13 @@ def _digest(family: Family, tokenizer_dir: Path) -> str:
 def prepare(chosen: list[Family], tokenizer_dir: Path, log=print) -> tuple[list[ModelFiles], dict[str, str]]:
     """Build the families' models (once: cached under $KVBENCH_HOME/families/) and their GGUF copies.
     Returns the models (gguf_path None where conversion failed) and, per family, why it could not be built."""
+    try:  # a regular file within bounds (a FIFO, a link to /dev/zero: every family says so, nothing hangs)
+        tokenizer = bounded.read_bytes(tokenizer_dir / "tokenizer.json", bounded.TOKENIZER_MAX_BYTES, "tokenizer")
+    except (bounded.InputError, FileNotFoundError) as exc:
+        return [], {f.name: f"not built: {exc}" for f in chosen}
     hf_python = env_python(_env(HF_TOOLS_ENGINE, log))
     root = kvbench_home() / "families"
-    folders = {f.name: root / f"{f.name}-{_digest(f, tokenizer_dir)}" / HF_FOLDER for f in chosen}
+    folders = {f.name: root / f"{f.name}-{_digest(f, tokenizer)}" / HF_FOLDER for f in chosen}
     errors: dict[str, str] = {}
     missing = [f for f in chosen if not (folders[f.name] / "config.json").exists()]
     if missing:

@@ -58,6 +58,7 @@ def _numbered_rows(path: Path) -> tuple[list[tuple[int, dict]], list[int]]:
 
 INT64_MAX = 2**63 - 1
 JSONL_MAX_BYTES = 64 << 30  # a run's requests.jsonl: ~3 KB a request, 10^7 requests
+LOGPROBS_MAX_BYTES = 4 << 30  # one kv_quant cell's log-probabilities: the top 20 of every token of every request
 
 
 def _damaged_number(row: dict) -> str | None:
@@ -400,13 +401,13 @@ def load_logprobs(run_dir: str | Path) -> dict[str, dict[str, dict]]:
     failed requests left out. A file that cannot be read is skipped with a warning."""
     out: dict[str, dict[str, dict]] = {}
     for path in sorted((Path(run_dir) / "logprobs").glob("*.json")):
-        try:
-            data = json.loads(path.read_text())
+        try:  # a regular file within bounds: a FIFO, /dev/zero or 100,000 nested lists is one warning
+            data = bounded.read_json(path, LOGPROBS_MAX_BYTES, what="")
             out[data["cell_id"]] = {
                 r["request_id"]: {"tokens": r["tokens"], "k": r.get("k", 0),
                                   "prompt_logprobs": r.get("prompt_logprobs"),
                                   "top": [{int(t): float(lp) for t, lp in top} for top in r.get("top") or []]}
                 for r in data["requests"] if not r.get("error")}
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             warnings.warn(f"{path}: unreadable ({type(exc).__name__}: {exc}); its cell has no divergence", stacklevel=2)
     return out

@@ -4,6 +4,7 @@ JSONL records) through kvbench.kv.bounded: a FIFO or a /dev/zero link is refused
 nesting are capped, a truncated or random GGUF is one line; each is exit 2 with one line, no traceback."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import struct
@@ -211,3 +212,218 @@ def test_a_run_json_nested_too_deep_is_a_read_error(tmp_path):
     (run / "run.json").write_text('{"x": ' + "[" * 100_000 + "]" * 100_000 + "}")
     with pytest.raises(ResultsReadError, match="nests deeper than 64 levels"):
         load_run_info(run)
+
+
+# --- a model folder's other files: tokenizer.json, safetensors headers, the index, hf_quant_config ------------
+
+def model_folder(where: Path) -> Path:
+    """An HF model folder of the embedded model's config and tokenizer (no weights)."""
+    from kvbench.common import models
+
+    hf = models.hf_copy_dir(embedded_gguf("smollm2"))
+    if not (hf / "tokenizer.json").exists():
+        pytest.skip("the embedded model's HF copy is made by `make test` (kvbench setup)")
+    where.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (where / name).write_bytes((hf / name).read_bytes())
+    return where
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+def test_a_tokenizer_json_that_is_no_regular_file_is_refused_before_the_run_folder(tmp_path, kind):
+    """`kvbench run --model DIR` hung for ever (a FIFO) or filled memory (/dev/zero), with run.json left
+    "running": now one line, exit 2, before the run folder exists."""
+    folder = model_folder(tmp_path / "model")
+    (folder / "tokenizer.json").unlink()
+    hostile(folder, "tokenizer.json", kind)
+    proc = cli("run", "-b", "openai:url=http://127.0.0.1:9", "--model", folder, "--workload", "smoke",
+               "--results-dir", tmp_path / "results", "--run-id", "r")
+    one_line_exit_2(proc, f"tokenizer {folder}/tokenizer.json is {KINDS[kind]}, not a regular file")
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_tokenizer_that_turns_hostile_inside_the_run_fails_it_never_left_running(tmp_path, monkeypatch):
+    """The same file replaced by a FIFO once the run has begun (or a GGUF's HF copy whose tokenizer is one):
+    the prompt builder reads it within bounds inside the run's try, and run.json says "failed" with why."""
+    import io
+
+    from rich.console import Console
+
+    from kvbench.common.models import ModelError
+    from kvbench.run import runner
+    from kvbench.run.backend_config import BackendConfig
+    from kvbench.workloads import load
+
+    folder = model_folder(tmp_path / "model")
+    resolve = runner.resolve_model
+
+    def then_a_fifo(options, console):
+        model = resolve(options, console)
+        (folder / "tokenizer.json").unlink()
+        os.mkfifo(folder / "tokenizer.json")
+        return model
+
+    monkeypatch.setattr(runner, "resolve_model", then_a_fifo)
+    options = runner.RunOptions(model=str(folder), workload=load("smoke"), results_dir=tmp_path / "results",
+                                run_id="r", backends=[BackendConfig.parse("openai:url=http://127.0.0.1:9")])
+    with pytest.raises(ModelError, match=f"tokenizer {folder}/tokenizer.json is a FIFO, not a regular file"):
+        runner.Runner(options, Console(file=io.StringIO())).run()
+    info = load_run_info(tmp_path / "results" / "r")
+    assert info["status"] == "failed" and "is a FIFO" in info["error"]
+    assert info["invocations"][-1]["status"] == "failed"
+
+
+def test_a_tokenizer_json_that_is_not_one_is_one_line(tmp_path):
+    from kvbench.workloads.prompts import PromptBuilder
+
+    (tmp_path / "tokenizer.json").write_text('{"model": ' + "[" * 5000 + "]" * 5000 + "}")
+    with pytest.raises(bounded.InputError, match="not a tokenizer.json the tokenizers library reads"):
+        PromptBuilder(tmp_path / "tokenizer.json")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+def test_validate_s_families_refuse_a_tokenizer_that_is_no_regular_file(tmp_path, kind, monkeypatch):
+    from kvbench.run import validate
+
+    monkeypatch.setattr(validate, "env_python", lambda env: pytest.fail("nothing may be built"))
+    hostile(tmp_path, "tokenizer.json", kind)
+    built, errors = validate.prepare(validate.families()[:2], tmp_path)
+    assert built == [] and len(errors) == 2
+    assert all(f"is {KINDS[kind]}, not a regular file" in e for e in errors.values()), errors
+
+
+def _safetensors(path: Path, header: bytes, length: int | None = None, data: bytes = b"") -> Path:
+    path.write_bytes(struct.pack("<Q", len(header) if length is None else length) + header + data)
+    return path
+
+
+@pytest.mark.parametrize("case, says", [
+    ("claims 2**62", "its header claims 4,611,686,018,427,387,904 bytes"),
+    ("short", "too short for a header"),
+    ("deep", "nests deeper than 64 levels"),
+    ("not json", "not valid JSON"),
+    ("offsets", "has no data_offsets of two integers within the file"),
+    ("fifo", "is a FIFO, not a regular file"),
+])
+def test_a_hostile_safetensors_header_is_said_not_read(tmp_path, case, says):
+    """The header's length was taken on trust (a 2**62 claim read the whole file into memory), its JSON
+    parsed unbounded: now each is an unknown figure with the reason, never a traceback."""
+    from kvbench.kv import weights
+
+    f = tmp_path / "model.safetensors"
+    if case == "claims 2**62":
+        _safetensors(f, b"{}", length=2**62)
+    elif case == "short":
+        f.write_bytes(b"\x01\x02")
+    elif case == "deep":
+        _safetensors(f, b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    elif case == "not json":
+        _safetensors(f, b"\xff" * 16)
+    elif case == "offsets":
+        _safetensors(f, b'{"w": {"dtype": "F16", "shape": [2], "data_offsets": [0, 99999999]}}', data=b"\0" * 4)
+    else:
+        os.mkfifo(f)
+    started = time.perf_counter()
+    with pytest.raises(bounded.InputError, match=says):
+        weights.safetensors_bytes(tmp_path)
+    found = weights.of_folder(tmp_path, None)
+    assert found.bytes is None and found.source.startswith("unknown: ") and says.split(" (")[0] in found.source
+    assert time.perf_counter() - started < 5
+    good = tmp_path / "good"
+    good.mkdir()
+    _safetensors(good / "a.safetensors", b'{"w": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}}',
+                 data=b"\0" * 4)
+    assert weights.safetensors_bytes(good) == 4
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "deep"])
+def test_an_index_or_hf_quant_config_that_is_not_readable_is_left_out_without_blocking(tmp_path, kind):
+    from kvbench.kv import weights
+
+    for name in ("model.safetensors.index.json", "hf_quant_config.json"):
+        if kind == "deep":
+            (tmp_path / name).write_text('{"metadata": ' + "[" * 100_000 + "]" * 100_000 + "}")
+        else:
+            hostile(tmp_path, name, kind)
+    assert weights.index_total_size(tmp_path) is None
+    found = weights.for_model(tmp_path / "config.json", None, None)  # no config: the exact figure or unknown
+    assert found.bytes is None and found.source.startswith("unknown")
+
+
+# --- the records a resume or a report reads ---------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+def test_a_requests_jsonl_that_is_no_regular_file_refuses_the_resume(tmp_path, kind):
+    from kvbench.store.writer import RunWriter
+
+    run = make_run(tmp_path, "a", repeats=1, prompts=(1024,), concurrency=(1,), n_requests=2)
+    (run / "requests.jsonl").unlink()
+    hostile(run, "requests.jsonl", kind)
+    writer = RunWriter(run, mode="resume")
+    with pytest.raises(ResultsReadError, match=f"requests.jsonl is {KINDS[kind]}, not a regular file"):
+        writer.discard_unfinished_requests()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "deep"])
+def test_a_logprobs_file_that_is_not_readable_is_one_warning(tmp_path, kind):
+    from kvbench.store.readers import load_logprobs
+
+    (tmp_path / "logprobs").mkdir()
+    if kind == "deep":
+        (tmp_path / "logprobs" / "c.json").write_text('{"cell_id": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    else:
+        hostile(tmp_path / "logprobs", "c.json", kind)
+    (tmp_path / "logprobs" / "good.json").write_text(json.dumps(
+        {"cell_id": "good", "requests": [{"request_id": "q", "tokens": [1], "top": [[[1, -0.5]]]}]}))
+    with pytest.warns(UserWarning, match="c.json: unreadable"):
+        out = load_logprobs(tmp_path)
+    assert list(out) == ["good"] and out["good"]["q"]["top"] == [{1: -0.5}]
+
+
+# --- a config of many layers: the work grows with the layers, never with their square ---------------------
+
+def _rule_calls(tmp_path, layers: int, monkeypatch) -> int:
+    """Calls of the engines' per-layer KV rules (tokens_kept, layer_bytes_per_token, on every rules class)
+    while a config of ``layers`` uniform layers is planned under the plain formula and vLLM on a GPU."""
+    from kvbench.backends import REGISTRY, kv_rules
+    from kvbench.kv.rules import KVRules
+    from kvbench.planner import PlanInput, plan, resolve_model
+    from tests.helpers import DATA
+
+    for engine in REGISTRY:  # every engine's rules class loaded, so that each is counted
+        kv_rules(engine)
+    calls = [0]
+
+    def counting(method):
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return method(*args, **kwargs)
+        return counted
+
+    classes, todo = [], [KVRules]
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo += cls.__subclasses__()
+    with monkeypatch.context() as patch:
+        for cls in classes:
+            for name in ("tokens_kept", "layer_bytes_per_token"):
+                if name in cls.__dict__:
+                    patch.setattr(cls, name, counting(cls.__dict__[name]))
+        raw = json.loads((DATA / "configs" / "llama-3.1-8b.json").read_text())
+        raw["num_hidden_layers"] = layers
+        (tmp_path / f"{layers}.json").write_text(json.dumps(raw))
+        model = resolve_model(str(tmp_path / f"{layers}.json"))
+        plans = [plan(PlanInput(model=model, context=8192)),
+                 plan(PlanInput(model=model, context=8192, engine="vllm", gpu="H100-80GB"))]
+        assert plans[0]["layers"] == layers and plans[1]["levers"] is not None
+    return calls[0]
+
+
+def test_twice_the_layers_cost_the_rules_twice_the_calls_not_four_times(tmp_path, monkeypatch):
+    """1,000 layers took 15 s and 2,000 54 s (quadratic: the rules asked of every layer, and each read the
+    whole geometry). Counted, not timed: 2,000 uniform layers cost the engines' per-layer rules at most
+    2.2 times the calls 1,000 do (linear; quadratic would be 4 times). The answer's total asks each distinct
+    layer once; the bytes per token a layer still asks of every layer (~445 calls a layer over both plans)."""
+    n, twice = _rule_calls(tmp_path, 1000, monkeypatch), _rule_calls(tmp_path, 2000, monkeypatch)
+    assert n > 0 and twice <= 2.2 * n, (n, twice)

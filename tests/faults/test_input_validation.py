@@ -135,6 +135,45 @@ def test_a_workload_with_a_number_that_is_none_is_refused(tmp_path, extra, says)
     refused(kvbench_run(tmp_path, "--workload", str(tmp_path / "w.toml"), *ATTACH), says)
 
 
+HUGE = [
+    ("repeats = 1000000000000\n", "repeats = 1,000,000,000,000: at most 1,000"),
+    ("warmup_requests = 1000000000000\n", "warmup_requests = 1,000,000,000,000: at most 10,000"),
+    ("rounds = 1000000000000\n", "load: a cell of 1,000,000,000,000 requests"),
+    ("requests = 1000000000000\n", "load: a cell of 1,000,000,000,000 requests"),
+    ("requests = 4\n", "load: 1,000,000,000,000 requests in flight at once"),  # concurrency = [10**12]
+    (OPEN_LOOP.replace("requests = 4\n", "") + "request_rates = [1e300]\nduration_s = 1e300\n",
+     "request_rates x duration_s is beyond any count of requests"),
+    ("repeats = 1000\n", "x 1,000 repeats = 101,000 cells per engine start: at most 100,000"),
+]
+
+
+@pytest.mark.parametrize("extra, says", HUGE, ids=["repeats", "warmup", "rounds", "requests", "concurrency",
+                                                   "rate-x-duration", "cells"])
+def test_a_workload_asking_for_counts_beyond_memory_is_refused_at_once(tmp_path, extra, says):
+    """10**12 repeats ended in a MemoryError traceback in RunPlan.cells(): every count is bounded."""
+    body = TINY
+    if "poisson" in extra:
+        body = body.replace("concurrency = [1]\n", "")
+    elif "in flight" in says:
+        body = body.replace("concurrency = [1]", "concurrency = [1000000000000]")
+    elif "cells" in says:
+        body = body.replace("concurrency = [1]", f"concurrency = {list(range(1, 102))}")
+    (tmp_path / "w.toml").write_text(body + extra)
+    started = time.perf_counter()
+    with pytest.raises(WorkloadError, match=says.replace("[", r"\[").replace("]", r"\]")):
+        load_workload(str(tmp_path / "w.toml"))
+    refused(kvbench_run(tmp_path, "--workload", str(tmp_path / "w.toml"), *ATTACH), says)
+    assert time.perf_counter() - started < 10
+
+
+def test_repeats_beyond_the_bound_are_refused(tmp_path):
+    refused(kvbench_run(tmp_path, "--workload", "smoke", "--repeats", "1000000000000", *ATTACH),
+            "--repeats 1,000,000,000,000: at most 1,000")
+    (tmp_path / "w.toml").write_text(TINY.replace("concurrency = [1]", f"concurrency = {list(range(1, 102))}"))
+    refused(kvbench_run(tmp_path, "--workload", str(tmp_path / "w.toml"), "--repeats", "1000", *ATTACH),
+            "= 101,000 cells per engine start: at most 100,000")
+
+
 def test_a_true_prompt_length_is_refused(tmp_path):
     (tmp_path / "w.toml").write_text(TINY.replace("[64]", "[true]"))
     refused(kvbench_run(tmp_path, "--workload", str(tmp_path / "w.toml"), *ATTACH),
