@@ -43,7 +43,7 @@ def compare(
         raise typer.BadParameter("--format must be table or json")
     try:  # only new files or kvbench's own: never through a link, onto a device or over another's file
         _check_outputs(output_dir, json_file, html_file)
-    except OutputRefused as exc:
+    except (OutputRefused, OSError, ValueError) as exc:  # ValueError: a path holding a NUL
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     try:
@@ -66,24 +66,30 @@ def compare(
         typer.echo(f"error: the runs could not be compared ({type(exc).__name__}: {str(exc)[:200]}): a run folder "
                    f"holds data of an unexpected shape (bad input, exit 2)", err=True)
         raise typer.Exit(2)
-    for warning in result["warnings"]:
-        typer.echo(f"WARNING: {warning}", err=True)
-    text = markdown(result)
     try:
+        for warning in result["warnings"]:
+            typer.echo(f"WARNING: {warning}", err=True)
+        text = markdown(result)
         if output_dir:
             write_outputs(result, text, output_dir)
         if json_file:
             atomic_write_text(json_file, json.dumps(result, indent=2))
         if html_file:
             write_html(result, html_file)
+        typer.echo(json.dumps(result, indent=2) if output_format == "json" else text)
     except OSError as exc:
         typer.echo(f"error: writing the output: {exc}", err=True)
         raise typer.Exit(2)
-    if output_format == "json":
-        typer.echo(json.dumps(result, indent=2))
-    else:
-        typer.echo(text)
+    except Exception as exc:  # noqa: BLE001 - rendering what was compared failed: never exit 1 (REGRESSION)
+        typer.echo(f"error: the runs were compared (verdict: {VERDICTS.get(result.get('exit_code'), 'unknown')}) "
+                   f"but the report could not be written ({type(exc).__name__}: {str(exc)[:200]}): exit 2, as for "
+                   f"every error", err=True)
+        raise typer.Exit(2)
     raise typer.Exit(result["exit_code"])
+
+
+#: compare's exit codes, for a line that cannot give the whole report
+VERDICTS = {0: "unchanged", 1: "REGRESSION", 3: "inconclusive", 4: "improved"}
 
 
 def _check_outputs(output_dir: Path | None, json_file: Path | None, html_file: Path | None) -> None:

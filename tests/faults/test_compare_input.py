@@ -135,3 +135,19 @@ def test_an_unforeseen_failure_inside_compare_is_exit_2_not_1(runs, monkeypatch)
     out = kvbench("compare", *runs)
     assert out.exit_code == 2
     assert "TypeError" in one_error_line(out)
+
+
+@pytest.mark.parametrize("where", ["markdown", "write_html", "write_outputs"])
+def test_a_failure_while_writing_the_comparison_is_exit_2_not_1(runs, monkeypatch, tmp_path, where):
+    """Only loading and comparing were guarded: an exception in the Markdown, the HTML page or the output
+    folder was a traceback and exit 1, which a CI gate reads as REGRESSION."""
+    import kvbench.commands.compare as command
+
+    def broken(*args, **kwargs):
+        raise KeyError("a column the renderer expected")
+    monkeypatch.setattr(command, where, broken)
+    out = kvbench("compare", *runs, "--html", tmp_path / "c.html", "-o", tmp_path / "out")
+    assert out.exit_code == 2, out.output
+    line = [line for line in out.output.splitlines() if line.startswith("error: ")]
+    assert len(line) == 1 and "the report could not be written (KeyError" in line[0] and "verdict: " in line[0]
+    assert "Traceback" not in out.output
