@@ -9,7 +9,11 @@ import io
 import os
 import re
 import shlex
+import signal
+import socket
 import stat
+import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -18,6 +22,7 @@ import yaml
 
 from kvbench.common.files import OutputRefused
 from kvbench.integrations import llmd_harness as harness
+from kvbench.integrations import llmd_profile as profiles
 from kvbench.reports import benchmark_report as br
 from kvbench.workloads import load as load_workload
 
@@ -49,9 +54,9 @@ def test_the_files_are_where_llm_d_benchmark_looks():
     for script in (HARNESS_SCRIPT, ANALYZER_SCRIPT):
         assert script.read_text().startswith("#!/usr/bin/env bash\n")
         assert script.stat().st_mode & stat.S_IXUSR, f"{script} is not executable (its ConfigMap mounts 0755)"
-    assert HARNESS_SCRIPT.name == f"{harness.HARNESS}-llm-d-benchmark.sh"
-    assert ANALYZER_SCRIPT.name == f"{harness.HARNESS}-analyze_results.sh"
-    assert PROFILES.name == harness.HARNESS and PROFILES / "sanity_random.yaml.in" in TEMPLATES
+    assert HARNESS_SCRIPT.name == f"{profiles.HARNESS}-llm-d-benchmark.sh"
+    assert ANALYZER_SCRIPT.name == f"{profiles.HARNESS}-analyze_results.sh"
+    assert PROFILES.name == profiles.HARNESS and PROFILES / "sanity_random.yaml.in" in TEMPLATES
     assert len(TEMPLATES) >= 4
 
 
@@ -67,13 +72,13 @@ def test_every_template_renders_into_a_run_kvbench_takes(tmp_path, template):
     workspace, name = workspace_with(tmp_path, template, VALUES)
     results = tmp_path / "results"
     results.mkdir()
-    env = harness.Environment.read(pod_environment(results, workspace, name))
-    profile, _ = harness.read_profile(env)
+    env = profiles.Environment.read(pod_environment(results, workspace, name))
+    profile, _ = profiles.read_profile(env)
     assert (profile.endpoint, profile.model) == ("http://10.131.0.42:80", "Qwen/Qwen3-0.6B")
-    workload = harness.workload_argument(profile, env)
+    workload = profiles.workload_argument(profile, env)
     assert load_workload(workload).name == template.removesuffix(".yaml.in")
     notes = []
-    command = harness.kvbench_command(profile, env, workload, harness.run_folder(env), notes)
+    command = profiles.kvbench_command(profile, env, workload, profiles.run_folder(env), notes)
     assert notes == []
     assert command[1:4] == ["run", "--backend", "vllm:url=http://10.131.0.42:80"]  # vllm-prod: a vLLM service
     assert command[command.index("--max-context") + 1] == "16000"
@@ -81,16 +86,16 @@ def test_every_template_renders_into_a_run_kvbench_takes(tmp_path, template):
 
 
 def test_the_engine_follows_the_stack_and_an_unrendered_limit_is_left_out(tmp_path):
-    """engine: auto is vLLM on a standalone stack and the OpenAI-compatible adapter behind llm-d's gateway; a
+    """The templates name vLLM for a standalone stack and the OpenAI-compatible adapter for llm-d's gateway; a
     run-only stack without maxModelLen leaves that token unrendered: the flag is left out, and said."""
     values = {k: v for k, v in VALUES.items() if k != "LLMDBENCH_DEPLOY_CURRENT_MAX_MODEL_LEN"}
     workspace, name = workspace_with(tmp_path, "sanity_random.yaml.in", values)
     results = tmp_path / "results"
     results.mkdir()
-    env = harness.Environment.read(pod_environment(results, workspace, name, LLMDBENCH_HARNESS_STACK_TYPE="llm-d"))
-    profile, _ = harness.read_profile(env)
+    env = profiles.Environment.read(pod_environment(results, workspace, name, LLMDBENCH_HARNESS_STACK_TYPE="llm-d"))
+    profile, _ = profiles.read_profile(env)
     notes = []
-    command = harness.kvbench_command(profile, env, "smoke", harness.run_folder(env), notes)
+    command = profiles.kvbench_command(profile, env, "smoke", profiles.run_folder(env), notes)
     assert command[3] == "openai:url=http://10.131.0.42:80" and "--max-context" not in command
     assert notes == ["run.max-context is REPLACE_ENV_LLMDBENCH_DEPLOY_CURRENT_MAX_MODEL_LEN, which llm-d-benchmark "
                      "did not render: left to kvbench's default"]
@@ -128,12 +133,13 @@ def test_a_bad_profile_is_one_line_exit_2_with_its_logs(tmp_path, overrides, sai
     assert (results / "stderr.log").read_text() == err and (results / "stdout.log").exists()
     meta = metadata(results)
     assert meta["harness_rc"] == "2" and meta["kvbench_run"] == "" and meta["benchmark_reports"] == []
-    assert not (results / harness.RUNS_FOLDER).exists() and not report_files(results)
+    assert not (results / profiles.RUNS_FOLDER).exists() and not report_files(results)
 
 
-def test_the_stack_type_must_say_the_engine(tmp_path):
+def test_an_engine_per_stack_type_needs_the_stack_type(tmp_path):
     rc, _, err, _ = in_process(tmp_path, LLMDBENCH_HARNESS_STACK_TYPE="")
-    assert rc == 2 and "engine: auto reads LLMDBENCH_HARNESS_STACK_TYPE" in err and "not set" in err
+    assert rc == 2 and "engine: the profile names one for the stack types vllm-prod, llm-d" in err
+    assert "LLMDBENCH_HARNESS_STACK_TYPE is not set" in err
 
 
 def test_a_missing_profile_is_refused(tmp_path):
@@ -174,6 +180,34 @@ def test_kvbenchs_own_refusal_and_status_come_through_with_metrics_collected(tmp
     assert run_script(ANALYZER_SCRIPT, env).returncode == 0  # nothing to validate after a failed harness
 
 
+def test_sigterm_is_passed_on_to_kvbench(tmp_path, smollm2):
+    """A pod deleted while kvbench waits for an endpoint that takes connections and never answers: SIGTERM to
+    the harness reaches kvbench, which ends its run (exit 130, the script's status: `exec`, so the script's
+    process is the harness's); run_metadata.yaml says so, and no cell means no report."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)  # never accepted: the kernel completes the connections, nobody answers
+        values = {**VALUES, "LLMDBENCH_HARNESS_STACK_ENDPOINT_URL": f"http://127.0.0.1:{listener.getsockname()[1]}",
+                  "LLMDBENCH_DEPLOY_CURRENT_MODEL": "smollm2", "LLMDBENCH_DEPLOY_CURRENT_MAX_MODEL_LEN": "1024"}
+        workspace, name = workspace_with(tmp_path, "sanity_random.yaml.in", values,
+                                         {"engine": "openai", "run.start-timeout": 120})
+        results = tmp_path / "requests" / f"{EXPERIMENT_ID}_1"
+        proc = subprocess.Popen(["bash", str(HARNESS_SCRIPT)], env=pod_environment(results, workspace, name),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        run_json = results / profiles.RUNS_FOLDER / f"{EXPERIMENT_ID}_1" / "run.json"
+        deadline = time.monotonic() + 120
+        while not run_json.exists():  # written once kvbench's run handles SIGTERM
+            assert proc.poll() is None and time.monotonic() < deadline, (results / "stderr.log").read_text()
+            time.sleep(0.1)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 130
+    meta = metadata(results)
+    assert meta["harness_rc"] == "130" and meta["benchmark_reports"] == [] and not report_files(results)
+    assert "kvbench-harness: kvbench run exited 130" in (results / "stdout.log").read_text()
+    assert yaml.safe_load(run_json.read_text())["status"] == "interrupted"
+
+
 def test_without_kvbench_the_script_says_so_in_its_log(tmp_path):
     results = tmp_path / "results"
     env = pod_environment(results, tmp_path, "sanity_random.yaml", KVBENCH_PYTHON=str(tmp_path / "no-python"))
@@ -188,8 +222,8 @@ def test_reports_carry_the_experiment_and_replace_an_earlier_trys(tmp_path):
     llm-d-benchmark makes it), the pod, the description and keywords; a report an earlier try left and this
     one did not make is removed; another program's file there is refused before anything is written."""
     results = tmp_path / f"{EXPERIMENT_ID}_1"
-    env = harness.Environment.read(pod_environment(results, tmp_path, "sanity_random.yaml"))
-    run = make_run(results / harness.RUNS_FOLDER, f"{EXPERIMENT_ID}_1", prompts=(1024,), concurrency=(1, 4),
+    env = profiles.Environment.read(pod_environment(results, tmp_path, "sanity_random.yaml"))
+    run = make_run(results / profiles.RUNS_FOLDER, f"{EXPERIMENT_ID}_1", prompts=(1024,), concurrency=(1, 4),
                    repeats=1, n_requests=3)
     stale = results / br.file_name("vllm-0.31.0_p2048_c1_r0")
     stale.write_text(f"{br.HEADER} left by an earlier try\n")
@@ -218,11 +252,12 @@ def test_the_analyzer_validates_every_report(tmp_path, capsys):
     assert harness.analyze(env) == 1  # kvbench succeeded: a missing report is an error
     assert "has no Benchmark Report" in capsys.readouterr().err
     run = make_run(tmp_path / "runs", "a", prompts=(1024,), concurrency=(1,), repeats=1, n_requests=3)
-    harness.write_reports(run, harness.Environment.read(pod_environment(results, tmp_path, "x")))
+    harness.write_reports(run, profiles.Environment.read(pod_environment(results, tmp_path, "x")))
     assert harness.analyze(env) == 0
     assert "valid Benchmark Report v0.2" in capsys.readouterr().out
     (path,) = report_files(results)
     path.write_text(path.read_text().replace("units: s\n", "units: fortnights\n", 1))
+    assert "units: fortnights" in path.read_text()
     assert harness.analyze(env) == 1
     assert path.name in capsys.readouterr().err
 
