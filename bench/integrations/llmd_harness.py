@@ -48,12 +48,12 @@ from kvbench.common.redact import redact_text, redact_url
 from kvbench.integrations.llmd_profile import (PROFILE_MAX_BYTES, Environment, HarnessError, kvbench_command,
                                                read_profile, run_folder, workload_argument)
 from kvbench.kv import bounded
+from kvbench.store.errors import ResultsReadError
 
 METADATA = "run_metadata.yaml"
 STDOUT_LOG, STDERR_LOG = "stdout.log", "stderr.log"
 METRICS_LOG = "metrics_collection.log"
 SAY = "kvbench-harness: "
-
 
 
 # --- the logs and the process -----------------------------------------------------------------------------
@@ -227,14 +227,14 @@ def run(environ=None, stdout=None, stderr=None) -> int:
     try:
         env = Environment.read(environ)
         env.results_dir.mkdir(parents=True, exist_ok=True)
+        logs = Logs(env.results_dir, stdout, stderr)
     except HarnessError as exc:
         print(f"{SAY}error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:
-        print(f"{SAY}error: results folder {environ.get('LLMDBENCH_RUN_EXPERIMENT_RESULTS_DIR')}: {exc.strerror}",
+    except OSError as exc:  # a results folder it cannot make or write in: nowhere to put anything
+        print(f"{SAY}error: results folder {environ.get('LLMDBENCH_RUN_EXPERIMENT_RESULTS_DIR')}: {exc}",
               file=sys.stderr)
         return 1
-    logs = Logs(env.results_dir, stdout, stderr)
     start = time.time()
     rc, command, run_dir, reports = 2, [], None, []
     model, endpoint = env.model, env.endpoint
@@ -266,7 +266,7 @@ def run(environ=None, stdout=None, stderr=None) -> int:
         try:
             reports = write_reports(run_dir, env)
             logs.say(f"{len(reports)} Benchmark Report(s) in {env.results_dir}")
-        except (OutputRefused, ValueError, OSError) as exc:
+        except (OutputRefused, ResultsReadError, ValueError, OSError) as exc:
             logs.error(f"Benchmark Reports not written: {exc}")
             rc = rc or 1
     try:
