@@ -18,7 +18,7 @@ ROOT = Path(os.environ.get("KVBENCH_TREE") or REPO).resolve()
 # way: workload -> cells -> runner -> rows -> store -> reports). The package's own __init__ is below all.
 LAYERS = ["kvbench.kv", "kvbench.common", "kvbench.backends", "kvbench.load", "kvbench.workloads", "kvbench.store",
           "kvbench.planner", "kvbench.run", "kvbench.reports", "kvbench.compare", "kvbench.commands", "kvbench.cli",
-          "kvbench.selfcheck"]
+          "kvbench.integrations", "kvbench.selfcheck"]
 ENGINE_DIRS = sorted(p.parent.name for p in (ROOT / "backends").glob("*/adapter.py"))
 
 
