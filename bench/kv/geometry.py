@@ -97,6 +97,9 @@ class KVGeometry:
     source: str = "hf"  # "hf": an HF config; "gguf": GGUF metadata, which already says what llama.cpp caches
     flags: tuple[str, ...] = ()  # config facts an engine's rules read (e.g. "new_decoder_architecture")
     notes: tuple[str, ...] = ()  # how the geometry was read: class defaults used, aliases, layers left out
+    # fields the file leaves out that the geometry took from a config class (its default, or what it derives):
+    # the answer is then not verified (kvbench.kv.model_config.class_filled)
+    assumed: tuple[str, ...] = ()
 
     @classmethod
     def uniform(cls, num_layers: int, num_kv_heads: int, head_dim_k: int, head_dim_v: int | None = None,

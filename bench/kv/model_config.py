@@ -30,6 +30,7 @@ import functools
 import json
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -157,6 +158,102 @@ def missing_required(text, raw_text: dict, nested: bool) -> list[str]:
         if not any(raw_text.get(n) is not None for n in names):
             missing.append(name)
     return missing
+
+
+# --- what a config class fills where the file is silent ------------------------------------------------
+
+# Beyond REQUIRED, the fields an answer reads. transformers writes every field of its class at a config's top level
+# (only a nested text_config leaves out what equals its class's defaults), so a top-level file without one was
+# written otherwise, and the class fills it: with its default (another model's value) or with what its post-init
+# derives. Each is named, and what it touches is marked NOT VERIFIED (the KV), left unknown (the weights) or left
+# to the user (the limit), never taken as this model's.
+KV_FILLED = ("num_key_value_heads", "head_dim", "sliding_window", "sliding_window_pattern", "attention_chunk_size",
+             "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "num_kv_shared_layers")
+WEIGHT_FILLED = ("intermediate_size", "moe_intermediate_size", "num_local_experts", "num_experts", "n_routed_experts",
+                 "n_shared_experts", "shared_expert_intermediate_size", "first_k_dense_replace", "moe_layer_freq",
+                 "q_lora_rank", "decoder_sparse_step", "expert_layer_period", "expert_layer_offset")
+LIMIT_FILLED = "max_position_embeddings"
+
+
+def _class_defaults(cls) -> dict[str, object]:
+    """{field: default} a config class declares: its dataclass fields (transformers 5), else its __init__'s
+    keyword defaults (a remote-code class of the older kind). A field without a plain default maps to None."""
+    import dataclasses
+    import inspect
+
+    if dataclasses.is_dataclass(cls):
+        return {f.name: (None if f.default is dataclasses.MISSING else f.default) for f in dataclasses.fields(cls)}
+    try:
+        params = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: (None if p.default is inspect.Parameter.empty else p.default) for p in params
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def class_filled(text, raw: dict, names) -> dict[str, tuple[object, bool]]:
+    """{name: (value, constant)} for each of ``names`` that ``text``'s class declares and ``raw`` does not give
+    (under the name, the field its class maps it to, or another name for that field): the value came from the
+    class, ``constant`` True where it is the class's default, False where its post-init derived it."""
+    cls = type(text)
+    defaults = _class_defaults(cls)
+    mapped = getattr(cls, "attribute_map", {}) or {}
+    out = {}
+    for name in names:
+        attr = mapped.get(name, name)
+        if attr not in defaults:
+            continue
+        given = {name, attr, *(k for k, v in mapped.items() if v == attr), *ALIASES.get(name, ())}
+        if any(k in raw for k in given):
+            continue  # stated (null included: the file says there is none)
+        value = getattr(text, attr, None)
+        if value is None:
+            continue
+        out[name] = (value, defaults[attr] is not None)
+    return out
+
+
+def _mark_class_filled(text, raw: dict, geometry: KVGeometry) -> KVGeometry:
+    """``geometry`` with what a top-level config's class filled named (see KV_FILLED): the KV fields it rests
+    on marked assumed, the weights' fields set aside for the count (``kvbench_unset``: unknown, named), a
+    limit from the class's default dropped (the user's --context or --max-model-len sets it)."""
+    cls = type(text).__name__
+    filled = class_filled(text, raw, (*KV_FILLED, *WEIGHT_FILLED, LIMIT_FILLED))
+    if not filled:
+        return geometry
+    g = geometry
+    relevant = {"num_key_value_heads": g.mla is None and g.model_type not in ("falcon", "RefinedWeb", "RefinedWebModel"),
+                "head_dim": g.mla is None, "sliding_window": g.count("sliding") > 0,
+                "sliding_window_pattern": g.count("sliding") > 0 and "layer_types" not in raw,
+                "attention_chunk_size": g.count("chunked") > 0, "kv_lora_rank": g.mla is not None,
+                "qk_rope_head_dim": g.mla is not None, "qk_nope_head_dim": g.mla is not None,
+                "v_head_dim": g.mla is not None, "num_kv_shared_layers": bool(filled.get("num_kv_shared_layers", (0,))[0])}
+    notes, assumed = [], []
+    for name in KV_FILLED:
+        if name not in filled or not relevant.get(name):
+            continue
+        value, constant = filled[name]
+        if name == "head_dim" and not constant:
+            continue  # hidden_size / num_attention_heads: the architecture's own definition (noted as such)
+        if constant:
+            how = "its default, another model's value"
+        elif name == "num_key_value_heads":
+            how = "num_attention_heads: one KV head per attention head (MHA)"
+        else:
+            how = "derived from the other fields"
+        notes.append(f"{name} is not in the file: {cls} gives {value!r}, {how}; the KV rests on it (NOT VERIFIED)")
+        assumed.append(name)
+    weights = [name for name in WEIGHT_FILLED if name in filled]
+    if weights:
+        text.kvbench_unset = (*getattr(text, "kvbench_unset", ()), *weights)
+    kept = [n for n in g.notes if not (any(n.startswith(f"{a} ") for a in assumed) and "class default" in n)]
+    limit = g.max_context
+    if LIMIT_FILLED in filled and filled[LIMIT_FILLED][1]:
+        limit = None
+        kept = [n for n in kept if not n.startswith("the model's limit")]
+        notes.append(f"max_position_embeddings is not in the file ({filled[LIMIT_FILLED][0]:,} is the {cls} class's "
+                     "default, another model's): the model's limit is unknown; --max-model-len or --context sets it")
+    return replace(g, max_context=limit, notes=(*kept, *notes), assumed=(*g.assumed, *assumed))
 
 
 def transformers_version() -> str:
@@ -345,8 +442,13 @@ def parse_hf_dict(raw: dict, source: str = "config.json", folder: str | Path | N
             defaults = ", ".join(f"{name} {getattr(text, name, None)!r}" for name in kv_missing)
             raise ConfigError(f"{source}: {', '.join(kv_missing)} missing: the KV geometry needs this model's "
                               f"(the {type(text).__name__} class's defaults, {defaults}, are another model's)")
+        if not nested and not isinstance(text, PlainConfig):
+            geometry = _mark_class_filled(text, raw_text, geometry)
         return config, text, geometry
-    return config, text, _geometry(text, raw_text, config, source, notes)
+    geometry = _geometry(text, raw_text, config, source, notes)
+    if not isinstance(text, RawConfig) and not nested:  # a remote-code class (--trust-remote-code) fills fields too
+        geometry = _mark_class_filled(text, raw_text, geometry)
+    return config, text, geometry
 
 
 def _get(config, name: str, known: bool):

@@ -63,7 +63,19 @@ class ModelForPlan:
 
     @property
     def verified(self) -> bool:
-        return not self.unread_keys
+        return not self.unread_keys and not self.geometry.assumed
+
+    @property
+    def unverified_reason(self) -> str:
+        """Why the answer is not verified, in a few words ("" where it is)."""
+        why = []
+        for name in self.geometry.assumed:  # its note: "<name> is not in the file: <Class> gives <value>, ..."
+            note = next((n for n in self.geometry.notes if n.startswith(f"{name} is not in the file: ")), "")
+            given = note.split(": ", 1)[1].split(", ", 1)[0] if note else "its class fills it"
+            why.append(f"{name} not in the config ({given})")
+        if self.unread_keys:
+            why.append(f"the config's {', '.join(self.unread_keys)} look per-layer and were not read")
+        return "; ".join(why)
 
     @property
     def quantised(self) -> str | None:

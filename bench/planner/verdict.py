@@ -76,10 +76,9 @@ def verdict(s: Setup, o: Outcome) -> dict:
     out = {"word": None, "fits": o.fits, "headroom_bytes": o.headroom, "headroom_pct": o.headroom_pct,
            "max_concurrency": o.max_concurrency, "context": s.context, "longest_request": o.longest_request,
            "batch": s.batch, "limit": s.limit, "limit_source": s.limit_source, "weights_exceed": o.weights_exceed,
-           "verified": s.model.verified, "unread_keys": list(s.model.unread_keys)}
-    unverified = ""
-    if not s.model.verified:
-        unverified = f" (NOT VERIFIED: the config's {', '.join(s.model.unread_keys)} look per-layer and were not read)"
+           "verified": s.model.verified, "unread_keys": list(s.model.unread_keys),
+           "assumed_keys": list(s.geometry.assumed)}
+    unverified = _unverified(s)
     if s.gpu is None:
         out["word"] = "NO GPU"
         out["line"] = (f"NO VERDICT{unverified}: no --gpu or --memory; the deployment holds {fmt_gib(o.kv)} of KV "
@@ -136,7 +135,7 @@ def lever_line(lv: dict) -> str:
 def _unverified(s: Setup) -> str:
     if s.model.verified:
         return ""
-    return f" (NOT VERIFIED: the config's {', '.join(s.model.unread_keys)} look per-layer and were not read)"
+    return f" (NOT VERIFIED: {s.model.unverified_reason})"
 
 
 def asked_first(s: Setup, o: Outcome, typical: KVAnswer, startup: dict | None) -> dict:

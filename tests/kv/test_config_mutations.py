@@ -100,6 +100,57 @@ def test_a_missing_vocabulary_leaves_the_weights_unknown_not_guessed(tmp_path):
     assert plans[1]["verdict"]["word"] == "UNKNOWN"
 
 
+def _cli(tmp_path, raw: dict, *args) -> tuple[int, str]:
+    file = tmp_path / "config.json"
+    file.write_text(json.dumps(raw))
+    result = CliRunner().invoke(app, ["plan", str(file), *args], env={"COLUMNS": "200"})
+    return result.exit_code, result.output
+
+
+def test_a_missing_mlp_width_leaves_the_weights_unknown_not_a_class_default(tmp_path):
+    """Without intermediate_size, LlamaConfig's 11,008 made llama-3.1-70b 35.82 B parameters that "FITS" on
+    one H100 in bf16: the weights are unknown, the key named, and no verdict is given."""
+    raw = json.loads((DATA / "configs" / "llama-3.1-70b.json").read_text())
+    del raw["intermediate_size"]
+    code, out = _cli(tmp_path, raw, "-n", "8k", "--engine", "vllm", "--gpu", "H100-80GB", "--json")
+    r = json.loads(out)
+    assert code == 0 and r["weights_bytes"] is None and "intermediate_size" in r["weights_source"]
+    assert r["fits"] is None and r["verdict"]["word"] == "UNKNOWN"
+    code, text = _cli(tmp_path, raw, "-n", "8k", "--engine", "vllm", "--gpu", "H100-80GB")
+    assert "FITS" not in text.replace("FIT UNKNOWN", "") and "intermediate_size" in text
+
+
+def test_a_missing_limit_is_unknown_not_the_class_default(tmp_path):
+    """Without max_position_embeddings the limit was LlamaConfig's 2,048, "the model's": now the model's limit is
+    unknown, said so, and the length asked is planned as the limit."""
+    raw = json.loads((DATA / "configs" / "llama-3.1-70b.json").read_text())
+    del raw["max_position_embeddings"]
+    code, out = _cli(tmp_path, raw, "-n", "8192", "--json")
+    r = json.loads(out)
+    assert code == 0 and r["max_context"] is None and r["max_model_len"] == 8192
+    assert "2,048" not in r["max_model_len_source"] and "no limit" in r["max_model_len_source"]
+    assert any(n.startswith("max_position_embeddings is not in the file") for n in r["notes"])
+    code, out = _cli(tmp_path, raw)  # nothing asked and no limit known: one line, exit 2
+    assert code == 2 and len(out.strip().splitlines()) == 1 and "max_position_embeddings" in out
+
+
+@pytest.mark.parametrize("config, key, value", [("llama-3.1-70b.json", "num_key_value_heads", 64),
+                                                ("qwen3-8b.json", "head_dim", 128),
+                                                ("mistral-7b-instruct-v0.3.json", "num_key_value_heads", 8)])
+def test_a_kv_field_the_class_fills_is_named_and_not_verified(tmp_path, config, key, value):
+    """Without num_key_value_heads a 70B became MHA (8x the KV) with no note; Qwen3Config's head_dim 128 and
+    MistralConfig's 8 KV heads are their defaults: each is named on the first line, --strict exits 3."""
+    raw = json.loads((DATA / "configs" / config).read_text())
+    del raw[key]
+    code, out = _cli(tmp_path, raw, "-n", "4096", "--json")
+    r = json.loads(out)
+    assert code == 0 and r["verified"] is False and r["verdict"]["assumed_keys"] == [key]
+    assert any(n.startswith(f"{key} is not in the file: ") and f"gives {value}" in n for n in r["notes"])
+    code, text = _cli(tmp_path, raw, "-n", "4096")
+    assert text.startswith(f"Asked (NOT VERIFIED: {key} not in the config (") and f"gives {value})" in text
+    assert _cli(tmp_path, raw, "-n", "4096", "--strict")[0] == 3
+
+
 def test_a_nested_text_config_leaves_out_its_class_defaults_and_says_so(tmp_path):
     # gemma-3-4b-it's text_config omits num_attention_heads (Gemma3TextConfig's 8): transformers writes a
     # nested config without the values equal to its class's defaults
