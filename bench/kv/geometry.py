@@ -213,6 +213,31 @@ def check_split(geom: KVGeometry, tp: int) -> None:
             raise UnevenSplit(f"{kv} KV heads cannot be split evenly over {tp} GPUs (nor replicated evenly)")
 
 
+def pipeline_partition(num_layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage, as vLLM splits them (distributed/utils.py get_pp_indices): evenly, the
+    remainder one each to the stages before the last, from the second-to-last back."""
+    if pp < 1 or pp > num_layers:
+        raise UnevenSplit(f"{num_layers} layers cannot be split over {pp} pipeline stages")
+    parts = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        parts[-i] += 1
+    return parts
+
+
+@functools.lru_cache(maxsize=64)
+def pipeline_stage(geom: KVGeometry, pp: int) -> KVGeometry:
+    """The layers one GPU of a ``pp``-stage pipeline holds: the stage whose layers cache the most per token
+    (every stage's layers are contiguous, :func:`pipeline_partition`). ``pp`` 1: the whole model."""
+    if pp == 1:
+        return geom
+    stages, start = [], 0
+    for n in pipeline_partition(len(geom.layers), pp):
+        stages.append(geom.layers[start:start + n])
+        start += n
+    heaviest = max(stages, key=lambda layers: sum(layer.elements_per_token for layer in layers))
+    return replace(geom, layers=heaviest)
+
+
 def heads_per_rank(kv_heads: int, tp: int) -> int:
     """KV heads one tensor-parallel rank holds: never below one (a head is replicated past that)."""
     return max(1, kv_heads // tp)

@@ -52,6 +52,8 @@ class ModelForPlan:
     hf_copy: Callable[[], Weights] | None = field(default=None, compare=False, repr=False)
     # the widths an engine's activation peak scales with (hidden, MLP, vocab, experts): None where unread
     widths: ModelWidths | None = field(default=None, compare=False)
+    # the routed experts' share of the checkpoint's bytes (counted from the config; None: dense or uncounted)
+    expert_share: Callable[[], float | None] | None = field(default=None, compare=False, repr=False)
 
     @property
     def weights_bytes(self) -> float | None:
@@ -95,6 +97,18 @@ def checkpoint_weights(source: Path, raw: dict, config, text, weights_dtype: str
     except ImportError as exc:  # the quantised-checkpoint pricing is not installed here
         return Weights(None, f"unknown: this checkpoint's quantised weights could not be priced ({exc}); give "
                              "--weights-bytes", method="unknown")
+
+
+def expert_share(config, text) -> float | None:
+    """The routed experts' share of a checkpoint's bytes, from the config's count at its stored widths (what
+    data-parallel attention spreads over every GPU); None for a dense model or a count that fails."""
+    try:
+        found = weights.estimate(text, config, "bf16")
+    except (ImportError, TypeError, ValueError):
+        return None
+    total, routed = sum(found.breakdown.values()), found.breakdown.get("experts", 0)
+    # an MTP layer is experts too (DeepSeek's): counted with them, as the figure it is a share of holds it
+    return (routed + found.breakdown.get("mtp", 0)) / total if total and routed else None
 
 
 def served_weights(model: ModelForPlan, rules: KVRules, capability: tuple[int, int] | None) -> Weights:
@@ -246,4 +260,5 @@ def resolve_model(model: str, weights_dtype: str = "auto", trust_remote_code: bo
 
     def at(dtype: str) -> Weights:
         return checkpoint_weights(path, raw, config, text, dtype)
-    return ModelForPlan(name, geometry, at(weights_dtype), source, weights_dtype, at, unread, widths=widths)
+    return ModelForPlan(name, geometry, at(weights_dtype), source, weights_dtype, at, unread, widths=widths,
+                        expert_share=functools.cache(functools.partial(expert_share, config, text)))
