@@ -62,13 +62,16 @@ DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "half": "fp1
 
 # Field names for the same thing, for model types transformers does not know (its classes map their own).
 ALIASES = {
-    "num_hidden_layers": ("num_hidden_layers", "n_layer", "n_layers", "num_layers"),
-    "num_attention_heads": ("num_attention_heads", "n_head", "n_heads", "num_heads"),
-    "hidden_size": ("hidden_size", "n_embd", "d_model", "dim"),
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_transformer_layers"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "n_heads", "num_heads", "num_query_heads"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model", "dim", "model_dim"),
     "max_position_embeddings": ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
-                                "n_ctx", "model_max_length"),
+                                "n_ctx", "model_max_length", "max_context_length"),
 }
-KV_HEAD_FIELDS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num", "num_attention_groups")
+# (OpenELM: num_transformer_layers, num_query_heads, model_dim, max_context_length; apple/OpenELM's
+# configuration_openelm.py)
+KV_HEAD_FIELDS = ("num_key_value_heads_per_layer", "num_key_value_heads", "num_kv_heads", "n_head_kv",
+                  "multi_query_group_num", "num_attention_groups")  # (DeciLM-7B: num_key_value_heads_per_layer)
 
 
 # --- what the values mean: checked before any class or count reads them -------------------------------
@@ -76,16 +79,19 @@ KV_HEAD_FIELDS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_que
 MAX_LAYERS = 4_096  # 30 times any published model's (Llama 3.1 405B: 126): past it a config is not a model
 MAX_WIDTH = 2**40  # a width, a count of heads or tokens past it overflows every memory there is
 # Widths and counts kvbench reads, each a whole number (>= 1 where a zero makes no model)
-STRUCTURAL = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_attention_heads", "n_head", "n_heads",
-              "hidden_size", "n_embd", "d_model", "vocab_size", "padded_vocab_size", "num_key_value_heads",
-              "num_kv_heads", "n_head_kv")
+STRUCTURAL = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_transformer_layers", "num_attention_heads",
+              "n_head", "n_heads", "num_query_heads", "hidden_size", "n_embd", "d_model", "model_dim", "vocab_size",
+              "padded_vocab_size", "num_key_value_heads", "num_kv_heads", "n_head_kv", "num_key_value_heads_per_layer")
 COUNTS = (*STRUCTURAL, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
+          "max_context_length",
           "head_dim", "kv_channels", "intermediate_size", "moe_intermediate_size", "ffn_dim", "n_inner",
           "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank", "sliding_window",
           "attention_chunk_size", "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
           "n_shared_experts", "shared_expert_intermediate_size", "num_kv_shared_layers", "multi_query_group_num")
-# the fields kvbench reads layer by layer where a config lists one value per layer
-PER_LAYER = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+# the fields kvbench reads layer by layer where a config lists one value per layer (sliding_window: a window, or
+# null / 0 for a layer of full attention)
+PER_LAYER = ("num_attention_heads", "num_query_heads", "num_key_value_heads", "num_kv_heads",
+             "num_key_value_heads_per_layer", "intermediate_size", "head_dim", "sliding_window")
 REQUIRED = {"num_hidden_layers": "layers", "num_attention_heads": "attention heads", "hidden_size": "hidden size",
             "vocab_size": "vocabulary"}
 VOCAB_ALIASES = ("vocab_size", "padded_vocab_size", "n_vocab")
@@ -107,7 +113,9 @@ def check_values(body: dict, source: str) -> None:
             if len(value) != layers:
                 raise ConfigError(f"{source}: {key} lists {len(value)} values for {layers} layers")
             for i, v in enumerate(value):
-                _check_count(v, f"{key}[{i}]", source, minimum=0 if key == "intermediate_size" else 1)
+                if not (key == "sliding_window" and v is None):
+                    _check_count(v, f"{key}[{i}]", source, minimum=0 if key in ("intermediate_size", "sliding_window")
+                                 else 1)
             continue
         if isinstance(value, list):
             raise ConfigError(f"{source}: {key} is a list: kvbench reads one value for every layer "
@@ -176,19 +184,22 @@ LIMIT_FILLED = "max_position_embeddings"
 
 
 def _class_defaults(cls) -> dict[str, object]:
-    """{field: default} a config class declares: its dataclass fields (transformers 5), else its __init__'s
-    keyword defaults (a remote-code class of the older kind). A field without a plain default maps to None."""
+    """{field: default} a config class declares: its dataclass fields (transformers 5) and its __init__'s
+    keyword defaults (a remote-code class of the older kind writes its own __init__ over the dataclass's). A
+    field without a plain default maps to None."""
     import dataclasses
     import inspect
 
+    out = {}
     if dataclasses.is_dataclass(cls):
-        return {f.name: (None if f.default is dataclasses.MISSING else f.default) for f in dataclasses.fields(cls)}
+        out = {f.name: (None if f.default is dataclasses.MISSING else f.default) for f in dataclasses.fields(cls)}
     try:
         params = inspect.signature(cls.__init__).parameters.values()
     except (TypeError, ValueError):
-        return {}
-    return {p.name: (None if p.default is inspect.Parameter.empty else p.default) for p in params
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        return out
+    out.update({p.name: (None if p.default is inspect.Parameter.empty else p.default) for p in params
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)})
+    return out
 
 
 def class_filled(text, raw: dict, names) -> dict[str, tuple[object, bool]]:
@@ -538,6 +549,9 @@ def _geometry(text, raw: dict, config, source: str, notes: list[str]) -> KVGeome
         if kv is None and attn is not None:
             value = attn.get("kv_n_heads") if isinstance(attn, dict) else getattr(attn, "kv_n_heads", None)
             kv = _positive_int(value, "attn_config.kv_n_heads", source) if value is not None else None
+        blocks = _block_configs(text, n_layers, source)
+        if blocks is not None:  # DeciLM / Nemotron-NAS: each block's KV heads = heads / n_heads_in_group
+            kv = [heads_per_layer[i] // group if group else 1 for i, (_, group) in enumerate(blocks)]
         if kv is None:
             kv = heads
             notes.append("no KV-head field: one KV head per attention head (MHA)")
@@ -545,7 +559,12 @@ def _geometry(text, raw: dict, config, source: str, notes: list[str]) -> KVGeome
 
     # --- head dims ------------------------------------------------------------------------------------
     head_dim = getattr(text, "head_dim", None)
-    if head_dim is not None:
+    head_dims = None
+    if isinstance(head_dim, (list, tuple)):  # one per layer
+        head_dims = _per_layer(_positive_int(head_dim, "head_dim", source, allow_list=True), n_layers, "head_dim",
+                               source)
+        head_dim = max(head_dims)
+    elif head_dim is not None:
         head_dim = _positive_int(head_dim, "head_dim", source)
     if not head_dim:
         head_dim = getattr(text, "kv_channels", None) or getattr(text, "hidden_size_per_head", None)
@@ -569,8 +588,10 @@ def _geometry(text, raw: dict, config, source: str, notes: list[str]) -> KVGeome
     elif "head_dim" not in raw and not isinstance(getattr(type(text), "head_dim", None), int):
         notes.append(f"head_dim = hidden_size / num_attention_heads = {head_dim}")
 
-    layers = tuple(LayerKV(k, kvh, head_dim, head_dim_v, span) if k != "none" else LayerKV("none", why_none=w)
-                   for (k, span), w, kvh in zip(kinds, why, kv_per_layer))
+    dims = head_dims or [head_dim] * n_layers
+    v_fixed = getattr(text, "v_head_dim", None)
+    layers = tuple(LayerKV(k, kvh, hd, v_fixed or hd, span) if k != "none" else LayerKV("none", why_none=w)
+                   for (k, span), w, kvh, hd in zip(kinds, why, kv_per_layer, dims))
     return KVGeometry(layers, max(heads_per_layer), _max_context(text, known, source, notes, model_type), None, model_type,
                       _dtype(text, config), "hf", tuple(flags), tuple(notes))
 
@@ -580,13 +601,91 @@ def _in_file(config, raw: dict, name: str) -> bool:
     return name in raw or getattr(type(config), "attribute_map", {}).get(name) in raw
 
 
+# What a block of block_configs (DeciLM / Nemotron-NAS, nvidia's modeling_decilm.py and vLLM's nemotron_nas.py)
+# holds in place of attention: nothing, or a linear layer; neither caches KV
+NO_ATTENTION_BLOCK = {"no_op": "no attention (block_configs: no_op)",
+                      "replace_with_linear": "a linear layer in place of attention (block_configs: replace_with_linear)"}
+
+
+def _block_configs(text, n: int, source: str) -> list[tuple[str, int | None]] | None:
+    """Per layer of ``block_configs`` (DeciLM / Nemotron-NAS): ("" or why it caches nothing, n_heads_in_group);
+    None without the key. A block that is neither is attention with num_attention_heads / n_heads_in_group KV
+    heads (vLLM's nemotron_nas.py DeciLMDecoderLayer)."""
+    blocks = getattr(text, "block_configs", None)
+    if blocks is None:
+        return None
+    if not isinstance(blocks, (list, tuple)) or len(blocks) != n:
+        raise ConfigError(f"{source}: block_configs must list one block per layer ({n}), not "
+                          f"{len(blocks) if isinstance(blocks, (list, tuple)) else type(blocks).__name__}")
+    out = []
+    for i, block in enumerate(blocks):
+        attn = block.get("attention") if isinstance(block, dict) else getattr(block, "attention", None)
+        if attn is not None and not isinstance(attn, dict):
+            attn = vars(attn) if hasattr(attn, "__dict__") else None
+        if not isinstance(attn, dict):
+            raise ConfigError(f"{source}: block_configs[{i}] has no attention object (no_op, replace_with_linear, "
+                              "n_heads_in_group)")
+        none = next((why for key, why in NO_ATTENTION_BLOCK.items() if attn.get(key)), "")
+        group = attn.get("n_heads_in_group")
+        if not none:
+            if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+                raise ConfigError(f"{source}: block_configs[{i}].attention.n_heads_in_group must be a whole number "
+                                  f">= 1 for an attention block, not {group!r}")
+        out.append((none, group if not none else None))
+    return out
+
+
+def _model_layer_kinds(text, n: int, source: str) -> tuple[list[str], dict[int, str]] | None:
+    """layer_types from a model's own layout keys where the file has no layer_types (each read as the model's
+    code reads it), and why the layers outside attention cache nothing; None where none is given:
+
+    - attn_type_list (MiniMax-Text-01): 0 a lightning (linear) attention layer, 1 softmax attention (its
+      modeling code, vLLM's minimax_text_01.py; transformers' MiniMaxConfig holds it as layer_types);
+    - layers_block_type ("attention" / "mamba"), or attn_layer_period and attn_layer_offset (Jamba: layer i is
+      attention where i % period == offset, transformers' JambaConfig.layers_block_type);
+    - block_configs (DeciLM / Nemotron-NAS): a block whose attention is no_op or replace_with_linear."""
+    listed = getattr(text, "attn_type_list", None)
+    if listed is not None:
+        if not isinstance(listed, (list, tuple)) or len(listed) != n or any(v not in (0, 1) for v in listed):
+            raise ConfigError(f"{source}: attn_type_list must hold one 0 (linear attention) or 1 (softmax attention) "
+                              f"per layer ({n}); kvbench reads no other value")
+        return ["full_attention" if v == 1 else "linear_attention" for v in listed], {}
+    blocks = getattr(text, "layers_block_type", None)
+    period, offset = getattr(text, "attn_layer_period", None), getattr(text, "attn_layer_offset", None)
+    if blocks is None and period is not None:
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (period, offset)) or period < 1 \
+                or not 0 <= offset < period:
+            raise ConfigError(f"{source}: attn_layer_period {period!r} and attn_layer_offset {offset!r} must be whole "
+                              "numbers, 0 <= offset < period")
+        blocks = ["attention" if i % period == offset else "mamba" for i in range(n)]
+    if blocks is not None:
+        if not isinstance(blocks, (list, tuple)) or len(blocks) != n or any(b not in ("attention", "mamba")
+                                                                            for b in blocks):
+            raise ConfigError(f"{source}: layers_block_type must hold one 'attention' or 'mamba' per layer ({n})")
+        return ["full_attention" if b == "attention" else "mamba" for b in blocks], {}
+    decilm = _block_configs(text, n, source)
+    if decilm is not None:
+        return (["linear_attention" if none else "full_attention" for none, _ in decilm],
+                {i: none for i, (none, _) in enumerate(decilm) if none})
+    return None
+
+
 def _layer_kinds(text, raw: dict, n: int, model_type: str, source: str) -> tuple[list[tuple[str, int | None]], list[str]]:
     """Per layer (kind, span) and why a layer caches nothing."""
     window = getattr(text, "sliding_window", None)
+    windows = None
+    if isinstance(window, (list, tuple)):  # one window per layer; null or 0: full attention
+        windows = _per_layer(list(window), n, "sliding_window", source)
+        window = max((w for w in windows if w), default=None)
     chunk = getattr(text, "attention_chunk_size", None)
     types = getattr(text, "layer_types", None)
     if types is not None and (not isinstance(types, (list, tuple)) or set(types) <= MLP_LAYER_TYPES):
         types = None
+    why_model: dict[int, str] = {}
+    if types is None and (found := _model_layer_kinds(text, n, source)) is not None:
+        types, why_model = found
+    if types is None and windows is not None:
+        types = ["sliding_attention" if w else "full_attention" for w in windows]
     if types is not None:
         if len(types) != n:
             raise ConfigError(f"{source}: layer_types has {len(types)} entries for {n} layers")
@@ -601,13 +700,14 @@ def _layer_kinds(text, raw: dict, n: int, model_type: str, source: str) -> tuple
     else:
         types = ["full_attention"] * n
     kinds, why = [], []
-    for t in types:
+    for i, t in enumerate(types):
         kind = LAYER_TYPES[t]
-        span = window if kind == "sliding" else chunk if kind == "chunked" else None
+        span = (windows[i] if windows is not None else window) if kind == "sliding" else chunk if kind == "chunked" \
+            else None
         if kind in ("sliding", "chunked") and not span:
             raise ConfigError(f"{source}: a {t} layer without {'sliding_window' if kind == 'sliding' else 'attention_chunk_size'}")
         kinds.append((kind, span))
-        why.append(WHY_NONE.get(t, ""))
+        why.append(why_model.get(i) or WHY_NONE.get(t, ""))
     shared = getattr(text, "num_kv_shared_layers", None) or 0  # Gemma 3n: the last layers reuse earlier KV
     for i in range(n - shared, n):
         kinds[i], why[i] = ("none", None), "reuses an earlier layer's KV"
@@ -723,7 +823,8 @@ READ_KEYS = {*[k for names in ALIASES.values() for k in names], *KV_HEAD_FIELDS,
              "num_kv_shared_layers", "cross_attention_layers", "attn_config", "new_decoder_architecture",
              "multi_query", "text_config", "torch_dtype", "dtype", "rope_scaling", "rope_parameters", "rope_theta",
              "model_type", "architectures", "auto_map", "quantization_config", "original_max_position_embeddings",
-             "is_encoder_decoder", "is_decoder"}
+             "is_encoder_decoder", "is_decoder", "attn_type_list", "layers_block_type", "attn_layer_period",
+             "attn_layer_offset", "block_configs", "num_nextn_predict_layers"}
 NOT_KV_WORDS = ("mlp", "moe", "expert", "ffn", "intermediate", "dropout", "norm", "router", "vocab", "token_id",
                 "init", "vision", "audio", "image")
 LAYER_KEY = re.compile(r"(layer|block|attn|attention|window|swa|global|local|kv|head)", re.IGNORECASE)
@@ -736,11 +837,15 @@ def unread_keys(raw: dict, text) -> list[str]:
     """Keys of a config transformers has no class for (or a remote-code class) that the KV reader did not
     read and that look per-layer: a list as long as the layers, a list of layer kinds, or a layer pattern
     under a model-specific name (``attn_type_list``, ``sliding_window_pattern``, ``global_attn_layers``).
-    The geometry was read without them, so it is not verified. [] for transformers' own classes."""
+    Which layers cache what is then unknown: a plan refuses it (:func:`refuse_unread`). [] for transformers' own
+    classes, and for a remote-code class that derives layer_types from them (the reader reads that)."""
     if builtin(text):
         return []
     body = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     n = next((body[k] for k in ALIASES["num_hidden_layers"] if isinstance(body.get(k), int)), None)
+    derived = getattr(text, "layer_types", None)
+    if "layer_types" not in body and isinstance(derived, (list, tuple)) and n is not None and len(derived) == n:
+        return []
     out = []
     for key, value in body.items():
         low = key.lower()
@@ -753,6 +858,17 @@ def unread_keys(raw: dict, text) -> list[str]:
         if per_layer or kinds or pattern:
             out.append(key)
     return sorted(out)
+
+
+def refuse_unread(keys, source: str) -> None:
+    """One ConfigError naming the per-layer-looking keys the reader did not read: the layout they describe is
+    not known, and a plan of every layer as full attention would be several times off, as confident as any."""
+    if keys:
+        raise ConfigError(f"{source}: {', '.join(keys)} look{'s' * (len(keys) == 1)} per-layer and kvbench does not "
+                          "read it: which layers cache what is unknown, so no KV is planned (kvbench reads "
+                          "layer_types, attn_type_list, layers_block_type, attn_layer_period/offset, block_configs, "
+                          "and per-layer head counts, head_dim and sliding_window; --trust-remote-code reads a class "
+                          "that derives layer_types)")
 
 
 def _dtype(text, config) -> str | None:

@@ -171,7 +171,7 @@ def _breakdown(text, wrapper) -> Breakdown | Weights:
     except _Unknown as exc:
         return Weights(None, f"unknown: the config has no {exc} (give a folder with safetensors or a GGUF file)",
                        method="unknown")
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         return Weights(None, f"unknown: the config's sizes could not be counted ({exc})", method="unknown")
 
 

@@ -159,7 +159,8 @@ def layouts(s: Setup) -> list[tuple[list[Change], int, int, int]]:
     out = []
     if s.dp == 1:
         tps = sorted({s.tp, *(t for t in _powers(s.node_gpus) if t > s.tp)})
-        pps = sorted({s.pp, *(p for p in _powers(most) if p > s.pp and rules.pp_flag(p) is not None)})
+        pps = sorted({s.pp, *(p for p in _powers(min(most, len(s.geometry.layers)))
+                              if p > s.pp and rules.pp_flag(p) is not None)})
         for tp in tps:
             for pp in pps:
                 if (tp, pp) == (s.tp, s.pp) or tp * pp > most:
@@ -240,7 +241,10 @@ def layout_levers(s: Setup) -> list[dict]:
         kind = changes[0].kind
         if kind != "tp" and best.get(kind, {}).get("fits"):
             continue  # a smaller pipeline or data-parallel group already fits
-        t = _startup_checked(replace(s, tp=tp, pp=pp, dp=dp))
+        try:
+            t = _startup_checked(replace(s, tp=tp, pp=pp, dp=dp))
+        except (PlanError, KVRuleError, ValueError):  # a split the engine refuses
+            continue
         lever = _lever(kind, changes, "", t, extra=t.gpus / 100)
         if lever is None:
             continue

@@ -26,6 +26,7 @@ from kvbench.kv.model_config import (
     gguf_keys,
     parse_hf_dict,
     read_json,
+    refuse_unread,
     unread_keys,
 )
 from kvbench.kv.rules import KVRules
@@ -254,6 +255,10 @@ def resolve_model(model: str, weights_dtype: str = "auto", trust_remote_code: bo
         raise PlanError(str(exc)) from None
     name = model if source.startswith("hub") else (path.name if path.is_dir() else path.stem)
     unread = tuple(unread_keys(raw, text))
+    try:
+        refuse_unread(unread, str(file))
+    except ConfigError as exc:
+        raise PlanError(str(exc)) from None
     widths = ModelWidths.from_config(text)
     if given is not None:
         return ModelForPlan(name, geometry, given, source, weights_dtype, None, unread, widths=widths)

@@ -175,11 +175,46 @@ def test_per_layer_widths_are_counted_per_layer(tmp_path):
     assert [layer.kv_heads for layer in model.geometry.layers] == [8] * 16 + [4] * 16
 
 
-def test_a_per_layer_list_kvbench_does_not_read_is_refused_by_name(tmp_path):
+def test_per_layer_head_dims_and_windows_are_read_per_layer_for_any_model_type(tmp_path):
+    """head_dim and sliding_window listed once per layer (null: full attention), on a model type transformers
+    does not know: each layer at its own width and window (hand-worked on Llama 3.1 8B's 32 layers)."""
     raw = json.loads((DATA / "configs" / "llama-3.1-8b.json").read_text())
-    raw.update(model_type="my_llama", head_dim=[128] * 32)
-    out = _answer(tmp_path, raw)
-    assert isinstance(out, str) and "head_dim is a list" in out
+    raw.update(model_type="my_llama", head_dim=[128] * 16 + [64] * 16, sliding_window=[None, 4096] * 16)
+    model, plans = _answer(tmp_path, raw)
+    layers = model.geometry.layers
+    assert [layer.head_dim_k for layer in layers] == [128] * 16 + [64] * 16
+    assert [(layer.kind, layer.span) for layer in layers[:2]] == [("full", None), ("sliding", 4096)]
+    # 8,192 tokens: 8 KV heads x 2 x 2 B per head width, 16 full layers and 16 windowed at 4,096
+    full = sum(8 * 2 * 2 * hd for hd, kind in zip([128] * 16 + [64] * 16, ["full", "sliding"] * 16) if kind == "full")
+    windowed = sum(8 * 2 * 2 * hd for hd, kind in zip([128] * 16 + [64] * 16, ["full", "sliding"] * 16)
+                   if kind == "sliding")
+    assert plans[0]["kv_bytes"] == 8192 * full + 4096 * windowed
+
+
+def test_a_jamba_layout_of_a_model_type_transformers_does_not_know_is_read_as_jambas(tmp_path):
+    """attn_layer_period / attn_layer_offset without transformers' class: layer i is attention where
+    i % period == offset (JambaConfig.layers_block_type), the rest Mamba."""
+    raw = json.loads((DATA / "configs" / "ai21-jamba-1.5-mini.json").read_text())
+    builtin, _ = _answer(tmp_path, raw)
+    raw["model_type"] = "my_jamba"
+    model, _ = _answer(tmp_path, raw)
+    assert [i for i, layer in enumerate(model.geometry.layers) if layer.stores] == [4, 12, 20, 28]
+    assert model.geometry.layers == builtin.geometry.layers
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"attn_type_list": [0, 2] * 40}, "attn_type_list must hold one 0"),
+    ({"block_configs": [{"attention": {"no_op": False, "n_heads_in_group": None}}] * 80},
+     "block_configs[0].attention.n_heads_in_group"),
+    ({"attn_layer_period": 8, "attn_layer_offset": 9}, "attn_layer_offset 9 must be"),
+    ({"sliding_window_pattern_per_layer": [1, 0] * 40}, "looks per-layer and kvbench does not read it")])
+def test_a_layout_key_that_cannot_be_read_is_refused_by_name(tmp_path, change, words):
+    raw = json.loads((DATA / "configs" / "minimax-text-01-reproduced.json").read_text())
+    if "attn_type_list" not in change:
+        raw.pop("attn_type_list")
+    raw.update(change)
+    code, out = _cli(tmp_path, raw, "-n", "4096")
+    assert code == 2 and len(out.strip().splitlines()) == 1 and words in out, out
 
 
 @pytest.mark.parametrize("layers", [10**6, 10**12])
