@@ -349,7 +349,7 @@ PLAIN_WRAPPERS = {"gemma3": "gemma3_text"}
 PLAIN_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
                 "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
 # keys a class reads and derives from (RoPE per layer kind, nesting): the class reads those configs
-NOT_PLAIN_KEYS = ("rope_parameters", "text_config", "attribute_map", "sub_configs", "use_bidirectional_attention")
+NOT_PLAIN_KEYS = ("text_config", "attribute_map", "sub_configs", "use_bidirectional_attention")
 # RoPE scalings read plainly: as transformers' standardize_rope_params reads a single (not nested) dict
 PLAIN_ROPE = ("default", "llama3", "yarn", "linear", "dynamic")
 
@@ -385,12 +385,14 @@ def plain_config(raw: dict) -> PlainConfig | None:
         types = PLAIN_LAYER_TYPES[model_type](raw)
         if types is None:
             return None
-    rope = raw.get("rope_scaling")
+    if raw.get("rope_parameters") is not None and raw.get("rope_scaling") is not None:
+        return None  # both: transformers' own precedence decides
+    rope = raw.get("rope_parameters") if raw.get("rope_parameters") is not None else raw.get("rope_scaling")
     if rope is not None:
         if not isinstance(rope, dict) or (rope.get("rope_type") or rope.get("type") or "default") not in PLAIN_ROPE:
             return None  # a scaling transformers' rope utilities read otherwise (longrope, per layer kind)
         if any(isinstance(v, dict) for v in rope.values()):
-            return None  # nested per layer kind
+            return None  # nested per layer kind (transformers 5's rope_parameters per layer type)
     config = PlainConfig(**raw)
     if types is not None:
         config.layer_types = list(types)
@@ -401,7 +403,7 @@ def plain_rope_parameters(config: PlainConfig) -> list[dict]:
     """A plain config's RoPE scaling as transformers' standardize_rope_params leaves a single dict: rope_type
     from ``type``, and for llama3 / yarn / longrope the pretraining length, original_max_position_embeddings
     (the config's top-level field first, else the dict's own, else max_position_embeddings)."""
-    rope = getattr(config, "rope_scaling", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     if not isinstance(rope, dict) or not rope:
         return []
     params = dict(rope)
@@ -1027,8 +1029,59 @@ def _gguf_reader(path: str, mtime_ns: int, size: int):
                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
 
 
+def gguf_header(path: str | Path) -> bounded.GGUFHeader | None:
+    """A GGUF v2/v3 file's keys (without the tokenizer's vocabulary) and tensor descriptions, read in one checked
+    pass without gguf's reader (:func:`kvbench.kv.bounded.read_gguf_header`: 13 ms for the embedded model
+    where GGUFReader takes seconds and imports numpy); None for a version 1 file. One per file version."""
+    st = os.stat(path)
+    return _gguf_header(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_header(path: str, mtime_ns: int, size: int) -> bounded.GGUFHeader | None:
+    try:
+        return bounded.read_gguf_header(path)
+    except bounded.InputError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+@functools.cache
+def ggml_type_sizes() -> dict[int, tuple[int, int]]:
+    """gguf's GGML_QUANT_SIZES, {ggml type: (values per block, bytes per block)}, from its constants module
+    alone (the gguf package's __init__ imports numpy and its reader; constants.py imports only enum)."""
+    import importlib.util
+
+    found = importlib.util.find_spec("gguf")  # locates the package without importing it
+    spec = importlib.util.spec_from_file_location("kvbench._gguf_constants",
+                                                  Path(found.submodule_search_locations[0]) / "constants.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {int(kind): tuple(sizes) for kind, sizes in module.GGML_QUANT_SIZES.items()}
+
+
+def gguf_tensors(path: str | Path) -> list[tuple[int, int]]:
+    """(values, bytes) of each tensor of a GGUF file, as gguf's reader counts them (values x bytes per block /
+    values per block)."""
+    header = gguf_header(path)
+    if header is None:
+        return [(int(t.n_elements), int(t.n_bytes)) for t in gguf_reader(path).tensors]
+    sizes, out = ggml_type_sizes(), []
+    for name, shape, kind in header.tensors:
+        if kind not in sizes:
+            raise ConfigError(f"GGUF file {path}: tensor {name} has ggml type {kind}, which gguf does not know")
+        block, per_block = sizes[kind]
+        values = 1
+        for n in shape:
+            values *= n
+        out.append((values, values * per_block // block))
+    return out
+
+
 def gguf_keys(path: str | Path) -> dict:
     """A GGUF file's metadata as {key: value} (arrays as lists), without the tokenizer's vocabulary."""
+    header = gguf_header(path)
+    if header is not None:
+        return dict(header.keys)
     out = {}
     for name, f in gguf_reader(path).fields.items():
         if name.startswith("tokenizer.ggml.") and name not in ("tokenizer.ggml.model",):
