@@ -110,6 +110,7 @@ def plan(p: PlanInput, with_levers: bool = True) -> dict:
     kv_total = whole.bytes_per_gpu * s.tp
     out = {
         "model": p.model.name, "attention": geom.attention, "geometry": geom.describe(), "layers": geom.num_layers,
+        "decoder_layers": len(geom.layers),
         "kv_heads": geom.num_kv_heads, "kv_heads_per_gpu": (stored.num_kv_heads if rules.replicated(stored)
                                                          else heads_per_rank(stored.num_kv_heads, s.tp)),
         "head_dim_k": geom.head_dim_k, "head_dim_v": geom.head_dim_v,

@@ -1,7 +1,8 @@
 """Issue 36 item 3: never silently wrong. Every real config of the corpus, mutated (lists for numbers,
 numbers for lists, keys removed, zeros, negatives, huge values, strings, optional fields of the wrong type),
-gets an answer or one line (exit 2 on the command line), never a traceback and never a class default in
-place of a required field."""
+given to `kvbench plan` as a user would: exit 0 with an answer made of the file's own values (layers, KV heads,
+the MLP width behind the weights, the vocabulary, the limit) or naming what is not (NOT VERIFIED, weights
+unknown, no model limit), or exit 2 with one line; never a traceback, never a class default taken silently."""
 import json
 import time
 
@@ -64,23 +65,72 @@ def _answer(tmp_path, raw: dict):
     return model, plans
 
 
-@settings(max_examples=300, database=None, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num",
+                "num_key_value_heads_per_layer", "multi_query", "new_decoder_architecture")
+LIMIT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
+              "max_context_length")
+
+
+def _cli_plans(tmp_path, raw: dict) -> list[tuple[int, str]]:
+    """kvbench plan on the file as a user runs it: the plain formula, then vLLM on a GPU (with its levers),
+    each --json; (exit code, output)."""
+    file = tmp_path / "config.json"
+    file.write_text(json.dumps(raw))
+    runner, out = CliRunner(), []
+    for extra in ([], ["--engine", "vllm", "--gpu", "H100-80GB"]):
+        result = runner.invoke(app, ["plan", str(file), "-n", "4096", "--allow-long-context", "--json", *extra],
+                               env={"COLUMNS": "200"})
+        assert result.exception is None or isinstance(result.exception, SystemExit), \
+            "".join(__import__("traceback").format_exception(result.exception))
+        out.append((result.exit_code, result.output))
+        if result.exit_code:
+            break
+    return out
+
+
+def _check_values(name: str, original: dict, raw: dict, r: dict) -> None:
+    """The answer is made of this file's values, or says which it is not: every field the plan rests on is
+    the file's own, or named (NOT VERIFIED, weights unknown, no model limit), never a class default."""
+    body, before = _body(raw), _body(original)
+    nested = body is not raw
+    layers = next((body[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in body), None)
+    if isinstance(layers, int):
+        assert r["decoder_layers"] == layers, (name, r["decoder_layers"])
+    mla = isinstance(body.get("kv_lora_rank"), int) and body["kv_lora_rank"] > 0
+    if not mla and "falcon" not in str(body.get("model_type")) and r["layers"]:
+        given = body.get("num_key_value_heads")
+        if isinstance(given, int) and not any(k in body for k in KV_HEAD_KEYS[1:]):
+            assert r["kv_heads"] == given, (name, r["kv_heads"], given)
+        elif not any(k in body for k in KV_HEAD_KEYS) and not nested:
+            # no KV-head field: MHA as the model type reads it, said so, or a class's constant, named
+            said = any("MHA" in n for n in r["notes"]) or "num_key_value_heads" in r["verdict"]["assumed_keys"]
+            assert said, (name, r["notes"])
+    if not nested and isinstance(before.get("intermediate_size"), int) and "intermediate_size" not in body \
+            and r["weights_bytes"] is not None:
+        assert not r["weights_source"].startswith("estimate"), (name, r["weights_source"])
+    if not nested and not any(body.get(k) is not None for k in LIMIT_KEYS):
+        assert r["max_context"] is None, (name, r["max_context"])  # not a class's default length
+    if not nested and not any(body.get(k) is not None for k in ("vocab_size", "padded_vocab_size", "n_vocab")):
+        assert r["weights_bytes"] is None or not r["weights_source"].startswith("estimate"), (name, r["weights_source"])
+
+
+@settings(max_examples=200, database=None, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(mutated())
 def test_every_mutated_config_is_answered_or_refused_in_one_line(tmp_path, case):
+    """kvbench plan on every mutated config: exit 0 with an answer made of the file's values (or naming what
+    is not), or exit 2 with one line; never a traceback."""
     name, raw = case
+    original = json.loads((DATA / "configs" / name).read_text())
     started = time.perf_counter()
-    out = _answer(tmp_path, raw)  # any other exception fails the test with its traceback
+    for code, output in _cli_plans(tmp_path, raw):
+        assert code in (0, 2), (name, code, output)
+        if code == 2:
+            lines = output.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in output, output
+            break
+        _check_values(name, original, raw, json.loads(output))
     assert time.perf_counter() - started < 10, f"{name}: took {time.perf_counter() - started:.1f} s"
-    if isinstance(out, str):
-        assert out and "\n" not in out and "Traceback" not in out, out
-        return
-    model, plans = out
-    # an answer is made of this file's values: the layers the plan counts are the file's
-    body = _body(raw)
-    given_layers = next((body[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in body), None)
-    if isinstance(given_layers, int):
-        assert len(model.geometry.layers) == given_layers
 
 
 @pytest.mark.parametrize("key", ["num_hidden_layers", "hidden_size", "num_attention_heads"])
