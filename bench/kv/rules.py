@@ -11,6 +11,7 @@ summary, the reports and ``kvbench validate`` ask these methods and never switch
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import ClassVar
@@ -351,7 +352,14 @@ class PlainRules(KVRules):
 
 
 def with_kinds(geom: KVGeometry, kinds: dict[str, str]) -> KVGeometry:
-    """``geom`` with layers of one kind stored as another (e.g. {"sliding": "full"}: windows not kept)."""
+    """``geom`` with layers of one kind stored as another (e.g. {"sliding": "full"}: windows not kept). One
+    object per geometry and mapping: an engine's rules ask it on every answer of a plan's search."""
+    return _with_kinds(geom, tuple(sorted(kinds.items())))
+
+
+@functools.lru_cache(maxsize=256)
+def _with_kinds(geom: KVGeometry, mapping: tuple[tuple[str, str], ...]) -> KVGeometry:
+    kinds = dict(mapping)
     if not any(layer.kind in kinds for layer in geom.layers):
         return geom
     return replace(geom, layers=tuple(replace(layer, kind=kinds.get(layer.kind, layer.kind),
