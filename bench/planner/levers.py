@@ -110,7 +110,9 @@ def weight_options(s: Setup) -> list[tuple[Change, Weights]]:
             w = Weights(params * fmt_per, f"{fmt}: {fmt_gib(params * fmt_per)}, {params / 1e9:.2f} B parameters x "
                                           f"{fmt_per:g} B",
                         parameters=params, method="lever")
-        out.append((Change("weights", s.rules.weights_flag(fmt), ("--weights-dtype", fmt)), w))
+        # kvbench plan's --weights-dtype where it takes the format, else the bytes themselves (a Q4_0 GGUF)
+        args = ("--weights-dtype", fmt) if fmt in WEIGHT_DTYPE_BYTES else ("--weights-bytes", str(round(w.bytes)))
+        out.append((Change("weights", s.rules.weights_flag(fmt), args), w))
     return out
 
 

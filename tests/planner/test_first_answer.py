@@ -3,6 +3,8 @@ server's limit implies, each labelled, in text and --json), and levers that reac
 of the engine's own levers where no single one fits; fewer requests or another engine never ranked as a fix."""
 import json
 
+import pytest
+
 from typer.testing import CliRunner
 
 from kvbench.cli import app
@@ -126,3 +128,22 @@ def test_a_layout_the_engine_or_the_model_lacks_is_one_line_and_exit_2():
         result = CliRunner().invoke(app, ["plan", *args, "-n", "4096"], env={"COLUMNS": "200"})
         assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
         assert words in result.output, result.output
+
+
+@pytest.mark.parametrize("args", [
+    ("llama-3.1-8b", "-n", "32k", "--batch", "16", "--engine", "tgi", "--gpu", "L4"),
+    ("llama-3.1-8b", "-n", "32k", "--batch", "16", "--engine", "llamacpp", "--gpu", "L4"),
+    ("deepseek-v3", "-n", "32k", "--batch", "64", "--engine", "sglang", "--gpu", "H200", "--tp", "8"),
+    ("gpt-oss-120b", "-n", "128K", "--batch", "64", "--engine", "vllm", "--gpu", "A100-80GB")],
+    ids=["tgi", "llamacpp", "sglang-mla", "vllm-sliding"])
+def test_every_fitting_lever_is_what_plan_says_when_asked_directly(args):
+    """Each engine's fixes, alone and combined (its KV dtypes, weight formats (a Q4_0 GGUF's bytes for
+    llama.cpp), the limit, tensor parallel, a pipeline, data-parallel attention): planned again from the
+    lever's plan_args, kvbench plan gives the same GPUs and headroom."""
+    out = json.loads(plan(*args, "--json"))
+    fixes = [lv for lv in out["levers"] if lv["fits"] and lv["fix"]]
+    assert fixes
+    for lv in fixes:
+        direct = _planned_directly(args, lv)
+        assert direct["fits"] and direct["gpus"] == lv["gpus"], lv["change"]
+        assert abs(direct["headroom_bytes"] - lv["headroom_bytes"]) < 1e-3 * GIB, lv["change"]
