@@ -189,7 +189,7 @@ def _what_layout(s: Setup, changes: list[Change]) -> str:
     if "dp" in kinds:
         return (f"attention data-parallel over {_gpus_what(s)}: each holds the KV of {s.per_rank_batch} of the "
                 f"{s.batch} requests; the routed experts split over all, the rest of the weights whole on each")
-    if "pp" in kinds:
+    if "pp" in kinds or s.pp > 1:
         return f"{s.pp} pipeline stages of {s.tp} GPU{'s' * (s.tp != 1)}: {_gpus_what(s)}"
     return _gpus_what(s)
 
