@@ -97,9 +97,9 @@ def parameter_breakdown(text, wrapper=None) -> Breakdown:
     """The checkpoint's tensors, by module kind, of the text model a transformers config object describes.
     Raises _Unknown (what is missing) or TypeError/ValueError (sizes that do not count)."""
     model_type = str(getattr(text, "model_type", ""))
-    h = _need(text, "hidden_size", "n_embd", "d_model")
-    layers = _need(text, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _need(text, "num_attention_heads", "n_head")
+    h = _need(text, "hidden_size", "n_embd", "d_model", "model_dim")  # (OpenELM: model_dim, num_transformer_layers,
+    layers = _need(text, "num_hidden_layers", "n_layer", "num_layers", "num_transformer_layers")  # num_query_heads)
+    heads = _need(text, "num_attention_heads", "n_head", "num_query_heads")
     vocab = _need(text, "vocab_size", "padded_vocab_size")
     heads_l = _layer_values(heads, layers, "num_attention_heads")
     heads = max(heads_l)
