@@ -120,6 +120,15 @@ class SGLangKV(KVRules):
     def tp_flag(self, tp: int) -> str:
         return f"--tp-size {tp}"
 
+    def pp_flag(self, pp: int) -> str | None:
+        return f"--pp-size {pp}"
+
+    def dp_attention_flag(self, gpus: int) -> str | None:
+        """DP attention (docs: advanced_features/dp_dpa_smg_guide): attention data-parallel over the ``gpus``
+        ranks of a tensor-parallel group of the same size, each holding the KV of its own requests; the FFN
+        tensor- (or expert-) parallel over all of them."""
+        return f"--tp-size {gpus} --dp-size {gpus} --enable-dp-attention"
+
     # --- what it stores ---------------------------------------------------------------------------
     def hybrid(self, q: KVQuestion) -> bool:
         """Whether SGLang gives the sliding (or chunked) layers a pool of their own."""

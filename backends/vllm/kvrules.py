@@ -102,6 +102,15 @@ class VLLMKV(KVRules):
     def tp_flag(self, tp: int) -> str:
         return f"--tensor-parallel-size {tp}"
 
+    def pp_flag(self, pp: int) -> str | None:
+        return f"--pipeline-parallel-size {pp}"
+
+    def dp_attention_flag(self, gpus: int) -> str | None:
+        """Data-parallel attention with expert parallel (docs: data_parallel_deployment, expert_parallel_deployment):
+        each of the ``gpus`` ranks serves its own requests with the attention and dense layers whole, the
+        routed experts spread over all ranks."""
+        return f"--data-parallel-size {gpus} --enable-expert-parallel"
+
     def hybrid_manager(self, q: KVQuestion) -> bool:
         option = q.options.get("hybrid_kv_cache")
         if option is not None:

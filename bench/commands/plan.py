@@ -70,6 +70,13 @@ def plan_command(
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help=KV_DTYPES_HELP),
     tp: str = typer.Option("1", "--tp", metavar="N",
                            help="GPUs the model is split over (tensor parallel; llama.cpp splits layers)."),
+    pp: str = typer.Option("1", "--pp", metavar="N",
+                           help="Pipeline stages, each on its own --tp GPUs holding its layers and their KV (vLLM "
+                                "--pipeline-parallel-size, SGLang --pp-size); may span nodes."),
+    dp: str = typer.Option("1", "--dp", metavar="N",
+                           help="Data-parallel attention over N GPUs for an MLA model (vLLM --data-parallel-size N "
+                                "--enable-expert-parallel, SGLang --enable-dp-attention): each GPU holds the KV of "
+                                "its share of the batch, the routed experts split over all."),
     engine: str = typer.Option(None, "--engine", help=f"Apply this engine's rules: {', '.join(engines())} "
                                                       "(default: the plain formula)."),
     gpu: str = typer.Option(None, "--gpu", help=f"A GPU: {', '.join(gpu_catalog())}; or a size such as 48GiB."),
@@ -144,7 +151,7 @@ def plan_command(
         m = resolve_model(model, weights_dtype, trust_remote_code, parse_bytes(weights_bytes, "--weights-bytes"))
         p = PlanInput(
             model=m, context=parse_tokens(context, "--context"), batch=parse_int(batch, "--batch"),
-            kv_dtype=kv_dtype, tp=parse_int(tp, "--tp"), engine=engine.lower() if engine else None, gpu=gpu,
+            kv_dtype=kv_dtype, tp=parse_int(tp, "--tp"), pp=parse_int(pp, "--pp"), dp=parse_int(dp, "--dp"), engine=engine.lower() if engine else None, gpu=gpu,
             overhead_gib=overhead, overhead_source=source, memory=wall,
             margin=_finite(parse_float(margin, "--margin"), "--margin") if margin is not None else (0.0 if wall is not None else None), block_size=parse_int(block_size, "--block-size", 0),
             device=device, engine_version=engine_version, engine_options=options,
@@ -192,7 +199,7 @@ def _print(r: dict) -> None:
     if r["at_asked_limit"]:
         typer.echo(r["at_asked_limit"]["line"])
     wall = r.get("memory_wall")
-    on = r["gpu"] if wall else f"{r['tp']} x {r['gpu']}" if r.get("gpu") else "no GPU given"
+    on = r["gpu"] if wall else f"{r['gpus']} x {r['gpu']}{_layout(r)}" if r.get("gpu") else "no GPU given"
     typer.echo(f"{r['model']} under {r['engine']} on {on}: {r['batch']} at once of {r['context']:,} tokens "
                f"(typical), a limit of {r['max_model_len']:,} per request ({r['max_model_len_source']}; "
                f"{r['limit_flag']}); KV {r['kv_dtype']} ({r['kv_dtype_source']})")
@@ -235,6 +242,14 @@ def _print(r: dict) -> None:
               f"({r['kv_dtype']}{'; ' + escape(r['kv_scope']) if r['kv_scope'] else ''})")
     d.add_row("serving dtype", f"{r['serving_dtype']} ({escape(r['serving_dtype_source'])})")
     ui.console().print(d)
+
+
+def _layout(r: dict) -> str:
+    """How the GPUs are split, where more than one is."""
+    parts = [f"tensor parallel {r['tp']}"] if r["tp"] > 1 else []
+    parts += [f"{r['pp']} pipeline stages"] if r["pp"] > 1 else []
+    parts += [f"attention data-parallel over {r['dp']}"] if r["dp"] > 1 else []
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _print_pools(s, pools, as_json: bool) -> None:

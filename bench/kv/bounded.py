@@ -139,6 +139,27 @@ def check_gguf_header(path: str | Path) -> None:
     """Nothing when ``path`` is a regular file holding a whole GGUF header: the magic, version 1-3, tensor and
     key counts within bounds, every key and tensor description within the file, and the tensor data reaching
     no further than the file (a file cut short); else InputError, before gguf's reader (numpy) maps it."""
+    _gguf(path, decode=False)
+
+
+def read_gguf_header(path: str | Path, skip_prefix: str = "tokenizer.ggml.",
+                     keep: tuple[str, ...] = ("tokenizer.ggml.model",)) -> GGUFHeader | None:
+    """A GGUF v2/v3 file's metadata and tensor descriptions, read in one checked pass without gguf's reader
+    (numpy, and every one of a tokenizer's strings as an array: seconds for the embedded model): keys as gguf's
+    ``ReaderField.contents()`` gives them (numbers, strings, lists), the values of keys under ``skip_prefix``
+    (the vocabulary) not decoded unless named in ``keep``. None for a version 1 file (gguf's reader reads it);
+    InputError for a file that is not a whole GGUF header."""
+    return _gguf(path, decode=True, skip_prefix=skip_prefix, keep=keep)
+
+
+class GGUFHeader:
+    """What :func:`read_gguf_header` read: ``keys`` {name: value} and ``tensors`` [(name, shape, ggml type)]."""
+
+    def __init__(self, keys: dict, tensors: list[tuple[str, tuple[int, ...], int]]):
+        self.keys, self.tensors = keys, tensors
+
+
+def _gguf(path, decode: bool, skip_prefix: str = "", keep: tuple[str, ...] = ()) -> GGUFHeader | None:
     fd = open_regular(path, "GGUF file")
     with os.fdopen(fd, "rb") as f:
         size = os.fstat(fd).st_size
@@ -154,9 +175,13 @@ def check_gguf_header(path: str | Path) -> None:
             raise InputError(f"GGUF file {path}: its header claims {tensors:,} tensors and {keys:,} keys "
                              f"(damaged or not a GGUF file)")
         if version == 1:  # 32-bit counts and lengths: too old to walk here; gguf's reader says what it finds
-            return
+            return None
         try:
-            _walk_gguf(f, size, tensors, keys)
+            header = _walk_gguf(f, size, tensors, keys, decode, skip_prefix, keep)
+            if header is not None:  # as gguf's reader names them
+                header.keys = {"GGUF.version": version, "GGUF.tensor_count": tensors, "GGUF.kv_count": keys,
+                               **header.keys}
+            return header
         except _Cut as exc:
             raise InputError(f"GGUF file {path} is damaged or cut short: {exc} (the file has {size:,} bytes)") from None
 
@@ -166,58 +191,90 @@ class _Cut(Exception):
 
 
 _SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
+_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # struct
 _STRING, _ARRAY = 8, 9
 
 
-def _walk_gguf(f, size: int, tensors: int, keys: int) -> None:
+def _walk_gguf(f, size: int, tensors: int, keys: int, decode: bool = False, skip_prefix: str = "",
+               keep: tuple[str, ...] = ()) -> GGUFHeader | None:
     """Read past every key and tensor description of a GGUF v2/v3 header, checking each length against the
-    file's size; _Cut says where it fails."""
-    def take(n: int, what: str) -> bytes:
-        if n > size - f.tell():
-            raise _Cut(f"{what} of {n:,} bytes at byte {f.tell():,} runs past the end")
-        return f.read(n)
+    file's size (_Cut says where it fails); with ``decode``, the keys' values and the tensors' descriptions.
+    The file is mapped, not read: a tokenizer's 49K strings are skipped at the cost of their lengths."""
+    import mmap
+    import struct
+
+    buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    pos = 24
+    unpack = struct.unpack_from
+
+    def take(n: int, what: str) -> int:
+        nonlocal pos
+        if n > size - pos:
+            raise _Cut(f"{what} of {n:,} bytes at byte {pos:,} runs past the end")
+        at, pos = pos, pos + n
+        return at
 
     def u(n: int, what: str) -> int:
-        return int.from_bytes(take(n, what), "little")
+        return int.from_bytes(buf[take(n, what):pos], "little")
 
-    def skip(n: int, what: str) -> None:
-        if n > size - f.tell():
-            raise _Cut(f"{what} of {n:,} bytes at byte {f.tell():,} runs past the end")
-        f.seek(n, os.SEEK_CUR)
-
-    def value(kind: int, what: str) -> int | None:
+    def value(kind: int, what: str, want: bool):
+        nonlocal pos
         if kind in _SCALARS:
-            data = take(_SCALARS[kind], what)
-            return int.from_bytes(data, "little") if kind in (4, 10) else None
+            at = take(_SCALARS[kind], what)
+            return unpack("<" + _FORMATS[kind], buf, at)[0] if want else None
         if kind == _STRING:
-            skip(u(8, what), what)
-            return None
+            n = u(8, what)
+            at = take(n, what)
+            return bytes(buf[at:pos]).decode("utf-8", errors="replace") if want else None
         if kind == _ARRAY:
             item, count = u(4, what), u(8, what)
             if item in _SCALARS:
-                skip(_SCALARS[item] * count, what)
-            elif item in (_STRING, _ARRAY) and count <= size:
-                for _ in range(count):
-                    value(item, what)
-            else:
-                raise _Cut(f"{what}: an array of {count:,} items of type {item}")
-            return None
+                at = take(_SCALARS[item] * count, what)
+                return list(unpack(f"<{count}{_FORMATS[item]}", buf, at)) if want else None
+            if item == _STRING and not want and count <= size:
+                for _ in range(count):  # the vocabulary: only the lengths are read
+                    if pos + 8 > size:
+                        raise _Cut(f"{what} at byte {pos:,} runs past the end")
+                    pos += 8 + unpack("<Q", buf, pos)[0]
+                if pos > size:
+                    raise _Cut(f"{what} runs past the end")
+                return None
+            if item in (_STRING, _ARRAY) and count <= size:
+                items = [value(item, what, want) for _ in range(count)]
+                return items if want else None
+            raise _Cut(f"{what}: an array of {count:,} items of type {item}")
         raise _Cut(f"{what}: value type {kind} is no GGUF type")
 
-    alignment = 32
-    for i in range(keys):
-        name = take(u(8, f"the name of key {i + 1}"), f"the name of key {i + 1}").decode(errors="replace")
-        got = value(u(4, f"key {name}"), f"key {name}")
-        if name == "general.alignment" and got:
-            alignment = got
-    end = 0
-    for i in range(tensors):
-        skip(u(8, f"the name of tensor {i + 1}"), f"the name of tensor {i + 1}")
-        dims = u(4, f"tensor {i + 1}")
-        if dims > 8:
-            raise _Cut(f"tensor {i + 1} has {dims} dimensions")
-        skip(8 * dims + 4, f"tensor {i + 1}")
-        end = max(end, u(8, f"tensor {i + 1}"))
-    data_start = -(-f.tell() // alignment) * alignment
-    if tensors and data_start + end >= size:
-        raise _Cut(f"its tensor data reaches byte {data_start + end:,}")
+    try:
+        alignment, found, described = 32, {}, []
+        for i in range(keys):
+            n = u(8, f"the name of key {i + 1}")
+            at = take(n, f"the name of key {i + 1}")
+            name = bytes(buf[at:pos]).decode(errors="replace")
+            kind = u(4, f"key {name}")
+            want = decode and (not skip_prefix or not name.startswith(skip_prefix) or name in keep)
+            got = value(kind, f"key {name}", want or name == "general.alignment")
+            if want:
+                found[name] = got
+            if name == "general.alignment" and got and kind in (4, 10):
+                alignment = got
+        end = 0
+        for i in range(tensors):
+            n = u(8, f"the name of tensor {i + 1}")
+            at = take(n, f"the name of tensor {i + 1}")
+            name = bytes(buf[at:pos])
+            dims = u(4, f"tensor {i + 1}")
+            if dims > 8:
+                raise _Cut(f"tensor {i + 1} has {dims} dimensions")
+            shape = unpack(f"<{dims}Q", buf, take(8 * dims, f"tensor {i + 1}"))
+            kind = u(4, f"tensor {i + 1}")
+            end = max(end, u(8, f"tensor {i + 1}"))
+            if decode:
+                described.append((name.decode(errors="replace"), shape, kind))
+        data_start = -(-pos // alignment) * alignment
+        if tensors and data_start + end >= size:
+            raise _Cut(f"its tensor data reaches byte {data_start + end:,}")
+    finally:
+        if size:
+            buf.close()
+    return GGUFHeader(found, described) if decode else None

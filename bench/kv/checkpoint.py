@@ -97,9 +97,9 @@ def parameter_breakdown(text, wrapper=None) -> Breakdown:
     """The checkpoint's tensors, by module kind, of the text model a transformers config object describes.
     Raises _Unknown (what is missing) or TypeError/ValueError (sizes that do not count)."""
     model_type = str(getattr(text, "model_type", ""))
-    h = _need(text, "hidden_size", "n_embd", "d_model")
-    layers = _need(text, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _need(text, "num_attention_heads", "n_head")
+    h = _need(text, "hidden_size", "n_embd", "d_model", "model_dim")  # (OpenELM: model_dim, num_transformer_layers,
+    layers = _need(text, "num_hidden_layers", "n_layer", "num_layers", "num_transformer_layers")  # num_query_heads)
+    heads = _need(text, "num_attention_heads", "n_head", "num_query_heads")
     vocab = _need(text, "vocab_size", "padded_vocab_size")
     heads_l = _layer_values(heads, layers, "num_attention_heads")
     heads = max(heads_l)
@@ -107,8 +107,11 @@ def parameter_breakdown(text, wrapper=None) -> Breakdown:
     if hd is None and len(set(heads_l)) > 1:
         raise _Unknown("head_dim (num_attention_heads differs per layer)")
     hd = hd or h // heads
-    kv_l = _layer_values(_first(text, "num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
-                         or heads_l, layers, "num_key_value_heads")
+    kv_l = _layer_values(_first(text, "num_key_value_heads_per_layer", "num_key_value_heads", "num_kv_heads",
+                                "n_head_kv", "multi_query_group_num") or heads_l, layers, "num_key_value_heads")
+    blocks = _decilm_blocks(text, h, heads_l, layers)  # DeciLM / Nemotron-NAS: each block its own widths
+    if blocks is not None:
+        kv_l = [kv or 1 for kv in blocks[0]]
     if model_type in FALCON and getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
         kv_l = [1] * layers
     kv = max(kv_l)
@@ -161,6 +164,8 @@ def parameter_breakdown(text, wrapper=None) -> Breakdown:
                      "linear", on, copies) for name in projections]
 
     dense_inter = _first(text, "intermediate_size_mlp", "intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size")
+    if blocks is not None:
+        dense_inter = blocks[1]
     if dense_inter is None and not gated:
         dense_inter = 4 * h  # GPT-2, Falcon, BLOOM: the MLP is 4 x hidden
     experts = _first(text, "n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")
@@ -206,11 +211,15 @@ def parameter_breakdown(text, wrapper=None) -> Breakdown:
 
     mamba_on = _mamba_layer_indices(text, layers)
     attn_on = tuple(i for i in range(layers) if i not in set(mamba_on))
+    if blocks is not None:  # a block without attention holds nothing, or one linear layer in its place
+        attn_on = tuple(i for i in attn_on if blocks[0][i])
     parts = [Part("embeddings", "model.embed_tokens", vocab, h, "embedding")]
     parts += attention(attn_on)
     if mamba_on:
         parts += _mamba_mixer_parts(text, h, mamba_on)
     parts += ffn(moe_on, dense_on)
+    if blocks is not None and blocks[2]:
+        parts.append(Part("dense_mlp", "model.layers.{i}.linear", h, h, "linear", blocks[2]))
     parts.append(Part("norms", "model.layers.{i}.input_layernorm", h, 1, "vector", tuple(range(layers))))
     parts.append(Part("norms", "model.layers.{i}.post_attention_layernorm", h, 1, "vector", tuple(range(layers))))
     parts.append(Part("norms", "model.norm", h))
@@ -240,6 +249,42 @@ def parameter_breakdown(text, wrapper=None) -> Breakdown:
             parts.append(Part("mtp", name, rows, cols, role, on))
         how += f"; the checkpoint also holds {mtp_layers} MTP layer{'s' * (mtp_layers > 1)}"
     return Breakdown(tuple(parts), how, vision=wrapper is not None and wrapper is not text)
+
+
+def _decilm_blocks(text, h: int, heads_l: list[int], layers: int) -> tuple[list[int], list[int], tuple[int, ...]] | None:
+    """DeciLM / Nemotron-NAS block_configs as (KV heads per layer, 0 without attention; the MLP's width per
+    layer, 0 without one; the layers holding a linear layer in place of attention or MLP), as nvidia's
+    modeling_decilm.py builds them (vLLM's nemotron_nas.py: an MLP of ffn_mult has int(2 x ffn_mult x hidden / 3)
+    rounded up to a multiple of 256). None without block_configs."""
+    blocks = getattr(text, "block_configs", None)
+    if blocks is None:
+        return None
+    if not isinstance(blocks, (list, tuple)) or len(blocks) != layers:
+        raise ValueError(f"block_configs lists {len(blocks) if isinstance(blocks, (list, tuple)) else 0} blocks for "
+                         f"{layers} layers")
+    kv, widths, linear = [], [], []
+
+    def part(block, name):
+        value = block.get(name) if isinstance(block, dict) else getattr(block, name, None)
+        return value if isinstance(value, dict) else vars(value) if hasattr(value, "__dict__") else {}
+    for i, block in enumerate(blocks):
+        attn, mlp = part(block, "attention"), part(block, "ffn")
+        if attn.get("no_op") or attn.get("replace_with_linear"):
+            kv.append(0)
+            if attn.get("replace_with_linear"):
+                linear.append(i)
+        else:
+            kv.append(heads_l[i] // attn["n_heads_in_group"])
+        if mlp.get("no_op") or mlp.get("replace_with_linear"):
+            widths.append(0)
+            if mlp.get("replace_with_linear"):
+                linear.append(i)
+        elif isinstance(mlp.get("intermediate_size"), int):
+            widths.append(mlp["intermediate_size"])
+        else:
+            width = int(2 * mlp["ffn_mult"] * h / 3)
+            widths.append(width + (-width) % 256)
+    return kv, widths, tuple(sorted(linear))
 
 
 def _layer_values(value, layers: int, key: str) -> list[int]:

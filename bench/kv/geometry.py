@@ -97,6 +97,9 @@ class KVGeometry:
     source: str = "hf"  # "hf": an HF config; "gguf": GGUF metadata, which already says what llama.cpp caches
     flags: tuple[str, ...] = ()  # config facts an engine's rules read (e.g. "new_decoder_architecture")
     notes: tuple[str, ...] = ()  # how the geometry was read: class defaults used, aliases, layers left out
+    # fields the file leaves out that the geometry took from a config class (its default, or what it derives):
+    # the answer is then not verified (kvbench.kv.model_config.class_filled)
+    assumed: tuple[str, ...] = ()
 
     @classmethod
     def uniform(cls, num_layers: int, num_kv_heads: int, head_dim_k: int, head_dim_v: int | None = None,
@@ -208,6 +211,31 @@ def check_split(geom: KVGeometry, tp: int) -> None:
     for kv in sorted({layer.kv_heads for layer in geom.kv_layers}):
         if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
             raise UnevenSplit(f"{kv} KV heads cannot be split evenly over {tp} GPUs (nor replicated evenly)")
+
+
+def pipeline_partition(num_layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage, as vLLM splits them (distributed/utils.py get_pp_indices): evenly, the
+    remainder one each to the stages before the last, from the second-to-last back."""
+    if pp < 1 or pp > num_layers:
+        raise UnevenSplit(f"{num_layers} layers cannot be split over {pp} pipeline stages")
+    parts = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        parts[-i] += 1
+    return parts
+
+
+@functools.lru_cache(maxsize=64)
+def pipeline_stage(geom: KVGeometry, pp: int) -> KVGeometry:
+    """The layers one GPU of a ``pp``-stage pipeline holds: the stage whose layers cache the most per token
+    (every stage's layers are contiguous, :func:`pipeline_partition`). ``pp`` 1: the whole model."""
+    if pp == 1:
+        return geom
+    stages, start = [], 0
+    for n in pipeline_partition(len(geom.layers), pp):
+        stages.append(geom.layers[start:start + n])
+        start += n
+    heaviest = max(stages, key=lambda layers: sum(layer.elements_per_token for layer in layers))
+    return replace(geom, layers=heaviest)
 
 
 def heads_per_rank(kv_heads: int, tp: int) -> int:

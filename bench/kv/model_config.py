@@ -30,6 +30,7 @@ import functools
 import json
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -61,13 +62,16 @@ DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "half": "fp1
 
 # Field names for the same thing, for model types transformers does not know (its classes map their own).
 ALIASES = {
-    "num_hidden_layers": ("num_hidden_layers", "n_layer", "n_layers", "num_layers"),
-    "num_attention_heads": ("num_attention_heads", "n_head", "n_heads", "num_heads"),
-    "hidden_size": ("hidden_size", "n_embd", "d_model", "dim"),
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_transformer_layers"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "n_heads", "num_heads", "num_query_heads"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model", "dim", "model_dim"),
     "max_position_embeddings": ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
-                                "n_ctx", "model_max_length"),
+                                "n_ctx", "model_max_length", "max_context_length"),
 }
-KV_HEAD_FIELDS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num", "num_attention_groups")
+# (OpenELM: num_transformer_layers, num_query_heads, model_dim, max_context_length; apple/OpenELM's
+# configuration_openelm.py)
+KV_HEAD_FIELDS = ("num_key_value_heads_per_layer", "num_key_value_heads", "num_kv_heads", "n_head_kv",
+                  "multi_query_group_num", "num_attention_groups")  # (DeciLM-7B: num_key_value_heads_per_layer)
 
 
 # --- what the values mean: checked before any class or count reads them -------------------------------
@@ -75,16 +79,19 @@ KV_HEAD_FIELDS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_que
 MAX_LAYERS = 4_096  # 30 times any published model's (Llama 3.1 405B: 126): past it a config is not a model
 MAX_WIDTH = 2**40  # a width, a count of heads or tokens past it overflows every memory there is
 # Widths and counts kvbench reads, each a whole number (>= 1 where a zero makes no model)
-STRUCTURAL = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_attention_heads", "n_head", "n_heads",
-              "hidden_size", "n_embd", "d_model", "vocab_size", "padded_vocab_size", "num_key_value_heads",
-              "num_kv_heads", "n_head_kv")
+STRUCTURAL = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_transformer_layers", "num_attention_heads",
+              "n_head", "n_heads", "num_query_heads", "hidden_size", "n_embd", "d_model", "model_dim", "vocab_size",
+              "padded_vocab_size", "num_key_value_heads", "num_kv_heads", "n_head_kv", "num_key_value_heads_per_layer")
 COUNTS = (*STRUCTURAL, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
+          "max_context_length",
           "head_dim", "kv_channels", "intermediate_size", "moe_intermediate_size", "ffn_dim", "n_inner",
           "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank", "sliding_window",
           "attention_chunk_size", "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
           "n_shared_experts", "shared_expert_intermediate_size", "num_kv_shared_layers", "multi_query_group_num")
-# the fields kvbench reads layer by layer where a config lists one value per layer
-PER_LAYER = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+# the fields kvbench reads layer by layer where a config lists one value per layer (sliding_window: a window, or
+# null / 0 for a layer of full attention)
+PER_LAYER = ("num_attention_heads", "num_query_heads", "num_key_value_heads", "num_kv_heads",
+             "num_key_value_heads_per_layer", "intermediate_size", "head_dim", "sliding_window")
 REQUIRED = {"num_hidden_layers": "layers", "num_attention_heads": "attention heads", "hidden_size": "hidden size",
             "vocab_size": "vocabulary"}
 VOCAB_ALIASES = ("vocab_size", "padded_vocab_size", "n_vocab")
@@ -106,7 +113,9 @@ def check_values(body: dict, source: str) -> None:
             if len(value) != layers:
                 raise ConfigError(f"{source}: {key} lists {len(value)} values for {layers} layers")
             for i, v in enumerate(value):
-                _check_count(v, f"{key}[{i}]", source, minimum=0 if key == "intermediate_size" else 1)
+                if not (key == "sliding_window" and v is None):
+                    _check_count(v, f"{key}[{i}]", source, minimum=0 if key in ("intermediate_size", "sliding_window")
+                                 else 1)
             continue
         if isinstance(value, list):
             raise ConfigError(f"{source}: {key} is a list: kvbench reads one value for every layer "
@@ -159,6 +168,105 @@ def missing_required(text, raw_text: dict, nested: bool) -> list[str]:
     return missing
 
 
+# --- what a config class fills where the file is silent ------------------------------------------------
+
+# Beyond REQUIRED, the fields an answer reads. transformers writes every field of its class at a config's top level
+# (only a nested text_config leaves out what equals its class's defaults), so a top-level file without one was
+# written otherwise, and the class fills it: with its default (another model's value) or with what its post-init
+# derives. Each is named, and what it touches is marked NOT VERIFIED (the KV), left unknown (the weights) or left
+# to the user (the limit), never taken as this model's.
+KV_FILLED = ("num_key_value_heads", "head_dim", "sliding_window", "sliding_window_pattern", "attention_chunk_size",
+             "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "num_kv_shared_layers")
+WEIGHT_FILLED = ("intermediate_size", "moe_intermediate_size", "num_local_experts", "num_experts", "n_routed_experts",
+                 "n_shared_experts", "shared_expert_intermediate_size", "first_k_dense_replace", "moe_layer_freq",
+                 "q_lora_rank", "decoder_sparse_step", "expert_layer_period", "expert_layer_offset")
+LIMIT_FILLED = "max_position_embeddings"
+
+
+def _class_defaults(cls) -> dict[str, object]:
+    """{field: default} a config class declares: its dataclass fields (transformers 5) and its __init__'s
+    keyword defaults (a remote-code class of the older kind writes its own __init__ over the dataclass's). A
+    field without a plain default maps to None."""
+    import dataclasses
+    import inspect
+
+    out = {}
+    if dataclasses.is_dataclass(cls):
+        out = {f.name: (None if f.default is dataclasses.MISSING else f.default) for f in dataclasses.fields(cls)}
+    try:
+        params = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return out
+    out.update({p.name: (None if p.default is inspect.Parameter.empty else p.default) for p in params
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)})
+    return out
+
+
+def class_filled(text, raw: dict, names) -> dict[str, tuple[object, bool]]:
+    """{name: (value, constant)} for each of ``names`` that ``text``'s class declares and ``raw`` does not give
+    (under the name, the field its class maps it to, or another name for that field): the value came from the
+    class, ``constant`` True where it is the class's default, False where its post-init derived it."""
+    cls = type(text)
+    defaults = _class_defaults(cls)
+    mapped = getattr(cls, "attribute_map", {}) or {}
+    out = {}
+    for name in names:
+        attr = mapped.get(name, name)
+        if attr not in defaults:
+            continue
+        given = {name, attr, *(k for k, v in mapped.items() if v == attr), *ALIASES.get(name, ())}
+        if any(k in raw for k in given):
+            continue  # stated (null included: the file says there is none)
+        value = getattr(text, attr, None)
+        if value is None:
+            continue
+        out[name] = (value, defaults[attr] is not None)
+    return out
+
+
+def _mark_class_filled(text, raw: dict, geometry: KVGeometry) -> KVGeometry:
+    """``geometry`` with what a top-level config's class filled named (see KV_FILLED): the KV fields it rests
+    on marked assumed, the weights' fields set aside for the count (``kvbench_unset``: unknown, named), a
+    limit from the class's default dropped (the user's --context or --max-model-len sets it)."""
+    cls = type(text).__name__
+    filled = class_filled(text, raw, (*KV_FILLED, *WEIGHT_FILLED, LIMIT_FILLED))
+    if not filled:
+        return geometry
+    g = geometry
+    relevant = {"num_key_value_heads": g.mla is None and g.model_type not in ("falcon", "RefinedWeb", "RefinedWebModel"),
+                "head_dim": g.mla is None, "sliding_window": g.count("sliding") > 0,
+                "sliding_window_pattern": g.count("sliding") > 0 and "layer_types" not in raw,
+                "attention_chunk_size": g.count("chunked") > 0, "kv_lora_rank": g.mla is not None,
+                "qk_rope_head_dim": g.mla is not None, "qk_nope_head_dim": g.mla is not None,
+                "v_head_dim": g.mla is not None, "num_kv_shared_layers": bool(filled.get("num_kv_shared_layers", (0,))[0])}
+    notes, assumed = [], []
+    for name in KV_FILLED:
+        if name not in filled or not relevant.get(name):
+            continue
+        value, constant = filled[name]
+        if name == "head_dim" and not constant:
+            continue  # hidden_size / num_attention_heads: the architecture's own definition (noted as such)
+        if constant:
+            how = "its default, another model's value"
+        elif name == "num_key_value_heads":
+            how = "num_attention_heads: one KV head per attention head (MHA)"
+        else:
+            how = "derived from the other fields"
+        notes.append(f"{name} is not in the file: {cls} gives {value!r}, {how}; the KV rests on it (NOT VERIFIED)")
+        assumed.append(name)
+    weights = [name for name in WEIGHT_FILLED if name in filled]
+    if weights:
+        text.kvbench_unset = (*getattr(text, "kvbench_unset", ()), *weights)
+    kept = [n for n in g.notes if not (any(n.startswith(f"{a} ") for a in assumed) and "class default" in n)]
+    limit = g.max_context
+    if LIMIT_FILLED in filled and filled[LIMIT_FILLED][1]:
+        limit = None
+        kept = [n for n in kept if not n.startswith("the model's limit")]
+        notes.append(f"max_position_embeddings is not in the file ({filled[LIMIT_FILLED][0]:,} is the {cls} class's "
+                     "default, another model's): the model's limit is unknown; --max-model-len or --context sets it")
+    return replace(g, max_context=limit, notes=(*kept, *notes), assumed=(*g.assumed, *assumed))
+
+
 def transformers_version() -> str:
     return _transformers().__version__
 
@@ -204,30 +312,109 @@ class PlainConfig(SimpleNamespace):
 
 # model_type -> the fields the file must state for it to be read plainly (beyond PLAIN_FIELDS), and the
 # values those fields must have (a Qwen2 with use_sliding_window windows from max_window_layers on: the class's)
+_MLA = {"kv_lora_rank": None, "q_lora_rank": None, "qk_rope_head_dim": None, "qk_nope_head_dim": None,
+        "v_head_dim": None, "moe_intermediate_size": None, "n_routed_experts": None, "n_shared_experts": None,
+        "num_experts_per_tok": None, "first_k_dense_replace": None, "moe_layer_freq": None}
 PLAIN_TYPES = {"llama": {}, "mistral": {"sliding_window": None}, "qwen2": {"use_sliding_window": False},
                "qwen3": {"head_dim": None, "use_sliding_window": False},
                "qwen3_moe": {"head_dim": None, "use_sliding_window": False, "num_experts": None,
                              "num_experts_per_tok": None, "moe_intermediate_size": None, "decoder_sparse_step": None,
                              "mlp_only_layers": None},
-               "mixtral": {"sliding_window": None, "num_local_experts": None, "num_experts_per_tok": None}}
+               "mixtral": {"sliding_window": None, "num_local_experts": None, "num_experts_per_tok": None},
+               "gemma2": {"head_dim": None, "sliding_window": None},
+               "gemma3_text": {"head_dim": None, "sliding_window": None},
+               "gpt_oss": {"head_dim": None, "sliding_window": None, "num_local_experts": None,
+                           "num_experts_per_tok": None, "rope_scaling": None},
+               "deepseek_v2": _MLA, "deepseek_v3": {**_MLA, "num_nextn_predict_layers": None}}
+
+
+def _alternate(raw: dict) -> list[str]:
+    """Gemma 2's and gpt-oss's layer_types without the key (their __post_init__): sliding on even layers."""
+    return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(raw["num_hidden_layers"])]
+
+
+def _gemma3_pattern(raw: dict) -> list[str] | None:
+    """Gemma 3's layer_types without the key (Gemma3TextConfig.__post_init__): full attention every
+    sliding_window_pattern-th layer. None where the file states no pattern (the class's default 6 would)."""
+    pattern = raw.get("sliding_window_pattern")
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        return None
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(raw["num_hidden_layers"])]
+
+
+# model_type -> its class's __post_init__ for layer_types where the file has none (None: it cannot be read plainly)
+PLAIN_LAYER_TYPES = {"gemma2": _alternate, "gpt_oss": _alternate, "gemma3_text": _gemma3_pattern}
+# the multimodal wrappers whose text_config is read plainly (the vision tower is not counted), and its model_type
+PLAIN_WRAPPERS = {"gemma3": "gemma3_text"}
 PLAIN_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
                 "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
-# keys a class reads and derives from (RoPE, layer kinds, nesting, remote code): the class reads those configs
-NOT_PLAIN_KEYS = ("rope_parameters", "layer_types", "text_config", "auto_map", "attribute_map", "sub_configs")
+# keys a class reads and derives from (RoPE per layer kind, nesting): the class reads those configs
+NOT_PLAIN_KEYS = ("text_config", "attribute_map", "sub_configs", "use_bidirectional_attention")
+# RoPE scalings read plainly: as transformers' standardize_rope_params reads a single (not nested) dict
+PLAIN_ROPE = ("default", "llama3", "yarn", "linear", "dynamic")
 
 
 def plain_config(raw: dict) -> PlainConfig | None:
-    """``raw`` as a :class:`PlainConfig` where reading it as written is what transformers' class reads, else None."""
-    fields = PLAIN_TYPES.get(raw.get("model_type"))
+    """``raw`` as a :class:`PlainConfig` where reading it as written is what transformers' class reads, else None:
+    every field its class would fill is in the file, and what its __post_init__ derives (layer_types, a RoPE
+    scaling's original length) is derived here as it does. auto_map is ignored, as for every model type
+    transformers knows (:func:`hf_config` reads it through its own class)."""
+    model_type = raw.get("model_type")
+    if model_type in PLAIN_WRAPPERS:
+        inner = raw.get("text_config")
+        if not isinstance(inner, dict) or inner.get("model_type", PLAIN_WRAPPERS[model_type]) != PLAIN_WRAPPERS[model_type]:
+            return None
+        text = plain_config({**inner, "model_type": PLAIN_WRAPPERS[model_type]})
+        if text is None or any(k in raw for k in NOT_PLAIN_KEYS if k != "text_config"):
+            return None
+        return PlainConfig(**{**raw, "text_config": text})
+    fields = PLAIN_TYPES.get(model_type)
     if fields is None or any(k in raw for k in NOT_PLAIN_KEYS) or any(k not in raw for k in (*PLAIN_FIELDS, *fields)):
         return None
     if any(value is not None and raw[key] != value for key, value in fields.items()):
         return None
-    rope = raw.get("rope_scaling")
-    if rope is not None and not (isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) in
-                                 ("llama3", "default")):
-        return None  # a scaling that moves the limit: transformers' rope utilities read it
-    return PlainConfig(**raw)
+    layers = raw.get("num_hidden_layers")
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        return None
+    types = raw.get("layer_types")
+    if types is not None:
+        if model_type not in PLAIN_LAYER_TYPES or not isinstance(types, list) or len(types) != layers \
+                or not all(t in LAYER_TYPES for t in types):
+            return None
+    elif model_type in PLAIN_LAYER_TYPES:
+        types = PLAIN_LAYER_TYPES[model_type](raw)
+        if types is None:
+            return None
+    if raw.get("rope_parameters") is not None and raw.get("rope_scaling") is not None:
+        return None  # both: transformers' own precedence decides
+    rope = raw.get("rope_parameters") if raw.get("rope_parameters") is not None else raw.get("rope_scaling")
+    if rope is not None:
+        if not isinstance(rope, dict) or (rope.get("rope_type") or rope.get("type") or "default") not in PLAIN_ROPE:
+            return None  # a scaling transformers' rope utilities read otherwise (longrope, per layer kind)
+        if any(isinstance(v, dict) for v in rope.values()):
+            return None  # nested per layer kind (transformers 5's rope_parameters per layer type)
+    config = PlainConfig(**raw)
+    if types is not None:
+        config.layer_types = list(types)
+    return config
+
+
+def plain_rope_parameters(config: PlainConfig) -> list[dict]:
+    """A plain config's RoPE scaling as transformers' standardize_rope_params leaves a single dict: rope_type
+    from ``type``, and for llama3 / yarn / longrope the pretraining length, original_max_position_embeddings
+    (the config's top-level field first, else the dict's own, else max_position_embeddings)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict) or not rope:
+        return []
+    params = dict(rope)
+    params.setdefault("rope_type", params.get("type", "default"))
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
+        top = getattr(config, "original_max_position_embeddings", None)
+        if top is not None:
+            params["original_max_position_embeddings"] = top
+        else:
+            params.setdefault("original_max_position_embeddings", getattr(config, "max_position_embeddings", None))
+    return [params]
 
 
 def remote_config_file(raw: dict, folder: str | Path | None) -> tuple[str | None, Path | None]:
@@ -288,8 +475,8 @@ def text_config(config, source: str):
         raise ConfigError(f"{source}: {getattr(config, 'model_type', 'this model')} is an encoder-decoder model; "
                           "kvbench plans decoder-only generation (its cross-attention cache depends on the input, "
                           "not the context)")
-    if isinstance(config, PlainConfig):
-        return config  # a decoder without a text_config (plain_config)
+    if isinstance(config, PlainConfig):  # a decoder, or a wrapper whose text_config was read plainly
+        return config.text_config if isinstance(getattr(config, "text_config", None), PlainConfig) else config
     if isinstance(config, RawConfig):
         sub = getattr(config, "text_config", None)
         if isinstance(sub, dict):  # a wrapper transformers does not know: its text_config, as transformers would
@@ -345,8 +532,13 @@ def parse_hf_dict(raw: dict, source: str = "config.json", folder: str | Path | N
             defaults = ", ".join(f"{name} {getattr(text, name, None)!r}" for name in kv_missing)
             raise ConfigError(f"{source}: {', '.join(kv_missing)} missing: the KV geometry needs this model's "
                               f"(the {type(text).__name__} class's defaults, {defaults}, are another model's)")
+        if not nested and not isinstance(text, PlainConfig):
+            geometry = _mark_class_filled(text, raw_text, geometry)
         return config, text, geometry
-    return config, text, _geometry(text, raw_text, config, source, notes)
+    geometry = _geometry(text, raw_text, config, source, notes)
+    if not isinstance(text, RawConfig) and not nested:  # a remote-code class (--trust-remote-code) fills fields too
+        geometry = _mark_class_filled(text, raw_text, geometry)
+    return config, text, geometry
 
 
 def _get(config, name: str, known: bool):
@@ -436,6 +628,9 @@ def _geometry(text, raw: dict, config, source: str, notes: list[str]) -> KVGeome
         if kv is None and attn is not None:
             value = attn.get("kv_n_heads") if isinstance(attn, dict) else getattr(attn, "kv_n_heads", None)
             kv = _positive_int(value, "attn_config.kv_n_heads", source) if value is not None else None
+        blocks = _block_configs(text, n_layers, source)
+        if blocks is not None:  # DeciLM / Nemotron-NAS: each block's KV heads = heads / n_heads_in_group
+            kv = [heads_per_layer[i] // group if group else 1 for i, (_, group) in enumerate(blocks)]
         if kv is None:
             kv = heads
             notes.append("no KV-head field: one KV head per attention head (MHA)")
@@ -443,7 +638,12 @@ def _geometry(text, raw: dict, config, source: str, notes: list[str]) -> KVGeome
 
     # --- head dims ------------------------------------------------------------------------------------
     head_dim = getattr(text, "head_dim", None)
-    if head_dim is not None:
+    head_dims = None
+    if isinstance(head_dim, (list, tuple)):  # one per layer
+        head_dims = _per_layer(_positive_int(head_dim, "head_dim", source, allow_list=True), n_layers, "head_dim",
+                               source)
+        head_dim = max(head_dims)
+    elif head_dim is not None:
         head_dim = _positive_int(head_dim, "head_dim", source)
     if not head_dim:
         head_dim = getattr(text, "kv_channels", None) or getattr(text, "hidden_size_per_head", None)
@@ -467,8 +667,10 @@ def _geometry(text, raw: dict, config, source: str, notes: list[str]) -> KVGeome
     elif "head_dim" not in raw and not isinstance(getattr(type(text), "head_dim", None), int):
         notes.append(f"head_dim = hidden_size / num_attention_heads = {head_dim}")
 
-    layers = tuple(LayerKV(k, kvh, head_dim, head_dim_v, span) if k != "none" else LayerKV("none", why_none=w)
-                   for (k, span), w, kvh in zip(kinds, why, kv_per_layer))
+    dims = head_dims or [head_dim] * n_layers
+    v_fixed = getattr(text, "v_head_dim", None)
+    layers = tuple(LayerKV(k, kvh, hd, v_fixed or hd, span) if k != "none" else LayerKV("none", why_none=w)
+                   for (k, span), w, kvh, hd in zip(kinds, why, kv_per_layer, dims))
     return KVGeometry(layers, max(heads_per_layer), _max_context(text, known, source, notes, model_type), None, model_type,
                       _dtype(text, config), "hf", tuple(flags), tuple(notes))
 
@@ -478,13 +680,91 @@ def _in_file(config, raw: dict, name: str) -> bool:
     return name in raw or getattr(type(config), "attribute_map", {}).get(name) in raw
 
 
+# What a block of block_configs (DeciLM / Nemotron-NAS, nvidia's modeling_decilm.py and vLLM's nemotron_nas.py)
+# holds in place of attention: nothing, or a linear layer; neither caches KV
+NO_ATTENTION_BLOCK = {"no_op": "no attention (block_configs: no_op)",
+                      "replace_with_linear": "a linear layer in place of attention (block_configs: replace_with_linear)"}
+
+
+def _block_configs(text, n: int, source: str) -> list[tuple[str, int | None]] | None:
+    """Per layer of ``block_configs`` (DeciLM / Nemotron-NAS): ("" or why it caches nothing, n_heads_in_group);
+    None without the key. A block that is neither is attention with num_attention_heads / n_heads_in_group KV
+    heads (vLLM's nemotron_nas.py DeciLMDecoderLayer)."""
+    blocks = getattr(text, "block_configs", None)
+    if blocks is None:
+        return None
+    if not isinstance(blocks, (list, tuple)) or len(blocks) != n:
+        raise ConfigError(f"{source}: block_configs must list one block per layer ({n}), not "
+                          f"{len(blocks) if isinstance(blocks, (list, tuple)) else type(blocks).__name__}")
+    out = []
+    for i, block in enumerate(blocks):
+        attn = block.get("attention") if isinstance(block, dict) else getattr(block, "attention", None)
+        if attn is not None and not isinstance(attn, dict):
+            attn = vars(attn) if hasattr(attn, "__dict__") else None
+        if not isinstance(attn, dict):
+            raise ConfigError(f"{source}: block_configs[{i}] has no attention object (no_op, replace_with_linear, "
+                              "n_heads_in_group)")
+        none = next((why for key, why in NO_ATTENTION_BLOCK.items() if attn.get(key)), "")
+        group = attn.get("n_heads_in_group")
+        if not none:
+            if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+                raise ConfigError(f"{source}: block_configs[{i}].attention.n_heads_in_group must be a whole number "
+                                  f">= 1 for an attention block, not {group!r}")
+        out.append((none, group if not none else None))
+    return out
+
+
+def _model_layer_kinds(text, n: int, source: str) -> tuple[list[str], dict[int, str]] | None:
+    """layer_types from a model's own layout keys where the file has no layer_types (each read as the model's
+    code reads it), and why the layers outside attention cache nothing; None where none is given:
+
+    - attn_type_list (MiniMax-Text-01): 0 a lightning (linear) attention layer, 1 softmax attention (its
+      modeling code, vLLM's minimax_text_01.py; transformers' MiniMaxConfig holds it as layer_types);
+    - layers_block_type ("attention" / "mamba"), or attn_layer_period and attn_layer_offset (Jamba: layer i is
+      attention where i % period == offset, transformers' JambaConfig.layers_block_type);
+    - block_configs (DeciLM / Nemotron-NAS): a block whose attention is no_op or replace_with_linear."""
+    listed = getattr(text, "attn_type_list", None)
+    if listed is not None:
+        if not isinstance(listed, (list, tuple)) or len(listed) != n or any(v not in (0, 1) for v in listed):
+            raise ConfigError(f"{source}: attn_type_list must hold one 0 (linear attention) or 1 (softmax attention) "
+                              f"per layer ({n}); kvbench reads no other value")
+        return ["full_attention" if v == 1 else "linear_attention" for v in listed], {}
+    blocks = getattr(text, "layers_block_type", None)
+    period, offset = getattr(text, "attn_layer_period", None), getattr(text, "attn_layer_offset", None)
+    if blocks is None and period is not None:
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (period, offset)) or period < 1 \
+                or not 0 <= offset < period:
+            raise ConfigError(f"{source}: attn_layer_period {period!r} and attn_layer_offset {offset!r} must be whole "
+                              "numbers, 0 <= offset < period")
+        blocks = ["attention" if i % period == offset else "mamba" for i in range(n)]
+    if blocks is not None:
+        if not isinstance(blocks, (list, tuple)) or len(blocks) != n or any(b not in ("attention", "mamba")
+                                                                            for b in blocks):
+            raise ConfigError(f"{source}: layers_block_type must hold one 'attention' or 'mamba' per layer ({n})")
+        return ["full_attention" if b == "attention" else "mamba" for b in blocks], {}
+    decilm = _block_configs(text, n, source)
+    if decilm is not None:
+        return (["linear_attention" if none else "full_attention" for none, _ in decilm],
+                {i: none for i, (none, _) in enumerate(decilm) if none})
+    return None
+
+
 def _layer_kinds(text, raw: dict, n: int, model_type: str, source: str) -> tuple[list[tuple[str, int | None]], list[str]]:
     """Per layer (kind, span) and why a layer caches nothing."""
     window = getattr(text, "sliding_window", None)
+    windows = None
+    if isinstance(window, (list, tuple)):  # one window per layer; null or 0: full attention
+        windows = _per_layer(list(window), n, "sliding_window", source)
+        window = max((w for w in windows if w), default=None)
     chunk = getattr(text, "attention_chunk_size", None)
     types = getattr(text, "layer_types", None)
     if types is not None and (not isinstance(types, (list, tuple)) or set(types) <= MLP_LAYER_TYPES):
         types = None
+    why_model: dict[int, str] = {}
+    if types is None and (found := _model_layer_kinds(text, n, source)) is not None:
+        types, why_model = found
+    if types is None and windows is not None:
+        types = ["sliding_attention" if w else "full_attention" for w in windows]
     if types is not None:
         if len(types) != n:
             raise ConfigError(f"{source}: layer_types has {len(types)} entries for {n} layers")
@@ -499,13 +779,14 @@ def _layer_kinds(text, raw: dict, n: int, model_type: str, source: str) -> tuple
     else:
         types = ["full_attention"] * n
     kinds, why = [], []
-    for t in types:
+    for i, t in enumerate(types):
         kind = LAYER_TYPES[t]
-        span = window if kind == "sliding" else chunk if kind == "chunked" else None
+        span = (windows[i] if windows is not None else window) if kind == "sliding" else chunk if kind == "chunked" \
+            else None
         if kind in ("sliding", "chunked") and not span:
             raise ConfigError(f"{source}: a {t} layer without {'sliding_window' if kind == 'sliding' else 'attention_chunk_size'}")
         kinds.append((kind, span))
-        why.append(WHY_NONE.get(t, ""))
+        why.append(why_model.get(i) or WHY_NONE.get(t, ""))
     shared = getattr(text, "num_kv_shared_layers", None) or 0  # Gemma 3n: the last layers reuse earlier KV
     for i in range(n - shared, n):
         kinds[i], why[i] = ("none", None), "reuses an earlier layer's KV"
@@ -545,7 +826,7 @@ def rope_parameters(text, base: int) -> list[dict]:
     moved to ``rope_parameters``, ``type`` to ``rope_type``, ``original_max_position_embeddings`` filled
     for yarn / llama3 / longrope), one dict per layer type where they are nested."""
     if isinstance(text, PlainConfig):
-        return []  # read plainly only without a scaling that moves the limit (plain_config)
+        return plain_rope_parameters(text)
     from transformers.modeling_rope_utils import RotaryEmbeddingConfigMixin
 
     if builtin(text):
@@ -621,7 +902,8 @@ READ_KEYS = {*[k for names in ALIASES.values() for k in names], *KV_HEAD_FIELDS,
              "num_kv_shared_layers", "cross_attention_layers", "attn_config", "new_decoder_architecture",
              "multi_query", "text_config", "torch_dtype", "dtype", "rope_scaling", "rope_parameters", "rope_theta",
              "model_type", "architectures", "auto_map", "quantization_config", "original_max_position_embeddings",
-             "is_encoder_decoder", "is_decoder"}
+             "is_encoder_decoder", "is_decoder", "attn_type_list", "layers_block_type", "attn_layer_period",
+             "attn_layer_offset", "block_configs", "num_nextn_predict_layers"}
 NOT_KV_WORDS = ("mlp", "moe", "expert", "ffn", "intermediate", "dropout", "norm", "router", "vocab", "token_id",
                 "init", "vision", "audio", "image")
 LAYER_KEY = re.compile(r"(layer|block|attn|attention|window|swa|global|local|kv|head)", re.IGNORECASE)
@@ -634,11 +916,15 @@ def unread_keys(raw: dict, text) -> list[str]:
     """Keys of a config transformers has no class for (or a remote-code class) that the KV reader did not
     read and that look per-layer: a list as long as the layers, a list of layer kinds, or a layer pattern
     under a model-specific name (``attn_type_list``, ``sliding_window_pattern``, ``global_attn_layers``).
-    The geometry was read without them, so it is not verified. [] for transformers' own classes."""
+    Which layers cache what is then unknown: a plan refuses it (:func:`refuse_unread`). [] for transformers' own
+    classes, and for a remote-code class that derives layer_types from them (the reader reads that)."""
     if builtin(text):
         return []
     body = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     n = next((body[k] for k in ALIASES["num_hidden_layers"] if isinstance(body.get(k), int)), None)
+    derived = getattr(text, "layer_types", None)
+    if "layer_types" not in body and isinstance(derived, (list, tuple)) and n is not None and len(derived) == n:
+        return []
     out = []
     for key, value in body.items():
         low = key.lower()
@@ -651,6 +937,17 @@ def unread_keys(raw: dict, text) -> list[str]:
         if per_layer or kinds or pattern:
             out.append(key)
     return sorted(out)
+
+
+def refuse_unread(keys, source: str) -> None:
+    """One ConfigError naming the per-layer-looking keys the reader did not read: the layout they describe is
+    not known, and a plan of every layer as full attention would be several times off, as confident as any."""
+    if keys:
+        raise ConfigError(f"{source}: {', '.join(keys)} look{'s' * (len(keys) == 1)} per-layer and kvbench does not "
+                          "read it: which layers cache what is unknown, so no KV is planned (kvbench reads "
+                          "layer_types, attn_type_list, layers_block_type, attn_layer_period/offset, block_configs, "
+                          "and per-layer head counts, head_dim and sliding_window; --trust-remote-code reads a class "
+                          "that derives layer_types)")
 
 
 def _dtype(text, config) -> str | None:
@@ -732,8 +1029,59 @@ def _gguf_reader(path: str, mtime_ns: int, size: int):
                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
 
 
+def gguf_header(path: str | Path) -> bounded.GGUFHeader | None:
+    """A GGUF v2/v3 file's keys (without the tokenizer's vocabulary) and tensor descriptions, read in one checked
+    pass without gguf's reader (:func:`kvbench.kv.bounded.read_gguf_header`: 13 ms for the embedded model
+    where GGUFReader takes seconds and imports numpy); None for a version 1 file. One per file version."""
+    st = os.stat(path)
+    return _gguf_header(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_header(path: str, mtime_ns: int, size: int) -> bounded.GGUFHeader | None:
+    try:
+        return bounded.read_gguf_header(path)
+    except bounded.InputError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+@functools.cache
+def ggml_type_sizes() -> dict[int, tuple[int, int]]:
+    """gguf's GGML_QUANT_SIZES, {ggml type: (values per block, bytes per block)}, from its constants module
+    alone (the gguf package's __init__ imports numpy and its reader; constants.py imports only enum)."""
+    import importlib.util
+
+    found = importlib.util.find_spec("gguf")  # locates the package without importing it
+    spec = importlib.util.spec_from_file_location("kvbench._gguf_constants",
+                                                  Path(found.submodule_search_locations[0]) / "constants.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {int(kind): tuple(sizes) for kind, sizes in module.GGML_QUANT_SIZES.items()}
+
+
+def gguf_tensors(path: str | Path) -> list[tuple[int, int]]:
+    """(values, bytes) of each tensor of a GGUF file, as gguf's reader counts them (values x bytes per block /
+    values per block)."""
+    header = gguf_header(path)
+    if header is None:
+        return [(int(t.n_elements), int(t.n_bytes)) for t in gguf_reader(path).tensors]
+    sizes, out = ggml_type_sizes(), []
+    for name, shape, kind in header.tensors:
+        if kind not in sizes:
+            raise ConfigError(f"GGUF file {path}: tensor {name} has ggml type {kind}, which gguf does not know")
+        block, per_block = sizes[kind]
+        values = 1
+        for n in shape:
+            values *= n
+        out.append((values, values * per_block // block))
+    return out
+
+
 def gguf_keys(path: str | Path) -> dict:
     """A GGUF file's metadata as {key: value} (arrays as lists), without the tokenizer's vocabulary."""
+    header = gguf_header(path)
+    if header is not None:
+        return dict(header.keys)
     out = {}
     for name, f in gguf_reader(path).fields.items():
         if name.startswith("tokenizer.ggml.") and name not in ("tokenizer.ggml.model",):

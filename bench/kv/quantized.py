@@ -30,6 +30,7 @@ A quant_method not listed here is "unknown" with the reason, never priced as 16-
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -86,7 +87,28 @@ def _matches(name: str, pattern: str, substring: bool) -> bool:
 
 
 def _skipped(name: str, patterns, substring: bool) -> bool:
-    return any(_matches(name, p, substring) for p in (patterns or ()))
+    return _matcher(tuple(p if isinstance(p, str) else "" for p in (patterns or ())), substring)(name)
+
+
+@functools.lru_cache(maxsize=32)
+def _matcher(patterns: tuple[str, ...], substring: bool):
+    """:func:`_matches` over every pattern of a list, as one function: the plain names (most of a ModelOpt or
+    FP8 exclude list, one per layer) looked up in a set, the globs and regular expressions tried one by one
+    (a checkpoint's list of hundreds against its thousands of module names is otherwise most of a plan)."""
+    plain = frozenset(p for p in patterns if p and not p.startswith("re:") and not any(c in p for c in "*?["))
+    others = [p for p in patterns if p and p not in plain]
+
+    def skipped(name: str) -> bool:
+        for n in _names(name):
+            if substring:
+                if any(p in n for p in plain):
+                    return True
+            elif plain:
+                parts = n.split(".")
+                if any(".".join(parts[i:j]) in plain for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)):
+                    return True
+        return any(_matches(name, p, substring) for p in others)
+    return skipped
 
 
 def _int(qc: dict, *keys, default=None):

@@ -11,6 +11,7 @@ summary, the reports and ``kvbench validate`` ask these methods and never switch
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import ClassVar
@@ -215,6 +216,18 @@ class KVRules:
         """How a user splits the model over ``tp`` GPUs."""
         return f"--tp {tp}"
 
+    def pp_flag(self, pp: int) -> str | None:
+        """How a user splits the model's layers over ``pp`` GPUs in a pipeline, each GPU holding its stage's
+        layers and their KV (a pipeline may span nodes); None where the engine has no pipeline parallel."""
+        return None
+
+    def dp_attention_flag(self, gpus: int) -> str | None:
+        """How a user runs an MLA model's attention data-parallel over ``gpus`` GPUs: each GPU holds the latent
+        KV of its own share of the requests (not every request's, as tensor parallel replicates it), the
+        routed experts split over all of them (expert parallel), the rest of the weights whole on each. None
+        where the engine has none."""
+        return None
+
     def check(self, q: KVQuestion) -> None:
         if q.context < 1 or q.batch < 1:
             raise KVRuleError("the context and the batch must be >= 1")
@@ -247,7 +260,10 @@ class KVRules:
     def bytes_per_token(self, q: KVQuestion) -> float:
         """Per GPU, every caching layer, as stored, windows not applied."""
         stored, dtype = self.stored(q), self.resolve_dtype(q)
-        return sum(self.layer_bytes_per_token(stored, layer, dtype, q.tp) for layer in self.gpu_layers(stored, q.tp))
+        layers = self.gpu_layers(stored, q.tp)
+        # each distinct layer once (a plan asks this hundreds of times): linear in distinct layers
+        counts = stored.layer_counts if layers is stored.layers else Counter(layers)
+        return sum(n * self.layer_bytes_per_token(stored, layer, dtype, q.tp) for layer, n in counts.items())
 
     def gpu_layers(self, stored: KVGeometry, tp: int) -> tuple[LayerKV, ...]:
         """The layers whose KV one GPU holds (tensor parallelism: every layer, a share of its heads)."""
@@ -325,8 +341,25 @@ class KVRules:
         return self.bytes_per_token(KVQuestion(geometry, dtype))
 
 
+class PlainRules(KVRules):
+    """The plain formula (no engine named): every split kvbench plans, written as ``kvbench plan``'s own flags."""
+
+    def pp_flag(self, pp: int) -> str | None:
+        return f"--pp {pp}"
+
+    def dp_attention_flag(self, gpus: int) -> str | None:
+        return f"--dp {gpus}"
+
+
 def with_kinds(geom: KVGeometry, kinds: dict[str, str]) -> KVGeometry:
-    """``geom`` with layers of one kind stored as another (e.g. {"sliding": "full"}: windows not kept)."""
+    """``geom`` with layers of one kind stored as another (e.g. {"sliding": "full"}: windows not kept). One
+    object per geometry and mapping: an engine's rules ask it on every answer of a plan's search."""
+    return _with_kinds(geom, tuple(sorted(kinds.items())))
+
+
+@functools.lru_cache(maxsize=256)
+def _with_kinds(geom: KVGeometry, mapping: tuple[tuple[str, str], ...]) -> KVGeometry:
+    kinds = dict(mapping)
     if not any(layer.kind in kinds for layer in geom.layers):
         return geom
     return replace(geom, layers=tuple(replace(layer, kind=kinds.get(layer.kind, layer.kind),

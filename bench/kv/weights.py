@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kvbench.kv import bounded, quantized
 from kvbench.kv.checkpoint import Breakdown, Weights, _first, _Unknown, parameter_breakdown
-from kvbench.kv.model_config import gguf_reader
+from kvbench.kv.model_config import gguf_tensors
 
 WEIGHT_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 # what for_model(weights_dtype=...) accepts: "auto" (the checkpoint's own width), the plain widths above, and
@@ -88,11 +88,11 @@ def index_total_size(folder: Path) -> int | None:
 
 
 def gguf_tensor_bytes(path: Path) -> int:
-    return int(sum(t.n_bytes for t in gguf_reader(path).tensors))
+    return sum(nbytes for _, nbytes in gguf_tensors(path))
 
 
 def gguf_parameters(path: Path) -> int:
-    return int(sum(t.n_elements for t in gguf_reader(path).tensors))
+    return sum(values for values, _ in gguf_tensors(path))
 
 
 def _tensor_bytes(tensor) -> float:
@@ -202,7 +202,7 @@ def _breakdown(text, wrapper) -> Breakdown | Weights:
     except _Unknown as exc:
         return Weights(None, f"unknown: the config has no {exc} (give a folder with safetensors or a GGUF file)",
                        method="unknown")
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         return Weights(None, f"unknown: the config's sizes could not be counted ({exc})", method="unknown")
 
 

@@ -10,6 +10,8 @@ and every lever that applies, each planned (:mod:`.levers`). Pure functions over
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvbench.kv.geometry import UnknownKVDtype, heads_per_rank, kv_bytes_per_token
 from kvbench.kv.rules import KVRuleError
 
@@ -102,16 +104,21 @@ def plan(p: PlanInput, with_levers: bool = True) -> dict:
     typical = s.typical()
     deploy = s.kv()
     stored = rules.stored(s.question())
-    kv_total = typical.bytes_per_gpu * s.tp
+    # every GPU's KV together: the whole model's layers and the whole batch on one tensor-parallel group (the
+    # pipeline's stages and the data-parallel ranks hold their parts of it; a replicated latent counts on each rank)
+    whole = typical if s.pp == s.dp == 1 else rules.answer(replace(s.question(), geometry=geom, batch=s.batch))
+    kv_total = whole.bytes_per_gpu * s.tp
     out = {
         "model": p.model.name, "attention": geom.attention, "geometry": geom.describe(), "layers": geom.num_layers,
+        "decoder_layers": len(geom.layers),
         "kv_heads": geom.num_kv_heads, "kv_heads_per_gpu": (stored.num_kv_heads if rules.replicated(stored)
                                                          else heads_per_rank(stored.num_kv_heads, s.tp)),
         "head_dim_k": geom.head_dim_k, "head_dim_v": geom.head_dim_v,
         "sliding_window": geom.sliding_window, "sliding_layers": geom.num_sliding_layers,
         "chunk_size": geom.chunk_size, "chunked_layers": geom.count("chunked"),
         "max_context": geom.max_context, "context": s.context, "batch": s.batch, "kv_dtype": typical.dtype,
-        "kv_dtype_source": s.kv_dtype_note(), "tp": s.tp, "engine": p.engine or "exact", "engine_rule": typical.note,
+        "kv_dtype_source": s.kv_dtype_note(), "tp": s.tp, "pp": s.pp, "dp": s.dp, "gpus": s.gpus,
+        "engine": p.engine or "exact", "engine_rule": typical.note,
         "notes": list(geom.notes), "verified": p.model.verified, "unread_keys": list(p.model.unread_keys),
         "max_model_len": s.limit, "max_model_len_source": s.limit_source,
         "serving_dtype": rules.serving_dtype(geom, s.capability),
@@ -120,7 +127,7 @@ def plan(p: PlanInput, with_levers: bool = True) -> dict:
         "kv_bytes": kv_total, "kv_bytes_per_gpu": typical.bytes_per_gpu, "kv_pool_extra_bytes": typical.pool_extra_bytes,
         "kv_bytes_per_token": kv_total / (s.batch * s.context),
         "kv_bytes_per_token_formula": _formula_per_token(geom, typical, s.tp),
-        "kv_bytes_per_token_stored": typical.bytes_per_token * s.tp,
+        "kv_bytes_per_token_stored": whole.bytes_per_token * s.tp,
         "kv_scope": kv_scope(s),
         # what the deployment holds per GPU: one request at the limit and the batch at its typical length
         "deployment_kv_bytes_per_gpu": deploy.bytes_per_gpu + deploy.pool_extra_bytes,

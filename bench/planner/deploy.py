@@ -3,9 +3,10 @@ is started with and the typical request of the traffic, the weights as the engin
 :class:`Setup` answers what a deployment needs per GPU and what it can serve; the levers vary it."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
-from kvbench.kv.geometry import KVGeometry, dtype_bytes
+from kvbench.kv.geometry import KVGeometry, UnevenSplit, cdiv, dtype_bytes, pipeline_stage
 from kvbench.kv.rules import KVAnswer, KVQuestion, KVRuleError, KVRules
 from kvbench.kv.units import GIB, fmt_gib
 from kvbench.kv.weights import Weights
@@ -26,6 +27,8 @@ class PlanInput:
     batch: int = 1  # requests served at once
     kv_dtype: str = "auto"  # "auto": the engine's default for the model (see KVRules.auto_dtype)
     tp: int = 1
+    pp: int = 1  # pipeline stages, each on its own GPUs (its layers' weights and KV)
+    dp: int = 1  # data-parallel attention ranks of an MLA model (each holds its own requests' KV)
     engine: str | None = None  # None: the plain formula
     gpu: str | None = None
     overhead_gib: float | None = None  # per GPU; None: the shipped measurement for the engine and device, else 1.5
@@ -104,10 +107,22 @@ class Setup:
     startup_rule: bool = False  # the engine's own memory at startup (KVRules.startup_memory) replaces margin + overhead
     margin_default: bool = False  # no --margin given
     cpu_features: tuple[str, ...] = ()
+    pp: int = 1  # pipeline stages (PlanInput.pp)
+    dp: int = 1  # data-parallel attention ranks (PlanInput.dp)
 
     @property
     def geometry(self) -> KVGeometry:
         return self.model.geometry
+
+    @property
+    def gpus(self) -> int:
+        """The GPUs the deployment takes: tensor parallel x pipeline stages x data-parallel attention ranks."""
+        return self.tp * self.pp * self.dp
+
+    @property
+    def per_rank_batch(self) -> int:
+        """Requests one GPU holds the KV of: the batch, or its share on each data-parallel attention rank."""
+        return cdiv(self.batch, self.dp)
 
     @property
     def capability(self) -> tuple[int, int] | None:
@@ -130,9 +145,9 @@ class Setup:
             return None
         cuda, source = self.gpu.cuda_memory()
         return StartupQuestion(self.question(context=self.limit, batch=1), self.limit, self.gpu.name, self.gpu.bytes,
-                               cuda, source, self.weights_per_gpu, self.model.widths, self.batch)
+                               cuda, source, self.weights_per_gpu, self.model.widths, self.per_rank_batch)
 
-    @property
+    @functools.cached_property  # read by every need() of a search: once per deployment (frozen: fields never change)
     def startup(self) -> StartupMemory | None:
         """The engine's memory at startup on this GPU (its rule, read from its source), where it applies."""
         if not self.startup_rule:
@@ -146,9 +161,10 @@ class Setup:
         return mem.overhead_bytes if mem is not None else self.overhead_fixed
 
     def question(self, context: int | None = None, batch: int | None = None) -> KVQuestion:
-        return KVQuestion(self.geometry, self.kv_dtype, context or self.context, batch or self.batch, self.tp,
-                          self.block_size, self.device, self.version, dict(self.options), self.capability,
-                          self.cpu_features)
+        """One GPU's KV question: its pipeline stage's layers, its data-parallel rank's share of the batch."""
+        return KVQuestion(pipeline_stage(self.geometry, self.pp), self.kv_dtype, context or self.context,
+                          cdiv(batch or self.batch, self.dp), self.tp, self.block_size, self.device, self.version,
+                          dict(self.options), self.capability, self.cpu_features)
 
     def typical(self) -> KVAnswer:
         """The KV of the batch at its typical length alone (no limit reserved): the plain KV answer."""
@@ -200,7 +216,24 @@ class Setup:
 
     @property
     def weights_per_gpu(self) -> float | None:
-        return None if self.weights.bytes is None else self.weights.bytes / self.tp
+        """The weights on one GPU: split over the tensor-parallel ranks and the pipeline's stages (evenly: the
+        first and last stages' embeddings and LM head not set apart); with data-parallel attention, the routed
+        experts split over every GPU and the rest whole on each (an upper bound where the engine splits more)."""
+        if self.weights.bytes is None:
+            return None
+        split = self.tp * self.pp
+        if self.dp == 1:
+            return self.weights.bytes / split
+        share = self.expert_share
+        return self.weights.bytes * ((1 - share) / split + share / (split * self.dp))
+
+    @property
+    def expert_share(self) -> float:
+        share = self.model.expert_share() if self.model.expert_share is not None else None
+        if share is None:
+            raise PlanError("--dp: the routed experts' share of the weights is unknown for this model (its config "
+                            "count failed): data-parallel attention cannot be sized")
+        return share
 
     def need(self, context: int | None = None, batch: int | None = None, limit: int | None = None) -> float:
         return (self.weights_per_gpu + self.kv_bytes(context, batch, limit) + self.overhead_at(context, batch)
@@ -267,6 +300,8 @@ def setup(p: PlanInput) -> Setup:
         raise PlanError("--memory is a CPU memory wall (the engine's process tree in a cgroup): not with --device gpu")
     if p.tp < 1:
         raise PlanError(f"--tp must be >= 1, not {p.tp}")
+    if p.pp < 1 or p.dp < 1:
+        raise PlanError(f"--pp and --dp must be >= 1, not {p.pp if p.pp < 1 else p.dp}")
     if p.device not in ("gpu", "cpu"):
         raise PlanError(f"--device is gpu or cpu, not {p.device!r}")
     rules = engine_rules(p.engine)
@@ -302,8 +337,9 @@ def setup(p: PlanInput) -> Setup:
         if p.memory <= 0:
             raise PlanError(f"--memory must be positive, not {p.memory}")
         g = GPU(f"a {fmt_gib(p.memory)} memory wall", int(p.memory), None, wall=True)
-    if p.tp > 1 and g is not None and g.wall:
-        raise PlanError("--tp splits a model over GPUs: a CPU memory wall has none")
+    if max(p.tp, p.pp, p.dp) > 1 and g is not None and g.wall:
+        raise PlanError("--tp, --pp and --dp split a model over GPUs: a CPU memory wall has none")
+    check_layout(rules, p.model, p.pp, p.dp)
     rules_startup = (p.margin is None and p.overhead_gib is None and p.device == "gpu" and g is not None
                      and not g.wall and p.engine is not None)
     if p.overhead_gib is None:
@@ -319,14 +355,33 @@ def setup(p: PlanInput) -> Setup:
               served_weights(p.model, rules, g.capability if g else None), fixed, per_token, why, margin, g,
               p.block_size, p.device, p.engine_version, dict(p.engine_options), p.node_gpus, p.overhead_gib is None,
               startup_rule=rules_startup, margin_default=p.margin is None,
-              cpu_features=p.cpu_features if p.device == "cpu" else ())
+              cpu_features=p.cpu_features if p.device == "cpu" else (), pp=p.pp, dp=p.dp)
     # the engine's own rule where it has one (KVRules.startup_memory), else the margin and the overhead
     return s if s.startup is not None else replace(s, startup_rule=False)
+
+
+def check_layout(rules: KVRules, model: ModelForPlan, pp: int, dp: int) -> None:
+    """A pipeline or data-parallel attention the engine has, for a model it applies to (one-line PlanErrors)."""
+    name = rules.engine if rules.engine != "exact" else "the plain formula"
+    if pp > 1:
+        if rules.pp_flag(pp) is None:
+            raise PlanError(f"--pp: {name} has no pipeline parallel kvbench plans")
+        try:
+            pipeline_stage(model.geometry, pp)
+        except UnevenSplit as exc:
+            raise PlanError(f"--pp: {exc}") from None
+    if dp > 1:
+        if rules.dp_attention_flag(dp) is None:
+            raise PlanError(f"--dp: {name} has no data-parallel attention kvbench plans")
+        if model.geometry.mla is None:
+            raise PlanError("--dp: data-parallel attention is planned for MLA models (their latent KV is replicated on "
+                            "every tensor-parallel rank); this model has none")
 
 
 def with_engine(s: Setup, engine: str) -> Setup:
     """The same deployment under another engine's rules (its own auto dtypes and served weights)."""
     rules = engine_rules(engine)
+    check_layout(rules, s.model, s.pp, s.dp)
     t = replace(s, rules=rules, engine=engine, kv_dtype="auto", block_size=None, options={}, version=None,
                 weights=served_weights(s.model, rules, s.capability), startup_rule=s.overhead_default and
                 s.gpu is not None and not s.gpu.wall and s.device == "gpu" and s.margin_default)

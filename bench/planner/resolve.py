@@ -26,6 +26,7 @@ from kvbench.kv.model_config import (
     gguf_keys,
     parse_hf_dict,
     read_json,
+    refuse_unread,
     unread_keys,
 )
 from kvbench.kv.rules import KVRules
@@ -52,6 +53,8 @@ class ModelForPlan:
     hf_copy: Callable[[], Weights] | None = field(default=None, compare=False, repr=False)
     # the widths an engine's activation peak scales with (hidden, MLP, vocab, experts): None where unread
     widths: ModelWidths | None = field(default=None, compare=False)
+    # the routed experts' share of the checkpoint's bytes (counted from the config; None: dense or uncounted)
+    expert_share: Callable[[], float | None] | None = field(default=None, compare=False, repr=False)
 
     @property
     def weights_bytes(self) -> float | None:
@@ -63,7 +66,19 @@ class ModelForPlan:
 
     @property
     def verified(self) -> bool:
-        return not self.unread_keys
+        return not self.unread_keys and not self.geometry.assumed
+
+    @property
+    def unverified_reason(self) -> str:
+        """Why the answer is not verified, in a few words ("" where it is)."""
+        why = []
+        for name in self.geometry.assumed:  # its note: "<name> is not in the file: <Class> gives <value>, ..."
+            note = next((n for n in self.geometry.notes if n.startswith(f"{name} is not in the file: ")), "")
+            given = note.split(": ", 1)[1].split(", ", 1)[0] if note else "its class fills it"
+            why.append(f"{name} not in the config ({given})")
+        if self.unread_keys:
+            why.append(f"the config's {', '.join(self.unread_keys)} look per-layer and were not read")
+        return "; ".join(why)
 
     @property
     def quantised(self) -> str | None:
@@ -83,6 +98,18 @@ def checkpoint_weights(source: Path, raw: dict, config, text, weights_dtype: str
     except ImportError as exc:  # the quantised-checkpoint pricing is not installed here
         return Weights(None, f"unknown: this checkpoint's quantised weights could not be priced ({exc}); give "
                              "--weights-bytes", method="unknown")
+
+
+def expert_share(config, text) -> float | None:
+    """The routed experts' share of a checkpoint's bytes, from the config's count at its stored widths (what
+    data-parallel attention spreads over every GPU); None for a dense model or a count that fails."""
+    try:
+        found = weights.estimate(text, config, "bf16")
+    except (ImportError, TypeError, ValueError):
+        return None
+    total, routed = sum(found.breakdown.values()), found.breakdown.get("experts", 0)
+    # an MTP layer is experts too (DeepSeek's): counted with them, as the figure it is a share of holds it
+    return (routed + found.breakdown.get("mtp", 0)) / total if total and routed else None
 
 
 def served_weights(model: ModelForPlan, rules: KVRules, capability: tuple[int, int] | None) -> Weights:
@@ -228,10 +255,15 @@ def resolve_model(model: str, weights_dtype: str = "auto", trust_remote_code: bo
         raise PlanError(str(exc)) from None
     name = model if source.startswith("hub") else (path.name if path.is_dir() else path.stem)
     unread = tuple(unread_keys(raw, text))
+    try:
+        refuse_unread(unread, str(file))
+    except ConfigError as exc:
+        raise PlanError(str(exc)) from None
     widths = ModelWidths.from_config(text)
     if given is not None:
         return ModelForPlan(name, geometry, given, source, weights_dtype, None, unread, widths=widths)
 
     def at(dtype: str) -> Weights:
         return checkpoint_weights(path, raw, config, text, dtype)
-    return ModelForPlan(name, geometry, at(weights_dtype), source, weights_dtype, at, unread, widths=widths)
+    return ModelForPlan(name, geometry, at(weights_dtype), source, weights_dtype, at, unread, widths=widths,
+                        expert_share=functools.cache(functools.partial(expert_share, config, text)))

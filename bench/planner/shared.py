@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbench.backends import ENGINES, engines_with_rules, kv_rules
-from kvbench.kv.rules import KVRules
+from kvbench.kv.rules import KVRules, PlainRules
 from kvbench.kv.units import GIB
 
 CATALOG_DIR = Path(__file__).with_name("catalog")
 GPUS_FILE = Path(__file__).with_name("gpus.toml")
-PLAIN = KVRules()  # the plain formula, when no engine is named
+PLAIN = PlainRules()  # the plain formula, when no engine is named
 #: NVML's total less CUDA's (torch.cuda.mem_get_info) for a card no log shows: fitted on the two cards
 #: whose startup logs print both (H100 80GB 79.65 - 79.22, RTX 3090 24.00 - 23.58); held out, the A100 40GB
 #: log (39.38 GiB) is 0.20 GiB below the 39.58 it predicts (0.5 %).

@@ -50,8 +50,13 @@ def startup_view(s: Setup) -> dict | None:
         out.update(pool_bytes=pool, pool_tokens=tokens, blocks=None, requests_at_limit=requests, concurrency=None)
     refusal = rules.startup_refusal(s.startup_question(), mem, available, one, longest)
     if refusal is not None:
-        out.update(refusal=refusal.message, fix=refusal.fix)
-        line = f"{mem.label} would refuse to start: \"{refusal.message}\" Fix: {refusal.fix}"
+        fix = refusal.fix
+        if s.limit_source.startswith("the model's") and s.context < s.limit and longest >= s.context:
+            # the server's default limit is the model's: the length asked is the limit the user wants
+            fix = (f"{rules.limit_flag(s.context, s.batch)}, the length asked (the longest it would take: "
+                   f"{refusal.fix})")
+        out.update(refusal=refusal.message, fix=fix, engine_fix=refusal.fix)
+        line = f"{mem.label} would refuse to start: \"{refusal.message}\" Fix: {fix}"
     else:
         unit = "pool" if rules.pool_from_budget or mem.pool_fills_budget else "cache"
         line = (f"{mem.label} would start with a {out['pool_bytes'] / GIB:.2f} GiB KV {unit} "

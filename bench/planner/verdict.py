@@ -26,6 +26,17 @@ def limit_label(s: Setup) -> str:
 def kv_scope(s: Setup) -> str:
     """How the KV figure per GPU relates to the others: a latent every rank holds whole, or a share."""
     stored = s.rules.stored(s.question())
+    parts = []
+    if s.pp > 1:
+        parts.append(f"the pipeline stage holding the most layers' KV ({len(stored.layers)} of "
+                     f"{len(s.geometry.layers)} layers, of {s.pp} stages)")
+    if s.dp > 1:
+        parts.append(f"the KV of {s.per_rank_batch} of the {s.batch} requests (attention data-parallel over {s.dp})")
+    inner = _tp_scope(s, stored)
+    return "; ".join([*parts, inner] if inner else parts)
+
+
+def _tp_scope(s: Setup, stored) -> str:
     if s.tp > 1 and stored.mla is not None and s.rules.gpu_layers(stored, s.tp) == stored.layers:
         return f"the MLA latent replicated on each of {s.tp} GPUs (not split by the {s.tp}-way tensor parallel)"
     if s.tp > 1 and s.rules.gpu_layers(stored, s.tp) != stored.layers:
@@ -35,11 +46,20 @@ def kv_scope(s: Setup) -> str:
     return ""
 
 
+def _weights_split(s: Setup) -> str:
+    if s.dp > 1:
+        return (f"; the routed experts ({s.expert_share:.0%}) split over {s.gpus} GPUs, the rest whole on each "
+                f"(attention data-parallel)")
+    if s.pp > 1:
+        return f"; split over {s.gpus} GPUs ({s.pp} pipeline stages of {s.tp}, evenly)"
+    return f"; split over {s.tp} GPUs"
+
+
 def ledger(s: Setup, o: Outcome, deploy: KVAnswer) -> list[dict]:
     """Per GPU: each term's bytes and where it comes from."""
     w = s.weights_per_gpu
     rows = [{"term": "weights", "bytes": w,
-             "source": s.weights.source + (f"; split over {s.tp} GPUs" if s.tp > 1 and w is not None else "")}]
+             "source": s.weights.source + (_weights_split(s) if s.gpus > 1 and w is not None else "")}]
     scope = kv_scope(s)
     rows.append({"term": "kv", "bytes": o.kv,
                  "source": f"{s.rules.engine}: {deploy.note}; {deploy.dtype} ({s.kv_dtype_note()})"
@@ -76,10 +96,9 @@ def verdict(s: Setup, o: Outcome) -> dict:
     out = {"word": None, "fits": o.fits, "headroom_bytes": o.headroom, "headroom_pct": o.headroom_pct,
            "max_concurrency": o.max_concurrency, "context": s.context, "longest_request": o.longest_request,
            "batch": s.batch, "limit": s.limit, "limit_source": s.limit_source, "weights_exceed": o.weights_exceed,
-           "verified": s.model.verified, "unread_keys": list(s.model.unread_keys)}
-    unverified = ""
-    if not s.model.verified:
-        unverified = f" (NOT VERIFIED: the config's {', '.join(s.model.unread_keys)} look per-layer and were not read)"
+           "verified": s.model.verified, "unread_keys": list(s.model.unread_keys),
+           "assumed_keys": list(s.geometry.assumed)}
+    unverified = _unverified(s)
     if s.gpu is None:
         out["word"] = "NO GPU"
         out["line"] = (f"NO VERDICT{unverified}: no --gpu or --memory; the deployment holds {fmt_gib(o.kv)} of KV "
@@ -109,7 +128,7 @@ def verdict(s: Setup, o: Outcome) -> dict:
         parts += [f"the {fmt_gib(s.host_bytes())} host cache"] if s.host_bytes() else []
         what = ("the weights alone take" if alone or len(parts) == 1
                 else f"{', '.join(parts[:-1])} and {parts[-1]} alone take")
-        share = f" ({fmt_gib(s.weights.bytes)} over {s.tp} GPUs)" if s.tp > 1 else ""
+        share = f" ({fmt_gib(s.weights.bytes)} over {s.gpus} GPUs)" if s.gpus > 1 else ""
         out["line"] = (f"DOES NOT FIT{unverified}: {what} {fmt_gib(taken)} {s.per}{share}, more than the "
                        f"{fmt_gib(usable)} usable on {s.gpu.name} ({s.kept_free / s.gpu.bytes:.0%} kept free); short by "
                        f"{fmt_gib(-o.headroom)} with the KV")
@@ -136,7 +155,7 @@ def lever_line(lv: dict) -> str:
 def _unverified(s: Setup) -> str:
     if s.model.verified:
         return ""
-    return f" (NOT VERIFIED: the config's {', '.join(s.model.unread_keys)} look per-layer and were not read)"
+    return f" (NOT VERIFIED: {s.model.unverified_reason})"
 
 
 def asked_first(s: Setup, o: Outcome, typical: KVAnswer, startup: dict | None) -> dict:
@@ -146,7 +165,7 @@ def asked_first(s: Setup, o: Outcome, typical: KVAnswer, startup: dict | None) -
     limit is longer than the request asked, the same deployment started with the asked length as its limit.
     Each labelled, each computed."""
     dtype = f"{typical.dtype}, {s.rules.engine}" + (f": {typical.note}" if s.engine else "")
-    asked = {"tokens": s.context, "batch": s.batch, "kv_bytes": typical.bytes_per_gpu * s.tp,
+    asked = {"tokens": s.context, "batch": s.batch, "kv_bytes": typical.bytes_per_gpu * s.gpus,
              "kv_bytes_per_gpu": typical.bytes_per_gpu, "kv_dtype": typical.dtype,
              "line": f"Asked{_unverified(s)}: {s.batch} x {s.context:,} tokens hold {fmt_gib(typical.bytes_per_gpu)} of KV {s.per}"
                      f" ({dtype})"}

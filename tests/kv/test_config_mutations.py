@@ -1,7 +1,8 @@
 """Issue 36 item 3: never silently wrong. Every real config of the corpus, mutated (lists for numbers,
 numbers for lists, keys removed, zeros, negatives, huge values, strings, optional fields of the wrong type),
-gets an answer or one line (exit 2 on the command line), never a traceback and never a class default in
-place of a required field."""
+given to `kvbench plan` as a user would: exit 0 with an answer made of the file's own values (layers, KV heads,
+the MLP width behind the weights, the vocabulary, the limit) or naming what is not (NOT VERIFIED, weights
+unknown, no model limit), or exit 2 with one line; never a traceback, never a class default taken silently."""
 import json
 import time
 
@@ -64,23 +65,72 @@ def _answer(tmp_path, raw: dict):
     return model, plans
 
 
-@settings(max_examples=300, database=None, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num",
+                "num_key_value_heads_per_layer", "multi_query", "new_decoder_architecture")
+LIMIT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
+              "max_context_length")
+
+
+def _cli_plans(tmp_path, raw: dict) -> list[tuple[int, str]]:
+    """kvbench plan on the file as a user runs it: the plain formula, then vLLM on a GPU (with its levers),
+    each --json; (exit code, output)."""
+    file = tmp_path / "config.json"
+    file.write_text(json.dumps(raw))
+    runner, out = CliRunner(), []
+    for extra in ([], ["--engine", "vllm", "--gpu", "H100-80GB"]):
+        result = runner.invoke(app, ["plan", str(file), "-n", "4096", "--allow-long-context", "--json", *extra],
+                               env={"COLUMNS": "200"})
+        assert result.exception is None or isinstance(result.exception, SystemExit), \
+            "".join(__import__("traceback").format_exception(result.exception))
+        out.append((result.exit_code, result.output))
+        if result.exit_code:
+            break
+    return out
+
+
+def _check_values(name: str, original: dict, raw: dict, r: dict) -> None:
+    """The answer is made of this file's values, or says which it is not: every field the plan rests on is
+    the file's own, or named (NOT VERIFIED, weights unknown, no model limit), never a class default."""
+    body, before = _body(raw), _body(original)
+    nested = body is not raw
+    layers = next((body[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in body), None)
+    if isinstance(layers, int):
+        assert r["decoder_layers"] == layers, (name, r["decoder_layers"])
+    mla = isinstance(body.get("kv_lora_rank"), int) and body["kv_lora_rank"] > 0
+    if not mla and "falcon" not in str(body.get("model_type")) and r["layers"]:
+        given = body.get("num_key_value_heads")
+        if isinstance(given, int) and not any(k in body for k in KV_HEAD_KEYS[1:]):
+            assert r["kv_heads"] == given, (name, r["kv_heads"], given)
+        elif not any(k in body for k in KV_HEAD_KEYS) and not nested:
+            # no KV-head field: MHA as the model type reads it, said so, or a class's constant, named
+            said = any("MHA" in n for n in r["notes"]) or "num_key_value_heads" in r["verdict"]["assumed_keys"]
+            assert said, (name, r["notes"])
+    if not nested and isinstance(before.get("intermediate_size"), int) and "intermediate_size" not in body \
+            and r["weights_bytes"] is not None:
+        assert not r["weights_source"].startswith("estimate"), (name, r["weights_source"])
+    if not nested and not any(body.get(k) is not None for k in LIMIT_KEYS):
+        assert r["max_context"] is None, (name, r["max_context"])  # not a class's default length
+    if not nested and not any(body.get(k) is not None for k in ("vocab_size", "padded_vocab_size", "n_vocab")):
+        assert r["weights_bytes"] is None or not r["weights_source"].startswith("estimate"), (name, r["weights_source"])
+
+
+@settings(max_examples=200, database=None, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(mutated())
 def test_every_mutated_config_is_answered_or_refused_in_one_line(tmp_path, case):
+    """kvbench plan on every mutated config: exit 0 with an answer made of the file's values (or naming what
+    is not), or exit 2 with one line; never a traceback."""
     name, raw = case
+    original = json.loads((DATA / "configs" / name).read_text())
     started = time.perf_counter()
-    out = _answer(tmp_path, raw)  # any other exception fails the test with its traceback
+    for code, output in _cli_plans(tmp_path, raw):
+        assert code in (0, 2), (name, code, output)
+        if code == 2:
+            lines = output.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in output, output
+            break
+        _check_values(name, original, raw, json.loads(output))
     assert time.perf_counter() - started < 10, f"{name}: took {time.perf_counter() - started:.1f} s"
-    if isinstance(out, str):
-        assert out and "\n" not in out and "Traceback" not in out, out
-        return
-    model, plans = out
-    # an answer is made of this file's values: the layers the plan counts are the file's
-    body = _body(raw)
-    given_layers = next((body[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in body), None)
-    if isinstance(given_layers, int):
-        assert len(model.geometry.layers) == given_layers
 
 
 @pytest.mark.parametrize("key", ["num_hidden_layers", "hidden_size", "num_attention_heads"])
@@ -98,6 +148,57 @@ def test_a_missing_vocabulary_leaves_the_weights_unknown_not_guessed(tmp_path):
     model, plans = _answer(tmp_path, raw)
     assert model.weights.bytes is None and "vocab_size" in model.weights.source
     assert plans[1]["verdict"]["word"] == "UNKNOWN"
+
+
+def _cli(tmp_path, raw: dict, *args) -> tuple[int, str]:
+    file = tmp_path / "config.json"
+    file.write_text(json.dumps(raw))
+    result = CliRunner().invoke(app, ["plan", str(file), *args], env={"COLUMNS": "200"})
+    return result.exit_code, result.output
+
+
+def test_a_missing_mlp_width_leaves_the_weights_unknown_not_a_class_default(tmp_path):
+    """Without intermediate_size, LlamaConfig's 11,008 made llama-3.1-70b 35.82 B parameters that "FITS" on
+    one H100 in bf16: the weights are unknown, the key named, and no verdict is given."""
+    raw = json.loads((DATA / "configs" / "llama-3.1-70b.json").read_text())
+    del raw["intermediate_size"]
+    code, out = _cli(tmp_path, raw, "-n", "8k", "--engine", "vllm", "--gpu", "H100-80GB", "--json")
+    r = json.loads(out)
+    assert code == 0 and r["weights_bytes"] is None and "intermediate_size" in r["weights_source"]
+    assert r["fits"] is None and r["verdict"]["word"] == "UNKNOWN"
+    code, text = _cli(tmp_path, raw, "-n", "8k", "--engine", "vllm", "--gpu", "H100-80GB")
+    assert "FITS" not in text.replace("FIT UNKNOWN", "") and "intermediate_size" in text
+
+
+def test_a_missing_limit_is_unknown_not_the_class_default(tmp_path):
+    """Without max_position_embeddings the limit was LlamaConfig's 2,048, "the model's": now the model's limit is
+    unknown, said so, and the length asked is planned as the limit."""
+    raw = json.loads((DATA / "configs" / "llama-3.1-70b.json").read_text())
+    del raw["max_position_embeddings"]
+    code, out = _cli(tmp_path, raw, "-n", "8192", "--json")
+    r = json.loads(out)
+    assert code == 0 and r["max_context"] is None and r["max_model_len"] == 8192
+    assert "2,048" not in r["max_model_len_source"] and "no limit" in r["max_model_len_source"]
+    assert any(n.startswith("max_position_embeddings is not in the file") for n in r["notes"])
+    code, out = _cli(tmp_path, raw)  # nothing asked and no limit known: one line, exit 2
+    assert code == 2 and len(out.strip().splitlines()) == 1 and "max_position_embeddings" in out
+
+
+@pytest.mark.parametrize("config, key, value", [("llama-3.1-70b.json", "num_key_value_heads", 64),
+                                                ("qwen3-8b.json", "head_dim", 128),
+                                                ("mistral-7b-instruct-v0.3.json", "num_key_value_heads", 8)])
+def test_a_kv_field_the_class_fills_is_named_and_not_verified(tmp_path, config, key, value):
+    """Without num_key_value_heads a 70B became MHA (8x the KV) with no note; Qwen3Config's head_dim 128 and
+    MistralConfig's 8 KV heads are their defaults: each is named on the first line, --strict exits 3."""
+    raw = json.loads((DATA / "configs" / config).read_text())
+    del raw[key]
+    code, out = _cli(tmp_path, raw, "-n", "4096", "--json")
+    r = json.loads(out)
+    assert code == 0 and r["verified"] is False and r["verdict"]["assumed_keys"] == [key]
+    assert any(n.startswith(f"{key} is not in the file: ") and f"gives {value}" in n for n in r["notes"])
+    code, text = _cli(tmp_path, raw, "-n", "4096")
+    assert text.startswith(f"Asked (NOT VERIFIED: {key} not in the config (") and f"gives {value})" in text
+    assert _cli(tmp_path, raw, "-n", "4096", "--strict")[0] == 3
 
 
 def test_a_nested_text_config_leaves_out_its_class_defaults_and_says_so(tmp_path):
@@ -124,11 +225,46 @@ def test_per_layer_widths_are_counted_per_layer(tmp_path):
     assert [layer.kv_heads for layer in model.geometry.layers] == [8] * 16 + [4] * 16
 
 
-def test_a_per_layer_list_kvbench_does_not_read_is_refused_by_name(tmp_path):
+def test_per_layer_head_dims_and_windows_are_read_per_layer_for_any_model_type(tmp_path):
+    """head_dim and sliding_window listed once per layer (null: full attention), on a model type transformers
+    does not know: each layer at its own width and window (hand-worked on Llama 3.1 8B's 32 layers)."""
     raw = json.loads((DATA / "configs" / "llama-3.1-8b.json").read_text())
-    raw.update(model_type="my_llama", head_dim=[128] * 32)
-    out = _answer(tmp_path, raw)
-    assert isinstance(out, str) and "head_dim is a list" in out
+    raw.update(model_type="my_llama", head_dim=[128] * 16 + [64] * 16, sliding_window=[None, 4096] * 16)
+    model, plans = _answer(tmp_path, raw)
+    layers = model.geometry.layers
+    assert [layer.head_dim_k for layer in layers] == [128] * 16 + [64] * 16
+    assert [(layer.kind, layer.span) for layer in layers[:2]] == [("full", None), ("sliding", 4096)]
+    # 8,192 tokens: 8 KV heads x 2 x 2 B per head width, 16 full layers and 16 windowed at 4,096
+    full = sum(8 * 2 * 2 * hd for hd, kind in zip([128] * 16 + [64] * 16, ["full", "sliding"] * 16) if kind == "full")
+    windowed = sum(8 * 2 * 2 * hd for hd, kind in zip([128] * 16 + [64] * 16, ["full", "sliding"] * 16)
+                   if kind == "sliding")
+    assert plans[0]["kv_bytes"] == 8192 * full + 4096 * windowed
+
+
+def test_a_jamba_layout_of_a_model_type_transformers_does_not_know_is_read_as_jambas(tmp_path):
+    """attn_layer_period / attn_layer_offset without transformers' class: layer i is attention where
+    i % period == offset (JambaConfig.layers_block_type), the rest Mamba."""
+    raw = json.loads((DATA / "configs" / "ai21-jamba-1.5-mini.json").read_text())
+    builtin, _ = _answer(tmp_path, raw)
+    raw["model_type"] = "my_jamba"
+    model, _ = _answer(tmp_path, raw)
+    assert [i for i, layer in enumerate(model.geometry.layers) if layer.stores] == [4, 12, 20, 28]
+    assert model.geometry.layers == builtin.geometry.layers
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"attn_type_list": [0, 2] * 40}, "attn_type_list must hold one 0"),
+    ({"block_configs": [{"attention": {"no_op": False, "n_heads_in_group": None}}] * 80},
+     "block_configs[0].attention.n_heads_in_group"),
+    ({"attn_layer_period": 8, "attn_layer_offset": 9}, "attn_layer_offset 9 must be"),
+    ({"sliding_window_pattern_per_layer": [1, 0] * 40}, "looks per-layer and kvbench does not read it")])
+def test_a_layout_key_that_cannot_be_read_is_refused_by_name(tmp_path, change, words):
+    raw = json.loads((DATA / "configs" / "minimax-text-01-reproduced.json").read_text())
+    if "attn_type_list" not in change:
+        raw.pop("attn_type_list")
+    raw.update(change)
+    code, out = _cli(tmp_path, raw, "-n", "4096")
+    assert code == 2 and len(out.strip().splitlines()) == 1 and words in out, out
 
 
 @pytest.mark.parametrize("layers", [10**6, 10**12])

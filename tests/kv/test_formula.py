@@ -12,6 +12,8 @@ from kvbench.kv.geometry import (
     dtype_bytes,
     kv_bytes_for_sequence,
     kv_bytes_per_token,
+    pipeline_partition,
+    pipeline_stage,
     plain_kv,
 )
 from kvbench.kv.model_config import ConfigError, geometry_from_gguf, geometry_from_hf, geometry_from_hf_dict
@@ -114,3 +116,20 @@ def test_gguf_geometry_of_embedded_model(smollm2):
 def test_a_folder_is_read_like_its_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))
     assert geometry_from_hf(tmp_path) == geometry_from_hf(tmp_path / "config.json")
+
+
+def test_a_pipeline_splits_layers_as_vllm_does():
+    """vLLM's get_pp_indices: even stages, the remainder one each to the stages before the last, from the
+    second-to-last back (61 over 2: 31, 30; 80 over 3: 27, 27, 26; 30 over 4: 7, 8, 8, 7)."""
+    assert pipeline_partition(61, 2) == [31, 30]
+    assert pipeline_partition(80, 3) == [27, 27, 26]
+    assert pipeline_partition(30, 4) == [7, 8, 8, 7]
+    with pytest.raises(UnevenSplit):
+        pipeline_partition(4, 8)
+    # a stage holds its layers' KV: the heaviest stage of a hybrid model is the one with the most full layers
+    layers = (*[LayerKV("none", why_none="linear attention")] * 3, LayerKV("full", 2, 64, 64),
+              *[LayerKV("none", why_none="linear attention")] * 3, LayerKV("full", 2, 64, 64))
+    g = KVGeometry(layers, num_attention_heads=4)
+    assert kv_bytes_per_token(pipeline_stage(g, 2), "bf16") == 2 * 2 * 64 * 2  # one full layer of 4 per stage
+    assert kv_bytes_per_token(pipeline_stage(g, 1), "bf16") == 2 * 2 * 2 * 64 * 2
+    assert len(pipeline_stage(KVGeometry.uniform(61, 1, 576, 0), 2).layers) == 31

@@ -67,21 +67,18 @@ def folder(tmp_path, config, name="model") -> Path:
     return f
 
 
-def test_an_unread_per_layer_key_is_said_on_the_verdict_line_and_in_json(tmp_path):
-    model = str(folder(tmp_path, HYBRID))
-    code, output = plan(model, "--gpu", "L4")
-    assert code == 0
-    assert plan_lines(output)["verdict"].startswith("FITS (NOT VERIFIED: the config's attn_type_list look per-layer and "
-                                                    "were not read): ")
-    # the first line, the KV asked, says it too
-    assert plan_lines(output)["asked"].startswith("Asked (NOT VERIFIED: the config's attn_type_list")
-    out = json.loads(plan(model, "--gpu", "L4", "--json")[1])
-    assert out["verified"] is False and out["unread_keys"] == ["attn_type_list"]
-    assert out["verdict"]["verified"] is False and out["verdict"]["unread_keys"] == ["attn_type_list"]
-    # what is missing to read it: the configuration module auto_map names
-    assert any("configuration_my_hybrid.py, which" in n and "lacks" in n for n in out["notes"])
-    assert plan(model, "--gpu", "L4", "--strict")[0] == 3
-    assert plan(model, "--gpu", "L4", "--strict", "--json")[0] == 3
+def test_a_models_own_layer_list_is_read_and_an_unread_one_refused(tmp_path):
+    """attn_type_list (MiniMax's: 0 linear attention, 1 softmax) is read layer by layer: 6 of the 8 layers hold KV.
+    A per-layer key kvbench does not read is refused by name, exit 2: planning every layer as full attention
+    would be several times off, as confident as any other answer."""
+    out = json.loads(plan(str(folder(tmp_path, HYBRID)), "-n", "1000", "--json")[1])
+    assert out["layers"] == 6 and out["verified"] is True and out["unread_keys"] == []
+    assert out["kv_bytes"] == 1000 * 6 * 2 * 4 * (2048 // 16) * 2
+    unknown = {**{k: v for k, v in HYBRID.items() if k != "attn_type_list"}, "global_attn_layers": [3, 7]}
+    code, output = plan(str(folder(tmp_path, unknown, "unknown")), "-n", "1000", "--gpu", "L4")
+    assert code == 2 and len(output.strip().splitlines()) == 1, output
+    assert "global_attn_layers looks per-layer and kvbench does not read it" in output
+    assert "no KV is planned" in output
 
 
 def test_a_remote_code_config_read_in_full_is_verified(tmp_path):
@@ -104,9 +101,10 @@ def test_trust_remote_code_reads_the_models_own_configuration_module(tmp_path):
     as_written, remote = run(), run("--trust-remote-code")
     assert as_written["head_dim_k"] == 2048 // 16  # hidden / heads: the file names no head_dim
     assert any("ships configuration_my_hybrid.py: --trust-remote-code reads it" in n for n in as_written["notes"])
-    assert remote["head_dim_k"] == 256  # the class's own default
+    assert remote["head_dim_k"] == 256  # the class's own default: named, the answer not verified
     assert any("read through its own configuration_my_hybrid.py" in n for n in remote["notes"])
-    assert remote["kv_bytes"] == 1000 * 2 * 8 * 4 * 256 * 2
+    assert remote["verified"] is False and remote["verdict"]["assumed_keys"] == ["head_dim"]
+    assert remote["kv_bytes"] == 1000 * 2 * 6 * 4 * 256 * 2  # attn_type_list: 6 softmax layers of 8
 
 
 def test_the_embedded_model_plans_by_name():

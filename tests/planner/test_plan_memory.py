@@ -123,7 +123,8 @@ def test_the_rule_of_thumb_is_beside_the_overhead_on_a_gpu_too():
 @pytest.mark.parametrize("args, message", [
     (["--memory", "1G", "--gpu", "H100-80GB"], "--gpu and --memory: give one"),
     (["--memory", "1G", "--device", "gpu"], "--memory is a CPU memory wall"),
-    (["--memory", "1G", "--tp", "2"], "--tp splits a model over GPUs: a CPU memory wall has none"),
+    (["--memory", "1G", "--tp", "2"], "--tp, --pp and --dp split a model over GPUs: a CPU memory wall has none"),
+    (["--memory", "1G", "--pp", "2"], "--tp, --pp and --dp split a model over GPUs: a CPU memory wall has none"),
     (["--memory", "lots"], "--memory takes a size such as"),
     (["--memory", "0"], "--memory must be positive"),
     (["--memory", "1G", "--engine", "llamacpp", "--engine-option", "cache_ram_mib=many"], "cache_ram_mib takes a whole"),

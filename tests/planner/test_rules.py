@@ -12,7 +12,7 @@ from kvbench.kv.geometry import kv_bytes_per_token
 from kvbench.kv.model_config import geometry_from_hf_dict
 from kvbench.kv.rules import KVQuestion, KVRuleError
 from kvbench.kv.units import GIB
-from kvbench.planner import PlanError, PlanInput, engines, gpu_memory, plan, resolve_model
+from kvbench.planner import PlanError, PlanInput, engine_rules, engines, gpu_memory, plan, resolve_model
 from tests.helpers import DATA, plan_lines
 
 runner = CliRunner()
@@ -204,6 +204,16 @@ def test_engines_are_the_adapters_with_kv_rules():
     assert engines() == ["hf", "vllm", "llamacpp", "tgi", "ollama", "sglang"]
     with pytest.raises(PlanError, match="no KV rules for engine 'openai'"):
         plan(PlanInput(model=resolve_model("llama-3-8b"), context=10, engine="openai"))
+
+
+def test_each_engine_says_how_it_splits_over_more_gpus():
+    """The engines' own flags for a pipeline and data-parallel attention (vLLM's and SGLang's server
+    arguments); the others have none, and the plan offers none for them."""
+    flags = {e: (engine_rules(e).pp_flag(2), engine_rules(e).dp_attention_flag(8)) for e in engines()}
+    assert flags["vllm"] == ("--pipeline-parallel-size 2", "--data-parallel-size 8 --enable-expert-parallel")
+    assert flags["sglang"] == ("--pp-size 2", "--tp-size 8 --dp-size 8 --enable-dp-attention")
+    assert all(flags[e] == (None, None) for e in ("hf", "llamacpp", "tgi", "ollama"))
+    assert (engine_rules(None).pp_flag(2), engine_rules(None).dp_attention_flag(8)) == ("--pp 2", "--dp 8")
 
 
 def plan_cli(*args):
