@@ -126,6 +126,10 @@ class _Connection(asyncio.Protocol):
     def __init__(self, key: Origin):
         self.key = key  # (scheme, host, port): the pool it returns to
         self.transport = None
+        # httptools reads the callbacks once, here: each HTTP chunk of the body goes straight into this list
+        # (a C call, no Python frame per streamed event: ~0.05 us a token, the client's ceiling)
+        self.pending: list[bytes] = []  # body pieces of the current read
+        self.on_body = self.pending.append
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.used = False  # has carried a request before: the server may have closed it meanwhile
@@ -140,9 +144,9 @@ class _Connection(asyncio.Protocol):
         self.framed = False  # Content-Length or chunked: the body has a known end
         self.headers_done = asyncio.get_running_loop().create_future()
         self.done = asyncio.get_running_loop().create_future()
-        self.body_handler = None
+        self.body_handler = None  # None once the headers say the body is no stream to read (error_chunks)
         self.error_chunks: list[bytes] = []  # the body of a non-200 answer
-        self.pending: list[bytes] = []  # body pieces of the current read
+        self.pending.clear()
         self.failure: BaseException | None = None
 
     # --- asyncio.Protocol ------------------------------------------------------------------------
@@ -153,9 +157,14 @@ class _Connection(asyncio.Protocol):
         now = perf_counter()
         try:
             self.parser.feed_data(data)  # body pieces collect in self.pending (one per HTTP chunk)
-            if self.pending:
-                body = self.pending[0] if len(self.pending) == 1 else b"".join(self.pending)
-                self.pending.clear()
+            pending = self.pending
+            if pending:
+                if self.body_handler is None:  # an error answer's body, or one of another Content-Type
+                    self.error_chunks += pending
+                    pending.clear()
+                    return
+                body = pending[0] if len(pending) == 1 else b"".join(pending)
+                pending.clear()
                 self.body_handler(body, now)  # one call per read, however many chunks it held
         except httptools.HttpParserCallbackError:
             self._fail(self.failure or StreamCutOff("response handler failed"))
@@ -187,7 +196,9 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self):
         self.status = self.parser.get_status_code()
-        if self.status == 200 and self.accept and self.content_type:  # no Content-Type at all: read it
+        if self.status != 200:
+            self.body_handler = None  # the body goes to error_chunks
+        elif self.accept and self.content_type:  # no Content-Type at all: read it
             ctype = self.content_type.lower()
             for accepted in self.accept:  # a loop, not any(generator): once a request, ~1 us less
                 if accepted in ctype:
@@ -197,12 +208,6 @@ class _Connection(asyncio.Protocol):
                 self.body_handler = None  # the body goes to error_chunks
         if not self.headers_done.done():
             self.headers_done.set_result(None)
-
-    def on_body(self, body: bytes):
-        if self.status != 200 or self.body_handler is None:
-            self.error_chunks.append(body)
-        else:
-            self.pending.append(body)
 
     def on_message_complete(self):
         self.keep_alive = self.parser.should_keep_alive()  # llhttp forgets it once the message is over

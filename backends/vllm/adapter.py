@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import getpass
 import glob
-import json
 import os
 import tempfile
 import time
@@ -20,7 +19,6 @@ import httpx
 from kvbench.common.envs import InstallStep, Recipe, env_python
 from kvbench.common.hardware import cpu_flags, has_nvidia_gpu
 from kvbench.common.models import ModelFiles
-from kvbench.common.redact import scrub
 from kvbench.kv.geometry import kv_bytes_per_token
 from kvbench.kv.rules import KVCheck, KVQuestion, KVRuleError
 
@@ -344,13 +342,13 @@ class VLLMBackend(PrometheusPolled, Backend):
                         return_tokens_as_token_ids=True)
         if prompt.prompt_logprobs:  # streamed only with echo (completion/protocol.py): the first chunk leads with them
             body.update(echo=True, prompt_logprobs=0, logprobs=body.get("logprobs", 1), return_tokens_as_token_ids=True)
-        return await stream_sse(client, self.base_url + "/v1/completions", body, prompt, self._read_event)
+        # token_ids per chunk (return_token_ids is always on); logprobs, where asked, in the same pass
+        read_event = self._read_event if "logprobs" in body else read_completion_chunk
+        return await stream_sse(client, self.base_url + "/v1/completions", body, prompt, read_event)
 
     @staticmethod
     def _read_event(event: dict, now: float, result: RequestResult) -> None:
-        if "error" in event:
-            result.error = scrub(json.dumps(event["error"]))[:500]
-        # token_ids per chunk (return_token_ids is always on); logprobs read in the same pass over the choices
+        """A chunk and its choices' logprobs, read in one pass (a request that asks for logprobs)."""
         read_completion_chunk(event, now, result, read_choice_logprobs)
 
     def _read_cache_info(self) -> dict | None:
