@@ -36,6 +36,8 @@ class Prompt:
     # for the prompt tokens' own log-probabilities (teacher forcing), where the adapter can (Backend hooks)
     top_logprobs: int = 0
     prompt_logprobs: bool = False
+    # its place in its cell's schedule (0..n-1; None outside a cell: warm-ups, probes): the request's ordinal
+    ordinal: int | None = None
 
     @property
     def prompt_tokens(self) -> int:

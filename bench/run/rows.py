@@ -17,6 +17,7 @@ from kvbench.common.models import ModelFiles
 from kvbench.kv.rules import KVQuestion, KVRules
 from kvbench.kv.units import fmt_bytes
 from kvbench.load import LoadResult
+from kvbench.load.common import LOST, is_lost
 from kvbench.run.cells import Cell, load_label
 from kvbench.run.kvquant import declined_dtype, formula_bytes
 from kvbench.run.prefix_cache import meant_warm, prefix_cache_columns
@@ -83,6 +84,7 @@ class CellMeasurement:
     # fields above are then the deployment's totals (KV and queue summed over the replicas at each poll)
     replicas: dict | None = None
     telemetry: dict | None = None  # t_cell_start_unix and the prom_* figures (--prometheus; bench/run/telemetry.py)
+    t_cell_start_unix: float | None = None  # t_cell_start in Unix seconds (this machine's wall clock)
     # the engine's prefix-cache counters before and after the cell (None: it keeps none), and whether an
     # earlier cell of this engine start sent the workload's shared prefix (what an ideal cache can reuse)
     prefix_counters: tuple[PrefixCacheCounters | None, PrefixCacheCounters | None] = (None, None)
@@ -109,12 +111,8 @@ def summarize(run: EngineRun, m: CellMeasurement) -> CellRow:
     row.engine_version_reported, row.token_contract = run.engine_version_reported, run.token_contract
     results = m.load.results
     row.t_cell_start = m.t_cell_start
-    row.n_requests = len(results)
-    _load_achieved(row, m.load)
-    good = _token_contract(row, results, m.engine_exit, m.log_tail)
-    for k, v in cell_metrics([RequestTimes.of(r) for r in good], [r.prompt_tokens_sent for r in good],
-                             w.slo_ttft_s, w.slo_tpot_s).items():
-        setattr(row, k, v)
+    row.requests_planned = m.cell.requests
+    request_figures(row, m.load, m.engine_exit, m.log_tail)
     windows = request_windows(results)
     _kv(row, run, m, windows)
     if m.queue_samples:  # the engine's queue: the KV boundary shows as requests waiting or preempted
@@ -125,9 +123,26 @@ def summarize(run: EngineRun, m: CellMeasurement) -> CellRow:
     _queued_first(row, m)
     prefix_cache_columns(row, w, m.cell, results, run.rules, run.model.geometry, m.kv_dtype, m.kv_pool,
                          m.prefix_counters, m.prefix_seen)
+    row.t_cell_start_unix = m.t_cell_start_unix
     for k, v in (m.telemetry or {}).items():  # the cluster's own monitoring, as read from Prometheus
         setattr(row, k, v)
     return row
+
+
+def request_figures(row: CellRow, load: LoadResult, engine_exit: str = "", log_tail: str = "") -> list[RequestResult]:
+    """The row's figures made of its requests alone: how many and how they met the token contract (status,
+    flags), the load achieved, and latency and throughput (bench/common/metrics.py, the row's SLO); returns the
+    requests that count. (``kvbench merge`` remakes these from the requests of every load process.)"""
+    row.n_requests, row.load_processes = len(load.results), load.processes
+    _load_achieved(row, load)
+    good = _token_contract(row, load.results, engine_exit, log_tail)
+    if load.notes:  # e.g. a load share that never reached the start barrier
+        row.flags[:0] = load.notes
+        row.status = "flagged" if row.status == "ok" else row.status
+    for k, v in cell_metrics([RequestTimes.of(r) for r in good], [r.prompt_tokens_sent for r in good],
+                             row.slo_ttft_s, row.slo_tpot_s).items():
+        setattr(row, k, v)
+    return good
 
 
 def _queued_first(row: CellRow, m: CellMeasurement) -> None:
@@ -155,7 +170,7 @@ def replica_rows(run: EngineRun, m: CellMeasurement, total: CellRow) -> list[Cel
     for label, rp in (m.replicas or {}).items():
         mine = [r for r in m.load.results if rp.request_ids is not None and r.request_id in rp.request_ids]
         load = LoadResult(mine, m.load.t_start, m.load.t_end, max_in_flight=max_overlap(request_windows(mine)),
-                          loop_lag_s_max=m.load.loop_lag_s_max)
+                          loop_lag_s_max=m.load.loop_lag_s_max, processes=m.load.processes)
         part = CellMeasurement(m.cell, load, m.t_cell_start, m.kv_dtype, kv_pool=rp.kv_pool,
                                kv_samples=rp.kv_samples, kv_source=rp.kv_source, queue_samples=rp.queue_samples,
                                queue_source=rp.queue_source)
@@ -218,6 +233,8 @@ def _token_contract(row: CellRow, results: list[RequestResult], engine_exit: str
             good.append(r)
             continue
         counts[verdict] = counts.get(verdict, 0) + 1
+        if is_lost(r):  # said once for all of them, below
+            continue
         if verdict == "short" and as_generated:  # what the server could do: its timings count, flagged
             good.append(r)
             if len(flags) < MAX_FLAGS:
@@ -230,9 +247,13 @@ def _token_contract(row: CellRow, results: list[RequestResult], engine_exit: str
                          f"prompt {r.prompt_tokens_sent} sent / {r.prompt_tokens_reported} read, output "
                          f"{r.output_tokens_requested} asked / {r.output_tokens_reported} reported / "
                          f"{sum(r.chunk_tokens)} received"))
-    bad = len(results) - len(good)
+    lost = [r for r in results if is_lost(r)]
+    bad = len(results) - len(good) - len(lost)
     if bad > len(flags):
         flags.append(f"... {bad - len(flags)} more requests broke the token contract")
+    row.n_lost = len(lost)
+    if lost:  # never dropped: counted as failed, and said first
+        flags.insert(0, lost_flag(lost))
     row.n_ok, row.n_failed, row.n_truncated, row.n_short = len(good), counts["failed"], counts["truncated"], counts["short"]
     row.status = "failed" if not good else ("flagged" if flags else "ok")
     # a request cut off by a dead engine is put down to the engine
@@ -247,6 +268,12 @@ def _token_contract(row: CellRow, results: list[RequestResult], engine_exit: str
             row.error = f"engine {died} during the cell: {row.error}"
         row.log_tail = log_tail or None
     return good
+
+
+def lost_flag(lost: list) -> str:
+    """The cell's flag for its requests lost with load processes that died."""
+    why = sorted({r.error[len(LOST):] for r in lost})
+    return f"{len(lost)} requests lost: " + "; ".join(why[:3]) + (f"; ... {len(why) - 3} more" if len(why) > 3 else "")
 
 
 def _kv(row: CellRow, run: EngineRun, m: CellMeasurement, windows) -> None:
@@ -439,7 +466,8 @@ def request_row(run_id: str, cell_id: str, label: str, r: RequestResult, warmup:
                       output_tokens_reported=r.output_tokens_reported, t_sent=r.t_sent, t_done=r.t_done,
                       chunk_times=r.chunk_times, chunk_tokens=r.chunk_tokens, ttft_s=times.ttft, e2e_s=times.e2e,
                       error=r.error, engine_details=r.engine_details, t_scheduled=r.t_scheduled,
-                      repeat=repeat)
+                      repeat=repeat, ordinal=r.ordinal, load_process=r.load_process,
+                      clock_offset_start_s=r.clock_offset_start_s, clock_offset_end_s=r.clock_offset_end_s)
 
 
 def summary_line(row: CellRow) -> str:
