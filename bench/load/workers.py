@@ -81,7 +81,7 @@ class WorkerDied(WorkerError):
     """A load worker ended (killed, crashed) before handing back its requests."""
 
     def __init__(self, index: int, how: str):
-        super().__init__(f"load worker {index} {how}")
+        super().__init__(f"load worker {index} {how} before handing back its requests")
         self.index, self.how = index, how
 
 
@@ -432,13 +432,14 @@ def _expect(w: _Worker, kind: str, timeout_s: float | None, stop: threading.Even
         if stop is not None and stop.is_set():
             raise WorkerError("the load was cancelled")
         if not proc.is_alive() and not conn.poll(0):
-            raise WorkerDied(i, f"exited ({proc.exitcode}) before it sent '{kind}'")
+            raise WorkerDied(i, f"exited ({proc.exitcode})")
         if deadline is not None and time.monotonic() > deadline:
             raise WorkerError(f"load worker {i} did not say '{kind}' within {timeout_s:g} s")
     try:
         got, value = conn.recv()
-    except EOFError:
-        raise WorkerDied(i, f"closed its pipe before it sent '{kind}'") from None
+    except EOFError:  # it ended: say how
+        proc.join(1)
+        raise WorkerDied(i, f"exited ({proc.exitcode})" if proc.exitcode is not None else "closed its pipe") from None
     if got == "error":
         if kind in ("finished", "done"):  # during its load: what it had not handed back is lost
             raise WorkerDied(i, f"failed ({value.strip().splitlines()[-1]})")

@@ -77,11 +77,7 @@ def measure(s: EngineSession, backend: Backend, cell: Cell) -> CellMeasurement:
     r, w = s.r, s.plan.workload
     prompts = s.prompts.for_cell(cell, cell.requests)
     line = CellProgress(s.progress, cell.describe(), len(prompts)) if r.o.load_workers == 1 else None
-    share = None if r.owner is None else LoadShare(r.o.load_share[0], r.o.load_share[1], r.owner,
-                                                   cell.cell_id(s.cfg.label))
-    settings = LoadSettings(r.o.request_timeout_s, w.load.duration_s,
-                            schedule_seed(w.seed, cell.prompt_tokens, cell.repeat, cell.load.slug), s.streak,
-                            workers=r.o.load_workers, on_done=line, share=share)
+    settings = load_settings(s, cell, line)
     backend.reset_cell()
     if r.o.reset_cache_between_cells:
         backend.capabilities.prefix_cache.empty(backend)
@@ -135,6 +131,17 @@ def measure(s: EngineSession, backend: Backend, cell: Cell) -> CellMeasurement:
     r.writer.write_timeline(cell.cell_id(label), timeline_frame(t0, m.memory_samples or [], engine.kv_samples,
                                                                 engine.queue_samples, replicas))
     return m
+
+
+def load_settings(s: EngineSession, cell: Cell, line: CellProgress | None) -> LoadSettings:
+    """What the cell's load is told: its timeout, duration and schedule seed, the engine's timeout streak, the
+    load processes, and with --load-share this process's share and the owner's barrier for the cell."""
+    r, w = s.r, s.plan.workload
+    share = None if r.owner is None else LoadShare(r.o.load_share[0], r.o.load_share[1], r.owner,
+                                                   cell.cell_id(s.cfg.label))
+    return LoadSettings(r.o.request_timeout_s, w.load.duration_s,
+                        schedule_seed(w.seed, cell.prompt_tokens, cell.repeat, cell.load.slug), s.streak,
+                        workers=r.o.load_workers, on_done=line, share=share)
 
 
 def _rss_before(pid: int) -> int | None:

@@ -42,7 +42,8 @@ from kvbench.load.common import LOST, LoadResult, is_lost
 from kvbench.load.workers import in_flight_peak
 from kvbench.common.metrics import percentiles
 from kvbench.run.prefix_cache import cold_hit_flag, measured_hits
-from kvbench.run.rows import lost_flag, request_figures, request_row
+from kvbench.run.contract import lost_flag, request_figures
+from kvbench.run.rows import request_row
 from kvbench.store.errors import ResultsReadError
 from kvbench.store.readers import ensure_parquet, load_run_info, not_a_run_dir, read_jsonl_rows
 from kvbench.store.schema import CellRow, RequestRow, migrate_row

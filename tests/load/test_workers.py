@@ -4,6 +4,7 @@ open-loop schedule kept exactly."""
 from __future__ import annotations
 
 import os
+import zlib
 import time
 from dataclasses import replace
 
@@ -81,10 +82,11 @@ def test_open_loop_on_two_workers_keeps_the_schedule(tmp_path):
         backend = attached(tmp_path, fake)
         load, before, after = drive(backend, prompts, LoadPoint("constant", None, rate), 2)
     check_requests(load, prompts, before, after, 4)
-    # every request kept its place in the one schedule of the cell, whichever worker sent it
+    # every request kept its place in the one schedule of the cell, whichever worker sent it (on the parent's
+    # clock: each worker's offset to it is measured, to within microseconds here)
     due = {r.request_id: r.t_scheduled - load.t_start for r in load.results}
     expected = constant.Constant.arrival_offsets(n, rate)
-    assert np.allclose([due[f"r{i}"] for i in range(n)], expected, atol=1e-9)
+    assert np.allclose([due[f"r{i}"] for i in range(n)], expected, atol=1e-4)
     assert len(load.send_lags) == n and load.offered_request_rate == rate
     for r in load.results:
         # none left before its time, give or take the event loop's timer (uvloop's round to 1 ms: the
@@ -275,7 +277,7 @@ def test_a_killed_harness_takes_its_load_workers_with_it(tmp_path):
 def spread_ttft(prompt) -> float:
     """The fake's first-token delay: 5-35 ms by the prompt's first token id, the same for the same prompt
     whichever process sends it (a spread of TTFTs far wider than a client's own overhead)."""
-    return 0.005 + 0.03 * ((prompt[0] * 7919) % 97) / 97
+    return 0.005 + 0.03 * (zlib.crc32(str(prompt).encode()) % 97) / 97
 
 
 def numbered_prompts(n: int, n_out: int) -> list:
