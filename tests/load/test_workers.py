@@ -189,6 +189,13 @@ def test_workers_bench_quick(tmp_path):
         for key in ("tokens_per_s", "requests_per_s", "ttft_p50_err_ms", "ttft_p99_err_ms"):
             assert math.isfinite(row[key]), key
         assert row["ttft_p50_err_ms"] > -1.0  # no token seen before the mock sent it
+    proc = subprocess.run([sys.executable, "-m", "kvbench.selfcheck.workers_bench", "--quick", "--split", "--workers",
+                           "1,2", "--accuracy-concurrency", "4", "--split-tokens", "2,8", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    split = json.loads(out.read_text())["split_rows"]
+    assert [(r["workers"], r["split"]) for r in split] == [(1, "one process"), (2, "dealt"), (2, "shared queue")]
+    assert all(r["failed"] == 0 and 0 < r["mean_in_flight"] <= 4 for r in split)
 
 
 def test_a_cancelled_load_ends_its_workers_at_once(tmp_path):
