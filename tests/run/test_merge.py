@@ -125,6 +125,14 @@ def test_two_shares_merged_are_the_run_one_process_makes(experiment):
     assert (merged / "cells.parquet").exists() and (merged / "timelines").is_dir()
     done = kvbench("report", merged, "--format", "br")  # a merged run is a run
     assert done.returncode == 0, done.stderr
+    from llmd_benchmark_report import import_benchmark_report
+
+    for path in sorted(merged.glob("benchmark_report_v0.2,_*.yaml")):  # every cell's start was recorded (v8)
+        report = import_benchmark_report(str(path))
+        cell = next(c for c in m_cells.values() if c["cell_id"] in path.name)
+        assert report.scenario.load.standardized.parallelism == 2
+        assert report.run.time.start.timestamp() == pytest.approx(cell["t_cell_start_unix"])
+        assert report.results.request_performance.time_series is not None
 
 
 def edited_copy(source: Path, dest: Path, info: dict | None = None, drop_cell: str | None = None) -> Path:
