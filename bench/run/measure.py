@@ -77,7 +77,7 @@ def measure(s: EngineSession, backend: Backend, cell: Cell) -> CellMeasurement:
     r, w = s.r, s.plan.workload
     prompts = s.prompts.for_cell(cell, cell.requests)
     line = CellProgress(s.progress, cell.describe(), len(prompts)) if r.o.load_workers == 1 else None
-    settings = load_settings(s, cell, line)
+    settings = load_settings(s, cell, line)  # with --load-share: once every share is at this cell
     backend.reset_cell()
     if r.o.reset_cache_between_cells:
         backend.capabilities.prefix_cache.empty(backend)
@@ -135,8 +135,11 @@ def measure(s: EngineSession, backend: Backend, cell: Cell) -> CellMeasurement:
 
 def load_settings(s: EngineSession, cell: Cell, line: CellProgress | None) -> LoadSettings:
     """What the cell's load is told: its timeout, duration and schedule seed, the engine's timeout streak, the
-    load processes, and with --load-share this process's share and the owner's barrier for the cell."""
+    load processes, and with --load-share this process's share and the owner's barrier for the cell, made once
+    every share has reached the cell (before its samplers start: the wait is no part of the cell)."""
     r, w = s.r, s.plan.workload
+    if r.owner is not None:
+        r.owner.arrive(f"{cell.cell_id(s.cfg.label)}:ready")
     share = None if r.owner is None else LoadShare(r.o.load_share[0], r.o.load_share[1], r.owner,
                                                    cell.cell_id(s.cfg.label))
     return LoadSettings(r.o.request_timeout_s, w.load.duration_s,
