@@ -57,6 +57,13 @@ class RequestResult:
     output_ids: list[int] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
+    # where the load put it (bench/load): its place in the cell's schedule, the load process that sent it
+    # (host:pid), and that process's clock offset to the run's owner at the cell's start and end (its times
+    # above are on the owner's clock once the load hands it back)
+    ordinal: int | None = None
+    load_process: str = ""
+    clock_offset_start_s: float | None = None
+    clock_offset_end_s: float | None = None
 
     def add_chunk(self, t: float, n_tokens: int) -> None:
         if n_tokens:

@@ -27,6 +27,7 @@ COMMANDS = {
     "run": ("kvbench.commands.run", "run"),
     "report": ("kvbench.commands.report", "report"),
     "compare": ("kvbench.commands.compare", "compare"),
+    "merge": ("kvbench.commands.merge", "merge"),
     "setup": ("kvbench.commands.setup", "setup"),
     "plan": ("kvbench.commands.plan", "plan_command"),
     "validate": ("kvbench.commands.validate", "validate"),

@@ -16,6 +16,13 @@ For each worker count it measures, with kvbench's own load generator, vLLM adapt
 
 Rates count from the common start of the workers to the last request's end (process start-up, 0.3-1 s a
 worker, is outside the cell, as in ``kvbench run``). Figures are medians over ``--repeats`` runs.
+
+``--split`` measures instead how a closed loop's requests are best split over the workers: dealt out up
+front (each worker's streams run through its own share) or taken from one shared queue (a free stream takes
+the cell's next request, in whichever worker it is): the timed mock, requests of ``--split-tokens`` output
+tokens drawn at random per request (a spread of request times, as a real engine's scheduling gives), at
+``--accuracy-concurrency``; per split the cell's wall time, its requests/s, and the requests in flight on
+average (the requests' summed time in flight over the wall time: the concurrency the cell kept).
 """
 from __future__ import annotations
 
@@ -32,6 +39,8 @@ from rich.table import Table
 
 from kvbench.common.metrics import RequestTimes, cell_metrics
 from kvbench.load import LoadPoint, LoadSettings, run, run_async
+from kvbench.load.workers import run_workers
+from kvbench.workloads.prompts import Prompt
 
 from .client_bench import check_results, machine, make_prompts, mock_backend
 from .common import Mock, median_finite
@@ -64,6 +73,42 @@ def accuracy_run(mock: Mock, workers: int, concurrency: int, n: int, tokens: int
     m = cell_metrics([RequestTimes.of(r) for r in good], [r.prompt_tokens_sent for r in good])
     return {"requests": len(load.results), "failed": check_results(load.results, tokens),
             "ttft_p50_err_ms": (m["ttft_s_p50"] - ttft_s) * 1000, "ttft_p99_err_ms": (m["ttft_s_p99"] - ttft_s) * 1000}
+
+
+def split_run(mock: Mock, workers: int, concurrency: int, prompts: list, queue: bool) -> dict:
+    """One closed-loop cell from ``workers`` processes, its requests dealt out (``queue`` False) or shared."""
+    point, settings = LoadPoint("concurrent", concurrency), LoadSettings(60.0, workers=workers)
+    if workers == 1:
+        load = run_async(run(mock_backend(mock.url), prompts, point, settings))
+    else:
+        load = run_workers(mock_backend(mock.url), prompts, point, settings, queue=queue)
+    mock.records()
+    good = [r for r in load.results if not r.error and r.t_done]
+    wall = max(r.t_done for r in good) - min(r.t_sent for r in good)
+    return {"requests": len(load.results), "failed": len(load.results) - len(good), "wall_s": wall,
+            "requests_per_s": len(good) / wall, "mean_in_flight": sum(r.t_done - r.t_sent for r in good) / wall}
+
+
+def spread_prompts(n: int, tokens: tuple[int, int], seed: int, start: int) -> list:
+    """``n`` prompts of a random number of output tokens each (uniform in ``tokens``), the same for a seed."""
+    import random
+
+    draw = random.Random(seed)
+    return [Prompt(f"r{start + i}", (start + i, 1, 2, 3), "", draw.randint(*tokens)) for i in range(n)]
+
+
+def split_table(mock: Mock, counts: list[int], concurrency: int, n: int, tokens: tuple[int, int],
+                repeats: int) -> list[dict]:
+    rows = []
+    for w in counts:
+        for queue in ((True,) if w == 1 else (False, True)):
+            runs = [split_run(mock, w, concurrency, spread_prompts(n, tokens, seed, 10_000 * (seed + 1)), queue)
+                    for seed in range(repeats)]
+            row = median_of(runs)
+            rows.append({"workers": w, "split": "one process" if w == 1 else ("shared queue" if queue else "dealt"),
+                         **row})
+            console.print(f"workers={w} {rows[-1]['split']}: done")
+    return rows
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -99,6 +144,9 @@ def main(
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the results here"),
     pin: bool = typer.Option(True, help="the mock on a core of its own, the load generator on the others "
                                         "(--no-pin: every process on every core)"),
+    split: bool = typer.Option(False, "--split", help="measure a closed loop's split over the workers instead: "
+                                                      "requests dealt out up front against one shared queue"),
+    split_tokens: str = typer.Option("8,128", help="--split: output tokens per request, drawn uniformly in MIN,MAX"),
 ):
     counts = [int(w) for w in workers.split(",") if w.strip()]
     if quick:
@@ -113,6 +161,23 @@ def main(
                   f"generator on CPUs {info['client_cpus']}")
     rows = []
     start = 1000
+    if split:
+        low, high = (int(t) for t in split_tokens.split(","))
+        with Mock(ttft_ms, itl_ms, mock_cpu) as timed:
+            info["split_rows"] = split_table(timed, counts, accuracy_concurrency, accuracy_requests, (low, high),
+                                             repeats)
+        table = Table(title=f"a closed loop's split: timed mock (TTFT {ttft_ms:g} ms, ITL {itl_ms:g} ms), {low}-{high} "
+                            f"output tokens a request, concurrency {accuracy_concurrency}, {accuracy_requests} "
+                            f"requests, medians of {repeats}")
+        for col in ("workers", "split", "wall s", "requests/s", "in flight (mean)", "failed / requests"):
+            table.add_column(col, justify="right")
+        for row in info["split_rows"]:
+            table.add_row(str(row["workers"]), row["split"], f"{row['wall_s']:.3f}", f"{row['requests_per_s']:.1f}",
+                          f"{row['mean_in_flight']:.2f}", f"{row['failed']} / {row['requests']}")
+        console.print(table)
+        if json_out:
+            json_out.write_text(json.dumps(info, indent=2, default=float))
+        return
     with Mock(0, 0, mock_cpu, record_sends=False) as instant, Mock(ttft_ms, itl_ms, mock_cpu) as timed:
         ceiling_run(instant, 1, concurrency, concurrency, tokens, 0)  # warm-up
         for w in counts:

@@ -28,12 +28,13 @@ ENGINE_TIMEOUT_S = 1200
 ENGINE_MODULES = "_engines.py"
 # Modules whose verdicts rest on wall-clock time (a 10 % slower mock engine caught by `kvbench compare`, load
 # workers ended within seconds, a salted run's TTFTs set against a cold one's, the smoke runs' KV read from
-# /metrics in time: beside other tests vLLM's API server answered too late and its KV read 0 in use) run
+# /metrics in time: beside other tests vLLM's API server answered too late and its KV read 0 in use; load
+# shares merged against one process, their TTFTs set side by side) run
 # alone: each holds a lock that no other test runs beside (pytest_runtest_protocol), and their unit is handed
 # out last (under another worker's load the planted regression once read as inconclusive).
 QUIET_MODULES = (
     "tests/compare/test_planted.py", "tests/load/test_workers.py", "tests/run/test_prefix_cache_engines.py",
-    "tests/backends/test_smoke_engines.py",
+    "tests/backends/test_smoke_engines.py", "tests/run/test_merge.py",
 )
 ENGINES, QUIET = "engines", "quiet"
 

@@ -185,11 +185,12 @@ def plant_results_column(tree: Path) -> None:
     edit(tree, "bench/common/metrics.py", '    out.update(percentiles([r.ttft for r in requests], "ttft_s"))\n',
          '    out.update(percentiles([r.ttft for r in requests], "ttft_s"))\n'
          '    out["ttft_s_max"] = max((r.ttft for r in requests if r.ttft is not None), default=None)\n')
-    edit(tree, "bench/store/schema.py", "SCHEMA_VERSION = 7\n", "SCHEMA_VERSION = 8\n")
+    edit(tree, "bench/store/schema.py", "SCHEMA_VERSION = 8\n", "SCHEMA_VERSION = 9\n")
     edit(tree, "bench/store/schema.py", "    ttft_s_p99: float | None = None\n",
          "    ttft_s_p99: float | None = None\n    ttft_s_max: float | None = None\n")
-    edit(tree, "bench/store/schema.py", '    ``prompt_tokens_cached`` None.\n',
-         '    ``prompt_tokens_cached`` None.\n    v7 -> v8: ``ttft_s_max`` None (not measured).\n')
+    edit(tree, "bench/store/schema.py", '    offsets None, ``load_process`` "" (not recorded; its times are on the one clock of the run\'s process).\n',
+         '    offsets None, ``load_process`` "" (not recorded; its times are on the one clock of the run\'s process).\n'
+         '    v8 -> v9: ``ttft_s_max`` None (not measured).\n')
 
 
 def plant_run_option(tree: Path) -> None:
@@ -287,9 +288,9 @@ def test_a_results_column_is_a_metric_key_a_field_and_a_schema_version(tmp_path,
     [cell] = cells(run_dir)
     requests = [json.loads(line) for line in (run_dir / "requests.jsonl").read_text().splitlines()]
     ttfts = [r["ttft_s"] for r in requests if r["cell_id"] == cell["cell_id"] and not r["warmup"]]
-    assert cell["schema_version"] == 8 and cell["ttft_s_max"] == pytest.approx(max(ttfts))
+    assert cell["schema_version"] == 9 and cell["ttft_s_max"] == pytest.approx(max(ttfts))
     parquet = pq.read_table(run_dir / "cells.parquet")
-    assert parquet.schema.metadata[b"kvbench_schema_version"] == b"8"
+    assert parquet.schema.metadata[b"kvbench_schema_version"] == b"9"
     assert pd.Series(parquet.column("ttft_s_max").to_pylist()).tolist() == [cell["ttft_s_max"]]
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -38,6 +38,9 @@ class Prompt:
     # for the prompt tokens' own log-probabilities (teacher forcing), where the adapter can (Backend hooks)
     top_logprobs: int = 0
     prompt_logprobs: bool = False
+    # its place in its cell's schedule (0..n-1; None outside a cell: warm-ups, probes): the request's ordinal,
+    # bookkeeping beside what is sent (two prompts of the same tokens are equal whatever their places)
+    ordinal: int | None = field(default=None, compare=False)
 
     @property
     def prompt_tokens(self) -> int:

@@ -15,6 +15,7 @@ from kvbench.common import ui
 from kvbench.common.models import ModelError, locate
 from kvbench.common.suggest import with_hint
 from kvbench.planner import model_names
+from kvbench.load.owner import OwnerError
 from kvbench.run.cells import NothingFits
 from kvbench.run.option_fields import Flag, FlagError, flags
 from kvbench.run.options import RunOptions
@@ -34,7 +35,8 @@ def run(**given):
     # errors print with soft_wrap: one line even past the console width (greppable in CI logs)
     try:
         runner = Runner(options, console, plan=plan)
-    except (RunFolderError, ResultsReadError) as exc:  # an existing run, or a damaged one to resume
+    except (RunFolderError, ResultsReadError, OwnerError) as exc:  # an existing run, a damaged one to resume,
+        # or a --load-owner address share 0 cannot serve at
         console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(2)
     except ResultsWriteError as exc:  # --results-dir read-only, not permitted, full

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import socket
 import time
 from collections.abc import Callable
+from typing import Any
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -42,6 +45,17 @@ class TimeoutStreak:
 
 
 @dataclass(frozen=True)
+class LoadShare:
+    """One load process's share of a cell sent from several machines (bench/load/owner.py): share ``index``
+    of ``of``, started at the owner's barrier for ``key`` (the cell's id), its times put on the owner's clock."""
+
+    index: int
+    of: int
+    owner: Any  # an OwnerClient
+    key: str
+
+
+@dataclass(frozen=True)
 class LoadSettings:
     """What every profile is told besides its load point."""
 
@@ -52,6 +66,26 @@ class LoadSettings:
     workers: int = 1  # load generator processes (bench/load/workers.py); 1: this process alone
     # called with each request's result as it ends (the run's in-cell progress line); this process only
     on_done: Callable[[RequestResult], None] | None = field(default=None, compare=False)
+    # this process sends one share of the cell, started with the others' at the owner's barrier
+    # (kvbench run --load-share/--load-owner: bench/load/owner.py); None: the whole cell
+    share: LoadShare | None = field(default=None, compare=False)
+
+
+#: How a lost request's error begins: sent (or due) by a load process that died before handing it back,
+#: so what became of it is not known. It counts as failed, and in the cell's ``n_lost``.
+LOST = "lost: "
+
+
+def is_lost(r: RequestResult) -> bool:
+    return bool(r.error) and r.error.startswith(LOST)
+
+
+def lost_request(prompt, t: float, ordinal: int | None, process: str, why: str) -> RequestResult:
+    """The record of a request lost with load process ``process`` (``why``: how it ended), stamped ``t``
+    (the cell's start: when it left is not known)."""
+    r = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, t)
+    r.error, r.ordinal, r.load_process = f"{LOST}load process {process} {why} before handing it back", ordinal, process
+    return r
 
 
 @dataclass
@@ -63,11 +97,14 @@ class LoadResult:
     max_in_flight: int = 0  # most requests outstanding at once, as the client saw it
     send_lags: list[float] = field(default_factory=list)  # open loop: t_sent - t_scheduled per request
     loop_lag_s_max: float | None = None  # the client's own delay (LoopLagMonitor), set by run_async
+    processes: int = 1  # load processes that sent it (bench/load/workers.py, kvbench merge)
+    notes: list[str] = field(default_factory=list)  # what the cell's row is flagged with (a share absent)
 
     @property
     def achieved_request_rate(self) -> float | None:
-        """Requests sent per second, from the first send to the last (what the engine was offered in fact)."""
-        sent = sorted(r.t_sent for r in self.results)
+        """Requests sent per second, from the first send to the last (what the engine was offered in fact;
+        requests lost with a load process are left out: when they left is not known)."""
+        sent = sorted(r.t_sent for r in self.results if not is_lost(r))
         if len(sent) < 2 or sent[-1] <= sent[0]:
             return None
         return (len(sent) - 1) / (sent[-1] - sent[0])
@@ -105,7 +142,7 @@ async def send_one(backend: Backend, client, prompt, settings: LoadSettings) -> 
                 streak.record(False)
             if (bad := result.drop_bad_counts()) is not None:
                 result.error = f"bad response: {bad}" if result.error is None else result.error
-            return _done(result, settings)
+            return _done(result, prompt, settings)
         except (asyncio.TimeoutError, TimeoutError):
             # a replica's timeout while the deployment still answers: "replica H:P: timed out ...", which
             # neither counts here nor, not starting "timed out", in the load workers' parent
@@ -122,10 +159,22 @@ async def send_one(backend: Backend, client, prompt, settings: LoadSettings) -> 
             streak.record(timed_out)
     result = RequestResult(prompt.request_id, prompt.prompt_tokens, prompt.output_tokens, t0)
     result.error, result.t_done = error, time.perf_counter()
-    return _done(result, settings)
+    return _done(result, prompt, settings)
 
 
-def _done(result: RequestResult, settings: LoadSettings) -> RequestResult:
+_process_id: tuple[int, str] = (0, "")
+
+
+def process_id() -> str:
+    """This load process's name in the records: host and pid (a pod's host name is the pod's)."""
+    global _process_id
+    if _process_id[0] != os.getpid():  # a spawned worker is a process of its own
+        _process_id = (os.getpid(), f"{socket.gethostname()}:{os.getpid()}")
+    return _process_id[1]
+
+
+def _done(result: RequestResult, prompt, settings: LoadSettings) -> RequestResult:
+    result.ordinal, result.load_process = prompt.ordinal, process_id()
     if holding():  # a server's words (an error page echoing the key) lose every credential kvbench holds
         result.error = scrub(result.error) if result.error else result.error
         result.engine_details = scrub_value(result.engine_details)

@@ -1,22 +1,35 @@
 """Load from more than one core: the cell's requests split over ``settings.workers`` processes, each with its
 own event loop running kvbench's own streaming client (:mod:`kvbench.backends.streaming`) through the same
-load profile, and their results merged into one :class:`LoadResult`. The profile that drives the point
-splits the cell (:meth:`~kvbench.load.profile.LoadProfile.shares`); one that cannot says so
-(:attr:`~kvbench.load.profile.LoadProfile.splits_over_workers`), and the cell is refused in one line.
+load profile, and their requests merged into one :class:`LoadResult`, every one of them accounted for. The
+profile that drives the point splits the cell (:meth:`~kvbench.load.profile.LoadProfile.shares`); one that
+cannot says so (:attr:`~kvbench.load.profile.LoadProfile.splits_over_workers`), and the cell is refused in one
+line. This process, the parent, is the schedule's owner: it hands out the work, starts every worker at one
+instant and takes back every request.
 
-- Closed loop: the concurrency is split over the workers (c=5 on 2 workers: 3 and 2) and the prompts are
-  dealt out in the same proportion, in order (worker 0, 1, 0, 1, 0, ...): each worker runs the profile's
-  closed loop over its share. A worker that finishes its share early does not take over another's (no
-  shared queue: a cross-process queue would put its latency in front of every send).
+- Closed loop: the concurrency is split over the workers (c=5 on 2 workers: 3 and 2 streams) and the
+  requests are one shared queue: a stream that is free takes the next request of the cell, whichever
+  worker it is in, so the cell keeps its concurrency to the end as one process would (a static deal of the
+  prompts left the streams of a worker that finished early idle while another's share still ran: the
+  cell's tail ran below its concurrency; ``python -m kvbench.selfcheck.workers_bench --split``). Taking a
+  request is a lock and a counter shared by the processes (microseconds); the queue is the cell's ordinals,
+  and which worker took each is noted beside it.
 - Open loop: the schedule is made once, in the parent, for the whole cell (the profile's own arrival
   times and seed), and dealt out round-robin; every request keeps its send time. A concurrency cap is split
   like a closed loop's concurrency.
 
-One clock: every worker stamps with ``time.perf_counter()``, which on Linux is CLOCK_MONOTONIC, one clock
-for the whole machine (not per process): a time taken in one process compares with a time taken in
-another (``tests/load/test_workers.py`` checks this). All workers start their load at one common
-instant chosen by the parent once every worker has started and said it is ready; process start-up (0.3-1 s
-of imports per worker) is outside the cell. The merged result's ``t_start`` is that instant.
+One clock: every worker stamps with its own ``time.perf_counter()`` (on Linux CLOCK_MONOTONIC, one clock for
+the machine), and the parent measures each worker's offset to its own clock by pings over the worker's
+pipe, before the start and after the worker's last request (:mod:`.clock`); the worker's times are put on
+the parent's clock with them, and each request keeps both offsets (``tests/load/test_workers.py`` checks
+that a worker's clock set off by seconds is corrected). All workers start their load at one common instant
+chosen by the parent once every worker has started, said it is ready and had its offset measured; process
+start-up (0.3-1 s of imports per worker) is outside the cell. The merged result's ``t_start`` is that
+instant.
+
+A worker that dies during the cell (killed, crashed) takes with it the requests it had not handed back: they
+are recorded as lost (:data:`~kvbench.load.common.LOST`, the cell's ``n_lost``), never dropped, and its
+siblings' requests are kept; the cell goes on without it. A worker that cannot start fails the cell
+(:class:`WorkerError`).
 
 Workers are started with the ``spawn`` context (a fresh interpreter: the harness has sampler threads, which
 ``fork`` would copy in whatever state they are in). The backend goes to each worker as a copy of its state
@@ -36,12 +49,14 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
+import socket
 import ssl
 import subprocess
 import threading
 import time
 import traceback
-from dataclasses import replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 
 import httpx
 
@@ -50,17 +65,27 @@ from kvbench.backends.base import Backend
 from kvbench.backends.process import ServerProcess
 from kvbench.common import redact
 
-from .common import LoadResult, LoadSettings, run_async
+from .clock import PINGS, ClockMap, best_offset
+from .common import LoadResult, LoadSettings, is_lost, lost_request, run_async
 from .open_loop import send_on_schedule
 from .profile import LoadPoint, Share
 
 READY_TIMEOUT_S = 120.0  # a worker that has not started and read its share by then is given up on
 START_MARGIN_S = 0.05  # between the parent choosing the common start and the workers starting
 CONTEXT = "spawn"
+TAKEN_BY_NONE = -1
 
 
 class WorkerError(RuntimeError):
-    """A load worker failed outside any one request (could not start, unpickle its share, or crashed)."""
+    """A load worker failed outside any one request (could not start or unpickle its share)."""
+
+
+class WorkerDied(WorkerError):
+    """A load worker ended (killed, crashed) before handing back its requests."""
+
+    def __init__(self, index: int, how: str):
+        super().__init__(f"load worker {index} {how} before handing back its requests")
+        self.index, self.how = index, how
 
 
 class MergedLoadResult(LoadResult):
@@ -76,14 +101,60 @@ class MergedLoadResult(LoadResult):
 
 # --- splitting a cell --------------------------------------------------------------------------------
 
-def plan(prompts: list, point: LoadPoint, settings: LoadSettings, workers: int) -> list[Share]:
-    """Each worker's share: (prompts, load point, send times or None), as the profile that drives ``point``
-    splits it; never more workers than there are requests, closed-loop streams or open-loop cap. A profile
-    that cannot be split is refused (WorkerError, one line)."""
+def plan(prompts: Sequence, point: LoadPoint, settings: LoadSettings, workers: int) -> list[Share]:
+    """Each worker's share: (ordinals, load point, send times or None), as the profile that drives
+    ``point`` splits the cell's ordinals 0..n-1 (its prompts are indexed by them: none is built here);
+    never more workers than there are requests, closed-loop streams or open-loop cap. A profile that cannot
+    be split is refused (WorkerError, one line)."""
     driver = point.driver
     if not driver.splits_over_workers:
         raise WorkerError(f"load profile {driver.name!r} runs from one load process only; use --load-workers 1")
-    return driver.shares(prompts, point, settings.seed, workers)
+    return driver.shares(list(range(len(prompts))), point, settings.seed, workers)
+
+
+@dataclass
+class SharedQueue:
+    """A closed loop's requests as one queue for all its workers: the next ordinal to take (a counter under
+    its lock) and, per ordinal, the worker that took it (:data:`TAKEN_BY_NONE`: none)."""
+
+    next_ordinal: object  # multiprocessing.Value("q")
+    taken_by: object  # multiprocessing.Array("h", n), without a lock: each slot is written once, under next's
+
+    @classmethod
+    def create(cls, ctx, n: int) -> SharedQueue:
+        return cls(ctx.Value("q", 0), ctx.Array("h", [TAKEN_BY_NONE] * n, lock=False))
+
+    def take(self, worker: int, n: int) -> int | None:
+        with self.next_ordinal.get_lock():
+            k = self.next_ordinal.value
+            if k >= n:
+                return None
+            self.next_ordinal.value = k + 1
+            self.taken_by[k] = worker
+        return k
+
+    def taken(self, worker: int) -> list[int]:
+        return [k for k, w in enumerate(self.taken_by) if w == worker]
+
+    def untaken(self) -> list[int]:
+        return [k for k, w in enumerate(self.taken_by) if w == TAKEN_BY_NONE]
+
+
+class _QueueView:
+    """A worker's view of the cell's prompts: iterating takes the next request off the shared queue (a
+    closed-loop profile iterates its prompts as its streams free up)."""
+
+    def __init__(self, prompts: Sequence, queue: SharedQueue, worker: int):
+        self.prompts, self.queue, self.worker = prompts, queue, worker
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __iter__(self) -> Iterator:
+        n = len(self.prompts)
+        while (k := self.queue.take(self.worker, n)) is not None:
+            prompt = self.prompts[k]
+            yield prompt if prompt.ordinal is not None else replace(prompt, ordinal=k)
 
 
 # --- what goes to a worker ---------------------------------------------------------------------------
@@ -139,16 +210,35 @@ def _apply_endpoints(backend: Backend, endpoints: list[tuple]) -> None:
         streaming._ENDPOINTS[key] = streaming.Endpoint(headers, backend.tls if tls else None)
 
 
+def _answer_clock(conn, until: str):
+    """Answer the parent's clock pings (this process's ``perf_counter``) until it says ``until``; returns
+    what came with that message."""
+    while True:
+        kind, value = conn.recv()
+        if kind == "clock":
+            conn.send(("clock", time.perf_counter()))
+        elif kind == until:
+            return value
+        else:
+            return None
+
+
 async def _share(conn, backend, dropped, prompts, point: LoadPoint, offsets, settings: LoadSettings):
-    """One worker's load: say it is ready (its event loop running, its heap frozen), wait for the common
-    start instant ``t_go`` (perf_counter, shared by all processes), run its share from then. The profile
-    takes its own start a few microseconds after ``t_go``; an open loop's send times are put back on the
-    common schedule (``t_go`` + offset), and its lags measured against it, so that a worker's late start
-    counts as lag instead of moving the schedule."""
+    """One worker's load: say it is ready (its event loop running, its heap frozen), answer the parent's
+    clock pings, wait for the common start instant ``t_go`` (on this process's clock: the parent has put it
+    there), run its share from then. The profile takes its own start a few microseconds after ``t_go``; an
+    open loop's send times are put back on the common schedule (``t_go`` + offset), and its lags measured
+    against it, so that a worker's late start counts as lag instead of moving the schedule."""
     conn.send(("ready", dropped))
-    kind, t_go = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
-    if kind != "go":
+    t_go = await asyncio.get_running_loop().run_in_executor(None, _answer_clock, conn, "go")
+    if t_go is None:
         return None
+    return await run_from(t_go, backend, prompts, point, offsets, settings)
+
+
+async def run_from(t_go: float, backend, prompts, point: LoadPoint, offsets, settings: LoadSettings) -> LoadResult:
+    """A share of a cell started at ``t_go`` (this process's ``perf_counter``): with its profile's own
+    arrivals (``offsets`` None), or on the cell's schedule, ``offsets`` seconds after ``t_go``."""
     delay = t_go - time.perf_counter()
     if delay > 0.002:
         await asyncio.sleep(delay - 0.002)
@@ -173,8 +263,10 @@ def _exit_with_the_parent() -> None:
     os._exit(1)
 
 
-def _worker_main(conn) -> None:
-    """A worker process: read its share, start its event loop, run (:func:`_share`), send the result."""
+def _worker_main(conn, index: int = 0, queue: SharedQueue | None = None) -> None:
+    """A worker process: read its share, start its event loop, run (:func:`_share`; a closed loop takes its
+    requests off the shared ``queue``), say it has finished, answer the parent's clock pings, hand back its
+    requests."""
     # Ctrl-C in a terminal reaches the whole process group: the parent decides, and ends its workers itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # SIGTERM (the parent's terminate()) ends the worker at once, also where the parent ignores it and a
@@ -186,9 +278,13 @@ def _worker_main(conn) -> None:
         for secret in secrets:  # before any answer is read: an echoed key is masked before it is cut
             redact.hold_secret(secret)
         _apply_endpoints(backend, endpoints)
+        if queue is not None:
+            prompts = _QueueView(prompts, queue, index)
         result = run_async(_share(conn, backend, dropped, prompts, point, offsets, settings), signals=False)
         if result is not None:
-            conn.send(("done", result))
+            conn.send(("finished", None))
+            if _answer_clock(conn, "results") is not None:
+                conn.send(("done", result))
     except KeyboardInterrupt:
         pass
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it as a WorkerError
@@ -200,92 +296,184 @@ def _worker_main(conn) -> None:
         conn.close()
 
 
+#: The function a worker process runs (a test may run one that sets its clock off first).
+WORKER_MAIN = _worker_main
+
+
 # --- the parent ----------------------------------------------------------------------------------------
 
-def run_workers(backend: Backend, prompts: list, point: LoadPoint, settings: LoadSettings,
-                stop: threading.Event | None = None) -> LoadResult:
-    """Run the cell on ``settings.workers`` processes and merge their results (blocking: the async
+@dataclass
+class _Worker:
+    index: int
+    proc: object
+    conn: object
+    ordinals: list[int] | None  # an open loop's share (None: it takes from the shared queue)
+    offsets: object = None  # an open loop's send times of its share
+    clock: ClockMap | None = None
+    died: str = ""  # how it ended, when it ended before handing back its requests
+
+    @property
+    def name(self) -> str:
+        return f"{socket.gethostname()}:{self.proc.pid}"
+
+
+def run_workers(backend: Backend, prompts: Sequence, point: LoadPoint, settings: LoadSettings,
+                stop: threading.Event | None = None, queue: bool = True) -> LoadResult:
+    """Run the cell on ``settings.workers`` processes and merge their requests (blocking: the async
     :func:`run` awaits it in a thread). ``stop`` set: the workers are ended and a WorkerError raised (the
-    load was cancelled: Ctrl-C, SIGTERM)."""
+    load was cancelled: Ctrl-C, SIGTERM). ``queue`` False: a closed loop's prompts dealt out to the workers
+    up front instead of one shared queue (the way they were split before; kept to measure the two)."""
     shares = plan(prompts, point, settings, settings.workers)
+    closed = all(offsets is None for _, _, offsets in shares)
     clone, dropped = portable_backend(backend)
     endpoints, secrets = endpoint_settings(), redact.held_values()
     # each worker keeps its own timeout streak (a copy); the parent's is brought up to date after
     worker_settings = replace(settings, workers=1)
     ctx = multiprocessing.get_context(CONTEXT)
-    procs, conns = [], []
+    shared = SharedQueue.create(ctx, len(prompts)) if closed and queue else None
+    team: list[_Worker] = []
     try:
-        for _ in shares:
+        for i, (ordinals, share_point, offsets) in enumerate(shares):
             parent_end, child_end = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(child_end,), name="kvbench-load-worker", daemon=True)
+            proc = ctx.Process(target=WORKER_MAIN, args=(child_end, i, shared), name="kvbench-load-worker",
+                               daemon=True)
             proc.start()
             child_end.close()
-            procs.append(proc)
-            conns.append(parent_end)
-        for conn, (share, share_point, offsets) in zip(conns, shares):
-            conn.send_bytes(dumps_for_worker((clone, dropped, endpoints, secrets, share, share_point, offsets,
-                                               worker_settings)))
-        for i, conn in enumerate(conns):
-            _expect(conn, procs[i], "ready", READY_TIMEOUT_S, i, stop)
+            team.append(_Worker(i, proc, parent_end, None if shared else ordinals, offsets))
+        for w, (ordinals, share_point, offsets) in zip(team, shares):
+            mine = prompts if shared else [numbered(prompts, k) for k in ordinals]
+            w.conn.send_bytes(dumps_for_worker((clone, dropped, endpoints, secrets, mine, share_point, offsets,
+                                                worker_settings)))
+        for w in team:
+            _expect(w, "ready", READY_TIMEOUT_S, stop)
+        for w in team:
+            offset, _ = _measure(w, stop)
+            w.clock = ClockMap(0.0, offset)
         t_go = time.perf_counter() + START_MARGIN_S
-        for conn in conns:
-            conn.send(("go", t_go))
+        for w in team:
+            w.clock = ClockMap(t_go - w.clock.offset_start, w.clock.offset_start)
+            w.conn.send(("go", t_go - w.clock.offset_start))  # on the worker's own clock
         # a request may take settings.timeout_s after the last one was sent; a closed loop sends in turn
-        results = [_expect(conn, procs[i], "done", None, i, stop) for i, conn in enumerate(conns)]
+        results = []
+        for w in team:
+            try:
+                _expect(w, "finished", None, stop)
+                offset, _ = _measure(w, stop)
+                w.clock = replace(w.clock, t_end=time.perf_counter() - offset, offset_end=offset)
+                w.conn.send(("results", True))
+                results.append((w, _expect(w, "done", None, stop)))
+            except WorkerError as exc:  # it ended during its load: what it had not handed back is lost
+                if stop is not None and stop.is_set():
+                    raise
+                w.died = exc.how if isinstance(exc, WorkerDied) else str(exc)
     finally:
-        for conn in conns:
-            conn.close()
-        for proc in procs:
+        for w in team:
+            w.conn.close()
+        for w in team:
             if stop is not None and stop.is_set():
                 # SIGKILL: a cancelled load keeps nothing of theirs, and a worker still starting up has
                 # not yet undone a SIGTERM ignored in the process that spawned it
-                proc.kill()
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-    merged = merge(results, t_go, point.request_rate)
+                w.proc.kill()
+            w.proc.join(5)
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(5)
+    for w, result in results:
+        for r in result.results:
+            w.clock.apply(r)
+        result.t_start, result.t_end = w.clock(result.t_start), w.clock(result.t_end)
+    lost = _lost(prompts, team, shared, settings, t_go, bool(results))
+    merged = merge([result for _, result in results], t_go, point.request_rate, lost, len(team))
     if settings.streak:
         for r in sorted(merged.results, key=lambda r: r.t_done or r.t_sent):
             settings.streak.record(bool(r.error) and r.error.startswith("timed out"))
     return merged
 
 
-def _expect(conn, proc, kind: str, timeout_s: float | None, i: int, stop: threading.Event | None = None):
-    """The worker's next message, which must be ``kind``; a WorkerError with its traceback otherwise."""
+def numbered(prompts: Sequence, k: int):
+    """Prompt ``k`` of the cell, its ordinal set where the prompt has none (a test's list)."""
+    prompt = prompts[k]
+    return prompt if prompt.ordinal is not None else replace(prompt, ordinal=k)
+
+
+def _lost(prompts: Sequence, team: list[_Worker], shared: SharedQueue | None, settings: LoadSettings,
+          t_go: float, any_finished: bool) -> list:
+    """The requests of the workers that died: what each had taken off the queue (or its whole share of an
+    open loop, as far as the duration reaches), and, when no worker lived to finish, what none took."""
+    lost = []
+    for w in team:
+        if not w.died:
+            continue
+        if shared is not None:
+            ordinals = shared.taken(w.index)
+        else:
+            ordinals = list(w.ordinals)
+            if settings.duration_s and w.offsets is not None:  # those due after the duration were never to go
+                ordinals = [k for k, due in zip(ordinals, w.offsets) if due < settings.duration_s]
+        lost += [lost_request(numbered(prompts, k), t_go, k, w.name, w.died) for k in ordinals]
+    if shared is not None and not any_finished:
+        lost += [lost_request(numbered(prompts, k), t_go, k, "(none alive)", "every load worker ended")
+                 for k in shared.untaken()]
+    return lost
+
+
+def _measure(w: _Worker, stop: threading.Event | None) -> tuple[float, float]:
+    """The worker's clock offset to this process's (:func:`~kvbench.load.clock.best_offset` of a few pings)."""
+    pings = []
+    for _ in range(PINGS):
+        a = time.perf_counter()
+        w.conn.send(("clock", None))
+        reading = _expect(w, "clock", READY_TIMEOUT_S, stop)
+        pings.append((a, reading, time.perf_counter()))
+    return best_offset(pings)
+
+
+def _expect(w: _Worker, kind: str, timeout_s: float | None, stop: threading.Event | None = None):
+    """The worker's next message, which must be ``kind``; a WorkerError with its traceback otherwise
+    (:class:`WorkerDied` where the worker ended)."""
+    conn, proc, i = w.conn, w.proc, w.index
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while not conn.poll(0.2):
         if stop is not None and stop.is_set():
             raise WorkerError("the load was cancelled")
         if not proc.is_alive() and not conn.poll(0):
-            raise WorkerError(f"load worker {i} exited ({proc.exitcode}) before it sent '{kind}'")
+            raise WorkerDied(i, f"exited ({proc.exitcode})")
         if deadline is not None and time.monotonic() > deadline:
             raise WorkerError(f"load worker {i} did not say '{kind}' within {timeout_s:g} s")
     try:
         got, value = conn.recv()
-    except EOFError:
-        raise WorkerError(f"load worker {i} closed its pipe before it sent '{kind}'") from None
+    except EOFError:  # it ended: say how
+        proc.join(1)
+        raise WorkerDied(i, f"exited ({proc.exitcode})" if proc.exitcode is not None else "closed its pipe") from None
     if got == "error":
+        if kind in ("finished", "done"):  # during its load: what it had not handed back is lost
+            raise WorkerDied(i, f"failed ({value.strip().splitlines()[-1]})")
         raise WorkerError(f"load worker {i} failed:\n{value}")
     return value
 
 
-def merge(results: list[LoadResult], t_start: float, offered_rate: float | None) -> MergedLoadResult:
-    """The workers' results as one: every request (in send order), the common start, the last end, the
-    send lags of all, the most requests in flight at once over all workers (from the requests' own
-    windows, sent to done), and the worst event-loop lag."""
+def merge(results: list[LoadResult], t_start: float, offered_rate: float | None, lost: list | None = None,
+          processes: int | None = None) -> MergedLoadResult:
+    """The workers' results as one: every request (in send order; the ``lost`` ones too), the common start,
+    the last end, the send lags of all, the most requests in flight at once over all workers (from the
+    requests' own windows, sent to done), and the worst event-loop lag."""
     requests = sorted((r for res in results for r in res.results), key=lambda r: r.t_sent)
     lags = [lag for res in results for lag in res.send_lags]
     loop_lags = [res.loop_lag_s_max for res in results if res.loop_lag_s_max is not None]
-    return MergedLoadResult(requests, t_start, max((res.t_end for res in results), default=t_start),
+    return MergedLoadResult(requests + list(lost or []), t_start, max((res.t_end for res in results),
+                                                                      default=t_start),
                             offered_request_rate=offered_rate, max_in_flight=in_flight_peak(requests),
-                            send_lags=lags, loop_lag_s_max=max(loop_lags) if loop_lags else None)
+                            send_lags=lags, loop_lag_s_max=max(loop_lags) if loop_lags else None,
+                            processes=processes or len(results))
 
 
 def in_flight_peak(results) -> int:
-    """The most requests outstanding at once, from each request's send and end times."""
+    """The most requests outstanding at once, from each request's send and end times (a lost request's are
+    not known: left out)."""
     events = []
     for r in results:
+        if is_lost(r):
+            continue
         end = r.t_done if r.t_done is not None else (r.chunk_times[-1] if r.chunk_times else r.t_sent)
         events += [(r.t_sent, 1), (end, -1)]
     peak = now = 0

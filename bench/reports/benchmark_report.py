@@ -6,16 +6,19 @@ package's loader before it is written. The file name is the one llm-d-benchmark'
 ``benchmark_report_v0.2,_<cell id>.yaml``. What kvbench did not measure is left out, never filled in:
 
 - ``run``: ``uid`` a UUID5 of the run and cell (the same file every time it is made), ``eid`` the UUID5 of the
-  run id (as the package makes it of an experiment id: the stages of one run share it), the run's start and
-  end, and a description naming the run and the cell.
+  run id (as the package makes it of an experiment id: the stages of one run share it), the cell's own start
+  and end (its start in Unix time to its last request's end; left out where the start was not recorded), and
+  a description naming the run and the cell.
 - ``scenario.stack``: one ``inference_engine`` for the cell's backend (a deployment: its replicas), the
   engine's version as it reported it, the accelerator (the GPU by name, or "none" and count 0 on a CPU), the
   split the engine declares (``Backend.parallelism``), and kvbench's options for it under ``native.args``.
-- ``scenario.load``: tool ``kvbench``, its version, the load processes, fixed input and output lengths (the
+- ``scenario.load``: tool ``kvbench``, its version, the load processes (the cell's ``load_processes``: local
+  workers, or the shares ``kvbench merge`` joined), fixed input and output lengths (the
   token contract forces both), the shared prefix, the turns, the concurrency or the rate.
 - ``results.request_performance``: the requests that met the token contract, every percentile recomputed
   from requests.jsonl under bench/common/metrics.py's definitions; throughput over the cell's wall time. A
-  time series only where the cell's start in Unix time was recorded (``t_cell_start_unix``).
+  time series where the cell's start in Unix time was recorded (``t_cell_start_unix``: every cell since
+  results schema v8; before, only with --prometheus).
 - ``results.observability``: per component, the engine's KV cache usage (fraction of its pool), prefix
   cache hit rate, process memory, running and waiting requests and preemptions, from the cell's timeline;
   and kvbench's own result under the extra key ``kvbench_kv`` (:data:`KV_KEY`): the KV bytes predicted by the
@@ -37,6 +40,7 @@ import yaml
 
 from kvbench.common.files import atomic_write_text, check_output, check_output_folder
 from kvbench.common.metrics import RequestTimes, request_verdict
+from kvbench.load.common import LOST
 from kvbench.store.readers import load_run_info, read_jsonl_rows
 from kvbench.store.schema import OK_STATUSES, CellRow, RequestRow, migrate_row
 
@@ -77,14 +81,6 @@ def _mean_only(value, units: str) -> dict | None:
 
 def _iso(unix: float) -> str:
     return dt.datetime.fromtimestamp(unix, dt.timezone.utc).isoformat()
-
-
-def _duration(start: str | None, end: str | None) -> str | None:
-    """ISO-8601 duration between two ISO timestamps (PT<seconds>S), None where either is missing."""
-    if not start or not end:
-        return None
-    seconds = (dt.datetime.fromisoformat(end) - dt.datetime.fromisoformat(start)).total_seconds()
-    return f"PT{seconds:.3f}S" if seconds >= 0 else None
 
 
 def config_hash(config) -> str:
@@ -158,7 +154,8 @@ def _load(info: dict, row: dict, stage: int) -> dict:
     if env.get("kvbench_commit"):
         version += f" ({str(env['kvbench_commit'])[:12]})"
     standardized: dict = {
-        "tool": TOOL, "tool_version": version, "parallelism": load_processes(info),
+        "tool": TOOL, "tool_version": version,
+        "parallelism": int(row["load_processes"]) if _known(row.get("load_processes")) else load_processes(info),
         # synthetic prompts are token ids drawn at random; "prompt_text" workloads sample a real text
         "source": "sampled" if wl.get("prompt_text") else "random",
         "stage": stage,
@@ -195,6 +192,24 @@ def _good(requests: list[dict]) -> list[dict]:
     return [r for r in requests if request_verdict(r["error"], r["prompt_tokens_sent"], r["prompt_tokens_reported"],
                                                    r["output_tokens_requested"], r["output_tokens_reported"],
                                                    sum(r["chunk_tokens"])) == "ok"]
+
+
+def _known(value) -> bool:
+    return value is not None and not pd.isna(value)
+
+
+def cell_time(row: dict, requests: list[dict]) -> dict:
+    """The BR's ``run.time`` of one cell (a stage): from the cell's start to its last request's end, on the
+    wall clock; {} where the cell's start in Unix time was not recorded (runs of results schema v7 and
+    earlier without --prometheus): the run's own start and end would not be the cell's."""
+    to_unix = _unix(row)
+    if to_unix is None:
+        return {}
+    ends = [r["t_done"] if _known(r["t_done"]) else (r["chunk_times"][-1] if len(r["chunk_times"]) else r["t_sent"])
+            for r in requests if not (r["error"] or "").startswith(LOST)]
+    start = float(row["t_cell_start_unix"])
+    end = to_unix(max(ends)) if ends else start
+    return {"start": _iso(start), "end": _iso(end), "duration": f"PT{max(0.0, end - start):.3f}S"}
 
 
 def _unix(row: dict):
@@ -361,8 +376,6 @@ def cell_reports(run_dir: str | Path):
             requests.setdefault((r["cell_id"], r["repeat"]), []).append(r)
     totals = [c for c in cells if not c.get("replica") and c["status"] != "not run"]
     ids = [c["cell_id"] for c in totals]
-    started, finished = info.get("started_at"), info.get("finished_at")
-    time = {k: v for k, v in {"start": started, "end": finished, "duration": _duration(started, finished)}.items() if v}
     out = []
     for stage, row in enumerate(totals):
         stack, label = _stack(info, row)
@@ -371,6 +384,7 @@ def cell_reports(run_dir: str | Path):
         name = file_name(row["cell_id"], row["repeat"], ids.count(row["cell_id"]) > 1)
         uid = uuid.uuid5(NAMESPACE, f"{info['run_id']}/{row['cell_id']}/{row['repeat']}")
         observability = {"components": [_component_observability(run_dir, row, label)], KV_KEY: kv_figures(row)}
+        time = cell_time(row, requests.get((row["cell_id"], row["repeat"]), []))
         data = {
             "run": {"uid": str(uid), "eid": str(uuid.uuid5(uuid.NAMESPACE_URL, info["run_id"])),
                     "description": f"kvbench {info['run_id']} [{row['cell_id']}" +

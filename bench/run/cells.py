@@ -233,8 +233,9 @@ class CellPrompts:
         return prompts
 
     def prompt(self, cell: Cell, i: int) -> Prompt:
-        """Request ``i`` of ``cell``: deterministic in (seed, salt, cell, i), so built alone, in any order."""
-        return self._salted(self._prompt(cell, i))
+        """Request ``i`` of ``cell`` (its ordinal): deterministic in (seed, salt, cell, i), so built alone, in
+        any order."""
+        return replace(self._salted(self._prompt(cell, i)), ordinal=i)
 
     def _prompt(self, cell: Cell, i: int) -> Prompt:
         w = self.w

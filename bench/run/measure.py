@@ -12,6 +12,7 @@ import psutil
 
 from kvbench.backends.base import Backend
 from kvbench.load import LoadSettings, frozen_heap, run, run_async
+from kvbench.load.common import LoadShare
 from kvbench.load.open_loop import schedule_seed
 from kvbench.run import kvquant
 from kvbench.run.cells import Cell
@@ -26,7 +27,7 @@ from kvbench.run.rows import (
     timeline_frame,
 )
 from kvbench.run.samplers import EnginePoller, ProcessTreeMemorySampler, prefix_counters, tree_rss
-from kvbench.run.telemetry import measure_cell
+from kvbench.run.telemetry import measure_cell, wall_clock_offset
 from kvbench.run.warmup import WARMUP_POINT, update_eta
 
 if TYPE_CHECKING:
@@ -76,9 +77,7 @@ def measure(s: EngineSession, backend: Backend, cell: Cell) -> CellMeasurement:
     r, w = s.r, s.plan.workload
     prompts = s.prompts.for_cell(cell, cell.requests)
     line = CellProgress(s.progress, cell.describe(), len(prompts)) if r.o.load_workers == 1 else None
-    settings = LoadSettings(r.o.request_timeout_s, w.load.duration_s,
-                            schedule_seed(w.seed, cell.prompt_tokens, cell.repeat, cell.load.slug), s.streak,
-                            workers=r.o.load_workers, on_done=line)
+    settings = load_settings(s, cell, line)  # with --load-share: once every share is at this cell
     backend.reset_cell()
     if r.o.reset_cache_between_cells:
         backend.capabilities.prefix_cache.empty(backend)
@@ -91,6 +90,7 @@ def measure(s: EngineSession, backend: Backend, cell: Cell) -> CellMeasurement:
     samplers = [sampler for sampler in (memory, engine) if sampler]
     with frozen_heap():  # no full garbage collection while the client and samplers measure
         t0 = time.perf_counter()
+        t0_unix = t0 + wall_clock_offset()  # the cell's start on the wall clock (the BR's time series)
         for sampler in samplers:
             sampler.start()
         try:
@@ -125,12 +125,26 @@ def measure(s: EngineSession, backend: Backend, cell: Cell) -> CellMeasurement:
                         queue_samples=engine.queue_samples, queue_source=engine.queue_source,
                         memory_samples=memory.samples if memory else None, rss_baseline_bytes=rss_baseline,
                         gpu_baseline_used_bytes=s.gpu_baseline.used_bytes if s.gpu_baseline else None,
-                        replicas=replicas, telemetry=prom, prefix_counters=counters,
+                        replicas=replicas, telemetry=prom, prefix_counters=counters, t_cell_start_unix=t0_unix,
                         prefix_seen=s.prefix_seen)
     s.prefix_seen = s.prefix_seen or bool(w.shared_prefix_tokens)
     r.writer.write_timeline(cell.cell_id(label), timeline_frame(t0, m.memory_samples or [], engine.kv_samples,
                                                                 engine.queue_samples, replicas))
     return m
+
+
+def load_settings(s: EngineSession, cell: Cell, line: CellProgress | None) -> LoadSettings:
+    """What the cell's load is told: its timeout, duration and schedule seed, the engine's timeout streak, the
+    load processes, and with --load-share this process's share and the owner's barrier for the cell, made once
+    every share has reached the cell (before its samplers start: the wait is no part of the cell)."""
+    r, w = s.r, s.plan.workload
+    if r.owner is not None:
+        r.owner.arrive(f"{cell.cell_id(s.cfg.label)}:ready")
+    share = None if r.owner is None else LoadShare(r.o.load_share[0], r.o.load_share[1], r.owner,
+                                                   cell.cell_id(s.cfg.label))
+    return LoadSettings(r.o.request_timeout_s, w.load.duration_s,
+                        schedule_seed(w.seed, cell.prompt_tokens, cell.repeat, cell.load.slug), s.streak,
+                        workers=r.o.load_workers, on_done=line, share=share)
 
 
 def _rss_before(pid: int) -> int | None:

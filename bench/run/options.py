@@ -83,6 +83,50 @@ def read_load_workers(flags: dict, earlier: dict) -> int:
     return flags["load_workers"]
 
 
+def read_load_owner(flags: dict, earlier: dict) -> tuple[str, int] | None:
+    """``--load-owner HOST:PORT`` as (host, port)."""
+    text = flags["load_owner"]
+    if text is None:
+        return None
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
+        raise ValueError(f"--load-owner {text!r}: give HOST:PORT, e.g. kvbench-load-0.kvbench-load:7070")
+    return host.strip("[]"), int(port)
+
+
+def read_load_share(flags: dict, earlier: dict) -> tuple[int, int] | None:
+    """``--load-share I/N`` as (I, N): one of N processes on as many machines, each sending its share of
+    every cell of one experiment against servers they all attach to, started together at the owner's
+    barrier (``--load-owner``). Refused where the shares could not be one experiment."""
+    text = flags["load_share"]
+    if text is None:
+        if earlier["load_owner"] is not None:
+            raise ValueError("--load-owner belongs to --load-share I/N: give both")
+        return None
+    index, _, of = text.partition("/")
+    if not (index.isdigit() and of.isdigit() and 0 <= int(index) < int(of)):
+        raise ValueError(f"--load-share {text!r}: give I/N with 0 <= I < N, e.g. 0/4 (I: this process's share)")
+    index, of = int(index), int(of)
+    if of > 1 and earlier["load_owner"] is None:
+        raise ValueError(f"--load-share {text}: give --load-owner HOST:PORT too: the shares start every cell "
+                         "together at the owner's barrier, on its clock (share 0 serves it)")
+    if earlier["load_workers"] > 1:
+        raise ValueError(f"--load-share {text} and --load-workers {earlier['load_workers']}: one load process per "
+                         "share (run more shares instead)")
+    started = [b.label for b in earlier["backends"] if not (b.url or b.urls)]
+    if started:
+        raise ValueError(f"--load-share {text}: every share must send to the same servers: attach to them (url=), "
+                         f"not start {', '.join(started)} in each process")
+    load = earlier["workload"].load
+    if load.points_found_later():
+        raise ValueError(f"--load-share {text}: load profile {load.name!r} finds its points by measuring, which "
+                         "each share would do on its own: give its rates instead")
+    for driver in load.drivers():
+        if not driver.splits_over_workers:
+            raise ValueError(f"--load-share {text}: load profile {driver.name!r} runs from one load process only")
+    return index, of
+
+
 def read_max_context(flags: dict, earlier: dict) -> int | None:
     value = flags["max_context"]
     if value is not None and value < 1:
@@ -156,6 +200,9 @@ def read_memory_limit(flags: dict, earlier: dict) -> int | None:
 
 def read_prompt_salt(flags: dict, earlier: dict) -> str:
     PromptSalt.parse(flags["prompt_salt"], isolated=False)  # a bad salt is refused here, before any folder
+    if earlier["load_share"] is not None and flags["prompt_salt"] in (None, "auto"):
+        raise ValueError("--load-share: give every share the same --prompt-salt TEXT (or none): auto draws one per "
+                         "process, and the shares would send different prompts")
     return flags["prompt_salt"]
 
 
@@ -230,6 +277,20 @@ class RunOptions:
         Flag("load_workers", int, 1, "Load generator processes, each with its own event loop (requests split over "
              "them): for rates one core cannot send.", min=1),  # bench/load/workers.py
         read=read_load_workers, default=1)
+    # several machines: this process's share of every cell and the owner of the run's clock and start barrier
+    # (bench/load/owner.py); kvbench merge joins the shares' run folders
+    load_owner: tuple[str, int] | None = option(
+        Flag("load_owner", str, None, "With --load-share: HOST:PORT of share 0's process, the run's owner, whose "
+             "clock every share's records are put on and whose barrier starts each cell in every share at once; "
+             "share 0 serves it there (binding HOST: 0.0.0.0 for pods).", metavar="HOST:PORT"),
+        read=read_load_owner, default=None, record="load_owner",
+        recorded=lambda owner, run: None if owner is None else f"{owner[0]}:{owner[1]}")
+    load_share: tuple[int, int] | None = option(
+        Flag("load_share", str, None, "I/N: send share I (from 0) of every cell, one of N kvbench runs (pods) "
+             "attached to the same servers with the same workload, model and --prompt-salt; kvbench merge "
+             "joins their run folders into one run (docs/deployments.md).", metavar="I/N"),
+        read=read_load_share, default=None, record="load_share",
+        recorded=lambda share, run: None if share is None else {"index": share[0], "of": share[1]})
     # read after each cell: GPU memory (DCGM) and engine metrics
     prometheus: Prometheus | None = option(
         Flag("prometheus", str, None, "Read each cell's GPU memory (DCGM exporter) and the engines' metrics from "

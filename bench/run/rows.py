@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from kvbench.backends.types import KVInUse, KVPool, PrefixCacheCounters, RequestResult
-from kvbench.common.metrics import RequestTimes, cell_metrics, percentiles, request_verdict
+from kvbench.common.metrics import RequestTimes
+from kvbench.run.contract import (  # noqa: F401 - what the run's steps take from here
+    SHORT_OUTPUT,
+    lost_flag,
+    request_figures,
+    request_verdicts,
+)
 from kvbench.common.models import ModelFiles
 from kvbench.kv.rules import KVQuestion, KVRules
 from kvbench.kv.units import fmt_bytes
@@ -25,7 +31,6 @@ from kvbench.store.schema import CellRow, RequestRow
 from kvbench.workloads import Workload
 
 CLIENT_LAG_WARN_S = 0.05  # docs/metrics.md, "Client lag"
-MAX_FLAGS = 10  # request-level flags kept per cell; the rest are counted
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,7 @@ class CellMeasurement:
     # fields above are then the deployment's totals (KV and queue summed over the replicas at each poll)
     replicas: dict | None = None
     telemetry: dict | None = None  # t_cell_start_unix and the prom_* figures (--prometheus; bench/run/telemetry.py)
+    t_cell_start_unix: float | None = None  # t_cell_start in Unix seconds (this machine's wall clock)
     # the engine's prefix-cache counters before and after the cell (None: it keeps none), and whether an
     # earlier cell of this engine start sent the workload's shared prefix (what an ideal cache can reuse)
     prefix_counters: tuple[PrefixCacheCounters | None, PrefixCacheCounters | None] = (None, None)
@@ -109,12 +115,8 @@ def summarize(run: EngineRun, m: CellMeasurement) -> CellRow:
     row.engine_version_reported, row.token_contract = run.engine_version_reported, run.token_contract
     results = m.load.results
     row.t_cell_start = m.t_cell_start
-    row.n_requests = len(results)
-    _load_achieved(row, m.load)
-    good = _token_contract(row, results, m.engine_exit, m.log_tail)
-    for k, v in cell_metrics([RequestTimes.of(r) for r in good], [r.prompt_tokens_sent for r in good],
-                             w.slo_ttft_s, w.slo_tpot_s).items():
-        setattr(row, k, v)
+    row.requests_planned = m.cell.requests
+    request_figures(row, m.load, m.engine_exit, m.log_tail)
     windows = request_windows(results)
     _kv(row, run, m, windows)
     if m.queue_samples:  # the engine's queue: the KV boundary shows as requests waiting or preempted
@@ -125,6 +127,7 @@ def summarize(run: EngineRun, m: CellMeasurement) -> CellRow:
     _queued_first(row, m)
     prefix_cache_columns(row, w, m.cell, results, run.rules, run.model.geometry, m.kv_dtype, m.kv_pool,
                          m.prefix_counters, m.prefix_seen)
+    row.t_cell_start_unix = m.t_cell_start_unix
     for k, v in (m.telemetry or {}).items():  # the cluster's own monitoring, as read from Prometheus
         setattr(row, k, v)
     return row
@@ -155,7 +158,7 @@ def replica_rows(run: EngineRun, m: CellMeasurement, total: CellRow) -> list[Cel
     for label, rp in (m.replicas or {}).items():
         mine = [r for r in m.load.results if rp.request_ids is not None and r.request_id in rp.request_ids]
         load = LoadResult(mine, m.load.t_start, m.load.t_end, max_in_flight=max_overlap(request_windows(mine)),
-                          loop_lag_s_max=m.load.loop_lag_s_max)
+                          loop_lag_s_max=m.load.loop_lag_s_max, processes=m.load.processes)
         part = CellMeasurement(m.cell, load, m.t_cell_start, m.kv_dtype, kv_pool=rp.kv_pool,
                                kv_samples=rp.kv_samples, kv_source=rp.kv_source, queue_samples=rp.queue_samples,
                                queue_source=rp.queue_source)
@@ -181,72 +184,6 @@ def max_overlap(windows: list[tuple[float, float]]) -> int:
         now += step
         most = max(most, now)
     return most
-
-
-def _load_achieved(row: CellRow, load: LoadResult) -> None:
-    row.offered_request_rate = load.offered_request_rate
-    row.achieved_request_rate = load.achieved_request_rate
-    row.max_in_flight = load.max_in_flight
-    if load.send_lags:
-        row.send_lag_s_p99 = percentiles(load.send_lags, "lag")["lag_p99"]
-    row.client_loop_lag_s_max = load.loop_lag_s_max
-
-
-def request_verdicts(results: list[RequestResult]) -> set[str]:
-    """The token-contract verdicts among ``results`` ("failed": an error or no token, then the engine may
-    have died; no "ok": the cell's row carries the engine's log tail)."""
-    return {_verdict(r) for r in results}
-
-
-def _verdict(r: RequestResult) -> str:
-    return request_verdict(r.error, r.prompt_tokens_sent, r.prompt_tokens_reported, r.output_tokens_requested,
-                           r.output_tokens_reported, sum(r.chunk_tokens))
-
-
-#: The flag of a request that ended at EOS on a server that cannot force the output length.
-SHORT_OUTPUT = "short output: the server does not honour ignore_eos"
-
-
-def _token_contract(row: CellRow, results: list[RequestResult], engine_exit: str, log_tail: str) -> list:
-    """Sort the requests by the token contract (what was sent and asked for against what the engine says
-    it did), set the counts, status and flags, and return the requests that count."""
-    good, flags, counts = [], [], {"failed": 0, "truncated": 0, "short": 0}
-    as_generated = "output as generated" in row.token_contract  # no ignore_eos: EOS may end it early
-    for r in results:
-        verdict = _verdict(r)
-        if verdict == "ok":
-            good.append(r)
-            continue
-        counts[verdict] = counts.get(verdict, 0) + 1
-        if verdict == "short" and as_generated:  # what the server could do: its timings count, flagged
-            good.append(r)
-            if len(flags) < MAX_FLAGS:
-                flags.append(f"{r.request_id}: {SHORT_OUTPUT} (output {r.output_tokens_requested} asked / "
-                             f"{r.output_tokens_reported if r.output_tokens_reported is not None else sum(r.chunk_tokens)} "
-                             "generated)")
-            continue
-        if len(flags) < MAX_FLAGS:
-            flags.append(f"{r.request_id}: {verdict}: " + (r.error or
-                         f"prompt {r.prompt_tokens_sent} sent / {r.prompt_tokens_reported} read, output "
-                         f"{r.output_tokens_requested} asked / {r.output_tokens_reported} reported / "
-                         f"{sum(r.chunk_tokens)} received"))
-    bad = len(results) - len(good)
-    if bad > len(flags):
-        flags.append(f"... {bad - len(flags)} more requests broke the token contract")
-    row.n_ok, row.n_failed, row.n_truncated, row.n_short = len(good), counts["failed"], counts["truncated"], counts["short"]
-    row.status = "failed" if not good else ("flagged" if flags else "ok")
-    # a request cut off by a dead engine is put down to the engine
-    died = engine_exit if counts["failed"] else ""
-    if died:
-        flags.insert(0, f"engine {died} during the cell")
-    row.flags = flags
-    if not good:
-        failed = [r for r in results if r.error]
-        row.error = failed[0].error if failed else "no request met the token contract"
-        if died:
-            row.error = f"engine {died} during the cell: {row.error}"
-        row.log_tail = log_tail or None
-    return good
 
 
 def _kv(row: CellRow, run: EngineRun, m: CellMeasurement, windows) -> None:
@@ -439,7 +376,8 @@ def request_row(run_id: str, cell_id: str, label: str, r: RequestResult, warmup:
                       output_tokens_reported=r.output_tokens_reported, t_sent=r.t_sent, t_done=r.t_done,
                       chunk_times=r.chunk_times, chunk_tokens=r.chunk_tokens, ttft_s=times.ttft, e2e_s=times.e2e,
                       error=r.error, engine_details=r.engine_details, t_scheduled=r.t_scheduled,
-                      repeat=repeat)
+                      repeat=repeat, ordinal=r.ordinal, load_process=r.load_process,
+                      clock_offset_start_s=r.clock_offset_start_s, clock_offset_end_s=r.clock_offset_end_s)
 
 
 def summary_line(row: CellRow) -> str:

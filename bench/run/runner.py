@@ -30,6 +30,7 @@ from kvbench.common import models
 from kvbench.common.hardware import NVML, environment_info, hardware_differences
 from kvbench.kv import bounded
 from kvbench.load import interrupt
+from kvbench.load.owner import BARRIER_TIMEOUT_S, LoadOwner, OwnerClient, OwnerError
 from kvbench.run import kvquant
 from kvbench.run.backend_config import BackendConfig
 from kvbench.run.cells import CellPrompts, NothingFits, PromptSalt, RunPlan
@@ -149,6 +150,23 @@ def _context_differs(info: dict, o: RunOptions, plan: RunPlan | None) -> list[st
     return []
 
 
+def open_owner(o: RunOptions) -> tuple[OwnerClient | None, LoadOwner | None]:
+    """For ``--load-share I/N``: this process's client of the run's owner, and for share 0 the owner itself
+    (serving at ``--load-owner``). OwnerError where share 0 cannot bind there."""
+    if o.load_share is None or o.load_owner is None:
+        return None, None
+    (index, of), (host, port) = o.load_share, o.load_owner
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    if index != 0:
+        return OwnerClient(url, index, of), None
+    try:
+        server = LoadOwner(host, port, of)
+    except OSError as exc:
+        raise OwnerError(f"--load-owner {host}:{port}: share 0 cannot serve there: "
+                         f"{(exc.strerror or str(exc)).lower()}") from None
+    return OwnerClient(url, 0, of, local=server), server
+
+
 def _interrupt(signum, frame):
     """SIGINT and SIGTERM end the run as Ctrl-C does, so that `finally` blocks stop the servers and run.json
     says "interrupted". Only the first raises KeyboardInterrupt (inside a load, :mod:`kvbench.load.interrupt`
@@ -173,15 +191,41 @@ class Runner:
         self.carried_plan = plan
         self.environment = environment_info()  # recorded in run.json; a resumed run's is held to it
         self.run_id = options.run_id or new_run_id(options.workload.name)
+        # a share of a run on several machines: the owner's clock and barrier (share 0 serves them), before
+        # anything is created (a port in use is refused like a bad flag)
+        self.owner, self.owner_server = open_owner(options)
         # one live harness per run folder: a second one (same --run-id, a --resume or --overwrite of a run
         # still running) is refused before it touches anything
-        self.lock = RunFolderLock(options.results_dir / self.run_id)
+        try:
+            self.lock = RunFolderLock(options.results_dir / self.run_id)
+        except BaseException:
+            self.close_owner(wait=False)
+            raise
         try:
             self._open(options)
         except BaseException:
             self.lock.release()
+            self.close_owner(wait=False)
             raise
         self.nvml = NVML()
+
+    def close_owner(self, wait: bool) -> None:
+        """This share has finished: it says so to the owner; the owner's own process (share 0) waits for the
+        others to finish theirs (``wait``: not when interrupted), then stops serving."""
+        if self.owner is None:
+            return
+        try:
+            if wait:
+                self.owner.leave()
+        except OwnerError as exc:
+            self.console.print(f"[yellow]warning:[/] {exc}", soft_wrap=True)
+        if self.owner_server is not None:
+            if wait and (staying := self.owner_server.wait_for_the_others()):
+                self.console.print(f"[yellow]warning:[/] load shares {staying} did not finish within "
+                                   f"{BARRIER_TIMEOUT_S:g} s of this one", soft_wrap=True)
+            self.owner_server.close()
+        self.owner.close()
+        self.owner = self.owner_server = None
 
     def _open(self, options: RunOptions) -> None:
         """The run's writer, and for a resumed run what it finished and recorded, and its salt."""
@@ -219,6 +263,7 @@ class Runner:
             return self._run()
         finally:
             self.lock.release()
+            self.close_owner(wait=not interrupt.stopping())
             if not interrupt.stopping():  # interrupted: the handlers stay, the process is on its way out
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 OK_STATUSES = ("ok", "flagged")  # cell statuses whose figures count (flagged: some requests broke the contract)
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 #: The fields that say what a cell *is*; two cells with equal values measure the same thing
 #: (``kvbench compare`` matches on these, repeats aside).
 CELL_CONFIG_FIELDS = ("engine", "engine_version", "model", "workload", "variant", "prompt_tokens", "output_tokens",
@@ -169,6 +169,12 @@ class CellRow(BaseModel):
     prefix_cache_hit_tokens: int | None = None
     prefix_cache_query_tokens: int | None = None
     prefix_cache_source: str | None = None
+    # the load processes that sent the cell (kvbench run --load-workers, or the runs `kvbench merge` joined;
+    # None: not recorded), the requests the cell planned over all of them, and how many of those were lost
+    # with a load process that died before handing them back (counted in n_requests and n_failed too)
+    load_processes: int | None = None
+    requests_planned: int | None = None
+    n_lost: int = 0
 
 
 class RequestRow(BaseModel):
@@ -194,6 +200,14 @@ class RequestRow(BaseModel):
     e2e_s: float | None
     error: str | None
     engine_details: dict = Field(default_factory=dict)
+    # the request's place in its cell's schedule (0..requests_planned-1, whichever load process sent it), that
+    # process (host:pid), and that process's clock offset to the run's owner measured at the cell's start and
+    # end: the times above are on the owner's clock (the process's own reading + the offset, interpolated
+    # between the two); None: not recorded (earlier runs), or not measured
+    ordinal: int | None = None
+    load_process: str = ""
+    clock_offset_start_s: float | None = None
+    clock_offset_end_s: float | None = None
 
 
 
@@ -224,6 +238,9 @@ def migrate_row(row: dict, model: type[BaseModel]) -> dict:
     v6 -> v7: the ``prefix_cache_*`` figures None, ``prefix_cache_expected`` "" and ``prefix_cache_source``
     "not recorded" (earlier runs recorded no hit rate; their prompts were unsalted), a request's
     ``prompt_tokens_cached`` None.
+    v7 -> v8: a cell's ``load_processes`` and ``requests_planned`` None (not recorded), ``n_lost`` 0 (no
+    request was lost: earlier runs failed a cell whose load worker died); a request's ``ordinal`` and clock
+    offsets None, ``load_process`` "" (not recorded; its times are on the one clock of the run's process).
     """
     version = int(row.get("schema_version", 1))
     if version > SCHEMA_VERSION:

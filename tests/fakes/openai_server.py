@@ -18,7 +18,8 @@ A server of another dialect: ``vllm_extensions=False`` answers a request with ``
 as a list of ids with HTTP 400 ``{"error": {"message": "prompt must be a string", "type":
 "invalid_request_error", "param": "prompt", "code": null}}`` (as servers that take text only do).
 
-Knobs: ``tokens_per_chunk`` (several tokens per SSE chunk, as with vLLM's stream interval),
+Knobs: ``first_token_delay_s`` (a function of the prompt: seconds before its first token, a spread of
+TTFTs that is the same for the same prompts), ``tokens_per_chunk`` (several tokens per SSE chunk, as with vLLM's stream interval),
 ``eos_after`` (stop with finish_reason "stop" unless the request says ignore_eos), ``cut_after`` (close
 the connection after k chunks), ``include_usage`` (False: a server that ignores stream_options).
 
@@ -106,6 +107,8 @@ class OpenAIHandler(Handler):
         base = {"id": "cmpl-fake0001", "object": "text_completion", "created": int(time.time()), "model": fake.model}
         self.start_stream("text/event-stream; charset=utf-8")
         sent, chunks = 0, 0
+        if fake.first_token_delay_s is not None:
+            time.sleep(fake.first_token_delay_s(prompt))
         while sent < n_out:
             time.sleep(fake.token_delay_s)
             k = min(fake.tokens_per_chunk, n_out - sent)
@@ -137,8 +140,9 @@ class FakeOpenAI(FakeServer):
     def __init__(self, host="127.0.0.1", port=0, model="smollm2", max_model_len=8192, version="0.32.0",
                  token_delay_s=0.002, tokens_per_chunk=1, eos_after=None, cut_after=None, include_usage=True,
                  tls: ssl.SSLContext | None = None, require_auth: str | None = None, vllm_extensions=True,
-                 token_id_prompts=True):
+                 token_id_prompts=True, first_token_delay_s=None):
         super().__init__(host, port)
+        self.first_token_delay_s = first_token_delay_s  # prompt -> seconds before its first token (beside token_delay_s)
         self.vllm_extensions, self.token_id_prompts = vllm_extensions, token_id_prompts
         self.tls, self.require_auth = tls, require_auth
         self.auth_seen: list[str | None] = []

@@ -34,6 +34,20 @@ CASES = {
                                      "neither a known name"),
     "a workload path that is not there": (["run", "--workload", "missing.toml"], "no such file: missing.toml"),
     "a workload in a folder that is not there": (["run", "--workload", "sub/missing"], "no such file: sub/missing"),
+    # a share of a run on several machines (docs/deployments.md, "More than one machine")
+    "a load share without its owner": (["run", "-b", "openai:url=http://127.0.0.1:9", "--workload", "smoke",
+                                        "--load-share", "1/2", "--prompt-salt", "s"], "give --load-owner HOST:PORT too"),
+    "a load share that is no share": (["run", "-b", "openai:url=http://127.0.0.1:9", "--workload", "smoke",
+                                       "--load-share", "2/2", "--load-owner", "127.0.0.1:7070"], "0 <= I < N"),
+    "load shares that would each start their own engine": (
+        ["run", "-b", "llamacpp", "--workload", "smoke", "--load-share", "0/2", "--load-owner", "127.0.0.1:7070",
+         "--prompt-salt", "s"], "attach to them (url=), not start llamacpp"),
+    "load shares that would draw their own salts": (
+        ["run", "-b", "openai:url=http://127.0.0.1:9", "--workload", "smoke", "--load-share", "0/2", "--load-owner",
+         "127.0.0.1:7070"], "give every share the same --prompt-salt"),
+    "load shares with load workers": (
+        ["run", "-b", "openai:url=http://127.0.0.1:9", "--workload", "smoke", "--load-workers", "2", "--load-share",
+         "0/2", "--load-owner", "127.0.0.1:7070", "--prompt-salt", "s"], "one load process per share"),
 }
 
 
@@ -67,3 +81,20 @@ def test_setup_of_an_attach_only_backend_installs_no_environment(tmp_path):
     out = kvbench(tmp_path, "setup", "-b", "openai", "--model", "/nonexistent/model.gguf")
     assert "nothing to install (it attaches to a running server)" in out.stdout
     assert "installing" not in out.stdout and not (tmp_path / "home" / "envs").exists()
+
+
+def test_a_load_owner_that_cannot_serve_is_refused_before_the_run_folder(tmp_path):
+    """Share 0 serves the owner at --load-owner: a port already taken is one line, exit 2, nothing created."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = kvbench(tmp_path, "run", "-b", "openai:url=http://127.0.0.1:9", "--workload", "smoke", "--load-share",
+                      "0/2", "--load-owner", f"127.0.0.1:{port}", "--prompt-salt", "s", "--results-dir",
+                      str(tmp_path / "results"))
+    lines = [line for line in out.stderr.splitlines() + out.stdout.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1, out.stdout + out.stderr
+    assert f"--load-owner 127.0.0.1:{port}: share 0 cannot serve there: address already in use" in lines[0]
+    assert nothing_created(tmp_path) == []

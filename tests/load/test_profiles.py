@@ -59,7 +59,7 @@ def drive(backend, prompts, point: LoadPoint, timeout_s: float, duration_s: floa
 
 class P:
     def __init__(self, i):
-        self.request_id, self.prompt_tokens, self.output_tokens = f"r{i}", 10, 3
+        self.request_id, self.prompt_tokens, self.output_tokens, self.ordinal = f"r{i}", 10, 3, i
 
 
 def test_constant_arrivals_are_evenly_spaced():

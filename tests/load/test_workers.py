@@ -4,7 +4,9 @@ open-loop schedule kept exactly."""
 from __future__ import annotations
 
 import os
+import zlib
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -65,7 +67,12 @@ def test_closed_loop_on_two_workers_returns_every_request_once(tmp_path):
     per_pid = {}
     for r in load.results:
         per_pid.setdefault(r.engine_details["pid"], []).append(int(r.request_id[1:]))
-    assert sorted(len(v) for v in per_pid.values()) == [8, 16]  # dealt 2:1 as the streams are
+    # one shared queue: each stream took the next request when free, so the worker with two streams took
+    # about twice as many (2:1, give or take a request at the end)
+    small, large = sorted(len(v) for v in per_pid.values())
+    assert small + large == 24 and 6 <= small <= 10
+    assert sorted(r.ordinal for r in load.results) == list(range(24))  # each place in the queue once
+    assert {r.load_process.split(":")[1] for r in load.results} == {str(pid) for pid in per_pid}
 
 
 def test_open_loop_on_two_workers_keeps_the_schedule(tmp_path):
@@ -75,10 +82,11 @@ def test_open_loop_on_two_workers_keeps_the_schedule(tmp_path):
         backend = attached(tmp_path, fake)
         load, before, after = drive(backend, prompts, LoadPoint("constant", None, rate), 2)
     check_requests(load, prompts, before, after, 4)
-    # every request kept its place in the one schedule of the cell, whichever worker sent it
+    # every request kept its place in the one schedule of the cell, whichever worker sent it (on the parent's
+    # clock: each worker's offset to it is measured, to within microseconds here)
     due = {r.request_id: r.t_scheduled - load.t_start for r in load.results}
     expected = constant.Constant.arrival_offsets(n, rate)
-    assert np.allclose([due[f"r{i}"] for i in range(n)], expected, atol=1e-9)
+    assert np.allclose([due[f"r{i}"] for i in range(n)], expected, atol=1e-4)
     assert len(load.send_lags) == n and load.offered_request_rate == rate
     for r in load.results:
         # none left before its time, give or take the event loop's timer (uvloop's round to 1 ms: the
@@ -181,6 +189,13 @@ def test_workers_bench_quick(tmp_path):
         for key in ("tokens_per_s", "requests_per_s", "ttft_p50_err_ms", "ttft_p99_err_ms"):
             assert math.isfinite(row[key]), key
         assert row["ttft_p50_err_ms"] > -1.0  # no token seen before the mock sent it
+    proc = subprocess.run([sys.executable, "-m", "kvbench.selfcheck.workers_bench", "--quick", "--split", "--workers",
+                           "1,2", "--accuracy-concurrency", "4", "--split-tokens", "2,8", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    split = json.loads(out.read_text())["split_rows"]
+    assert [(r["workers"], r["split"]) for r in split] == [(1, "one process"), (2, "dealt"), (2, "shared queue")]
+    assert all(r["failed"] == 0 and 0 < r["mean_in_flight"] <= 4 for r in split)
 
 
 def test_a_cancelled_load_ends_its_workers_at_once(tmp_path):
@@ -262,3 +277,114 @@ def test_a_killed_harness_takes_its_load_workers_with_it(tmp_path):
         finally:
             harness.kill()
             harness.wait()
+
+
+# --- one load over several processes, as one process would send it ----------------------------------------
+
+def spread_ttft(prompt) -> float:
+    """The fake's first-token delay: 5-35 ms by the prompt's first token id, the same for the same prompt
+    whichever process sends it (a spread of TTFTs far wider than a client's own overhead)."""
+    return 0.005 + 0.03 * (zlib.crc32(str(prompt).encode()) % 97) / 97
+
+
+def numbered_prompts(n: int, n_out: int) -> list:
+    return [replace(prompt(20, n_out, f"r{i}"), token_ids=tuple(range(100 + i, 120 + i)), ordinal=i)
+            for i in range(n)]
+
+
+def ttfts(load) -> list[float]:
+    return [r.chunk_times[0] - r.t_sent for r in load.results if r.chunk_times]
+
+
+@pytest.mark.parametrize("point", [LoadPoint("concurrent", 4), LoadPoint("constant", None, 60.0)],
+                         ids=["closed", "open"])
+def test_a_load_on_two_workers_is_the_load_of_one_process(tmp_path, point):
+    """The same cell from one process and from two: the same requests (each ordinal once), the same token
+    counts, and TTFT distributions a Mann-Whitney test does not tell apart."""
+    from scipy.stats import mannwhitneyu
+
+    prompts = numbered_prompts(48, 6)
+    with FakeOpenAI(token_delay_s=0.002, first_token_delay_s=spread_ttft) as fake:
+        backend = attached(tmp_path, fake)
+        one, _, _ = drive(backend, prompts, point, 1)
+        two, _, _ = drive(backend, prompts, point, 2)
+    for load in (one, two):
+        assert all(r.error is None for r in load.results)
+        assert sorted(r.ordinal for r in load.results) == list(range(48))
+        assert sum(sum(r.chunk_tokens) for r in load.results) == 48 * 6
+    assert {r.clock_offset_start_s for r in one.results} == {0.0}  # one process: the owner itself
+    assert two.processes == 2 and len({r.load_process for r in two.results}) == 2
+    # the workers' offsets to the parent's clock: measured, and small (one CLOCK_MONOTONIC on this machine)
+    assert all(abs(r.clock_offset_start_s) < 0.005 and abs(r.clock_offset_end_s) < 0.005 for r in two.results)
+    assert mannwhitneyu(ttfts(one), ttfts(two)).pvalue > 0.01
+
+
+def skewed_worker_main(conn, index=0, queue=None):
+    """A load worker whose clock reads 1000 s ahead (worker 1 only): what a process on a machine with
+    another clock would stamp."""
+    if index == 1:
+        from kvbench.backends import streaming
+
+        real = time.perf_counter
+        skewed = lambda: real() + 1000.0  # noqa: E731
+        time.perf_counter = skewed
+        streaming.perf_counter = skewed
+    workers._worker_main(conn, index, queue)
+
+
+def test_a_worker_clock_set_off_is_put_back_on_the_owners(tmp_path, monkeypatch):
+    """Worker 1's clock 1000 s ahead: its offset is measured (-1000 s at the start and the end) and every
+    time it stamped lands on the parent's clock, inside the cell's window, as worker 0's do."""
+    monkeypatch.setattr(workers, "WORKER_MAIN", skewed_worker_main)
+    prompts = numbered_prompts(16, 4)
+    with FakeOpenAI(token_delay_s=0.002) as fake:
+        backend = attached(tmp_path, fake)
+        load, before, after = drive(backend, prompts, LoadPoint("concurrent", 2), 2)
+    check_requests(load, prompts, before, after, 4)  # on the parent's clock, inside [before, after]
+    offsets = {r.load_process: (r.clock_offset_start_s, r.clock_offset_end_s) for r in load.results}
+    assert len(offsets) == 2
+    assert sorted(round(start) for start, _ in offsets.values()) == [-1000, 0]
+    assert all(start == pytest.approx(end, abs=0.005) for start, end in offsets.values())
+
+
+def dying_worker_main(conn, index=0, queue=None):
+    """A load worker (worker 1) that dies (os._exit) right after its third request has ended, before handing
+    any back."""
+    if index == 1:
+        from kvbench.load import concurrent
+
+        real, done = concurrent.send_one, []
+
+        async def send_then_die(*args, **kwargs):
+            result = await real(*args, **kwargs)
+            done.append(result)
+            if len(done) == 3:
+                os._exit(17)
+            return result
+
+        concurrent.send_one = send_then_die
+    workers._worker_main(conn, index, queue)
+
+
+def test_a_dead_worker_loses_its_own_requests_and_no_one_elses(tmp_path, monkeypatch):
+    """Worker 1 dies mid-cell: its three requests are recorded lost (named, with its process), worker 0
+    takes the rest of the queue, and every request of the cell is there once; the cell's row counts them."""
+    from kvbench.run.rows import request_figures
+    from kvbench.store.schema import CellRow
+
+    monkeypatch.setattr(workers, "WORKER_MAIN", dying_worker_main)
+    prompts = numbered_prompts(20, 4)
+    with FakeOpenAI(token_delay_s=0.002) as fake:
+        backend = attached(tmp_path, fake)
+        load, _, _ = drive(backend, prompts, LoadPoint("concurrent", 2), 2)
+    assert sorted(r.ordinal for r in load.results) == list(range(20))
+    lost = [r for r in load.results if r.error and r.error.startswith("lost: ")]
+    kept = [r for r in load.results if r not in lost]
+    assert len(lost) == 3 and all("exited (17)" in r.error for r in lost), [r.error for r in lost]
+    assert len({r.load_process for r in lost}) == 1 and all(r.error is None for r in kept)
+    assert lost[0].load_process not in {r.load_process for r in kept}
+    row = CellRow(run_id="r", cell_id="c", backend="b", engine="openai", engine_version="v", model="m",
+                  workload="w", prompt_tokens=20, output_tokens=4, concurrency=2, kv_dtype="auto", status="ok")
+    request_figures(row, load)
+    assert (row.n_requests, row.n_ok, row.n_failed, row.n_lost, row.status) == (20, 17, 3, 3, "flagged")
+    assert row.flags[0].startswith("3 requests lost: load process ")

@@ -94,7 +94,7 @@ def _edit_run(run: Path, cell_edits: dict, info_edits: dict) -> None:
 
 def test_time_series_gpus_parallelism_and_a_failed_cell(tmp_path):
     """Where the cell's start in Unix time was recorded, each request's TTFT and E2E go into time series at
-    their own instants; the GPU and the engine's tensor-parallel split (its Backend.parallelism hook) fill the
+    their own instants, and the stage's time is the cell's own; the GPU and the engine's tensor-parallel split (its Backend.parallelism hook) fill the
     accelerator; the load processes come from the command; a failed cell has no latency and an unhealthy
     engine."""
     run = make_run(tmp_path, "br-synth", prompts=(1024,), concurrency=(2, 4), repeats=1, n_requests=6,
@@ -113,7 +113,13 @@ def test_time_series_gpus_parallelism_and_a_failed_cell(tmp_path):
     assert (accelerator.model, accelerator.count, accelerator.parallelism.tp) == ("NVIDIA H200", 2, 2)
     assert ok.scenario.load.standardized.parallelism == 3
     assert ok.scenario.load.standardized.concurrency == 2
-    assert ok.run.time.duration == "PT300.000S"
+    # the stage's own time: from the cell's start in Unix time to its last request's end
+    row = next(r for r in cells(run) if r["cell_id"] == "vllm-0.31.0_p1024_c2_r0")
+    ends = [r["t_done"] for r in map(json.loads, (run / "requests.jsonl").read_text().splitlines())
+            if r["cell_id"] == row["cell_id"] and not r["warmup"]]
+    assert ok.run.time.start.timestamp() == pytest.approx(start)
+    assert ok.run.time.duration == f"PT{max(ends) - row['t_cell_start']:.3f}S"
+    assert ok.run.time.end.timestamp() == pytest.approx(start + max(ends) - row["t_cell_start"], abs=1e-3)
     series = ok.results.request_performance.time_series.latency.time_to_first_token.series
     assert len(series) == 6
     assert all(start <= p.ts.timestamp() < start + 60 for p in series)

@@ -64,4 +64,5 @@ def test_run_json_records_the_options_it_always_recorded():
     keys = {opt.record for _, opt in declared(RunOptions) if opt.record}
     assert keys == {"backends", "workload", "kv_dtype", "run_id", "repeats", "interleaved", "memory_limit_bytes",
                     "prompt_salt", "reset_cache_between_cells", "command",
-                    "max_context_asked"}  # --max-context as given, so that a resume is held to it
+                    "max_context_asked",  # --max-context as given, so that a resume is held to it
+                    "load_share", "load_owner"}  # a share of a run on several machines (kvbench merge reads them)
