@@ -26,15 +26,19 @@ ENGINE_TIMEOUT_S = 1200
 # rest, a module at a time, so module fixtures are made once. (xdist's own loadgroup marks do not group under
 # pytest 9.2: it renames items through an attribute pytest no longer reads.)
 ENGINE_MODULES = "_engines.py"
-# Modules whose verdicts rest on wall-clock time (a 10 % slower mock engine caught by `kvbench compare`, load
-# workers ended within seconds, a salted run's TTFTs set against a cold one's, the smoke runs' KV read from
-# /metrics in time: beside other tests vLLM's API server answered too late and its KV read 0 in use; load
-# shares merged against one process, their TTFTs set side by side) run
-# alone: each holds a lock that no other test runs beside (pytest_runtest_protocol), and their unit is handed
-# out last (under another worker's load the planted regression once read as inconclusive).
-QUIET_MODULES = (
-    "tests/compare/test_planted.py", "tests/load/test_workers.py", "tests/run/test_prefix_cache_engines.py",
-    "tests/backends/test_smoke_engines.py", "tests/run/test_merge.py",
+# Tests whose verdicts rest on wall-clock time (a 10 % slower mock engine caught by `kvbench compare`, load
+# workers ended within seconds, TTFTs of a split load set against one process's, a salted run's TTFTs set
+# against a cold one's, the smoke runs' KV read from /metrics in time: beside other tests vLLM's API server
+# answered too late and its KV read 0 in use) run alone: each holds a lock that no other test runs beside
+# (pytest_runtest_protocol), and their unit is handed out last (under another worker's load the planted
+# regression once read as inconclusive). A module's path names all its tests (a module fixture measures, as
+# test_merge's does), module::test one test and its parameters; the rest of that module runs beside others.
+QUIET_TESTS = (
+    "tests/compare/test_planted.py::test_compare_catches_a_planted_regression_and_passes_an_unchanged_engine",
+    "tests/load/test_workers.py::test_a_load_on_two_workers_is_the_load_of_one_process",
+    "tests/load/test_workers.py::test_a_cancelled_load_ends_its_workers_at_once",
+    "tests/load/test_workers.py::test_a_killed_harness_takes_its_load_workers_with_it",
+    "tests/run/test_merge.py", "tests/run/test_prefix_cache_engines.py", "tests/backends/test_smoke_engines.py",
 )
 ENGINES, QUIET = "engines", "quiet"
 
@@ -43,11 +47,16 @@ def module_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def is_quiet(nodeid: str) -> bool:
+    test = nodeid.split("[", 1)[0]
+    return any(test == quiet or test.startswith(quiet + "::") for quiet in QUIET_TESTS)
+
+
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (pyproject.toml's addopts): a worker per core. Two per core ran `pytest -m "not engine"` in
-    8.3 min here against 5.4 min on one per core: the tests that wait (timeouts, stalls, processes that must
-    die) waited longer with the cores oversubscribed than the extra workers gained."""
-    return os.cpu_count() or 1
+    """`-n auto` (pyproject.toml's addopts): two workers per core. Much of the suite waits (stand-in servers'
+    timers, stalls, processes that must die): on a quiet 2-core machine `pytest -m "not engine"` took 4 min
+    35 s with four workers against 6 min 20 s with two (the quiet tests alone either way)."""
+    return 2 * (os.cpu_count() or 1)
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -56,7 +65,7 @@ def pytest_xdist_make_scheduler(config, log):
     class EnginesTogetherQuietLast(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = module_of(nodeid)
-            return ENGINES if module.endswith(ENGINE_MODULES) else QUIET if module in QUIET_MODULES else module
+            return ENGINES if module.endswith(ENGINE_MODULES) else QUIET if is_quiet(nodeid) else module
 
         def _assign_work_unit(self, node) -> None:
             if QUIET in self.workqueue and len(self.workqueue) > 1:
@@ -69,11 +78,11 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Every test holds the session's lock from its setup to its teardown (the engines that fixtures of any
-    scope start and stop inside them too), shared, and a test of a quiet module (QUIET_MODULES) alone: it
+    scope start and stop inside them too), shared, and a quiet test (QUIET_TESTS) alone: it
     waits for the tests running beside it to end, and the other workers wait for it. A lock held per module,
     by an autouse fixture, left out the session fixtures (shared engine servers), which started beside a
-    quiet module."""
-    alone = module_of(item.nodeid) in QUIET_MODULES
+    quiet test."""
+    alone = is_quiet(item.nodeid)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     with _session_lock(item.config._tmp_path_factory, fcntl.LOCK_EX if alone else fcntl.LOCK_SH):
         yield
@@ -113,9 +122,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("engine") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(ENGINE_TIMEOUT_S))
-    # the quiet modules last (every worker sorts alike, so xdist's collections still agree): the order of a
+    # the quiet tests last (every worker sorts alike, so xdist's collections still agree): the order of a
     # run without workers
-    items.sort(key=lambda item: module_of(item.nodeid) in QUIET_MODULES)
+    items.sort(key=lambda item: is_quiet(item.nodeid))
 
 
 # --- skips: each one is recorded with its reason; with --expected-skips, an unlisted one fails the session ---
