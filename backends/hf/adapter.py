@@ -172,7 +172,7 @@ class HFBackend(Backend):
             return self.version
 
     async def stream(self, client, prompt) -> RequestResult:
-        body = {"prompt_token_ids": list(prompt.token_ids), "max_new_tokens": prompt.output_tokens, "ignore_eos": True}
+        body = {"prompt_token_ids": prompt.token_ids, "max_new_tokens": prompt.output_tokens, "ignore_eos": True}
         if prompt.top_logprobs:
             body["top_logprobs"] = min(prompt.top_logprobs, self.capabilities.kv_quantisation.top_logprobs_max)
         return await stream_sse(client, self.base_url + "/generate", body, prompt, self._read_event)

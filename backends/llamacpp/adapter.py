@@ -357,7 +357,7 @@ class LlamaCppBackend(Backend):
         return response.json()["tokens"] if response.status_code == 200 else None
 
     async def stream(self, client, prompt) -> RequestResult:
-        body = {"prompt": list(prompt.token_ids), "n_predict": prompt.output_tokens, "ignore_eos": True,
+        body = {"prompt": prompt.token_ids, "n_predict": prompt.output_tokens, "ignore_eos": True,
                 "temperature": 0.0, "stream": True, "return_tokens": True,
                 # reuse of a slot's cached prompt prefix: off unless the workload switches it on
                 "cache_prompt": bool(self.spec.prefix_caching)}

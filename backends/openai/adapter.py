@@ -162,7 +162,7 @@ class OpenAIBackend(Backend):
 
     async def stream(self, client, prompt) -> RequestResult:
         n = prompt.output_tokens
-        body = {"model": self.model, "prompt": list(prompt.token_ids) if self.accepts_token_ids else prompt.text,
+        body = {"model": self.model, "prompt": prompt.token_ids if self.accepts_token_ids else prompt.text,
                 "max_tokens": n, "temperature": 0.0, "stream": True}
         if self.stream_usage:
             body["stream_options"] = {"include_usage": True}

@@ -295,7 +295,7 @@ class SGLangBackend(PrometheusPolled, Backend):
 
     # --- measurement ---------------------------------------------------------------------------
     async def stream(self, client, prompt) -> RequestResult:
-        body = {"input_ids": list(prompt.token_ids), "stream": True,
+        body = {"input_ids": prompt.token_ids, "stream": True,
                 "sampling_params": {"max_new_tokens": prompt.output_tokens, "ignore_eos": True, "temperature": 0.0}}
         seen = [0]  # completion tokens counted so far (the events carry the running total)
 

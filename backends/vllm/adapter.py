@@ -332,7 +332,7 @@ class VLLMBackend(PrometheusPolled, Backend):
         return response.json()["tokens"] if response.status_code == 200 else None
 
     async def stream(self, client, prompt) -> RequestResult:
-        body = {"model": self.spec.model.name, "prompt": list(prompt.token_ids), "max_tokens": prompt.output_tokens,
+        body = {"model": self.spec.model.name, "prompt": prompt.token_ids, "max_tokens": prompt.output_tokens,
                 "min_tokens": prompt.output_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}, "return_token_ids": True}
         if prompt.cache_salt:
