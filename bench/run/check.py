@@ -43,7 +43,11 @@ def check(s: EngineSession, backend: Backend) -> None:
     if build:
         record.engine_builds[label] = build
     record.save(s.r.writer)
-    if served is not None and not models.serves(served, s.spec.model, s.r.o.model):
+    # a started engine serves what kvbench passed it: the model's name or a path in its command (llama.cpp
+    # the GGUF its converter made of an HF folder, TGI the HF copy of the embedded GGUF)
+    started_with = set(backend.server.argv) if backend.server and not s.cfg.url else set()
+    if served is not None and not models.serves(served, s.spec.model, s.r.o.model) \
+            and not started_with.intersection(served):
         problem = (f"the server serves {', '.join(served) or 'no model'}, not --model {s.r.o.model}: its "
                    f"figures would be set against {s.spec.model.name}'s KV")
         if not s.cfg.url:  # kvbench gave it the model: another one answering is another server

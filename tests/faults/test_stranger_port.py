@@ -302,6 +302,34 @@ def test_a_started_engine_answering_as_another_version_or_model_is_refused(tmp_p
         check.check(_session(BackendConfig.parse("llamacpp")), llama)
 
 
+def test_a_started_engine_serving_the_path_it_was_started_with_is_its_engine(tmp_path, monkeypatch):
+    """What kvbench passed the engine is what it serves: llama.cpp the GGUF its converter made of an HF folder
+    (/v1/models names that path, whose last part, hf.gguf, names no model), TGI the HF copy of the embedded
+    GGUF. A path it was not started with is still another server's."""
+    from types import SimpleNamespace
+
+    from kvbench.backends import REGISTRY
+    from kvbench.run import check
+    from kvbench.run.backend_config import BackendConfig
+
+    llama = REGISTRY["llamacpp"]("0.3.36", tmp_path, {})
+    llama.base_url = "http://127.0.0.1:8"
+    llama.server = SimpleNamespace(argv=["llama-server", "-m", "/k/models/9f16de6bc745d5dc/hf.gguf", "--port", "8"])
+    monkeypatch.setattr(type(llama), "reported_version", lambda self: "0.3.36 (b1-0c1e570)")
+    monkeypatch.setattr(check, "token_contract", lambda s, backend: "token ids")
+    served = ["/k/models/9f16de6bc745d5dc/hf.gguf"]
+    monkeypatch.setattr(type(llama.capabilities.served_model), "models", lambda self, backend: served)
+    session = _session(BackendConfig.parse("llamacpp"))
+    session.info = SimpleNamespace()
+    monkeypatch.setattr(check, "replace", lambda info, **fields: fields)
+    check.check(session, llama)
+    assert session.info["token_contract"] == "token ids"
+    served[:] = ["/k/models/0000000000000000/hf.gguf"]
+    with pytest.raises(EngineStartError, match=r"^the server serves /k/models/0000000000000000/hf.gguf, not --model "
+                                               r"smollm2: .*: not the engine kvbench started$"):
+        check.check(_session(BackendConfig.parse("llamacpp")), llama)
+
+
 def test_an_engine_other_than_the_one_the_run_recorded_is_refused_for_the_run(tmp_path, monkeypatch):
     from kvbench.backends import REGISTRY
     from kvbench.run import check

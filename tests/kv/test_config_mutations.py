@@ -65,8 +65,9 @@ def _answer(tmp_path, raw: dict):
     return model, plans
 
 
+# the first is the common field; the others give the KV heads instead of it (DeciLM's block_configs per layer)
 KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num",
-                "num_key_value_heads_per_layer", "multi_query", "new_decoder_architecture")
+                "num_key_value_heads_per_layer", "multi_query", "new_decoder_architecture", "block_configs")
 LIMIT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
               "max_context_length")
 
@@ -96,7 +97,9 @@ def _check_values(name: str, original: dict, raw: dict, r: dict) -> None:
     layers = next((body[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in body), None)
     if isinstance(layers, int):
         assert r["decoder_layers"] == layers, (name, r["decoder_layers"])
-    mla = isinstance(body.get("kv_lora_rank"), int) and body["kv_lora_rank"] > 0
+    # MLA: the file's latent rank, or its model type's class constant named as assumed (NOT VERIFIED)
+    mla = (isinstance(body.get("kv_lora_rank"), int) and body["kv_lora_rank"] > 0) \
+        or "kv_lora_rank" in r["verdict"]["assumed_keys"]
     if not mla and "falcon" not in str(body.get("model_type")) and r["layers"]:
         given = body.get("num_key_value_heads")
         if isinstance(given, int) and not any(k in body for k in KV_HEAD_KEYS[1:]):
