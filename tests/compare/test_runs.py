@@ -142,6 +142,20 @@ def test_the_two_published_cpu_default_runs_compare(tmp_path):
     assert out.exit_code == result["exit_code"] != 2
 
 
+def test_the_published_upgrade_comparison_is_what_compare_writes_today(tmp_path, monkeypatch):
+    """results/published's vLLM upgrade run carries the comparison it was published with: kvbench compare,
+    run again with the recorded arguments, writes the same JSON (a key compare has come to write, left out
+    there, fails this: the published figures are written again when compare changes)."""
+    from kvbench.selfcheck.regenerate_published import COMPARISONS
+
+    name = "20261129-vllm-upgrade-cpu"
+    monkeypatch.chdir(REPO)  # the comparison names its run folder as it was given, relative to the repository
+    out = kvbench("compare", f"results/published/{name}", *COMPARISONS[name], "--json", tmp_path / "compare.json")
+    assert out.exit_code in (0, 1, 3, 4), out.stdout
+    assert json.loads((tmp_path / "compare.json").read_text()) == \
+        json.loads((REPO / "results/published" / name / "compare.json").read_text())
+
+
 def test_failed_cells_are_headed_by_the_side_they_failed_on(tmp_path):
     base = make_run(tmp_path, "b", prompts=(1024,), concurrency=(1, 4), repeats=2, seed=1,
                     failed={("vllm-0.31.0", 1024, 4)})
