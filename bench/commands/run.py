@@ -78,7 +78,8 @@ def resolve_and_plan(given: dict):
         typer.echo(f"error: {text}", err=True)
         raise typer.Exit(2)
     try:
-        path = locate(options.model)  # a model that is not there is refused before a run folder exists
+        # a model that is not there is refused before a run folder exists
+        path = locate(options.model, weights=options.needs_weights)
     except ModelError as exc:
         typer.echo(f"error: {with_hint(str(exc), options.model, model_names())}", err=True)
         raise typer.Exit(2)

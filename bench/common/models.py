@@ -131,17 +131,18 @@ def max_context_known(path: Path) -> int | None:
         return None
 
 
-def locate(model: str) -> Path:
+def locate(model: str, weights: bool = True) -> Path:
     """The file or folder the user's model argument names (a hub id: its folder in the hub cache,
-    downloaded once), or ModelError in one line where it names nothing usable: cheap, so a bad ``--model``
-    is refused before a run folder exists."""
+    downloaded once; without ``weights`` all of it but the safetensors, for a run whose engines are all
+    attached), or ModelError in one line where it names nothing usable: cheap, so a bad ``--model`` is
+    refused before a run folder exists."""
     if model in EMBEDDED:
         return embedded_gguf(model)
     check_model_name(model)
     path = Path(model).expanduser()
     if not path.exists() and hub.looks_like_hub_id(model):
         try:
-            path = hub.model_folder(model)
+            path = hub.model_folder(model, weights=weights)
         except hub.HubError as exc:
             raise ModelError(str(exc)) from None
     elif not path.exists() and _looks_like_path(model):
@@ -192,15 +193,16 @@ def serves(served: list[str], model: ModelFiles, given: str) -> bool:
     return any(_model_key(s) in keys for s in served)
 
 
-def resolve(model: str, convert: GGUFConverter | None, log=print) -> ModelFiles:
-    """Turn the user's model argument into :class:`ModelFiles`, converting a GGUF once if needed.
+def resolve(model: str, convert: GGUFConverter | None, log=print, weights: bool = True) -> ModelFiles:
+    """Turn the user's model argument into :class:`ModelFiles`, converting a GGUF once if needed (``weights``
+    as for :func:`locate`).
 
     ``convert`` makes the HF-format copy of a GGUF that has none yet (None: no conversion possible).
     """
     if model in EMBEDDED:
         name, gguf = model, embedded_gguf(model)
     else:
-        path = locate(model)
+        path = locate(model, weights)
         if path.is_dir():
             return ModelFiles(name=model if not Path(model).expanduser().exists() else path.name, hf_dir=path,
                               gguf_path=None, sha256=sha256_folder(path), geometry=_geometry(path))

@@ -13,6 +13,9 @@ from pathlib import Path
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 PLAN_FILES = ("config.json", "model.safetensors.index.json")
 RUN_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+# a run whose every engine is attached (a server already serving the model) needs no weights: the config for
+# the KV, the index for the weights' size, the tokenizer for token-exact prompts
+ATTACHED_RUN_PATTERNS = [p for p in RUN_PATTERNS if p != "*.safetensors"]
 
 
 class HubError(ValueError):
@@ -76,14 +79,16 @@ def config_folder(repo_id: str, revision: str | None = None) -> Path:
     return config.parent
 
 
-def model_folder(repo_id: str, revision: str | None = None) -> Path:
-    """The whole model (config, tokenizer, safetensors) in the hub cache, downloaded once."""
+def model_folder(repo_id: str, revision: str | None = None, weights: bool = True) -> Path:
+    """The whole model (config, tokenizer, safetensors) in the hub cache, downloaded once; without
+    ``weights``, all but the safetensors (a run against servers that already serve it)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     _quiet()
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=RUN_PATTERNS))
+        return Path(snapshot_download(repo_id, revision=revision,
+                                      allow_patterns=RUN_PATTERNS if weights else ATTACHED_RUN_PATTERNS))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
         raise _explain(repo_id, exc) from None
 

@@ -327,3 +327,9 @@ class RunOptions:
     kv_poll_hz: float = 10.0
     max_consecutive_timeouts: int | None = 3  # an engine whose requests time out this often in a row is wedged
     estimate: bool = True  # one calibration request per engine start, to say how long its cells will take
+
+    @property
+    def needs_weights(self) -> bool:
+        """Whether kvbench starts an engine, which loads the model's weights: a hub id is then downloaded
+        whole; a run whose every engine is attached reads only the config, index and tokenizer."""
+        return any(cfg.url is None for cfg in self.backends)

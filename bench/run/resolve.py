@@ -25,4 +25,5 @@ def options_from_flags(values: dict[str, Any]) -> RunOptions:
 
 def resolve_model(options: RunOptions, console: Console) -> models.ModelFiles:
     """The model's files and geometry (ModelError where it cannot be had)."""
-    return models.resolve(options.model, gguf_converter(console.print), log=console.print)
+    return models.resolve(options.model, gguf_converter(console.print), log=console.print,
+                          weights=options.needs_weights)

@@ -83,7 +83,7 @@ def resumable(info: dict, o: RunOptions, plan: RunPlan | None = None, environmen
                       + (", options differ" if set(before) == set(after) else "") + ")")
     if info.get("kv_dtype", o.kv_dtype) != o.kv_dtype:
         differ.append(f"--kv-dtype ({info['kv_dtype']} then, {o.kv_dtype} now)")
-    differ += _model_differs(info.get("model") or {}, o.model)
+    differ += _model_differs(info.get("model") or {}, o.model, o.needs_weights)
     differ += _context_differs(info, o, plan)
     differ += _options_differ(info, o)
     if environment is not None and isinstance(info.get("environment"), dict):
@@ -124,13 +124,13 @@ def _shown(value) -> str:
     return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _model_differs(recorded_model: dict, given: str) -> list[str]:
+def _model_differs(recorded_model: dict, given: str, weights: bool = True) -> list[str]:
     """The model given now against the one the run recorded: its path (the GGUF, or the HF folder) and sha256.
     Nothing where the run recorded no model yet (stopped before it was resolved)."""
     then_sha, then_path = recorded_model.get("sha256"), recorded_model_path(recorded_model)
     if not then_sha and not then_path:
         return []
-    path = models.locate(given)  # located before the folder was opened: cheap, and a missing one refused then
+    path = models.locate(given, weights)  # located before the folder was opened: cheap, a missing one refused then
     sha = models.sha256_folder(path) if path.is_dir() else models.sha256_file(path)
     same_path = then_path is None or os.path.realpath(then_path) == os.path.realpath(path)
     if same_path and (then_sha is None or then_sha == sha):

@@ -108,6 +108,35 @@ def test_run_resolves_a_hub_id_to_the_whole_model(hub, tmp_path):
     assert out.stdout.split()[0] == "org/tiny" and "'model.safetensors'" in out.stdout and "README" not in out.stdout
 
 
+def test_a_run_against_attached_servers_downloads_no_weights(hub, tmp_path):
+    """Every engine attached (a server already serving the model, as in an llm-d-benchmark harness pod): the
+    hub id's config, index and tokenizer are downloaded, its safetensors are not; an engine kvbench starts
+    needs them, and then they come too."""
+    from kvbench.run.backend_config import BackendConfig
+    from kvbench.run.options import RunOptions
+    from kvbench.workloads import load
+
+    hub.repos["org/tiny"] = {"config.json": (CORPUS / "smollm2-135m-instruct.json").read_bytes(),
+                             "tokenizer.json": b"{}", "model.safetensors.index.json": INDEX,
+                             "model-00001-of-00001.safetensors": b"\0" * 16}
+    code = ("import sys; from kvbench.common import models; "
+            "print(sorted(p.name for p in models.locate('org/tiny', weights=sys.argv[1] == 'weights').iterdir()))")
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "0",
+           "HF_HUB_DISABLE_XET": "1"}
+    attached = subprocess.run([sys.executable, "-c", code, "attached"], capture_output=True, text=True, env=env,
+                              cwd=ROOT, timeout=120)
+    assert attached.returncode == 0, attached.stderr
+    assert attached.stdout.strip() == "['config.json', 'model.safetensors.index.json', 'tokenizer.json']"
+    assert not any(r.endswith(".safetensors") for r in hub.requests)
+    started = subprocess.run([sys.executable, "-c", code, "weights"], capture_output=True, text=True, env=env,
+                             cwd=ROOT, timeout=120)
+    assert started.returncode == 0 and "'model-00001-of-00001.safetensors'" in started.stdout, started.stderr
+    # which a run asks for: weights unless every engine is attached
+    smoke, attach = load("smoke"), BackendConfig.parse("vllm:url=http://127.0.0.1:9")
+    assert not RunOptions(workload=smoke, backends=[attach]).needs_weights
+    assert RunOptions(workload=smoke, backends=[attach, BackendConfig.parse("hf")]).needs_weights
+
+
 # --- issue 15 item 1: a hub model on every engine, the GPU default -------------------------------------
 
 # Qwen/Qwen2.5-7B-Instruct's config.json (the architecture fields; the Instruct model's context is 32K)
