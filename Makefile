@@ -102,7 +102,7 @@ BENCH_FAIL ?= min:30%
 BENCH_BASELINE ?= $(firstword $(wildcard tests/benchmarks/baseline/*/0001_baseline.json))
 bench-harness: setup
 	$(KVBENCH) setup -b hf
-	$(BIN)/python -m pytest tests/benchmarks -o python_files='bench_*.py' -p no:cacheprovider -q \
+	$(BIN)/python -m pytest tests/benchmarks -o python_files='bench_*.py' -p no:cacheprovider -q -n 0 \
 	  --benchmark-storage=tests/benchmarks/baseline --benchmark-compare=$(BENCH_BASELINE) \
 	  --benchmark-compare-fail=$(BENCH_FAIL) --benchmark-columns=min,median,mean,stddev,rounds $(HARNESS_BENCH_ARGS)
 
