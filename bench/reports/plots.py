@@ -94,7 +94,7 @@ def memory_timeline(run_dir: Path, cell: pd.Series, requests: pd.DataFrame, out:
         return None
     tl = pd.read_csv(path)
     # a deployment's timeline has each replica's KV beside the total (replica "": the total, or one server)
-    replica = tl.replica.fillna("") if "replica" in tl else pd.Series("", index=tl.index)
+    replica = tl.replica.astype(object).fillna("") if "replica" in tl else pd.Series("", index=tl.index)
     mem, kv = tl[tl.series == "memory"], tl[(tl.series == "kv") & (replica == "")]
     per_replica = tl[(tl.series == "kv") & (replica != "")]
     if mem.empty and kv.empty:

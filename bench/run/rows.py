@@ -31,6 +31,8 @@ from kvbench.store.schema import CellRow, RequestRow
 from kvbench.workloads import Workload
 
 CLIENT_LAG_WARN_S = 0.05  # docs/metrics.md, "Client lag"
+# docs/metrics.md, "Memory": a pause in the memory samples this long (and 5 of the usual gaps) is flagged
+MEMORY_GAP_FLAG_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -249,6 +251,7 @@ def _memory(row: CellRow, m: CellMeasurement) -> None:
     row.rss_peak_bytes = max(s.rss_bytes for s in samples)
     span = samples[-1].t - samples[0].t
     row.memory_sample_hz = (len(samples) - 1) / span if span > 0 else None
+    row.flags.extend(memory_gap_flag(samples))
     row.gpu_process_peak_bytes = _max_known(s.gpu_process_bytes for s in samples)
     row.gpu_device_peak_bytes = _max_known(s.gpu_device_used_bytes for s in samples)
     row.gpu_device_over_baseline_peak_bytes = _max_known(s.gpu_device_over_baseline_bytes for s in samples)
@@ -281,6 +284,17 @@ def engaged_devices(devices: list[dict], gpus_used: int) -> list[dict]:
         return d.get("over_baseline_peak_bytes") if d.get("over_baseline_peak_bytes") is not None \
             else d.get("process_peak_bytes") or 0
     return sorted(devices, key=grown, reverse=True)[:max(1, gpus_used)]
+
+
+def memory_gap_flag(samples: list[MemorySample]) -> list[str]:
+    """A flag for the widest pause in the memory samples when it is long: the sampler's thread got no CPU
+    (the engine or another process had the cores), so a peak within it may be missed, and the cell's
+    sample rate is low; [] when the samples kept their pace."""
+    gaps = sorted(b.t - a.t for a, b in zip(samples, samples[1:]))
+    if not gaps or gaps[-1] <= max(MEMORY_GAP_FLAG_S, 5 * gaps[len(gaps) // 2]):
+        return []
+    return [f"memory not sampled for {gaps[-1]:.2f} s of this cell (the harness got no CPU: the engine or "
+            f"another process had the cores): a peak in that time may be missed"]
 
 
 def _per_gpu(row: CellRow, run: EngineRun, m: CellMeasurement) -> None:
@@ -396,7 +410,8 @@ def summary_line(row: CellRow) -> str:
               if lag is not None and lag > CLIENT_LAG_WARN_S else "")
     itl = "undefined" if row.itl_s_p50 is None else f"{row.itl_s_p50 * 1000:.1f} ms"  # no gap measured: not 0
     hits = "" if row.prefix_cache_hit_rate is None else f", prefix cache hits {row.prefix_cache_hit_rate:.1%}"
-    cold_hit = next((f"\n  [yellow]warning[/]: {f}" for f in row.flags if f.startswith("prefix cache hit")), "")
+    cold_hit = "".join(f"\n  [yellow]warning[/]: {f}" for f in row.flags
+                       if f.startswith(("prefix cache hit", "memory not sampled")))
     return (f"{head} [{color}]{row.status}[/] TTFT p50 {row.ttft_s_p50:.3f} s, ITL p50 "
             f"{itl}, {row.output_tokens_per_s or 0:.1f} out tok/s, "
             f"KV peak {fmt_bytes(row.kv_in_use_peak_bytes)}{ratio}, RSS peak {fmt_bytes(row.rss_peak_bytes)}"
@@ -421,7 +436,7 @@ def timeline_frame(t0: float, memory, kv, queue=(), replicas: dict | None = None
         rows += [{"t_s": s.t - t0, "series": "queue", "requests_waiting": s.waiting, "requests_running": s.running,
                   "preemptions": s.preemptions, "replica": label} for s in rp.queue_samples]
     frame = pd.DataFrame(rows, columns=TIMELINE_COLUMNS)
-    frame["replica"] = frame.replica.fillna("")
+    frame["replica"] = frame.replica.astype(object).fillna("")
     return frame.sort_values("t_s", kind="stable")
 
 

@@ -50,8 +50,11 @@ def check_common(run_dir, cells: pd.DataFrame, wl=None):
     assert (cells.ttft_s_p50 > 0).all() and (cells.output_tokens_per_s > 0).all()
     assert (cells.e2e_s_p50 > cells.ttft_s_p50).all()
     assert (cells.kv_bytes_per_token_predicted == SMOLLM2_BYTES_PER_TOKEN).all()
-    # memory sampled at 10 Hz or faster, over the engine's whole process tree
-    assert (cells.memory_sample_hz >= 10).all() and (cells.rss_peak_bytes > 50e6).all()
+    # memory sampled at 10 Hz or faster, over the engine's whole process tree; on a CI machine whose cores
+    # other tests keep busy, the sampler's thread may get no CPU for a while: then the row says so
+    paused = cells["flags"].map(lambda flags: any(f.startswith("memory not sampled for") for f in flags))
+    assert ((cells.memory_sample_hz >= 10) | paused).all(), cells[["cell_id", "memory_sample_hz", "flags"]]
+    assert (cells.memory_sample_hz >= 10).any() and (cells.rss_peak_bytes > 50e6).all()
     # KV in use grows with the prompt at each concurrency
     for _, group in cells.groupby("concurrency"):
         ordered = group.sort_values("prompt_tokens")

@@ -3,7 +3,15 @@ from kvbench.backends import REGISTRY
 from kvbench.backends.types import KVInUse, KVPool, RequestResult
 from kvbench.load import LoadPoint, LoadResult
 from kvbench.run.cells import Cell
-from kvbench.run.rows import CellMeasurement, EngineRun, failed_row, request_verdicts, summarize
+from kvbench.run.rows import (
+    CellMeasurement,
+    EngineRun,
+    failed_row,
+    memory_gap_flag,
+    request_verdicts,
+    summarize,
+    summary_line,
+)
 from kvbench.run.samplers import KVSample, MemorySample, QueueSample
 from kvbench.workloads import Workload
 
@@ -104,3 +112,18 @@ def test_the_console_line_says_undefined_for_a_cell_without_itl():
                   ttft_s_p50=0.2, itl_s_p50=None, output_tokens_per_s=10.0)
     assert "ITL p50 undefined" in summary_line(row)
     assert "ITL p50 12.5 ms" in summary_line(row.model_copy(update={"itl_s_p50": 0.0125}))
+
+
+def test_a_pause_in_the_memory_samples_is_flagged_and_an_even_pace_is_not(tmp_path):
+    even = [MemorySample(10.0 + i * 0.05, 100, 2) for i in range(21)]
+    assert memory_gap_flag(even) == [] and memory_gap_flag(even[:1]) == []
+    # 11 samples at 20 Hz, then the sampler's thread got no CPU for 0.7 s, then the cell ended
+    paused = even[:11] + [MemorySample(10.5 + 0.7, 400, 2)]
+    row = summarize(engine_run(tmp_path), measurement([request(0, 10.0)], memory_samples=paused))
+    assert row.memory_sample_hz < 10 and row.rss_peak_bytes == 400
+    assert row.flags == ["memory not sampled for 0.70 s of this cell (the harness got no CPU: the engine or "
+                         "another process had the cores): a peak in that time may be missed"]
+    assert "warning[/]: memory not sampled for 0.70 s" in summary_line(row)
+    # a pause of 5 usual gaps or fewer, or under 0.25 s, is the sampler's pace, not a pause
+    assert memory_gap_flag([MemorySample(t, 1, 1) for t in (0.0, 0.5, 1.0, 2.0)]) == []
+    assert memory_gap_flag([MemorySample(t, 1, 1) for t in (0.0, 0.01, 0.02, 0.2)]) == []
