@@ -9,6 +9,7 @@ wedged engine before each later cell). Request timeouts are 1-2 s so that the fi
 import io
 import json
 import time
+from datetime import datetime
 
 from rich.console import Console
 
@@ -87,8 +88,8 @@ def test_a_hung_replica_is_taken_out_of_rotation_and_costs_a_few_timeouts(tmp_pa
 
 def test_a_replica_back_after_a_stall_is_put_back_by_a_probe(tmp_path, smollm2):
     """A stalls for 3 s from its first request, then serves again: out after its timeouts, back after
-    the first probe that finds it answering; the last cell is served by both replicas again."""
-    wl = WORKLOAD.model_copy(update={"prompt_tokens": [16, 24, 32], "rounds": 8})
+    the first probe that finds it answering; the cells after its return are served by both replicas again."""
+    wl = WORKLOAD.model_copy(update={"prompt_tokens": [16, 24, 32, 40], "rounds": 8})
     with FakeMisbehaving("hang", fault_for_s=3.0, token_delay_s=0.02) as stalled, \
             FakeOpenAI(token_delay_s=0.02) as good:
         run_dir, took, console = run(tmp_path, f"openai:url={stalled.url},url={good.url},probe=false", wl)
@@ -100,12 +101,16 @@ def test_a_replica_back_after_a_stall_is_put_back_by_a_probe(tmp_path, smollm2):
     measured = load(run_dir, what="requests")
     measured = measured[~measured.warmup]
     assert measured.error.notna().sum() <= deployment.OUT_AFTER + 1
+    # the return's time depends on when the probe ran (on CI's busy cores, a cell later than on a quiet
+    # machine): the cells that started after it are whole again, and the workload leaves at least one
+    back_unix = datetime.fromisoformat(outage["back_at"]).timestamp()
+    after = cells[cells.t_cell_start_unix > back_unix]
+    assert len(after) >= 1 and (after.status == "ok").all(), cells[["cell_id", "status", "flags"]]
     last = measured[measured.cell_id == cells.cell_id.iloc[-1]]
     served = last.engine_details.map(lambda d: d["replica"]).value_counts()
     assert last.error.isna().all() and served.get(label(stalled), 0) >= 4 and served.get(label(good), 0) >= 4
     flags = " ".join(" ".join(f) for f in cells["flags"])
     assert f"back by a probe after {outage['out_s']:.1f} s" in flags
-    assert cells.status.iloc[-1] == "ok", cells[["cell_id", "status", "flags"]]
 
 
 def test_when_every_replica_is_out_the_wedge_rule_applies(tmp_path, smollm2):
