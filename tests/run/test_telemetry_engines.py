@@ -94,7 +94,10 @@ def test_a_deployment_of_two_vllm_replicas_with_prometheus_and_dcgm(tmp_path, sm
     servers = [VLLMBackend(VLLMBackend.default_version, env, {"single_process": True}) for _ in range(2)]
     gpus = [GPU(0, "GPU-604ac76c-d9cf-fef3-62e9-d92044ab6e52", "00000000:3B:00.0", fb_used=70_123),
             GPU(1, "GPU-1b2c3d4e-0000-1111-2222-333344445555", "00000000:5E:00.0", fb_used=69_001)]
-    wl = Workload(name="deploy-prom", seed=5, prompt_tokens=[200], output_tokens=64, concurrency=[4], rounds=1,
+    # 260-token prompts hold their third 128-token block from the prefill on, so a request's peak lasts its
+    # whole decode: with 200, it began at the 57th of 64 tokens, and on CI's busy cores kvbench's poll missed
+    # those 0.3 s that Prometheus's scrape caught
+    wl = Workload(name="deploy-prom", seed=5, prompt_tokens=[260], output_tokens=64, concurrency=[4], rounds=1,
                   warmup_requests=2, warmup_prompt_tokens=32)
     try:
         for i, server in enumerate(servers):  # from this thread: see tests/backends/test_deployment.py
