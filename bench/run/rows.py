@@ -410,12 +410,12 @@ def summary_line(row: CellRow) -> str:
               if lag is not None and lag > CLIENT_LAG_WARN_S else "")
     itl = "undefined" if row.itl_s_p50 is None else f"{row.itl_s_p50 * 1000:.1f} ms"  # no gap measured: not 0
     hits = "" if row.prefix_cache_hit_rate is None else f", prefix cache hits {row.prefix_cache_hit_rate:.1%}"
-    cold_hit = "".join(f"\n  [yellow]warning[/]: {f}" for f in row.flags
-                       if f.startswith(("prefix cache hit", "memory not sampled")))
+    warned = "".join(f"\n  [yellow]warning[/]: {f}" for f in row.flags
+                     if f.startswith(("prefix cache hit", "memory not sampled")))
     return (f"{head} [{color}]{row.status}[/] TTFT p50 {row.ttft_s_p50:.3f} s, ITL p50 "
             f"{itl}, {row.output_tokens_per_s or 0:.1f} out tok/s, "
             f"KV peak {fmt_bytes(row.kv_in_use_peak_bytes)}{ratio}, RSS peak {fmt_bytes(row.rss_peak_bytes)}"
-            f"{queue}{hits}{lagged}{cold_hit}")
+            f"{queue}{hits}{lagged}{warned}")
 
 
 def timeline_frame(t0: float, memory, kv, queue=(), replicas: dict | None = None) -> pd.DataFrame:
