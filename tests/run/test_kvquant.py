@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.backends import kv_rules
-from kvbench.backends.llamacpp.adapter import LlamaCppBackend
+from kvbench.backends.llamacpp.adapter import CompletionEvents, LlamaCppBackend
 from kvbench.backends.types import KVPool, RequestResult
 from kvbench.backends.vllm.adapter import read_logprobs
 from kvbench.cli import app
@@ -209,7 +209,7 @@ def test_llamacpp_completion_probabilities_are_read_per_token():
     event = {"tokens": [11], "completion_probabilities": [
         {"id": 11, "logprob": -0.1, "top_logprobs": [{"id": 11, "logprob": -0.1, "token": "a"},
                                                      {"id": 12, "logprob": -2.5, "token": "b"}]}]}
-    LlamaCppBackend._read_event(event, 1.0, r)
+    CompletionEvents()(event, 1.0, r)
     assert r.output_ids == [11] and r.top_logprobs == [{11: -0.1, 12: -2.5}]
     recs = logprob_records([r], 20, LlamaCppBackend.capabilities.kv_quantisation.top_logprobs_max)
     assert recs[0]["k"] == 20 and recs[0]["top"] == [[[11, -0.1], [12, -2.5]]]
