@@ -1,8 +1,9 @@
 """docs/development.md's "Where to change what", checked: for a load profile, a report table, a results column,
-a run option and an engine, a copy of the product gets the change in exactly the files the doc names, and
-runs from that copy, not installed (selfcheck/uninstalled.py), against a fake OpenAI server on 127.0.0.1.
-Each test asserts the change shows where the doc promises; the last runs tests/test_structure.py's checks
-on a copy with all five planted, and on one with an upward import, which they must catch.
+a run option and an engine, a copy of the product gets each change in exactly the files the doc names (the
+five touch disjoint files, so one copy holds them all), and runs from that copy, not installed
+(selfcheck/uninstalled.py), against a fake OpenAI server on 127.0.0.1: one run on the planted engine with the
+planted load profile, option and column. Each test asserts its change shows where the doc promises; the last
+runs tests/test_structure.py's checks on the copy, and on one with an upward import, which they must catch.
 
 The doc's lines in docs/ (results-schema.md, metrics.md) are not planted: docs/ is not part of the product.
 A planted change that needs a file the doc does not name fails here (its edit finds nothing to change, or
@@ -31,7 +32,6 @@ warmup_requests = 0
 
 [load]
 """
-CLOSED_LOOP = 'profile = "concurrent"\nconcurrency = [2]\n'
 
 
 @pytest.fixture(scope="module")
@@ -250,29 +250,43 @@ def plant_engine(tree: Path) -> None:
     edit(tree, "pyproject.toml", '"kvbench.backends.shared",', '"kvbench.backends.shared", "kvbench.backends.planted",')
 
 
-# --- each planted and run ----------------------------------------------------------------------------------
+# --- the five planted in one copy, and one run that shows four of them --------------------------------------
 
-def test_a_load_profile_is_its_module_and_one_registry_line(tmp_path, server):
-    tree = product_copy(tmp_path)
-    plant_load_profile(tree)
-    run_dir = run(tree, tmp_path, 'profile = "burst"\nburst_sizes = [3]\nbursts_per_s = 20\nrequests = 6\n',
-                  "-b", f"openai:url={server.url}")
-    [cell] = cells(run_dir)
+PLANTS = (plant_load_profile, plant_report_table, plant_results_column, plant_run_option, plant_engine)
+BURSTS = 'profile = "burst"\nburst_sizes = [3]\nbursts_per_s = 20\nrequests = 6\n'
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory) -> Path:
+    """A copy of the product with the five changes planted (they touch disjoint files: each one's edit finds
+    its text as the doc describes it, or fails here)."""
+    tree = product_copy(tmp_path_factory.mktemp("planted"))
+    for plant in PLANTS:
+        plant(tree)
+    return tree
+
+
+@pytest.fixture(scope="module")
+def planted_run(planted, server, tmp_path_factory) -> Path:
+    """One run from the planted copy: the planted engine, the burst profile, the new option, the new column."""
+    return run(planted, tmp_path_factory.mktemp("run"), BURSTS, "-b", f"planted:url={server.url}", "--note", "planted")
+
+
+def test_a_load_profile_is_its_module_and_one_registry_line(planted_run):
+    [cell] = cells(planted_run)
     assert (cell["load_profile"], cell["concurrency"], cell["request_rate"], cell["n_ok"]) == ("burst", 3, 60.0, 6)
-    requests = [json.loads(line) for line in (run_dir / "requests.jsonl").read_text().splitlines()]
+    requests = [json.loads(line) for line in (planted_run / "requests.jsonl").read_text().splitlines()]
     due = sorted(r["t_scheduled"] for r in requests if r["cell_id"] == cell["cell_id"] and not r["warmup"])
     assert len(due) == 6 and due[0] == due[2] and due[3] == due[5]  # two bursts of three, sent at once
     assert due[3] - due[0] == pytest.approx(1 / 20)
-    info = json.loads((run_dir / "run.json").read_text())
+    info = json.loads((planted_run / "run.json").read_text())
     assert (info["workload"]["load_profile"], info["workload"]["concurrency"]) == ("burst", [3])  # the flat record
-    assert "bursts of 3, 20/s" in (run_dir / "report.md").read_text()
+    assert "bursts of 3, 20/s" in (planted_run / "report.md").read_text()
 
 
-def test_a_report_table_is_a_function_and_a_section(tmp_path):
-    tree = product_copy(tmp_path)
-    plant_report_table(tree)
+def test_a_report_table_is_a_function_and_a_section(planted, tmp_path):
     published = REPO / "results" / "published" / "20261129-143003-cpu-default"  # read only: -o writes elsewhere
-    done = kvbench(tree, "report", published, "--no-plots", "-o", tmp_path / "report.md", cwd=tmp_path)
+    done = kvbench(planted, "report", published, "--no-plots", "-o", tmp_path / "report.md", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     section = (tmp_path / "report.md").read_text().split("## Requests per cell", 1)[1].split("\n## ", 1)[0]
     table = [line for line in section.splitlines() if line.startswith("|")]
@@ -281,37 +295,28 @@ def test_a_report_table_is_a_function_and_a_section(tmp_path):
     assert "Requests per cell" in (tmp_path / "report.html").read_text()
 
 
-def test_a_results_column_is_a_metric_key_a_field_and_a_schema_version(tmp_path, server):
-    tree = product_copy(tmp_path)
-    plant_results_column(tree)
-    run_dir = run(tree, tmp_path, CLOSED_LOOP, "-b", f"openai:url={server.url}")
-    [cell] = cells(run_dir)
-    requests = [json.loads(line) for line in (run_dir / "requests.jsonl").read_text().splitlines()]
+def test_a_results_column_is_a_metric_key_a_field_and_a_schema_version(planted_run):
+    [cell] = cells(planted_run)
+    requests = [json.loads(line) for line in (planted_run / "requests.jsonl").read_text().splitlines()]
     ttfts = [r["ttft_s"] for r in requests if r["cell_id"] == cell["cell_id"] and not r["warmup"]]
     assert cell["schema_version"] == 9 and cell["ttft_s_max"] == pytest.approx(max(ttfts))
-    parquet = pq.read_table(run_dir / "cells.parquet")
+    parquet = pq.read_table(planted_run / "cells.parquet")
     assert parquet.schema.metadata[b"kvbench_schema_version"] == b"9"
     assert pd.Series(parquet.column("ttft_s_max").to_pylist()).tolist() == [cell["ttft_s_max"]]
 
 
-def test_a_run_option_is_one_field(tmp_path, server):
-    tree = product_copy(tmp_path)
-    plant_run_option(tree)
-    helped = kvbench(tree, "run", "--help", cwd=tmp_path)
+def test_a_run_option_is_one_field(planted, planted_run, tmp_path):
+    helped = kvbench(planted, "run", "--help", cwd=tmp_path)
     assert helped.returncode == 0 and "--note" in helped.stdout
     assert "A line kept in run.json: why this run was made." in " ".join(helped.stdout.split())
-    run_dir = run(tree, tmp_path, CLOSED_LOOP, "-b", f"openai:url={server.url}", "--note", "planted")
-    assert json.loads((run_dir / "run.json").read_text())["note"] == "planted"
+    assert json.loads((planted_run / "run.json").read_text())["note"] == "planted"
 
 
-def test_an_engine_is_its_folder_and_one_registry_line(tmp_path, server):
-    tree = product_copy(tmp_path)
-    plant_engine(tree)
-    listed = kvbench(tree, "backends", cwd=tmp_path)
+def test_an_engine_is_its_folder_and_one_registry_line(planted, planted_run, tmp_path):
+    listed = kvbench(planted, "backends", cwd=tmp_path)
     assert listed.returncode == 0 and "planted" in listed.stdout, listed.stdout + listed.stderr
-    run_dir = run(tree, tmp_path, CLOSED_LOOP, "-b", f"planted:url={server.url}")
-    [cell] = cells(run_dir)
-    assert (cell["engine"], cell["status"], cell["n_ok"]) == ("planted", "ok", 2)
+    [cell] = cells(planted_run)
+    assert (cell["engine"], cell["status"], cell["n_ok"]) == ("planted", "ok", 6)
 
 
 STRUCTURE_CHECKS = ("not would_be_found and not editable_install and not starts_an_engine "
@@ -327,10 +332,9 @@ def structure(tree: Path, checks: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "KVBENCH_TREE": str(tree), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
 
 
-def test_the_five_changes_keep_the_structure_and_a_broken_layer_is_caught(tmp_path):
-    tree = product_copy(tmp_path)
-    for plant in (plant_load_profile, plant_report_table, plant_results_column, plant_run_option, plant_engine):
-        plant(tree)
+def test_the_five_changes_keep_the_structure_and_a_broken_layer_is_caught(planted, tmp_path):
+    tree = tmp_path / "tree"
+    shutil.copytree(planted, tree)  # the upward import below is planted in a copy of its own
     kept = structure(tree, STRUCTURE_CHECKS)
     assert kept.returncode == 0 and " 17 passed" in kept.stdout, kept.stdout[-3000:]
     # and the checks read the copy: an upward import planted there fails them

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 from kvbench.kv import bounded
 
 _PLAIN_WORD = re.compile(r"^ [A-Za-z]{2,12}$")
+JOIN_CHECK_WORDS = 2048  # words per piece of the joining check
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,11 @@ class PromptBuilder:
         """Every plain word, in a shuffled sequence, must re-encode to the same ids when joined."""
         order = np.random.default_rng(0).permutation(len(ids))
         sample = np.concatenate([order, order[::-1]])
-        if self.tokenizer.encode("".join(texts[sample]), add_special_tokens=False).ids != ids[sample].tolist():
+        # in pieces of JOIN_CHECK_WORDS, encoded as one batch: one long text took 0.35 s of CPU for SmolLM2's
+        # 31K words, the batch 0.22 s (0.13 s of wall on 2 cores); a piece's first word was checked alone
+        pieces = ["".join(texts[sample[i:i + JOIN_CHECK_WORDS]]) for i in range(0, len(sample), JOIN_CHECK_WORDS)]
+        encoded = self.tokenizer.encode_batch(pieces, add_special_tokens=False)
+        if [i for enc in encoded for i in enc.ids] != ids[sample].tolist():
             raise ValueError("this tokenizer merges across plain words: joined text does not re-encode to the "
                              "same ids, so text-only engines cannot get token-exact prompts")
 

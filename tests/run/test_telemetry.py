@@ -278,12 +278,15 @@ def test_kvbench_run_reads_prometheus_into_the_row_and_telemetry_csv(tmp_path):
     reqs = pd.read_json(run_dir / "requests.jsonl", lines=True)
     assert samples.t_s.between(0, reqs.t_done.max() - row.t_cell_start + 0.5).all()
     # GPU 0 rose by 1 MiB a scrape: the cell's samples are consecutive scrapes, none missed, each at the
-    # time (on the cell's axis) and with the value the stand-in served it, and the row's peak is the last
+    # time (on the cell's axis) and with the value the stand-in served it, and the row's peak is the last.
+    # The value names the scrape; its time is Prometheus's start of the scrape, which the stand-in answers
+    # later by however long the busy cores kept either waiting (over 0.05 s once, in a full suite): a quarter of
+    # the 1 s interval still tells a right time axis from one off by a scrape or by the wait before the cell
     used0 = samples[(samples.metric == "gpu_used") & (samples.gpu == 0)]
     values = [int(v // MIB) for v in used0.value]
     assert len(values) >= 2 and values == list(range(values[0], values[0] + len(values)))
     for t_s, value in zip(used0.t_s, values):
-        assert any(abs(row.t_cell_start_unix + t_s - t) < 0.05 and used[0] == value for t, used in dcgm.scrapes)
+        assert any(abs(row.t_cell_start_unix + t_s - t) < 0.25 and used[0] == value for t, used in dcgm.scrapes)
     assert devices[gpus[0].uuid] == values[-1] * MIB
     parquet = load(run_dir)  # the Parquet copy keeps the list of dicts as written
     assert parquet.prom_gpu_devices.iloc[0] == row.prom_gpu_devices

@@ -46,3 +46,36 @@ def test_workload_errors_name_the_field(tmp_path):
         load(str(bad))
     with pytest.raises(WorkloadError, match="long_context_ladder"):
         load("no_such_workload")
+
+
+def merging_tokenizer(path, merge_across: bool):
+    """A character BPE (tokenizers' own classes, no pre-tokenizer) whose 2-letter words " ab" ... are each one
+    token; with ``merge_across`` its first merge joins an "s" to the space after it, as a tokenizer that does
+    not split at spaces may: then " as" alone is one token, and " as" before another word is not."""
+    from tokenizers import Tokenizer, models
+
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    vocab = {c: i for i, c in enumerate(" " + letters)}
+    merges = [("s", " ")] if merge_across else []
+    vocab.update({"s ": len(vocab)} if merge_across else {})
+    for a in letters[:5]:
+        vocab[" " + a] = len(vocab)
+        merges.append((" ", a))
+    for a in letters[:5]:
+        for b in letters:
+            vocab[" " + a + b] = len(vocab)
+            merges.append((" " + a, b))
+    Tokenizer(models.BPE(vocab, merges)).save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("merge_across", [False, True], ids=["splits-at-spaces", "merges-across-words"])
+def test_a_tokenizer_that_merges_across_words_is_refused(tmp_path, merge_across):
+    builder = PromptBuilder(merging_tokenizer(tmp_path / "tokenizer.json", merge_across))
+    if not merge_across:
+        assert len(builder.word_ids) == 130  # " aa" ... " ez"
+        p = builder.build(5000, seed=1, request_id="a", output_tokens=8)  # more words than one checked piece
+        assert builder.tokenizer.encode(p.text, add_special_tokens=False).ids == list(p.token_ids)
+        return
+    with pytest.raises(ValueError, match="merges across plain words"):
+        builder.word_ids
