@@ -47,7 +47,7 @@ def test_findings_come_first_and_the_tables_back_them(run):
 def test_where_the_pool_saturated_is_the_first_cell_that_queued():
     """In the KV-boundary run, the line names the lightest load at which the engine's own counters found a
     request waiting, with its running and waiting peaks (read here from cells.jsonl)."""
-    run = REPO / "results" / "published" / "20261129-kv-boundary-cpu"
+    run = REPO / "results" / "published" / "20261204-kv-boundary-cpu"
     rows = [json.loads(line) for line in (run / "cells.jsonl").read_text().splitlines() if line.strip()]
     found = findings.lines(reports.tables.aggregate(reports.load([run], what="cells")).assign(
         label=lambda f: f.backend))
