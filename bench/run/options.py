@@ -10,18 +10,20 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 from kvbench.backends import DEFAULT_ENGINES, REGISTRY
 from kvbench.common.files import PlainNameError, check_plain_name
 from kvbench.common.redact import hold_userinfo, redact_text
 from kvbench.run.backend_config import BackendConfig, ConfigError, check_attachable, distinct_labels, url_problem
-from kvbench.run.cells import PromptSalt
 from kvbench.run.option_fields import Flag, FlagError, option
-from kvbench.run.telemetry import Prometheus
-from kvbench.store.writer import RunMode
 from kvbench.workloads import MAX_REPEATS, Workload, available, check_cells
 from kvbench.workloads import load as load_workload
+
+if TYPE_CHECKING:  # the classes, imported where a value is made: a refused run imports neither pandas nor pyarrow
+    from kvbench.run.telemetry import Prometheus
+    from kvbench.store.writer import RunMode
 
 DEFAULT_BACKENDS = list(DEFAULT_ENGINES)
 
@@ -169,6 +171,7 @@ def read_prometheus(flags: dict, earlier: dict) -> Prometheus | None:
         return None
     if problem := url_problem(url):
         raise ConfigError(f"--prometheus {redact_text(url)!r} {problem}")
+    from kvbench.run.telemetry import Prometheus
     parts = urlsplit(url)
     if parts.password is not None:  # masked from here on in whatever the Prometheus answers
         hold_userinfo(unquote(parts.username or ""), unquote(parts.password))
@@ -199,6 +202,8 @@ def read_memory_limit(flags: dict, earlier: dict) -> int | None:
 
 
 def read_prompt_salt(flags: dict, earlier: dict) -> str:
+    from kvbench.run.cells import PromptSalt
+
     PromptSalt.parse(flags["prompt_salt"], isolated=False)  # a bad salt is refused here, before any folder
     if earlier["load_share"] is not None and flags["prompt_salt"] in (None, "auto"):
         raise ValueError("--load-share: give every share the same --prompt-salt TEXT (or none): auto draws one per "

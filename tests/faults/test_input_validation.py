@@ -45,12 +45,12 @@ def refused(result, *needles):
 @pytest.fixture(autouse=True)
 def no_run_goes_on(monkeypatch):
     """Were a refusal to let a run through, it stops here instead of starting an engine."""
-    import kvbench.commands.run
+    import kvbench.run.runner
 
     def runner(*args, **kwargs):
         raise AssertionError("the input was not refused: a Runner was made")
 
-    monkeypatch.setattr(kvbench.commands.run, "Runner", runner)
+    monkeypatch.setattr(kvbench.run.runner, "Runner", runner)
 
 
 def kvbench_run(tmp_path, *args):

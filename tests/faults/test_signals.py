@@ -135,8 +135,8 @@ def test_ctrl_c_while_the_report_is_written_is_exit_130_without_a_traceback(tmp_
     print a traceback)."""
     from typer.testing import CliRunner
 
-    import kvbench.commands.run
     import kvbench.reports
+    import kvbench.run.runner
     from kvbench.cli import app
 
     class FinishedRunner:
@@ -149,7 +149,7 @@ def test_ctrl_c_while_the_report_is_written_is_exit_130_without_a_traceback(tmp_
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(kvbench.commands.run, "Runner", FinishedRunner)
+    monkeypatch.setattr(kvbench.run.runner, "Runner", FinishedRunner)
     monkeypatch.setattr(kvbench.reports, "write_report", interrupted)
     result = CliRunner().invoke(app, ["run", "-b", "llamacpp", "--workload", "smoke",
                                       "--results-dir", str(tmp_path / "r")])
