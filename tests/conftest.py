@@ -15,6 +15,11 @@ from kvbench.common import models
 # worker redid it every session, 13 s of a 17 s collection. The cache goes to tests/**/__pycache__ (ignored).
 sys.dont_write_bytecode = False
 
+# numpy's OpenBLAS starts a thread per core when it loads, and they spin: 0.1 s of CPU in each of the suite's
+# Python processes on 2 cores (kvbench commands, load workers, stand-in servers: about 250 in the developer's
+# loop). No test multiplies matrices. Set before anything here imports numpy; a user's own setting is kept.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 # pytest-timeout: every test has pyproject.toml's default (300 s); one marked `engine` starts a real engine
 # (a module's engine fixture runs inside its first test) and gets this instead. A test's own
 # @pytest.mark.timeout(...) wins over both.
