@@ -63,7 +63,10 @@ def run(**given):
             signal.signal(sig, signal.SIG_IGN)
         console.print(f"[yellow]interrupted; finished cells are in {runner.run_dir}[/]")
         raise typer.Exit(130)
-    report(run_dir, console)
+    if options.report:
+        report(run_dir, console)
+    else:
+        console.print(f"\nresults: {run_dir}  (its report: kvbench report {run_dir})")
     cells = load_cells(run_dir)
     if cells.empty or (cells.status == "failed").all():
         raise typer.Exit(1)

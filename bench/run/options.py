@@ -325,6 +325,12 @@ class RunOptions:
     allow_model_mismatch: bool = option(
         Flag("allow_model_mismatch", bool, False, "Run an attached server that serves another model than --model "
              "(its /v1/models), with a warning, instead of failing its cells.", names=("--allow-model-mismatch",)))
+    # step "report" after the last cell: the folder holds everything it is made of
+    report: bool = option(
+        Flag("no_report", bool, False, "Write the results folder only, no report at the end (kvbench report RUN "
+             "makes it from the folder later): e.g. a pipeline that reports several runs together.",
+             names=("--no-report",)),
+        read=lambda flags, earlier: not flags["no_report"], default=True)
     # set in code only
     command: list[str] = option(record="command", recorded=lambda command, run: redact_text(" ".join(command)),
                                 default_factory=lambda: list(sys.argv))

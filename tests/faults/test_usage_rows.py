@@ -64,7 +64,7 @@ def test_a_bad_usage_count_fails_its_request_and_every_row_is_written(tmp_path, 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "COLUMNS": "200"}
     proc = subprocess.run([sys.executable, "-m", "kvbench.cli", "run", "-b", f"openai:url=http://{bad_counts}",
                            "--workload", "smoke", "--results-dir", str(tmp_path), "--run-id", "run",
-                           "--request-timeout", "20", "--start-timeout", "20", "--allow-model-mismatch"],
+                           "--request-timeout", "20", "--start-timeout", "20", "--allow-model-mismatch", "--no-report"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     run_dir = tmp_path / "run"
     cells = [json.loads(line) for line in (run_dir / "cells.jsonl").read_text().splitlines()]

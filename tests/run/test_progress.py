@@ -87,3 +87,27 @@ def test_run_prints_the_report_at_the_end(tmp_path, smollm2):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "kvbench run printed" in out.stdout and "Latency and throughput" in out.stdout
     assert out.stdout.index("Latency and throughput") < out.stdout.index("results: ")
+
+
+def test_no_report_writes_the_results_folder_only(tmp_path, smollm2):
+    """--no-report: the rows and the exit status as ever, no report printed or written; `kvbench report` makes it
+    from the folder afterwards."""
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    (tmp_path / "w.toml").write_text(WORKLOAD.replace("rounds = 4", "rounds = 1"))
+    with FakeOpenAI() as fake:
+        out = subprocess.run([sys.executable, "-m", "kvbench.cli", "run", "-b", f"openai:url={fake.url}",
+                              "--workload", str(tmp_path / "w.toml"), "--results-dir", str(tmp_path),
+                              "--run-id", "quiet", "--no-report"], cwd=REPO, capture_output=True, text=True,
+                             timeout=300, env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    run = tmp_path / "quiet"
+    assert "Latency and throughput" not in out.stdout
+    assert f"results: {run}  (its report: kvbench report {run})" in out.stdout
+    assert len((run / "cells.jsonl").read_text().splitlines()) == 2
+    assert not any(p.name.startswith("report.") or p.name == "plots" for p in run.iterdir())
+    made = CliRunner().invoke(app, ["report", str(run), "--no-plots"])
+    assert made.exit_code == 0, made.output
+    assert "Latency and throughput" in (run / "report.md").read_text()

@@ -315,7 +315,7 @@ def test_the_cli_flags_reach_the_run(tmp_path):
                                         'concurrency = [2]\nrounds = 2\nwarmup_requests = 0\n')
     with FakeOpenAI() as fake:
         done = kvbench("-b", f"openai:url={fake.url}", "--workload", str(tmp_path / "tiny.toml"), "--load-workers", "2",
-                       "--prometheus", dead, "--results-dir", str(tmp_path), "--run-id", "r")
+                       "--prometheus", dead, "--results-dir", str(tmp_path), "--run-id", "r", "--no-report")
     assert done.returncode == 0, done.stdout + done.stderr
     (row,) = load_cells(tmp_path / "r").itertuples()
     assert row.status == "ok" and row.n_ok == 4 and row.max_in_flight <= 2
