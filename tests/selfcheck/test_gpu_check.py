@@ -131,8 +131,9 @@ def test_check_sampler_end_to_end(fake_gpu):
     row = gc.check_sampler(nvml, sys.executable, 4 * GiB, gc.Budget(60), tmp / "logs", script=FAKE_PROBE)
     assert row["requested_bytes"] == row["allocator_delta_bytes"] == 4 * GiB
     assert row["nvml_device_delta_bytes"] == row["nvml_process_delta_bytes"] == 4 * GiB
-    assert row["sampled_device_delta_bytes"] == 4 * GiB and row["sampled_process_delta_bytes"] == 4 * GiB
-    assert row["process_found"] and row["device_ok"] and row["sampled_ok"] and row["rate_ok"]
+    # the sampler's figures with the row: once on busy cores (2026-12-05) no sample saw the held 4 GiB
+    assert row["sampled_device_delta_bytes"] == 4 * GiB and row["sampled_process_delta_bytes"] == 4 * GiB, row
+    assert row["process_found"] and row["device_ok"] and row["sampled_ok"] and row["rate_ok"], row
     assert row["freed_device_delta_bytes"] == 0 and row["baseline"]["used_bytes"] >= 2 * GiB
 
 
