@@ -62,10 +62,12 @@ def test_a_refused_run_imports_no_results_package():
     plots them: a refusal took 0.9 s of CPU with them, 0.5 s without."""
     refusals = [["-b", "nosuch"], ["--workload", "nosuch"], ["--repeats", "0"], ["--model", "/nonexistent"],
                 ["--prometheus", "ftp://x"], ["--prompt-salt", ""], ["--load-share", "1/2"]]
+    heavy = ("pandas", "pyarrow", "matplotlib", "scipy", "transformers", "torch")
     code = ("import sys; from kvbench.cli import app\n"
-            "for args in " + repr(refusals) + ":\n"
-            "    try:\n        app(['run', *args])\n    except SystemExit as exc:\n        assert exc.code == 2, (args, exc.code)\n"
-            "print([m for m in ('pandas', 'pyarrow', 'matplotlib', 'scipy', 'transformers', 'torch') if m in sys.modules])")
+            f"for args in {refusals!r}:\n"
+            "    try:\n        app(['run', *args])\n"
+            "    except SystemExit as exc:\n        assert exc.code == 2, (args, exc.code)\n"
+            f"print([m for m in {heavy!r} if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]
 
