@@ -5,8 +5,9 @@ Speed (issue 13's acceptance): a mock engine 10 % slower is caught at the repeat
 interleaved), and an unchanged one is not flagged. The mock engines are tests/fakes/openai_server.py servers
 whose every token (the first too) takes ``token_delay_s``: 10 ms against 11 ms is a 10 % slower engine, TTFT
 and ITL alike (the harness's own overhead is well under a millisecond a token). The servers are not probed: they
-are declared to take token ids and ignore_eos, so each repeat's session is its warm-up and its five requests. The baseline, the slower engine and an unchanged copy of the baseline run in one interleaved
-run (ABC CBA ABC ...), which compare reads as paired repeats of whichever two it is given.
+are declared to take token ids and ignore_eos, so each repeat's session is its warm-up and its five requests.
+The baseline, the slower engine and an unchanged copy of the baseline run in one interleaved run (ABC CBA ABC
+...), which compare reads as paired repeats of whichever two it is given.
 
 KV memory: synthetic runs (tests/synth.py) identical but for the candidate's KV bytes in use: more than the
 1 % tolerance is a regression, less an improvement, a change within it unchanged.
@@ -40,6 +41,7 @@ warmup_prompt_tokens = 32
 """
 # each engine's token time: the baseline, one 10 % slower, and the baseline again (unchanged)
 TOKEN_DELAYS_S = {"baseline": 0.010, "10%-slower": 0.011, "unchanged": 0.010}
+DECLARED = "probe=false,token_ids=true,ignore_eos=true"  # what the stand-ins take, instead of probing them
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +55,7 @@ def planted_run(tmp_path_factory, smollm2) -> tuple[Path, dict[str, str]]:
             stack.enter_context(server)
         opts = RunOptions(model="smollm2", workload=load(str(tmp_path / "planted.toml")), results_dir=tmp_path,
                           run_id="abc", repeats=10, interleave=True, estimate=False,
-                          backends=[BackendConfig.parse(f"openai:url={s.url},probe=false,token_ids=true,ignore_eos=true")
-                                    for s in servers.values()])
+                          backends=[BackendConfig.parse(f"openai:url={s.url},{DECLARED}") for s in servers.values()])
         run_dir = Runner(opts, Console(file=io.StringIO())).run()
     return run_dir, {name: f"openai@127.0.0.1:{s.port}" for name, s in servers.items()}
 
