@@ -35,7 +35,8 @@ ENGINE_MODULES = "_engines.py"
 # workers ended within seconds, an open loop's sends within 20 ms of schedule (84 ms late once beside other
 # tests), TTFTs of a split load set against one process's, a salted run's TTFTs set
 # against a cold one's, the smoke runs' KV read from /metrics in time: beside other tests vLLM's API server
-# answered too late and its KV read 0 in use) run alone: each holds a lock that no other test runs beside
+# answered too late and its KV read 0 in use; two vLLM replicas' KV peaks through a real Prometheus: beside
+# other tests Prometheus scraped nothing for 4.5 s of a 5 s decode, its DCGM scrape taking 4.4 s) run alone: each holds a lock that no other test runs beside
 # (pytest_runtest_protocol), and their unit is handed out last (under another worker's load the planted
 # regression once read as inconclusive). A module's path names all its tests (a module fixture measures, as
 # test_merge's does), module::test one test and its parameters; the rest of that module runs beside others.
@@ -46,6 +47,7 @@ QUIET_TESTS = (
     "tests/load/test_workers.py::test_a_killed_harness_takes_its_load_workers_with_it",
     "tests/load/test_profiles.py::test_open_loop_sends_on_schedule_when_the_engine_keeps_up",
     "tests/run/test_merge.py", "tests/run/test_prefix_cache_engines.py", "tests/backends/test_smoke_engines.py",
+    "tests/run/test_telemetry_engines.py::test_a_deployment_of_two_vllm_replicas_with_prometheus_and_dcgm",
 )
 ENGINES, QUIET = "engines", "quiet"
 
