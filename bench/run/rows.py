@@ -123,7 +123,7 @@ def summarize(run: EngineRun, m: CellMeasurement) -> CellRow:
     _kv(row, run, m, windows)
     if m.queue_samples:  # the engine's queue: the KV boundary shows as requests waiting or preempted
         (row.requests_waiting_peak, row.requests_running_peak, row.preemptions,
-         row.queue_source) = queue_peaks(m.queue_samples, windows, m.queue_source)
+         row.queue_source) = queue_peaks(m.queue_samples, windows, m.queue_source, served(results))
     _memory(row, m)
     _per_gpu(row, run, m)
     _queued_first(row, m)
@@ -213,7 +213,7 @@ def _kv(row: CellRow, run: EngineRun, m: CellMeasurement, windows) -> None:
     row.kv_bytes_peak_predicted = held * per_sequence if per_sequence is not None else None
     peak = m.kv_peak
     if peak is None and m.kv_samples:
-        best, row.kv_in_use_source = polled_kv_peak(m.kv_samples, windows, m.kv_source)
+        best, row.kv_in_use_source = polled_kv_peak(m.kv_samples, windows, m.kv_source, served(m.load.results))
         if best is not None:
             row.kv_in_use_peak_bytes, row.kv_in_use_peak_tokens = best.kv_bytes_in_use, best.kv_tokens_in_use
     elif peak is not None:
@@ -354,29 +354,49 @@ def polls_during(samples, windows: list[tuple[float, float]]) -> int:
     return sum(1 for s in samples if any(start <= s.t <= end for start, end in windows))
 
 
-def queue_peaks(samples: list[QueueSample], windows: list[tuple[float, float]], source: str | None):
+def served(results: list[RequestResult]) -> int:
+    """How many of the cell's requests got output tokens: each held KV in the engine while it ran."""
+    return sum(1 for r in results if r.chunk_times)
+
+
+def _blind_spot(samples, windows: list[tuple[float, float]], n_served: int, source: str | None, what: str):
+    """Why polls that read nothing are no measurement, or None when their zero stands: none of them fell
+    while a request was in flight, or the engine served requests (so it held them, and their KV) and no
+    poll saw it: a gauge behind the engine, a starved poller, or requests shorter than the poll period."""
+    if not polls_during(samples, windows):
+        return f"not measured: none of {len(samples)} polls of {source} fell while a request was in flight"
+    if n_served:
+        return (f"not measured: none of {len(samples)} polls of {source} {what.format(n=n_served)} (a gauge "
+                "behind the engine, a starved poller, or requests shorter than the poll period)")
+    return None
+
+
+def queue_peaks(samples: list[QueueSample], windows: list[tuple[float, float]], source: str | None,
+                n_served: int = 0):
     """(waiting peak, running peak, preemptions, how found) of a cell from the engine's queue polls.
-    Peaks of zero from polls of which none fell while a request was in flight are a blind spot, "not
-    measured"; the preemption counter is cumulative, so it stays right whenever the polls bracket the cell."""
+    Peaks of zero that are the polls' blind spot (see _blind_spot) are "not measured"; the preemption
+    counter is cumulative, so it stays right whenever the polls bracket the cell."""
     waiting = [q.waiting for q in samples if q.waiting is not None]
     running = [q.running for q in samples if q.running is not None]
     preempted = [q.preemptions for q in samples if q.preemptions is not None]
     preemptions = preempted[-1] - preempted[0] if preempted else None
-    if windows and not any(running) and not any(waiting) and not polls_during(samples, windows):
-        return None, None, preemptions, (f"not measured: none of {len(samples)} polls of {source} fell while "
-                                         "a request was in flight")
+    blind = (_blind_spot(samples, windows, n_served, source, "saw the cell's {n} served requests")
+             if windows and not any(running) and not any(waiting) else None)
+    if blind:
+        return None, None, preemptions, blind
     return (max(waiting) if waiting else None, max(running) if running else None, preemptions,
             f"max of {len(samples)} polls of {source}")
 
 
-def polled_kv_peak(samples: list[KVSample], windows: list[tuple[float, float]], source: str | None):
-    """The largest polled "KV in use" of a cell and how it was found, or None: when every poll read
-    nothing and none of them fell while a request was in flight (a starved poller, a cell shorter than
-    the poll period), a zero would be the polls' blind spot, not a measurement."""
+def polled_kv_peak(samples: list[KVSample], windows: list[tuple[float, float]], source: str | None,
+                   n_served: int = 0):
+    """The largest polled "KV in use" of a cell and how it was found, or None when every poll read nothing
+    and that zero is the polls' blind spot (see _blind_spot), not a measurement."""
     best = max(samples, key=lambda s: s.kv_bytes_in_use or 0)
-    if not best.kv_bytes_in_use and windows and not polls_during(samples, windows):
-        return None, (f"not measured: none of {len(samples)} polls of {source} fell while a request was in "
-                      "flight")
+    blind = (_blind_spot(samples, windows, n_served, source, "read the KV of the cell's {n} served requests")
+             if not best.kv_bytes_in_use and windows else None)
+    if blind:
+        return None, blind
     return best, f"max of {len(samples)} polls of {source}"
 
 

@@ -55,12 +55,19 @@ def check_common(run_dir, cells: pd.DataFrame, wl=None):
     paused = cells["flags"].map(lambda flags: any(f.startswith("memory not sampled for") for f in flags))
     assert ((cells.memory_sample_hz >= 10) | paused).all(), cells[["cell_id", "memory_sample_hz", "flags"]]
     assert (cells.memory_sample_hz >= 10).any() and (cells.rss_peak_bytes > 50e6).all()
-    # KV in use grows with the prompt at each concurrency
-    for _, group in cells.groupby("concurrency"):
+    # KV in use grows with the prompt at each concurrency. A polled figure that no poll caught (a gauge
+    # behind an engine other tests starve of CPU) is "not measured", and says so, never a zero
+    missed = cells.kv_in_use_peak_bytes.isna()
+    assert cells[missed].kv_in_use_source.str.startswith("not measured: none of").all()
+    grown = 0
+    for _, group in cells[~missed].groupby("concurrency"):
         ordered = group.sort_values("prompt_tokens")
         assert ordered.kv_in_use_peak_bytes.is_monotonic_increasing, \
             ordered[["cell_id", "kv_in_use_peak_bytes", "kv_in_use_source", "client_loop_lag_s_max"]].to_string()
-        assert ordered.kv_in_use_peak_bytes.iloc[-1] > ordered.kv_in_use_peak_bytes.iloc[0]
+        if len(ordered) > 1:
+            assert ordered.kv_in_use_peak_bytes.iloc[-1] > ordered.kv_in_use_peak_bytes.iloc[0]
+            grown += 1
+    assert grown, cells[["cell_id", "kv_in_use_peak_bytes", "kv_in_use_source"]].to_string()
     # every request met the token contract and kept its chunk timestamps
     reqs = requests_of(run_dir)
     warmup = reqs[reqs.warmup]
@@ -124,10 +131,12 @@ def test_vllm(vllm_run):
         assert row.kv_pool_bytes_predicted == blocks * block * SMOLLM2_BYTES_PER_TOKEN
         # in use is block-rounded: never below the tokens held, never above whole blocks for them
         upper = row.concurrency * round_up(row.prompt_tokens + row.output_tokens - 1, block)
-        assert row.kv_in_use_peak_tokens <= upper
-        if row.concurrency == 1:
+        assert not row.kv_in_use_peak_tokens > upper
+        if row.concurrency == 1 and not pd.isna(row.kv_in_use_peak_tokens):
             assert row.kv_in_use_peak_tokens == upper, (row.kv_in_use_source, row.client_loop_lag_s_max)
             assert row.kv_measured_over_predicted >= 1
+    single = cells[cells.concurrency == 1]
+    assert single.kv_in_use_peak_tokens.notna().any(), single[["cell_id", "kv_in_use_source"]].to_string()
     assert (cells.engine_version_reported == "0.32.0").all()
 
 

@@ -111,9 +111,13 @@ def test_polled_kv_peak_is_not_measured_when_no_poll_saw_a_request_in_flight():
     seen = [*idle, KVSample(10.5, 256.0, 128.0)]
     best, source = polled_kv_peak(seen, windows, "gauge")
     assert best.kv_tokens_in_use == 128.0 and source == "max of 3 polls of gauge"
-    # zero read while the request was in flight is the engine's own figure, kept as measured
+    # zero read while a request was in flight that got no token (it failed, say) is the engine's own figure
     best, _ = polled_kv_peak([KVSample(10.4, 0.0, 0.0)], windows, "gauge")
     assert best is not None and best.kv_bytes_in_use == 0.0
+    # but a served request held KV: a zero read then is a gauge behind the engine, not a measurement
+    stale = [KVSample(9.9, 0.0, 0.0), KVSample(10.4, 0.0, 0.0)]
+    best, source = polled_kv_peak(stale, windows, "gauge", n_served=1)
+    assert best is None and source.startswith("not measured: none of 2 polls of gauge read the KV of the cell's 1 ")
 
 
 def test_queue_peaks_not_measured_when_no_poll_saw_a_request_in_flight():
@@ -126,6 +130,11 @@ def test_queue_peaks_not_measured_when_no_poll_saw_a_request_in_flight():
     assert queue_peaks(blind, windows, "q")[3].startswith("not measured: none of 2 polls of q")
     seen = [QueueSample(9.9, 0, 0, 3), QueueSample(10.5, 1, 2, 3), QueueSample(11.5, 0, 0, 3)]
     assert queue_peaks(seen, windows, "q") == (1, 2, 0, "max of 3 polls of q")
+    # a poll in flight that read an empty queue, while the engine served both requests: a stale gauge
+    stale = [QueueSample(9.9, 0, 0, 3), QueueSample(10.5, 0, 0, 3)]
+    assert queue_peaks(stale, windows, "q")[:2] == (0, 0)
+    waiting, running, _, source = queue_peaks(stale, windows, "q", n_served=2)
+    assert (waiting, running) == (None, None) and "none of 2 polls of q saw the cell's 2 served requests" in source
 
 
 def test_a_stream_in_one_read_has_no_tpot_and_no_itl():

@@ -31,7 +31,7 @@ from tests.fakes.openai_server import FakeOpenAI, OpenAIHandler
 PAGE = (Path(__file__).parent / "data" / "vllm-0.32.0-metrics.txt").read_text()
 
 
-def _set_sample(page: str, name: str, value: float) -> str:
+def set_sample(page: str, name: str, value: float) -> str:
     pattern = re.compile(rf'^({re.escape(name)}\{{engine="0",model_name="smollm2"\}}) .*$', re.MULTILINE)
     assert pattern.search(page), name
     return pattern.sub(lambda m: f"{m.group(1)} {float(value)!r}", page)
@@ -92,8 +92,8 @@ class FakeReplica(FakeOpenAI):
     def metrics_page(self) -> str:
         with self.lock:
             running, waiting, held = self.running, self.waiting, self.blocks_held
-        page = _set_sample(PAGE, "vllm:num_requests_running", running)
-        page = _set_sample(page, "vllm:num_requests_waiting", waiting)
-        page = _set_sample(page, "vllm:kv_cache_usage_perc", held / (self.num_gpu_blocks - 1))
+        page = set_sample(PAGE, "vllm:num_requests_running", running)
+        page = set_sample(page, "vllm:num_requests_waiting", waiting)
+        page = set_sample(page, "vllm:kv_cache_usage_perc", held / (self.num_gpu_blocks - 1))
         return (page.replace('num_gpu_blocks="67"', f'num_gpu_blocks="{self.num_gpu_blocks}"')
                     .replace('block_size="128"', f'block_size="{self.block_size}"'))

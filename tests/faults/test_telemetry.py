@@ -25,7 +25,7 @@ from kvbench.run.runner import Runner, RunOptions
 from kvbench.run.telemetry import Prometheus, parse_matrix
 from kvbench.store.readers import load_cells
 from kvbench.workloads import Workload
-from tests.fakes.replica_server import FakeReplica, ReplicaHandler
+from tests.fakes.replica_server import FakeReplica, ReplicaHandler, set_sample
 
 RUNNING = 'vllm:num_requests_running{engine="0",model_name="smollm2"} '
 USAGE = 'vllm:kv_cache_usage_perc{engine="0",model_name="smollm2"} '
@@ -53,9 +53,9 @@ class GarbageHandler(ReplicaHandler):
 
 
 class FaultyReplica(FakeReplica):
-    """A vLLM replica whose /metrics has one fault: ``text`` (the running gauge's value is not a number),
-    ``nan`` / ``inf`` (the KV usage gauge of a second engine is NaN / +Inf, beside the real one), ``huge``
-    (137 MB), ``hang`` (no answer)."""
+    """A vLLM replica whose /metrics has one fault: ``stale`` (its gauges read idle while it serves),
+    ``text`` (the running gauge's value is not a number), ``nan`` / ``inf`` (the KV usage gauge of a second
+    engine is NaN / +Inf, beside the real one), ``huge`` (137 MB), ``hang`` (no answer)."""
 
     handler = GarbageHandler
 
@@ -68,6 +68,10 @@ class FaultyReplica(FakeReplica):
         if self.fault == "text":
             head, _, tail = page.partition(RUNNING)
             return head + RUNNING + "abc" + tail[tail.index("\n"):]
+        if self.fault == "stale":  # every gauge as if idle: a page that never caught up with the engine
+            for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+                page = set_sample(page, gauge, 0)
+            return page
         if self.fault in ("nan", "inf"):
             value = "NaN" if self.fault == "nan" else "+Inf"
             return page + f'vllm:kv_cache_usage_perc{{engine="1",model_name="smollm2"}} {value}\n'
@@ -96,6 +100,20 @@ def clean_run(tmp_path_factory, smollm2):
         cells, took = run_against(tmp_path_factory.mktemp("clean"), fake)
     assert (cells.status == "ok").all(), cells.error.tolist()
     return cells, took
+
+
+def test_gauges_that_never_show_the_served_requests_are_not_measured_not_zero(tmp_path, smollm2):
+    """Each request was served, so it held KV and ran in the engine's queue; polls that read only zeros
+    missed it (vLLM's gauge behind a CPU-starved engine): the peaks are "not measured", and say why."""
+    with FaultyReplica("stale") as fake:
+        cells, _ = run_against(tmp_path, fake)
+    assert (cells.status == "ok").all() and cells.n_requests.tolist() == [2, 4], cells.error.tolist()
+    assert cells.kv_in_use_peak_bytes.isna().all() and cells.requests_running_peak.isna().all()
+    assert cells.kv_pool_tokens_engine.tolist() == [33 * 32] * 2  # the pool is read all the same
+    for row in cells.itertuples():
+        assert re.fullmatch(rf"not measured: none of \d+ polls of .* read the KV of the cell's {row.n_requests} "
+                            r"served requests \(a gauge behind the engine, .*\)", row.kv_in_use_source), row
+        assert f"saw the cell's {row.n_requests} served requests" in row.queue_source, row.queue_source
 
 
 @pytest.mark.parametrize("fault, said", [
