@@ -45,8 +45,11 @@ def check_sampler(nvml, python: str, alloc_bytes: int, budget: Budget, logs: Pat
         events, snaps = {}, {}
         try:
             events["ready"] = probe.next(min(120, budget.left()))
-            snaps["ready"] = nvml_snapshot(nvml, pids)
             t_ready = time.perf_counter()
+            snaps["ready"] = nvml_snapshot(nvml, pids)
+            # the samples finished by now: one under way may read after go() though stamped before it (its
+            # thread descheduled mid-read on busy cores), and would put the allocation in the baseline
+            n_ready = len(sampler.samples)
             probe.go()
             events["allocated"] = probe.next(min(60, budget.left()))
             snaps["allocated"] = nvml_snapshot(nvml, pids)
@@ -59,9 +62,12 @@ def check_sampler(nvml, python: str, alloc_bytes: int, budget: Budget, logs: Pat
     finally:
         probe.close()
     samples = sampler.samples
-    at_ready = [s for s in samples if s.t <= t_ready] or samples[:1]
-    ready_dev = at_ready[-1].gpu_device_used_bytes
-    ready_proc = at_ready[-1].gpu_process_bytes
+    # the ready baseline: the sampler's last reading between the probe's ready and go(), or, where its
+    # thread got no turn then, NVML read at ready in this thread (never a sample from before the probe's
+    # context existed)
+    at_ready = [s for s in samples[:n_ready] if s.t >= t_ready]
+    ready_dev = at_ready[-1].gpu_device_used_bytes if at_ready else snaps["ready"]["device_used"]
+    ready_proc = at_ready[-1].gpu_process_bytes if at_ready else snaps["ready"]["process_bytes"]
     span = samples[-1].t - samples[0].t if len(samples) > 1 else 0
     dev = [s.gpu_device_used_bytes for s in samples if s.gpu_device_used_bytes is not None]
     proc = [s.gpu_process_bytes for s in samples if s.gpu_process_bytes is not None]

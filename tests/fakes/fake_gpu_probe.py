@@ -12,8 +12,9 @@ allocated = 0
 
 
 def hold(gpu_bytes: int):
-    with open(STATE, "w") as f:
+    with open(STATE + ".tmp", "w") as f:  # replaced whole: NVML never reads a device half-way through a change
         f.write(f"{os.getpid()} {CONTEXT + gpu_bytes}")
+    os.replace(STATE + ".tmp", STATE)
 
 
 def emit(event, wait=True, **fields):

@@ -6,6 +6,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -135,6 +137,40 @@ def test_check_sampler_end_to_end(fake_gpu):
     assert row["sampled_device_delta_bytes"] == 4 * GiB and row["sampled_process_delta_bytes"] == 4 * GiB, row
     assert row["process_found"] and row["device_ok"] and row["sampled_ok"] and row["rate_ok"], row
     assert row["freed_device_delta_bytes"] == 0 and row["baseline"]["used_bytes"] >= 2 * GiB
+
+
+class StallingProcs(StateProcs):
+    """StateProcs whose first read by the sampler's thread once the probe is ready waits until the probe holds
+    its allocation: a sample stamped before go() that reads after it (a thread descheduled on busy cores)."""
+
+    def __init__(self, state: Path):
+        super().__init__(state)
+        self.stalled = threading.Event()
+
+    def items(self):
+        held = super().items()
+        if held and threading.current_thread() is not threading.main_thread() and not self.stalled.is_set():
+            self.stalled.set()
+            deadline = time.monotonic() + 20
+            while super().items() == held and time.monotonic() < deadline:
+                time.sleep(0.005)
+            held = super().items()
+        return held
+
+
+def test_a_sample_that_reads_after_the_allocation_is_not_the_ready_baseline(tmp_path, monkeypatch):
+    """Once on busy cores (2026-12-05) the sampled delta read 0 over a held 4 GiB: the baseline was the last
+    sample stamped before go(), and that sample had read the allocation."""
+    state = tmp_path / "gpu_state"
+    monkeypatch.setenv("FAKE_GPU_STATE", str(state))
+    procs = StallingProcs(state)
+    nvml = NVML(module=FakeNVML([FakeDevice(total=141 * GiB, used=lambda t: 2 * GiB + sum(b for _, b in procs.items()),
+                                            compute=procs)]))
+    (tmp_path / "logs").mkdir()
+    row = gc.check_sampler(nvml, sys.executable, 4 * GiB, gc.Budget(60), tmp_path / "logs", script=FAKE_PROBE)
+    assert procs.stalled.is_set()
+    assert row["sampled_device_delta_bytes"] == row["sampled_process_delta_bytes"] == 4 * GiB, row
+    assert row["sampled_ok"], row
 
 
 def test_check_kv_end_to_end(fake_gpu):
