@@ -15,10 +15,8 @@ from kvbench.common import ui
 from kvbench.common.models import ModelError, locate
 from kvbench.common.suggest import with_hint
 from kvbench.planner import model_names
-from kvbench.run.cells import NothingFits
 from kvbench.run.option_fields import Flag, FlagError, flags
 from kvbench.run.options import RunOptions
-from kvbench.run.plan import plan_early
 from kvbench.run.home import home_refusal, recipes_needed
 from kvbench.run.resolve import options_from_flags
 from kvbench.store.errors import ResultsReadError, ResultsWriteError, RunFolderError
@@ -92,6 +90,10 @@ def resolve_and_plan(given: dict):
     if refusal := home_refusal(recipes_needed(options.backends), path):  # a file, read-only: before the folder
         typer.echo(f"error: {refusal}", err=True)
         raise typer.Exit(2)
+    # the cells and their load profiles (numpy, the engines' HTTP client) only once the input is sound
+    from kvbench.run.cells import NothingFits
+    from kvbench.run.plan import plan_early
+
     try:
         return options, plan_early(options, path)
     except NothingFits as exc:

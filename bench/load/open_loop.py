@@ -13,9 +13,8 @@ import asyncio
 import math
 import time
 import zlib
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import numpy as np
 from pydantic import Field, field_validator, model_validator
 
 from kvbench.backends.base import Backend
@@ -25,6 +24,9 @@ from .common import InFlight, LoadResult, LoadSettings, send_one
 from .interrupt import stopping
 from .profile import LoadPoint, LoadProfile, Share
 from .split import split_count
+
+if TYPE_CHECKING:  # numpy is loaded where a schedule is sent, not by a workload's check
+    import numpy as np
 
 
 class OpenLoop(LoadProfile):
@@ -144,6 +146,8 @@ async def send_on_schedule(backend: Backend, prompts: list, offsets: np.ndarray,
     offsets = offsets[:len(prompts)]
     due_at = range(len(offsets))
     if settings.duration_s:  # indices, not a list of prompts: a CellPromptList builds each one when taken
+        import numpy as np
+
         due_at = np.flatnonzero(offsets < settings.duration_s)
     max_concurrency, timeout_s = point.concurrency, settings.timeout_s
     cap = asyncio.Semaphore(max_concurrency) if max_concurrency else None

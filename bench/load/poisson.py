@@ -2,11 +2,12 @@
 every run gets the same schedule."""
 from __future__ import annotations
 
-from typing import ClassVar, Literal
-
-import numpy as np
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from .open_loop import OpenLoop
+
+if TYPE_CHECKING:  # numpy is loaded where a schedule is made, not by a workload's check
+    import numpy as np
 
 
 class Poisson(OpenLoop):
@@ -16,5 +17,7 @@ class Poisson(OpenLoop):
 
     @classmethod
     def arrival_offsets(cls, n: int, request_rate: float, seed: int) -> np.ndarray:
+        import numpy as np
+
         gaps = np.random.default_rng(seed).exponential(1.0 / request_rate, size=n)
         return np.concatenate([[0.0], np.cumsum(gaps[:-1])])

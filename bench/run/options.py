@@ -202,7 +202,7 @@ def read_memory_limit(flags: dict, earlier: dict) -> int | None:
 
 
 def read_prompt_salt(flags: dict, earlier: dict) -> str:
-    from kvbench.run.cells import PromptSalt
+    from kvbench.run.prompt_salt import PromptSalt
 
     PromptSalt.parse(flags["prompt_salt"], isolated=False)  # a bad salt is refused here, before any folder
     if earlier["load_share"] is not None and flags["prompt_salt"] in (None, "auto"):

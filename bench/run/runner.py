@@ -33,7 +33,8 @@ from kvbench.load import interrupt
 from kvbench.load.owner import BARRIER_TIMEOUT_S, LoadOwner, OwnerClient, OwnerError
 from kvbench.run import kvquant
 from kvbench.run.backend_config import BackendConfig
-from kvbench.run.cells import CellPrompts, NothingFits, PromptSalt, RunPlan
+from kvbench.run.cells import CellPrompts, NothingFits, RunPlan
+from kvbench.run.prompt_salt import PromptSalt
 from kvbench.run.option_fields import declared, recorded
 from kvbench.run.options import RunOptions
 from kvbench.run.plan import plan_record, plan_run, recorded_model_path

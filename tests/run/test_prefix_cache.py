@@ -11,7 +11,8 @@ from kvbench.backends import kv_rules
 from kvbench.backends.types import PrefixCacheCounters, RequestResult
 from kvbench.kv.rules import KVQuestion
 from kvbench.load import LoadPoint, LoadResult
-from kvbench.run.cells import UNSALTED, CellPrompts, PromptSalt, cells_for
+from kvbench.run.cells import CellPrompts, cells_for
+from kvbench.run.prompt_salt import UNSALTED, PromptSalt
 from kvbench.run.prefix_cache import expected_hit_tokens, meant_warm
 from kvbench.run.rows import CellMeasurement, EngineRun, summarize
 from kvbench.workloads import load
