@@ -36,10 +36,11 @@ ENGINE_MODULES = "_engines.py"
 # tests), TTFTs of a split load set against one process's, a salted run's TTFTs set
 # against a cold one's, the smoke runs' KV read from /metrics in time: beside other tests vLLM's API server
 # answered too late and its KV read 0 in use; two vLLM replicas' KV peaks through a real Prometheus: beside
-# other tests Prometheus scraped nothing for 4.5 s of a 5 s decode, its DCGM scrape taking 4.4 s) run alone: each holds a lock that no other test runs beside
-# (pytest_runtest_protocol), and their unit is handed out last (under another worker's load the planted
-# regression once read as inconclusive). A module's path names all its tests (a module fixture measures, as
-# test_merge's does), module::test one test and its parameters; the rest of that module runs beside others.
+# other tests Prometheus scraped nothing for 4.5 s of a 5 s decode, its DCGM scrape taking 4.4 s) run
+# alone: each holds a lock that no other test runs beside (pytest_runtest_protocol), and their unit is
+# handed out last (under another worker's load the planted regression once read as inconclusive). A module's
+# path names all its tests (a module fixture measures, as test_merge's does), module::test one test and its
+# parameters; the rest of that module runs beside others.
 QUIET_TESTS = (
     "tests/compare/test_planted.py::test_compare_catches_a_planted_regression_and_passes_an_unchanged_engine",
     "tests/load/test_workers.py::test_a_load_on_two_workers_is_the_load_of_one_process",

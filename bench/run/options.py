@@ -18,6 +18,7 @@ from kvbench.common.files import PlainNameError, check_plain_name
 from kvbench.common.redact import hold_userinfo, redact_text
 from kvbench.run.backend_config import BackendConfig, ConfigError, check_attachable, distinct_labels, url_problem
 from kvbench.run.option_fields import Flag, FlagError, option
+from kvbench.run.prompt_salt import PromptSalt
 from kvbench.workloads import MAX_REPEATS, Workload, available, check_cells
 from kvbench.workloads import load as load_workload
 
@@ -202,8 +203,6 @@ def read_memory_limit(flags: dict, earlier: dict) -> int | None:
 
 
 def read_prompt_salt(flags: dict, earlier: dict) -> str:
-    from kvbench.run.prompt_salt import PromptSalt
-
     PromptSalt.parse(flags["prompt_salt"], isolated=False)  # a bad salt is refused here, before any folder
     if earlier["load_share"] is not None and flags["prompt_salt"] in (None, "auto"):
         raise ValueError("--load-share: give every share the same --prompt-salt TEXT (or none): auto draws one per "

@@ -119,11 +119,11 @@ def summarize(run: EngineRun, m: CellMeasurement) -> CellRow:
     row.t_cell_start = m.t_cell_start
     row.requests_planned = m.cell.requests
     request_figures(row, m.load, m.engine_exit, m.log_tail)
-    windows = request_windows(results)
-    _kv(row, run, m, windows)
+    windows, n_served = request_windows(results), served(results)
+    _kv(row, run, m, windows, n_served)
     if m.queue_samples:  # the engine's queue: the KV boundary shows as requests waiting or preempted
         (row.requests_waiting_peak, row.requests_running_peak, row.preemptions,
-         row.queue_source) = queue_peaks(m.queue_samples, windows, m.queue_source, served(results))
+         row.queue_source) = queue_peaks(m.queue_samples, windows, m.queue_source, n_served)
     _memory(row, m)
     _per_gpu(row, run, m)
     _queued_first(row, m)
@@ -188,7 +188,7 @@ def max_overlap(windows: list[tuple[float, float]]) -> int:
     return most
 
 
-def _kv(row: CellRow, run: EngineRun, m: CellMeasurement, windows) -> None:
+def _kv(row: CellRow, run: EngineRun, m: CellMeasurement, windows, n_served: int) -> None:
     """KV predicted from the config, the engine's pool, and the peak in use."""
     w = run.workload
     row.kv_dtype = m.kv_dtype
@@ -213,7 +213,7 @@ def _kv(row: CellRow, run: EngineRun, m: CellMeasurement, windows) -> None:
     row.kv_bytes_peak_predicted = held * per_sequence if per_sequence is not None else None
     peak = m.kv_peak
     if peak is None and m.kv_samples:
-        best, row.kv_in_use_source = polled_kv_peak(m.kv_samples, windows, m.kv_source, served(m.load.results))
+        best, row.kv_in_use_source = polled_kv_peak(m.kv_samples, windows, m.kv_source, n_served)
         if best is not None:
             row.kv_in_use_peak_bytes, row.kv_in_use_peak_tokens = best.kv_bytes_in_use, best.kv_tokens_in_use
     elif peak is not None:
@@ -359,15 +359,15 @@ def served(results: list[RequestResult]) -> int:
     return sum(1 for r in results if r.chunk_times)
 
 
-def _blind_spot(samples, windows: list[tuple[float, float]], n_served: int, source: str | None, what: str):
+def _blind_spot(samples, windows: list[tuple[float, float]], n_served: int, source: str | None, missed: str):
     """Why polls that read nothing are no measurement, or None when their zero stands: none of them fell
     while a request was in flight, or the engine served requests (so it held them, and their KV) and no
     poll saw it: a gauge behind the engine, a starved poller, or requests shorter than the poll period."""
     if not polls_during(samples, windows):
         return f"not measured: none of {len(samples)} polls of {source} fell while a request was in flight"
     if n_served:
-        return (f"not measured: none of {len(samples)} polls of {source} {what.format(n=n_served)} (a gauge "
-                "behind the engine, a starved poller, or requests shorter than the poll period)")
+        return (f"not measured: none of {len(samples)} polls of {source} {missed} (a gauge behind the engine, "
+                "a starved poller, or requests shorter than the poll period)")
     return None
 
 
@@ -380,7 +380,7 @@ def queue_peaks(samples: list[QueueSample], windows: list[tuple[float, float]], 
     running = [q.running for q in samples if q.running is not None]
     preempted = [q.preemptions for q in samples if q.preemptions is not None]
     preemptions = preempted[-1] - preempted[0] if preempted else None
-    blind = (_blind_spot(samples, windows, n_served, source, "saw the cell's {n} served requests")
+    blind = (_blind_spot(samples, windows, n_served, source, f"saw the cell's {n_served} served requests")
              if windows and not any(running) and not any(waiting) else None)
     if blind:
         return None, None, preemptions, blind
@@ -393,7 +393,8 @@ def polled_kv_peak(samples: list[KVSample], windows: list[tuple[float, float]], 
     """The largest polled "KV in use" of a cell and how it was found, or None when every poll read nothing
     and that zero is the polls' blind spot (see _blind_spot), not a measurement."""
     best = max(samples, key=lambda s: s.kv_bytes_in_use or 0)
-    blind = (_blind_spot(samples, windows, n_served, source, "read the KV of the cell's {n} served requests")
+    blind = (_blind_spot(samples, windows, n_served, source,
+                         f"read the KV of the cell's {n_served} served requests")
              if not best.kv_bytes_in_use and windows else None)
     if blind:
         return None, blind

@@ -114,18 +114,22 @@ class StateProcs(dict):
         return [(int(text[0]), int(text[1]))] if text else []
 
 
-@pytest.fixture
-def fake_gpu(tmp_path, monkeypatch):
+def fake_nvml(tmp_path, monkeypatch, procs_class=StateProcs):
+    """A fake H200 whose compute processes are what the fake probe writes: (its NVML, its processes)."""
     state = tmp_path / "gpu_state"
     monkeypatch.setenv("FAKE_GPU_STATE", str(state))
-    procs = StateProcs(state)
+    procs = procs_class(state)
 
     def used(t):
         return 2 * GiB + sum(b for _, b in procs.items())  # 2 GiB held by someone else
 
-    nvml = NVML(module=FakeNVML([FakeDevice(total=141 * GiB, used=used, compute=procs)]))
     (tmp_path / "logs").mkdir()
-    return nvml, tmp_path
+    return NVML(module=FakeNVML([FakeDevice(total=141 * GiB, used=used, compute=procs)])), procs
+
+
+@pytest.fixture
+def fake_gpu(tmp_path, monkeypatch):
+    return fake_nvml(tmp_path, monkeypatch)[0], tmp_path
 
 
 def test_check_sampler_end_to_end(fake_gpu):
@@ -161,12 +165,7 @@ class StallingProcs(StateProcs):
 def test_a_sample_that_reads_after_the_allocation_is_not_the_ready_baseline(tmp_path, monkeypatch):
     """Once on busy cores (2026-12-05) the sampled delta read 0 over a held 4 GiB: the baseline was the last
     sample stamped before go(), and that sample had read the allocation."""
-    state = tmp_path / "gpu_state"
-    monkeypatch.setenv("FAKE_GPU_STATE", str(state))
-    procs = StallingProcs(state)
-    nvml = NVML(module=FakeNVML([FakeDevice(total=141 * GiB, used=lambda t: 2 * GiB + sum(b for _, b in procs.items()),
-                                            compute=procs)]))
-    (tmp_path / "logs").mkdir()
+    nvml, procs = fake_nvml(tmp_path, monkeypatch, StallingProcs)
     row = gc.check_sampler(nvml, sys.executable, 4 * GiB, gc.Budget(60), tmp_path / "logs", script=FAKE_PROBE)
     assert procs.stalled.is_set()
     assert row["sampled_device_delta_bytes"] == row["sampled_process_delta_bytes"] == 4 * GiB, row
