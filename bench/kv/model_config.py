@@ -276,7 +276,9 @@ def _transformers():
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     import transformers
 
-    transformers.logging.set_verbosity_error()  # its deprecation notes on old config fields are not the user's concern
+    # its deprecation notes on old config fields are not the user's concern, and an error it logs is raised too
+    # and said by kvbench in one line (a Falcon config with head_dim 0 printed the whole config to stderr first)
+    transformers.logging.set_verbosity(transformers.logging.CRITICAL)
     return transformers
 
 

@@ -315,3 +315,19 @@ def test_wrong_typed_fields_are_one_line_and_exit_2(tmp_path, key, value, words)
 
 def test_the_mutations_draw_from_the_whole_corpus():
     assert len(CORPUS) >= 30  # tests/data/configs: the real public configs of corpus.toml
+
+
+def test_a_field_the_class_cannot_take_is_one_line_on_stderr(tmp_path):
+    """Hypothesis found it: FalconConfig computes head_dim, and a file's ``head_dim: 0`` made transformers log
+    the whole config (46 lines, at its ERROR level) before it raised. As a user runs it, in a process of its
+    own: exit 2 and the one line naming the field."""
+    import subprocess
+    import sys
+
+    raw = json.loads((DATA / "configs" / "falcon-40b.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "head_dim": 0}))
+    proc = subprocess.run([sys.executable, "-m", "kvbench.cli", "plan", str(tmp_path / "config.json"), "-n", "4k"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("error: ") and "head_dim" in line, proc.stderr
