@@ -33,7 +33,8 @@ ENGINE_TIMEOUT_S = 1200
 ENGINE_MODULES = "_engines.py"
 # Tests whose verdicts rest on wall-clock time (a 10 % slower mock engine caught by `kvbench compare`, load
 # workers ended within seconds, an open loop's sends within 20 ms of schedule (84 ms late once beside other
-# tests), TTFTs of a split load set against one process's, a salted run's TTFTs set
+# tests), the client bench's mock sending within 5 ms of its schedule (14 ms late beside eight test workers),
+# TTFTs of a split load set against one process's, a salted run's TTFTs set
 # against a cold one's, the smoke runs' KV read from /metrics in time: beside other tests vLLM's API server
 # answered too late and its KV read 0 in use; two vLLM replicas' KV peaks through a real Prometheus: beside
 # other tests Prometheus scraped nothing for 4.5 s of a 5 s decode, its DCGM scrape taking 4.4 s) run
@@ -47,6 +48,7 @@ QUIET_TESTS = (
     "tests/load/test_workers.py::test_a_cancelled_load_ends_its_workers_at_once",
     "tests/load/test_workers.py::test_a_killed_harness_takes_its_load_workers_with_it",
     "tests/load/test_profiles.py::test_open_loop_sends_on_schedule_when_the_engine_keeps_up",
+    "tests/selfcheck/test_client_bench.py::test_mock_records_pair_with_client_timings",
     "tests/run/test_merge.py", "tests/run/test_prefix_cache_engines.py", "tests/backends/test_smoke_engines.py",
     "tests/run/test_telemetry_engines.py::test_a_deployment_of_two_vllm_replicas_with_prometheus_and_dcgm",
 )
@@ -63,10 +65,12 @@ def is_quiet(nodeid: str) -> bool:
 
 
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (pyproject.toml's addopts): two workers per core. Much of the suite waits (stand-in servers'
-    timers, stalls, processes that must die): on a quiet 2-core machine `pytest -m "not engine"` took 4 min
-    35 s with four workers against 6 min 20 s with two (the quiet tests alone either way)."""
-    return 2 * (os.cpu_count() or 1)
+    """`-n auto` (pyproject.toml's addopts): three workers per core. Much of the suite waits (stand-in
+    servers' timers, stalls, processes that must die, a guard's 5 s grace), and with four workers on 2 cores
+    the cores went half idle whenever those modules ran together. On a quiet 2-core machine `pytest -m "not
+    engine"` took 3 min 25 s with six workers, 3 min 38-40 s with four, 3 min 36 s with eight (two timing
+    tests failing), and 6 min 20 s with two (the quiet tests alone in each)."""
+    return 3 * (os.cpu_count() or 1)
 
 
 def pytest_xdist_make_scheduler(config, log):

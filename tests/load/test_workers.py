@@ -82,11 +82,12 @@ def test_open_loop_on_two_workers_keeps_the_schedule(tmp_path):
         backend = attached(tmp_path, fake)
         load, before, after = drive(backend, prompts, LoadPoint("constant", None, rate), 2)
     check_requests(load, prompts, before, after, 4)
-    # every request kept its place in the one schedule of the cell, whichever worker sent it (on the parent's
-    # clock: each worker's offset to it is measured, to within microseconds here)
+    # every request kept its place in the one schedule of the cell (25 ms apart), whichever worker sent it (on
+    # the parent's clock: each worker's offset to it is measured, to microseconds on a quiet machine and to
+    # 0.1-0.3 ms beside eight test workers on two cores)
     due = {r.request_id: r.t_scheduled - load.t_start for r in load.results}
     expected = constant.Constant.arrival_offsets(n, rate)
-    assert np.allclose([due[f"r{i}"] for i in range(n)], expected, atol=1e-4)
+    assert np.allclose([due[f"r{i}"] for i in range(n)], expected, atol=2e-3)
     assert len(load.send_lags) == n and load.offered_request_rate == rate
     for r in load.results:
         # none left before its time, give or take the event loop's timer (uvloop's round to 1 ms: the

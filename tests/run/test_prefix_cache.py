@@ -298,11 +298,13 @@ def test_compare_leaves_out_a_cell_warm_on_one_side_and_cold_on_the_other(tmp_pa
 def test_the_reports_show_the_prefix_cache_or_say_it_was_not_recorded(tmp_path):
     from kvbench import reports
 
-    md, _, _ = reports.write([PUBLISHED], output=tmp_path / "report.md")
+    # the tables' subject: no plots (tests/reports/ check those)
+    md, _, _ = reports.write([PUBLISHED], output=tmp_path / "report.md", plots=False)
     text = md.read_text()
     assert "| vllm-0.32.0 | prefix_caching=on | 2048 | 4 | warm | 87.5% | 87.5% | 14,336 / 16,384 |" in text
     assert "| 73.12 MiB | 73.12 MiB |" in text
-    old, _, _ = reports.write([PUBLISHED.parent / "20261129-vllm-upgrade-cpu"], output=tmp_path / "old.md")
+    old, _, _ = reports.write([PUBLISHED.parent / "20261129-vllm-upgrade-cpu"], output=tmp_path / "old.md",
+                           plots=False)
     assert "Not recorded: the run is from before kvbench recorded the prefix cache" in old.read_text()
 
 
