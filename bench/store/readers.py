@@ -255,8 +255,7 @@ def normalize_dtypes(frame: pd.DataFrame, model: type[BaseModel]) -> pd.DataFram
             columns[col] = series.astype(dtype)
     order = [c for c in dtypes if c in model.model_fields] + \
         [c for c in [*frame.columns, *(c for c in dtypes if c not in frame.columns)] if c not in model.model_fields]
-    rest = {c: frame[c].copy() for c in order if c not in columns}
-    out = pd.DataFrame({c: columns[c] if c in columns else rest[c] for c in order}, index=frame.index)
+    out = pd.DataFrame({c: columns[c] if c in columns else frame[c].copy() for c in order}, index=frame.index)
     out.attrs = copy.deepcopy(frame.attrs)
     return out
 
