@@ -53,13 +53,12 @@ def check_cold_then_warm(first, salted, again, warm_at_least):
         assert (cells.prefix_cache_expected == "cold").all()
         assert (cells.prefix_cache_hit_rate < 0.01).all(), cells.prefix_cache_hit_rate.tolist()
     assert load_run_info(a)["prompt_salt"]["value"] is None and load_run_info(b)["prompt_salt"]["value"]
-    # no saving from a cache: the salted run's fastest TTFT not below 0.85 of the first run's. Not a rank test:
+    # no saving from a cache: the salted run's TTFT median not below 0.85 of the first run's. Not a rank test:
     # runs of one server differ by a few % on some machines (2.45 s against 2.35 s on every request), a shift a
     # rank test of 6 against 6 calls significant; one-sided, as a busy machine slows either run and only a
-    # cache makes one faster (tens of %: the warm run below). The fastest, as a busy machine slows some
-    # requests and a cache speeds up every one: beside a busy core vLLM's TTFTs of one prompt ranged 0.11-0.28 s
-    # and the medians of two cold runs differed by up to 36 %, their fastest by 9 %.
-    ratio = min(ttfts(b)) / min(ttfts(a))
+    # cache makes one faster (tens of %: the warm run below). Not the fastest request: llama.cpp prefills the two
+    # of a pair in one batch (4.0 s each beside a busy core), and one sent late, alone, took 2.2 s.
+    ratio = statistics.median(ttfts(b)) / statistics.median(ttfts(a))
     assert ratio > 0.85, (ttfts(a), ttfts(b))
     assert (cells_d.prefix_cache_hit_rate >= warm_at_least).all(), cells_d.prefix_cache_hit_rate.tolist()
     assert (cells_d.status == "flagged").all()
