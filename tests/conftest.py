@@ -68,8 +68,9 @@ def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject.toml's addopts): three workers per core. Much of the suite waits (stand-in
     servers' timers, stalls, processes that must die, a guard's 5 s grace), and with four workers on 2 cores
     the cores went half idle whenever those modules ran together. On a quiet 2-core machine `pytest -m "not
-    engine"` took 3 min 25-37 s with six workers, 3 min 38-40 s with four, 3 min 36 s with eight (two
-    timing tests failing), and 6 min 20 s with two (the quiet tests alone in each)."""
+    engine"` took 3 min 12 s with six workers against 3 min 18 s with four (6 min 20 s with two, an older
+    suite); beside a process keeping one core busy, six took 3 min 25-37 s, four 3 min 38-40 s, and eight 3 min
+    36 s with two timing tests failing (the quiet tests alone in each)."""
     return 3 * (os.cpu_count() or 1)
 
 
