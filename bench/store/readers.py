@@ -242,15 +242,11 @@ def normalize_dtypes(frame: pd.DataFrame, model: type[BaseModel]) -> pd.DataFram
         if col in lists:  # a Parquet copy gives numpy arrays where the JSONL record has lists
             columns[col] = series.map(lambda v: v.tolist() if hasattr(v, "tolist") and not isinstance(v, str) else v)
         elif dtype == "object":
-            values = series.to_numpy(dtype=object, copy=True)
-            values[pd.isna(values)] = None
-            columns[col] = pd.Series(values, index=frame.index, dtype="object")
+            columns[col] = _none_for_missing(series)
         elif dtype in ("float64", "Int64") and series.dtype == dtype:
             columns[col] = series.copy()
         elif dtype in ("float64", "Int64"):
-            values = series.to_numpy(dtype=object, copy=True)
-            values[pd.isna(values)] = None
-            columns[col] = pd.to_numeric(pd.Series(values, index=frame.index), errors="coerce").astype(dtype)
+            columns[col] = pd.to_numeric(_none_for_missing(series), errors="coerce").astype(dtype)
         else:
             columns[col] = series.astype(dtype)
     order = [c for c in dtypes if c in model.model_fields] + \
@@ -258,6 +254,13 @@ def normalize_dtypes(frame: pd.DataFrame, model: type[BaseModel]) -> pd.DataFram
     out = pd.DataFrame({c: columns[c] if c in columns else frame[c].copy() for c in order}, index=frame.index)
     out.attrs = copy.deepcopy(frame.attrs)
     return out
+
+
+def _none_for_missing(series: pd.Series) -> pd.Series:
+    """``series`` as Python objects, None wherever pandas sees a missing value (NaN, NaT, <NA>)."""
+    values = series.to_numpy(dtype=object, copy=True)
+    values[pd.isna(values)] = None
+    return pd.Series(values, index=series.index, dtype="object")
 
 
 @functools.cache

@@ -4,6 +4,8 @@ given to `kvbench plan` as a user would: exit 0 with an answer made of the file'
 the MLP width behind the weights, the vocabulary, the limit) or naming what is not (NOT VERIFIED, weights
 unknown, no model limit), or exit 2 with one line; never a traceback, never a class default taken silently."""
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -321,9 +323,6 @@ def test_a_field_the_class_cannot_take_is_one_line_on_stderr(tmp_path):
     """Hypothesis found it: FalconConfig computes head_dim, and a file's ``head_dim: 0`` made transformers log
     the whole config (46 lines, at its ERROR level) before it raised. As a user runs it, in a process of its
     own: exit 2 and the one line naming the field."""
-    import subprocess
-    import sys
-
     raw = json.loads((DATA / "configs" / "falcon-40b.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**raw, "head_dim": 0}))
     proc = subprocess.run([sys.executable, "-m", "kvbench.cli", "plan", str(tmp_path / "config.json"), "-n", "4k"],

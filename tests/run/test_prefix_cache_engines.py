@@ -88,7 +88,7 @@ WORKLOAD = Workload(name="cache", seed=7, prompt_tokens=[384], output_tokens=4, 
 # vLLM on CPU prefills one of two such prompts per step: at 2 at a time, a TTFT is one prefill or two (0.12-0.17 s
 # or 0.23-0.26 s), and a run's median turns on how many of each it drew (a cold run's ratio to another cold run
 # of 0.82 in CI). One at a time, every TTFT is one prefill.
-ONE_AT_A_TIME = WORKLOAD.model_copy(update={"concurrency": [1], "rounds": 6})
+WORKLOAD_ONE_AT_A_TIME = WORKLOAD.model_copy(update={"concurrency": [1], "rounds": 6})
 
 
 def test_vllm_attached_twice_salted_is_cold_and_unsalted_is_served_from_the_cache(tmp_path, smollm2):
@@ -102,7 +102,8 @@ def test_vllm_attached_twice_salted_is_cold_and_unsalted_is_served_from_the_cach
     try:
         backend = f"vllm:url={server.base_url}"
         first, salted, again, (before, after) = three_runs(
-            tmp_path, ONE_AT_A_TIME, backend, lambda: server.capabilities.prefix_cache.counters(server, server.http))
+            tmp_path, WORKLOAD_ONE_AT_A_TIME, backend,
+            lambda: server.capabilities.prefix_cache.counters(server, server.http))
         # vLLM has cache_salt: the salted run sent the first run's tokens, kept apart by the field alone
         assert load_run_info(salted[0])["prompt_salt"]["in_tokens"] is False
         warm = check_cold_then_warm(first, salted, again, warm_at_least=0.66)
@@ -113,7 +114,7 @@ def test_vllm_attached_twice_salted_is_cold_and_unsalted_is_served_from_the_cach
         assert after.hit_tokens - before.hit_tokens >= warm.prefix_cache_hit_tokens.sum()
         assert after.queried_tokens - before.queried_tokens >= warm.prefix_cache_query_tokens.sum()
         # a reset between cells empties the cache: the same unsalted prompts are cold again
-        _, reset, _ = attached_run(tmp_path, ONE_AT_A_TIME, backend, "none-reset", prompt_salt="none",
+        _, reset, _ = attached_run(tmp_path, WORKLOAD_ONE_AT_A_TIME, backend, "none-reset", prompt_salt="none",
                                    reset_cache_between_cells=True)
         assert (reset.prefix_cache_hit_rate == 0).all() and (reset.status == "ok").all()
     finally:
