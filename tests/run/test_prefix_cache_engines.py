@@ -56,16 +56,15 @@ def check_cold_then_warm(first, salted, again, warm_at_least):
     # no saving from a cache: the salted run's TTFT median not below 0.85 of the first run's. Not a rank test:
     # runs of one server differ by a few % on some machines (2.45 s against 2.35 s on every request), a shift a
     # rank test of 6 against 6 calls significant; one-sided, as a busy machine slows either run and only a
-    # cache makes one faster (tens of %: the warm run below). Not the fastest request: llama.cpp prefills the two
-    # of a pair in one batch (4.0 s each beside a busy core), and one sent late, alone, took 2.2 s.
+    # cache makes one faster (tens of %: the warm run below).
     ratio = statistics.median(ttfts(b)) / statistics.median(ttfts(a))
     assert ratio > 0.85, (ttfts(a), ttfts(b))
     assert (cells_d.prefix_cache_hit_rate >= warm_at_least).all(), cells_d.prefix_cache_hit_rate.tolist()
     assert (cells_d.status == "flagged").all()
     assert all(f[0].startswith("prefix cache hit on a cell meant cold") for f in cells_d["flags"])
     assert "prefix cache hit on a cell meant cold" in console_d
-    # served from the cache: the unsalted run's median TTFT, again, below the first run's fastest
-    assert statistics.median(ttfts(d)) < min(ttfts(a)), (ttfts(a), ttfts(d))
+    # served from the cache: every TTFT of the unsalted run again below the first run's median
+    assert max(ttfts(d)) < sorted(ttfts(a))[len(ttfts(a)) // 2], (ttfts(a), ttfts(d))
     # kvbench compare: the salted run is no TTFT change from the first; the warm one is not compared with it
     same = compared(a, b)
     assert not {m["verdict"] for c in same["cells"] for m in c["metrics"] if m["metric"].startswith("ttft")} \
@@ -85,10 +84,6 @@ def compared(baseline, candidate) -> dict:
 # 384-token prompts: three of vLLM's 128-token CPU blocks; 6 requests, 2 at a time, 4 output tokens
 WORKLOAD = Workload(name="cache", seed=7, prompt_tokens=[384], output_tokens=4, concurrency=[2], rounds=3,
                     warmup_requests=1)
-# vLLM on CPU prefills one of two such prompts per step: at 2 at a time, a TTFT is one prefill or two (0.12-0.17 s
-# or 0.23-0.26 s), and a run's median turns on how many of each it drew (a cold run's ratio to another cold run
-# of 0.82 in CI). One at a time, every TTFT is one prefill.
-WORKLOAD_ONE_AT_A_TIME = WORKLOAD.model_copy(update={"concurrency": [1], "rounds": 6})
 
 
 def test_vllm_attached_twice_salted_is_cold_and_unsalted_is_served_from_the_cache(tmp_path, smollm2):
@@ -102,8 +97,7 @@ def test_vllm_attached_twice_salted_is_cold_and_unsalted_is_served_from_the_cach
     try:
         backend = f"vllm:url={server.base_url}"
         first, salted, again, (before, after) = three_runs(
-            tmp_path, WORKLOAD_ONE_AT_A_TIME, backend,
-            lambda: server.capabilities.prefix_cache.counters(server, server.http))
+            tmp_path, WORKLOAD, backend, lambda: server.capabilities.prefix_cache.counters(server, server.http))
         # vLLM has cache_salt: the salted run sent the first run's tokens, kept apart by the field alone
         assert load_run_info(salted[0])["prompt_salt"]["in_tokens"] is False
         warm = check_cold_then_warm(first, salted, again, warm_at_least=0.66)
@@ -114,7 +108,7 @@ def test_vllm_attached_twice_salted_is_cold_and_unsalted_is_served_from_the_cach
         assert after.hit_tokens - before.hit_tokens >= warm.prefix_cache_hit_tokens.sum()
         assert after.queried_tokens - before.queried_tokens >= warm.prefix_cache_query_tokens.sum()
         # a reset between cells empties the cache: the same unsalted prompts are cold again
-        _, reset, _ = attached_run(tmp_path, WORKLOAD_ONE_AT_A_TIME, backend, "none-reset", prompt_salt="none",
+        _, reset, _ = attached_run(tmp_path, WORKLOAD, backend, "none-reset", prompt_salt="none",
                                    reset_cache_between_cells=True)
         assert (reset.prefix_cache_hit_rate == 0).all() and (reset.status == "ok").all()
     finally:
