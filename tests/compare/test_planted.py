@@ -5,7 +5,9 @@ Speed (issue 13's acceptance): a mock engine 10 % slower is caught at the repeat
 interleaved), and an unchanged one is not flagged. The mock engines are tests/fakes/openai_server.py servers
 whose every token (the first too) takes ``token_delay_s``: 10 ms against 11 ms is a 10 % slower engine, TTFT
 and ITL alike (the harness's own overhead is well under a millisecond a token). The servers are not probed: they
-are declared to take token ids and ignore_eos, so each repeat's session is its warm-up and its five requests.
+are declared to take token ids and ignore_eos, and have no warm-up: each repeat's session is its five requests of two
+tokens (with a warm-up of 8 tokens and four tokens a request, the fixture took 11 s instead of 5; without them
+the 10 % engine's TTFT interval still started above +8 % in five runs, two of them beside a busy core).
 The baseline, the slower engine and an unchanged copy of the baseline run in one interleaved run (ABC CBA ABC
 ...), which compare reads as paired repeats of whichever two it is given.
 
@@ -33,11 +35,10 @@ WORKLOAD = """name = "planted"
 description = "one short rung, five requests a cell: for compare's acceptance test"
 seed = 3
 prompt_tokens = [64]
-output_tokens = 4
+output_tokens = 2
 concurrency = [1]
 rounds = 5
-warmup_requests = 1
-warmup_prompt_tokens = 32
+warmup_requests = 0
 """
 # each engine's token time: the baseline, one 10 % slower, and the baseline again (unchanged)
 TOKEN_DELAYS_S = {"baseline": 0.010, "10%-slower": 0.011, "unchanged": 0.010}
