@@ -3,6 +3,7 @@ once, from more than one process, chunk times on the parent's clock and inside t
 open-loop schedule kept exactly."""
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
 import time
@@ -205,23 +206,31 @@ def test_a_cancelled_load_ends_its_workers_at_once(tmp_path):
     import asyncio
     import multiprocessing
 
+    import psutil
+
     prompts = [prompt(8, 1000, f"r{i}") for i in range(4)]
     with FakeOpenAI(token_delay_s=0.01) as fake:
         backend = attached(tmp_path, fake)
 
-        async def cancel_soon():
+        def streaming(p: multiprocessing.Process) -> bool:
+            with contextlib.suppress(psutil.Error):
+                return any(c.raddr and c.raddr.port == fake.port for c in psutil.Process(p.pid).net_connections("tcp"))
+            return False
+
+        async def cancel_once_both_stream():
             task = asyncio.create_task(run(backend, prompts, LoadPoint("concurrent", 2), LoadSettings(60.0, workers=2)))
-            await asyncio.sleep(2.0)
+            deadline = time.monotonic() + 30
+            while not (len(children := multiprocessing.active_children()) == 2 and all(map(streaming, children))):
+                assert time.monotonic() < deadline and not task.done()
+                await asyncio.sleep(0.05)
             task.cancel()
             t = time.perf_counter()
             with pytest.raises(asyncio.CancelledError):
                 await task
             return time.perf_counter() - t
 
-        t0 = time.perf_counter()
-        asyncio.run(cancel_soon())
-        took = time.perf_counter() - t0
-    assert took < 6.0  # 2 s of load, then the workers ended (the requests alone would take 10 s)
+        took = asyncio.run(cancel_once_both_stream())
+    assert took < 4.0  # the workers ended (their requests alone would take 10 s)
     deadline = time.monotonic() + 5
     while multiprocessing.active_children() and time.monotonic() < deadline:
         time.sleep(0.1)
