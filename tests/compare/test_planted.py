@@ -69,9 +69,27 @@ def kvbench_compare(*args, json_file: Path) -> tuple[subprocess.CompletedProcess
     return proc, json.loads(json_file.read_text())
 
 
-def compare(run_dir: Path, baseline: str, candidate: str, json_file: Path):
-    return kvbench_compare(run_dir, "--baseline-backend", baseline, "--candidate-backend", candidate,
-                           json_file=json_file)
+@pytest.fixture(scope="module")
+def planted_compares(planted_run, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, dict]]:
+    """``kvbench compare`` of the baseline with each candidate, the two processes at once (one a core: the
+    planted tests run alone, so a second process would otherwise wait for nothing): candidate -> (the
+    process, the JSON it wrote)."""
+    run_dir, labels = planted_run
+    folder = tmp_path_factory.mktemp("compares")
+    procs = {}
+    for candidate in ("10%-slower", "unchanged"):
+        args = [run_dir, "--baseline-backend", labels["baseline"], "--candidate-backend", labels[candidate],
+                "--json", folder / f"{candidate}.json"]
+        procs[candidate] = (args, subprocess.Popen([sys.executable, "-m", "kvbench.cli", "compare", *map(str, args)],
+                                                   cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = {}
+    for candidate, (args, proc) in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        json_file = folder / f"{candidate}.json"
+        assert json_file.exists(), stdout + stderr
+        out[candidate] = (subprocess.CompletedProcess(args, proc.returncode, stdout, stderr),
+                          json.loads(json_file.read_text()))
+    return out
 
 
 def metric(result: dict, name: str) -> list[dict]:
@@ -91,10 +109,9 @@ INTERLEAVED = "interleaved run (run.json: interleaved)"  # bench/compare/runs.py
 
 @pytest.mark.parametrize("candidate, expected_exit", [("10%-slower", 1), ("unchanged", 0)],
                          ids=["10%-slower", "unchanged"])
-def test_compare_catches_a_planted_regression_and_passes_an_unchanged_engine(tmp_path, planted_run, candidate,
+def test_compare_catches_a_planted_regression_and_passes_an_unchanged_engine(planted_compares, candidate,
                                                                              expected_exit):
-    run_dir, labels = planted_run
-    proc, result = compare(run_dir, labels["baseline"], labels[candidate], tmp_path / "compare.json")
+    proc, result = planted_compares[candidate]
     # an unchanged engine is never a regression: unchanged (exit 0), or inconclusive (exit 3) where an interval
     # of the 10 pairs is still wider than its tolerance
     expected_exit = expected_exit or {"unchanged": 0, "inconclusive": 3}.get(result["verdict"], -1)
