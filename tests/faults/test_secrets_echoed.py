@@ -97,6 +97,21 @@ def pieces(secrets: set[str], n: int = 8) -> set[str]:
     return {f[i:i + n] for f in secrets for i in range(len(f) - n + 1)}
 
 
+# one cell of two requests at once (split over the two load workers where asked) and a warm-up: the server's
+# two kinds of error, each echoing (the smoke workload's four cells, each starting two workers, took 6 s of CPU)
+ONE_CELL = """name = "one-cell"
+seed = 7
+prompt_tokens = [128]
+output_tokens = 16
+warmup_requests = 1
+warmup_prompt_tokens = 32
+[load]
+profile = "concurrent"
+concurrency = [2]
+rounds = 1
+"""
+
+
 @pytest.mark.parametrize("how", ["api_key_env", "url_userinfo", "load_workers", "prometheus"])
 def test_a_server_echoing_the_credentials_puts_none_in_the_results_or_the_console(tmp_path, echoing, how):
     """``load_workers``: the key's echoes read in spawned load workers (--load-workers 2), which hold the
@@ -116,7 +131,9 @@ def test_a_server_echoing_the_credentials_puts_none_in_the_results_or_the_consol
         backend = f"openai:url=http://{echoing}"
         secrets = forms(PASSWORD) | forms(f"{USER}:{PASSWORD}") | {userinfo}
         extra = ["--prometheus", f"http://{userinfo}@{echoing}"]
-    proc = subprocess.run([sys.executable, "-m", "kvbench.cli", "run", "-b", backend, "--workload", "smoke",
+    (tmp_path / "one_cell.toml").write_text(ONE_CELL)
+    proc = subprocess.run([sys.executable, "-m", "kvbench.cli", "run", "-b", backend, "--workload",
+                           str(tmp_path / "one_cell.toml"),
                            "--results-dir", str(tmp_path), "--run-id", "run", "--request-timeout", "20",
                            "--start-timeout", "20", "--allow-model-mismatch", *extra], cwd=REPO, env=env,
                           capture_output=True, timeout=600)
