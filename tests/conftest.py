@@ -74,20 +74,48 @@ def pytest_xdist_auto_num_workers(config):
     return 3 * (os.cpu_count() or 1)
 
 
+def scope_of(nodeid: str) -> str:
+    """The unit of work a test belongs to: the engine modules together, the quiet tests together, else its
+    module."""
+    module = module_of(nodeid)
+    return ENGINES if module.endswith(ENGINE_MODULES) else QUIET if is_quiet(nodeid) else module
+
+
+# Each test's seconds (setup, call and teardown) in the last session that ran it, in pytest's cache
+# (.pytest_cache/): the scheduler hands out the longest units first. xdist's own order, the most tests first,
+# handed a module that mostly waits (a 10 s stall, a guard's grace) out late, and the quiet tests, which run
+# when every other test has ended, waited for it alone.
+TEST_SECONDS_KEY = "kvbench/test_seconds"
+UNKNOWN_TEST_S = 1.0  # a test not in the cache (new, or a first session) counts as this long
+TEST_SECONDS: dict[str, float] = {}  # this session's, summed over the phases
+
+
+def unit_seconds(tests, known: dict[str, float]) -> float:
+    return sum(known.get(test, UNKNOWN_TEST_S) for test in tests)
+
+
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
-    class EnginesTogetherQuietLast(LoadScopeScheduling):
+    known = config.cache.get(TEST_SECONDS_KEY, {}) if getattr(config, "cache", None) else {}
+
+    class EnginesTogetherLongestFirstQuietLast(LoadScopeScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
-            module = module_of(nodeid)
-            return ENGINES if module.endswith(ENGINE_MODULES) else QUIET if is_quiet(nodeid) else module
+            return scope_of(nodeid)
 
         def _assign_work_unit(self, node) -> None:
+            if known and not self.ordered:
+                self.ordered = True
+                units = sorted(self.workqueue.items(), key=lambda unit: -unit_seconds(unit[1], known))
+                self.workqueue.clear()
+                self.workqueue.update(units)
             if QUIET in self.workqueue and len(self.workqueue) > 1:
                 self.workqueue.move_to_end(QUIET)
             super()._assign_work_unit(node)
 
-    return EnginesTogetherQuietLast(config, log)
+    return EnginesTogetherLongestFirstQuietLast(config, log)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -156,6 +184,7 @@ SKIPS: list[tuple[str, str]] = []  # (node id, reason) of every skip of this ses
 def pytest_runtest_logreport(report):
     if report.skipped and not hasattr(report, "wasxfail"):
         SKIPS.append((report.nodeid, _skip_reason(report)))
+    TEST_SECONDS[report.nodeid] = TEST_SECONDS.get(report.nodeid, 0.0) + report.duration
 
 
 def pytest_collectreport(report):
@@ -188,6 +217,10 @@ def unexpected_skips(skips: list[tuple[str, str]], expected: list[tuple[str, str
 
 
 def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    if TEST_SECONDS and getattr(config, "cache", None) and not hasattr(config, "workerinput"):  # the controller
+        config.cache.set(TEST_SECONDS_KEY, {**config.cache.get(TEST_SECONDS_KEY, {}),
+                                            **{test: round(s, 3) for test, s in TEST_SECONDS.items()}})
     if session.config._kvbench_expected_skips is None:
         return
     path, expected = session.config._kvbench_expected_skips
