@@ -115,6 +115,17 @@ def pytest_xdist_make_scheduler(config, log):
                 self.workqueue.move_to_end(QUIET)
             super()._assign_work_unit(node)
 
+        def _reschedule(self, node) -> None:
+            # xdist ends a worker as soon as nothing is left to hand out, while the quiet tests still run: its
+            # session's teardown and its interpreter's exit were load beside them (once the planted regression's
+            # TTFT read as inconclusive). Every worker now waits for the last test, then all end.
+            if self.workqueue or node.shutting_down:
+                return super()._reschedule(node)
+            if not any(self._pending_of(work) for work in self.assigned_work.values()):
+                for each in self.nodes:
+                    if not each.shutting_down:
+                        each.shutdown()
+
     return EnginesTogetherLongestFirstQuietLast(config, log)
 
 
