@@ -251,6 +251,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                               "skip there with its reason", red=True)
 
 
+@pytest.fixture(autouse=True)
+def held_secrets_end_with_their_test():
+    """A kvbench process masks every credential it was given until it ends (bench/common/redact.py); a test
+    worker runs many commands in-process, and one test's API key ("wrong") masked the word in the errors of
+    every later test on that worker. What a test holds is let go after it."""
+    from kvbench.common import redact
+
+    held = (set(redact._held), list(redact._values), redact._pattern)
+    yield
+    redact._held, redact._values, redact._pattern = held
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded model, prepared by `make test` (kvbench setup) before pytest runs."""
