@@ -53,11 +53,14 @@ def check_cold_then_warm(first, salted, again, warm_at_least):
         assert (cells.prefix_cache_expected == "cold").all()
         assert (cells.prefix_cache_hit_rate < 0.01).all(), cells.prefix_cache_hit_rate.tolist()
     assert load_run_info(a)["prompt_salt"]["value"] is None and load_run_info(b)["prompt_salt"]["value"]
-    # no saving from a cache: the salted run's TTFT median not below 0.85 of the first run's. Not a rank test:
-    # runs of one server differ by a few % on some machines (2.45 s against 2.35 s on every request), a shift a
-    # rank test of 6 against 6 calls significant; one-sided, as a busy machine slows either run and only a
-    # cache makes one faster (tens of %: the warm run below).
-    ratio = statistics.median(ttfts(b)) / statistics.median(ttfts(a))
+    # no saving from a cache: the salted run's mean TTFT not below 0.85 of the first run's. The mean, not the
+    # median: vLLM on CPU prefills one of two prompts sent together per step, so a TTFT is one prefill or two
+    # (0.15-0.25 s or 0.30-0.37 s here), and a median of 6 moved with how many of each a run drew (0.82 of the
+    # first run's once, 4 and 2 against 3 and 3). Not a rank test: runs of one server differ by a few % on some
+    # machines (2.45 s against 2.35 s on every request), a shift a rank test of 6 against 6 calls significant;
+    # one-sided, as a busy machine slows either run and only a cache makes one faster (tens of %: the warm run
+    # below).
+    ratio = statistics.mean(ttfts(b)) / statistics.mean(ttfts(a))
     assert ratio > 0.85, (ttfts(a), ttfts(b))
     assert (cells_d.prefix_cache_hit_rate >= warm_at_least).all(), cells_d.prefix_cache_hit_rate.tolist()
     assert (cells_d.status == "flagged").all()
