@@ -49,4 +49,6 @@ def test_mock_records_pair_with_client_timings():
         assert r.prompt_tokens_reported == 4
         assert r.t_sent < rec["t_recv"] < rec["sends"][0]
         assert all(t >= s for t, s in zip(r.chunk_times, rec["sends"]))
-        assert abs(rec["sends"][0] - rec["t_first_due"]) < 0.005
+        # the mock (a process of its own) sent its first token when due: within 20 ms of its timer (5.05 ms late
+        # once, alone, on a fresh clone's loop); another clock would be seconds off
+        assert abs(rec["sends"][0] - rec["t_first_due"]) < 0.02
