@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
 import numpy as np
-from scipy import stats as st
 
 Verdict = Literal["regression", "improvement", "unchanged", "inconclusive", "not compared"]
 MIN_BOOTSTRAP_SAMPLES = 5  # fewer samples on a side give no bootstrap interval
@@ -50,11 +49,20 @@ class Interval:
     confidence: float
 
 
+def _scipy_stats():
+    """scipy.stats, imported when an interval is first computed: importing it took 0.7 s of CPU, paid by every
+    process that imports the compare or report modules without computing one (a refused command, a test
+    worker collecting the suite)."""
+    from scipy import stats
+
+    return stats
+
+
 def t_quantile(p: float, df: float) -> float:
     """The p-quantile of Student's t (scipy.stats.t)."""
     if not 0 < p < 1:
         raise ValueError("p must be in (0, 1)")
-    return float(st.t.ppf(p, df))
+    return float(_scipy_stats().t.ppf(p, df))
 
 
 def _clean(values: Sequence[float]) -> np.ndarray:
@@ -78,7 +86,7 @@ def welch_log_interval(baseline: np.ndarray, candidate: np.ndarray, confidence: 
     d = lc.mean(axis=-1) - lb.mean(axis=-1)
     with warnings.catch_warnings():  # identical repeats: scipy warns of its zero variance, the point is the answer
         warnings.simplefilter("ignore", RuntimeWarning)
-        ci = st.ttest_ind(lc, lb, axis=-1, equal_var=False).confidence_interval(confidence)
+        ci = _scipy_stats().ttest_ind(lc, lb, axis=-1, equal_var=False).confidence_interval(confidence)
     low, high = np.where(np.isnan(ci.low), d, ci.low), np.where(np.isnan(ci.high), d, ci.high)
     return np.expm1(d), np.expm1(low), np.expm1(high)
 
@@ -90,7 +98,7 @@ def paired_log_interval(baseline: np.ndarray, candidate: np.ndarray, confidence:
     d = (lc - lb).mean(axis=-1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        ci = st.ttest_rel(lc, lb, axis=-1).confidence_interval(confidence)
+        ci = _scipy_stats().ttest_rel(lc, lb, axis=-1).confidence_interval(confidence)
     low, high = np.where(np.isnan(ci.low), d, ci.low), np.where(np.isnan(ci.high), d, ci.high)
     return np.expm1(d), np.expm1(low), np.expm1(high)
 
@@ -138,7 +146,7 @@ def repeats_needed(log_sd: float, tolerance: float, confidence: float = 0.95, pa
     for n in range(2, max_repeats + 1):
         se = log_sd / math.sqrt(n) if paired else log_sd * math.sqrt(2 / n)
         df = n - 1 if paired else 2 * n - 2
-        if st.t.ppf(0.5 + confidence / 2, df) * se <= target:
+        if _scipy_stats().t.ppf(0.5 + confidence / 2, df) * se <= target:
             return n
     return None
 
@@ -161,7 +169,7 @@ def repeats_to_settle(log_sd: float, change: float, tolerance: float, confidence
     for n in range(2, max_repeats + 1):
         se = log_sd / math.sqrt(n) if paired else log_sd * math.sqrt(2 / n)
         df = n - 1 if paired else 2 * n - 2
-        if st.t.ppf(0.5 + confidence / 2, df) * se < margin:
+        if _scipy_stats().t.ppf(0.5 + confidence / 2, df) * se < margin:
             return n
     return None
 
@@ -198,7 +206,7 @@ def bootstrap_relative_change(baseline: Sequence[float], candidate: Sequence[flo
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.log(stat(sc, axis=axis)) - np.log(stat(sb, axis=axis))
 
-    res = st.bootstrap((b, c), log_ratio, n_resamples=n_boot, confidence_level=confidence, method="percentile",
+    res = _scipy_stats().bootstrap((b, c), log_ratio, n_resamples=n_boot, confidence_level=confidence, method="percentile",
                        vectorized=True, rng=np.random.default_rng(seed))
     low, high = res.confidence_interval
     if not (math.isfinite(low) and math.isfinite(high)):  # a resample with a zero statistic

@@ -17,7 +17,7 @@ import pandas as pd
 
 from kvbench.common.files import (NEW_FILE_MODE, OutputRefused, atomic_write_text, check_output, check_output_folder,
                                   kvbench_html, kvbench_markdown, kvbench_png)
-from kvbench.reports import findings, plots, prefix_cache, tables
+from kvbench.reports import findings, prefix_cache, tables
 from kvbench.store.errors import DamagedLinesWarning, ResultsReadError, ResultsWarning, ResultsWriteError
 from kvbench.store.readers import load, load_run_info, read_jsonl_rows
 from kvbench.store.writer import run_status
@@ -162,6 +162,8 @@ def _plot(draw, path: Path, *args) -> bool:
 def make_plots(run_dirs: list[Path], agg: pd.DataFrame, folder: Path) -> list[Figure]:
     """Every plot (kvbench.reports.plots.report_figures, each written through :func:`_plot`), each placed
     under the table it illustrates."""
+    from kvbench.reports import plots  # matplotlib: 0.2-0.7 s of import, for the reports that plot
+
     requests = load(run_dirs, what="requests")
     return [Figure(title, path, section)
             for section, title, path in plots.report_figures(run_dirs, agg, requests, folder, draw=_plot)]
