@@ -1,7 +1,10 @@
 """Token-exact prompts from the embedded model's tokenizer."""
+import json
+import os
+
 import pytest
 
-from kvbench.workloads import WorkloadError, load
+from kvbench.workloads import WorkloadError, load, prompts
 from kvbench.workloads.prompts import PromptBuilder
 
 
@@ -28,6 +31,63 @@ def test_no_special_tokens(builder):
     special = {t for t in builder.tokenizer.get_added_tokens_decoder()}
     p = builder.build(4000, seed=3, request_id="s", output_tokens=8)
     assert not special & set(p.token_ids)
+
+
+@pytest.fixture
+def words_found(smollm2, tmp_path, monkeypatch):
+    """A builder of the embedded tokenizer's prompts as a new process makes it (no words found in this one yet),
+    KVBENCH_HOME in tmp_path, and the list of times it found the words itself."""
+    monkeypatch.setenv("KVBENCH_HOME", str(tmp_path / "home"))
+    found, find = [], PromptBuilder._find_words
+    monkeypatch.setattr(PromptBuilder, "_find_words", lambda self: found.append(1) or find(self))
+
+    def new_process_builder() -> PromptBuilder:
+        monkeypatch.setattr(prompts, "_WORDS_BY_TOKENIZER", {})
+        return PromptBuilder(smollm2.hf_dir / "tokenizer.json")
+
+    return new_process_builder, found
+
+
+def test_the_words_found_are_kept_for_the_next_process(words_found):
+    new_process_builder, found = words_found
+    first = new_process_builder()
+    prompt = first.build(3000, seed=1, request_id="a", output_tokens=8)
+    assert found == [1] and first._words_file.is_file()
+    second = new_process_builder()
+    assert second.build(3000, seed=1, request_id="a", output_tokens=8) == prompt
+    assert found == [1] and (second.word_ids == first.word_ids).all()
+
+
+@pytest.mark.parametrize("damage", ["two words swapped", "another tokenizers library", "not json", "a fifo"])
+def test_kept_words_that_are_not_true_are_found_again(words_found, damage):
+    new_process_builder, found = words_found
+    first = new_process_builder()
+    prompt, path = first.build(3000, seed=1, request_id="a", output_tokens=8), first._words_file
+    kept, true = json.loads(path.read_text()), path.read_text()
+    if damage == "two words swapped":
+        kept["texts"][0], kept["texts"][1] = kept["texts"][1], kept["texts"][0]
+        path.write_text(json.dumps(kept))
+    elif damage == "another tokenizers library":
+        path.write_text(json.dumps({**kept, "tokenizers": "0.0.1"}))
+    elif damage == "not json":
+        path.write_bytes(b"\x00" * 100)
+    else:
+        path.unlink()
+        os.mkfifo(path)  # never opened for reading (it would block), never written through
+    again = new_process_builder()
+    assert again.build(3000, seed=1, request_id="a", output_tokens=8) == prompt and found == [1, 1]
+    if damage != "a fifo":
+        assert path.read_text() == true  # put right
+        new_process_builder().word_ids  # noqa: B018
+        assert found == [1, 1]
+
+
+def test_a_home_that_cannot_keep_the_words_costs_only_time(words_found, tmp_path):
+    new_process_builder, found = words_found
+    os.environ["KVBENCH_HOME"] = str(tmp_path / "a-file")  # restored by the fixture's monkeypatch
+    (tmp_path / "a-file").write_text("not a folder")
+    prompt = new_process_builder().build(100, seed=1, request_id="a", output_tokens=8)
+    assert prompt.prompt_tokens == 100 and new_process_builder().word_ids.size and found == [1, 1]
 
 
 def test_ladder_resolves_max_against_context():
