@@ -207,8 +207,8 @@ def bootstrap_relative_change(baseline: Sequence[float], candidate: Sequence[flo
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.log(stat(sc, axis=axis)) - np.log(stat(sb, axis=axis))
 
-    res = _scipy_stats().bootstrap((b, c), log_ratio, n_resamples=n_boot, confidence_level=confidence, method="percentile",
-                       vectorized=True, rng=np.random.default_rng(seed))
+    res = _scipy_stats().bootstrap((b, c), log_ratio, n_resamples=n_boot, confidence_level=confidence,
+                                   method="percentile", vectorized=True, rng=np.random.default_rng(seed))
     low, high = res.confidence_interval
     if not (math.isfinite(low) and math.isfinite(high)):  # a resample with a zero statistic
         raise ValueError("the bootstrap met a zero statistic: no interval on the log scale")
