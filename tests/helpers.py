@@ -1,4 +1,5 @@
-"""What test modules share: the repository's paths and the engines' environments."""
+"""What test modules share: the repository's paths, the engines' environments, kvbench run in this process."""
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -33,3 +34,18 @@ def plan_lines(output: str) -> dict:
                                                       else line.strip()] if t.startswith(VERDICT_WORDS))
     at_asked = next((line for line in lines[1:5] if line.startswith("With ")), None)
     return {"asked": lines[0], "limit": limit, "verdict": verdict, "at_asked": at_asked}
+
+
+def kvbench_here(*args) -> subprocess.CompletedProcess:
+    """``kvbench ARGS`` run in this process (typer's CliRunner) as tests/test_cli.py's ``kvbench`` runs it in a
+    process of its own: the exit code, stdout and stderr. For refusals, which end before any engine is
+    contacted: a process of its own spent 0.4-0.9 s of CPU starting and importing, about 60 times in the
+    developer's loop. An exception that escapes the command is raised here, as a traceback would be printed."""
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(["kvbench", *map(str, args)], result.exit_code, result.stdout, result.stderr)

@@ -14,7 +14,7 @@ import pytest
 from kvbench.common import models
 from kvbench.store.schema import SCHEMA_VERSION
 from tests.fakes.openai_server import FakeOpenAI
-from tests.helpers import REPO
+from tests.helpers import REPO, kvbench_here
 from tests.test_cli import kvbench
 
 PUBLISHED = REPO / "results" / "published"
@@ -81,8 +81,8 @@ def test_resume_with_another_model_folder_is_refused_with_both_paths_and_hashes(
     before = snapshot(runs / "r")
     then = models.sha256_folder(model)[:12]
     now = models.sha256_folder(other)[:12]
-    out = kvbench(*args(url, other, "--max-context", "1024", "--results-dir", str(runs), "--run-id", "r",
-                        "--resume"), timeout=120)
+    out = kvbench_here(*args(url, other, "--max-context", "1024", "--results-dir", str(runs), "--run-id", "r",
+                             "--resume"))
     refused(out, f"another model ({model} sha256 {then} then, {other} sha256 {now} now)")
     assert snapshot(runs / "r") == before
 
@@ -96,8 +96,8 @@ def test_resume_with_the_same_path_but_changed_files_is_refused(copy):
     (runs / "r" / "run.json").write_text(json.dumps(info))
     (changed / "notes.txt").write_text("changed since")
     before = snapshot(runs / "r")
-    out = kvbench(*args(url, changed, "--max-context", "1024", "--results-dir", str(runs), "--run-id", "r",
-                        "--resume"), timeout=120)
+    out = kvbench_here(*args(url, changed, "--max-context", "1024", "--results-dir", str(runs), "--run-id", "r",
+                             "--resume"))
     refused(out, f"another model ({changed} sha256 {info['model']['sha256'][:12]} then, {changed} sha256 "
                  f"{models.sha256_folder(changed)[:12]} now)")
     assert snapshot(runs / "r") == before
@@ -113,7 +113,7 @@ def test_resume_with_the_same_path_but_changed_files_is_refused(copy):
 def test_resume_with_another_max_context_or_option_is_refused(copy, extra, says):
     runs, model, url = copy
     before = snapshot(runs / "r")
-    out = kvbench(*args(url, model, *extra, "--results-dir", str(runs), "--run-id", "r", "--resume"), timeout=120)
+    out = kvbench_here(*args(url, model, *extra, "--results-dir", str(runs), "--run-id", "r", "--resume"))
     if says is None:
         assert out.returncode == 2 and "cannot empty a prefix cache" in out.stderr, out.stderr
     else:
@@ -128,7 +128,7 @@ def test_a_run_that_recorded_no_max_context_asked_is_held_to_its_context_limit(c
     del info["max_context_asked"]
     (runs / "r" / "run.json").write_text(json.dumps(info))
     before = snapshot(runs / "r")
-    out = kvbench(*args(url, model, "--results-dir", str(runs), "--run-id", "r", "--resume"), timeout=120)
+    out = kvbench_here(*args(url, model, "--results-dir", str(runs), "--run-id", "r", "--resume"))
     refused(out, "another context limit (1024 then, 8192 now: give the --max-context it was started with)")
     assert snapshot(runs / "r") == before
 
@@ -158,8 +158,8 @@ def test_resume_of_an_older_schema_run_is_refused_never_measured_again(tmp_path)
     run = old_run(tmp_path / "runs" / OLD_SCHEMA_RUN.name)
     assert all("_r0" not in json.loads(line)["cell_id"] for line in (run / "cells.jsonl").read_text().splitlines())
     before = snapshot(run)
-    out = kvbench("run", "-b", "hf", "-b", "vllm", "-b", "llamacpp", "--results-dir", str(run.parent), "--run-id",
-                  run.name, "--resume", timeout=120)
+    out = kvbench_here("run", "-b", "hf", "-b", "vllm", "-b", "llamacpp", "--results-dir", str(run.parent),
+                       "--run-id", run.name, "--resume")
     refused(out, f"run {run.name} was written under results schema v1, an older one than this kvbench's "
                  f"v{SCHEMA_VERSION}")
     assert snapshot(run) == before and sorted(p.name for p in run.iterdir()) == ["cells.jsonl", "run.json"]
@@ -170,8 +170,8 @@ def test_resume_of_an_older_schema_run_is_refused_never_measured_again(tmp_path)
 def test_a_published_run_is_never_rewritten(tmp_path, mode):
     run = old_run(tmp_path / "results" / "published" / OLD_SCHEMA_RUN.name)
     before = snapshot(run)
-    out = kvbench("run", "-b", "hf", "-b", "vllm", "-b", "llamacpp", "--results-dir", str(run.parent), "--run-id",
-                  run.name, mode, timeout=120)
+    out = kvbench_here("run", "-b", "hf", "-b", "vllm", "-b", "llamacpp", "--results-dir", str(run.parent),
+                       "--run-id", run.name, mode)
     refused(out, f"run {run.name} in {run.parent} is a published run: it is never rewritten ({mode})")
     assert snapshot(run) == before and sorted(p.name for p in run.iterdir()) == ["cells.jsonl", "run.json"]
 
@@ -181,8 +181,8 @@ def test_resume_refuses_before_the_engine_is_contacted(copy):
     where nothing listens is refused as another backend, not failed cells."""
     runs, model, _ = copy
     before = snapshot(runs / "r")
-    out = kvbench(*args(NOWHERE, model, "--max-context", "1024", "--results-dir", str(runs), "--run-id", "r",
-                        "--resume"), timeout=120)
+    out = kvbench_here(*args(NOWHERE, model, "--max-context", "1024", "--results-dir", str(runs), "--run-id", "r",
+                             "--resume"))
     refused(out, "another backends (openai@127.0.0.1:")
     assert snapshot(runs / "r") == before
 
@@ -195,8 +195,8 @@ def test_resume_on_another_machine_is_refused_with_both(copy):
     info["environment"]["cpu_count"] += 64
     (runs / "r" / "run.json").write_text(json.dumps(info))
     before = snapshot(runs / "r")
-    out = kvbench(*args(url, model, "--max-context", "1024", "--results-dir", str(runs), "--run-id", "r",
-                        "--resume"), timeout=120)
+    out = kvbench_here(*args(url, model, "--max-context", "1024", "--results-dir", str(runs), "--run-id", "r",
+                             "--resume"))
     refused(out, f"another machine (cpu: Another CPU(R) @ 1.00GHz vs {now}; cpu_count: ")
     assert snapshot(runs / "r") == before
 
@@ -227,8 +227,8 @@ def test_resume_on_a_server_that_now_reports_another_version_is_refused(started,
     status_before = json.loads((runs / "r" / "run.json").read_text())["status"]
     server.version = "0.33.0"
     try:
-        out = kvbench(*args(url, model, "--max-context", "1024", "--results-dir", str(runs), "--run-id", "r",
-                            "--resume"), timeout=120)
+        out = kvbench_here(*args(url, model, "--max-context", "1024", "--results-dir", str(runs), "--run-id", "r",
+                                 "--resume"))
     finally:
         server.version = "0.32.0"
     text = " ".join((out.stdout + out.stderr).split())
