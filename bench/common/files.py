@@ -149,7 +149,7 @@ def check_output_folder(folder: str | Path, what: str = "output folder",
     except OSError as exc:
         raise OutputRefused(f"{what} {folder}: {exc.strerror}") from None
     if not stat.S_ISDIR(mode):
-        raise OutputRefused(f"{what} {folder} is {_kind(mode)}, not a folder")
+        raise OutputRefused(f"{what} {folder} is {'a file' if stat.S_ISREG(mode) else _kind(mode)}, not a folder")
     for name, recognise in (files or {}).items():
         check_output(folder / name, recognise, "output")
 

@@ -112,7 +112,9 @@ def test_a_folder_as_the_report_or_one_file_for_both_is_refused(tmp_path, run_a)
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     refused(kvbench("report", run_a, "-o", fifo / "r.md"), "report folder", "is a FIFO, not a folder")
-    assert written(tmp_path) == {"pipe"}
+    (tmp_path / "notes").write_text("a file where the report's folder would be")
+    refused(kvbench("report", run_a, "-o", tmp_path / "notes" / "r.md"), "report folder", "is a file, not a folder")
+    assert written(tmp_path) == {"pipe", "notes"}
 
 
 def test_two_reports_in_one_folder_each_have_their_own_plots(tmp_path):
