@@ -258,9 +258,8 @@ def held_secrets_end_with_their_test():
     every later test on that worker. What a test holds is let go after it."""
     from kvbench.common import redact
 
-    held = (set(redact._held), list(redact._values), redact._pattern)
-    yield
-    redact._held, redact._values, redact._pattern = held
+    with redact.held_within():
+        yield
 
 
 @pytest.fixture(scope="session")

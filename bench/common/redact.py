@@ -18,6 +18,7 @@ worker process holds what its parent holds (:func:`held_values`, re-held there: 
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import json
 import os
@@ -147,6 +148,22 @@ def hold_environment_tokens() -> None:
 
 def holding() -> bool:
     return _pattern is not None
+
+
+@contextlib.contextmanager
+def held_within():
+    """What is held on entering is what is held on leaving: credentials held inside are let go. For a process
+    that runs several commands in turn (a test worker, a notebook), where one command's key would otherwise
+    mask that word in every later command's output."""
+    global _pattern
+    held, values, pattern = set(_held), list(_values), _pattern
+    try:
+        yield
+    finally:
+        _held.clear()
+        _held.update(held)
+        _values[:] = values
+        _pattern = pattern
 
 
 def scrub(text: str) -> str:

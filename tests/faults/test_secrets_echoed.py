@@ -175,6 +175,16 @@ def test_scrub_masks_every_form_and_leaves_other_text():
     assert redact.scrub_value({"a": ["x sk-unit-test/key+1"], "n": 3}) == {"a": ["x ***"], "n": 3}
 
 
+def test_credentials_held_within_a_scope_are_let_go_after_it():
+    redact.hold_secret("kept-outside-1")
+    with redact.held_within():
+        redact.hold_secret("sk-only-inside")
+        assert redact.scrub("sk-only-inside kept-outside-1") == "*** ***"
+        assert redact.held_values()[-1] == "sk-only-inside"
+    assert redact.scrub("sk-only-inside kept-outside-1") == "sk-only-inside ***"
+    assert "sk-only-inside" not in redact.held_values()
+
+
 @pytest.mark.parametrize("value, problem", [("clé-secrète", "not printable ASCII (at position 3 of 11)"),
                                             ("sk-\x07bell", "not printable ASCII (at position 4 of 8)")])
 def test_a_key_that_cannot_go_into_a_header_is_refused_at_parse_time(monkeypatch, value, problem):
