@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.reports import build, plots, tables, terminal
+from kvbench.reports import build, tables, terminal
 from kvbench.store.readers import load_cells
 from rich.console import Console
 
@@ -56,13 +56,17 @@ def test_kvbench_report_prints_within_120_columns_in_a_pipe(tmp_path):
 
 
 def _captured(monkeypatch):
+    """kvbench.reports.plots, its figures kept instead of saved (the list). Imported here: matplotlib took 0.4 s
+    of CPU in every test worker that collected this module."""
+    from kvbench.reports import plots
+
     figures = []
     monkeypatch.setattr(plots, "_save", lambda fig, out: figures.append(fig) or out)
-    return figures
+    return plots, figures
 
 
 def test_the_kv_plot_shows_the_allocated_pool_beside_kv_in_use(tmp_path, monkeypatch):
-    figures = _captured(monkeypatch)
+    plots, figures = _captured(monkeypatch)
     agg = tables.aggregate(load_cells(PUBLISHED)).assign(label=lambda a: a.backend)
     assert plots.kv_vs_context(agg, tmp_path / "kv.png")
     labels = [t.get_text() for ax in figures[0].axes for t in ax.get_legend().get_texts()]
@@ -75,7 +79,7 @@ def test_the_kv_plot_shows_the_allocated_pool_beside_kv_in_use(tmp_path, monkeyp
 
 
 def test_a_timeline_title_says_the_cell_once(tmp_path, monkeypatch):
-    figures = _captured(monkeypatch)
+    plots, figures = _captured(monkeypatch)
     cells = load_cells(PUBLISHED).assign(label=lambda a: a.backend)
     cell = cells[(cells.backend == "llamacpp-0.3.36") & (cells.prompt_tokens == 8128) & (cells.concurrency == 4)].iloc[0]
     cell = pd.concat([cell, pd.Series({"run_dir": str(PUBLISHED)})])
