@@ -196,7 +196,10 @@ def _clear_unfinished(builds: Path, name: str, keep: Path) -> None:
 
 def _end_installer(record: Path) -> None:
     """SIGKILL the process group a killed setup's installer left running (recorded in ``record``), and wait
-    for it: every process of the group started no earlier than the installer (a pid reused since is not it)."""
+    for it. The group is the installer's when a process of it started no earlier than the installer (an id
+    reused since is not it); it is then killed at once (killpg), not a process at a time: an orphaned writer
+    forking a child every few milliseconds had children, forked after the processes were listed, write into
+    the fresh build that took the removed one's place (seen once under load)."""
     try:
         data = json.loads(record.read_text())
         pgid, started = int(data["pgid"]), float(data["started"])
@@ -206,10 +209,14 @@ def _end_installer(record: Path) -> None:
     for proc in psutil.process_iter():
         try:
             if os.getpgid(proc.pid) == pgid and proc.create_time() >= started - 1.0:
-                proc.kill()
                 members.append(proc)
         except (psutil.Error, OSError):
             continue
+    if members:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except OSError:  # gone since
+            pass
     psutil.wait_procs(members, timeout=5.0)
 
 
