@@ -58,6 +58,7 @@ class Prompt:
 # times (a test session, a notebook) finds and checks them once (0.9 s for SmolLM2's 49K vocabulary)
 _WORDS_BY_TOKENIZER: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 # what a kept word list says it is: another rule for plain words or another tokenizers library may find others
+# (a change to what _find_words keeps changes "format": every kept list is then found again)
 WORDS_FILE_FORMAT = {"format": 1, "rule": _PLAIN_WORD.pattern, "tokenizers": tokenizers.__version__}
 
 
