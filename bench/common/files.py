@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from kvbench.kv.bounded import file_kind
+
 # letters, digits, '.', '_', '-', not starting with '.': a name that stays one folder or file name
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 PLAIN_NAME_MAX = 200  # well under the 255-byte file-name limit, with room for suffixes such as ".csv"
@@ -72,14 +74,6 @@ class OutputRefused(ValueError):
 
 HEAD_BYTES = 4096  # what is read of an existing file to tell whether kvbench made it
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
-
-
-def _kind(mode: int) -> str:
-    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
-
-
 def kvbench_markdown(head: bytes) -> bool:
     """A report or comparison kvbench wrote: its first line is "# kvbench run(s) ..." or "# kvbench compare: ..."."""
     return head.startswith((b"# kvbench run", b"# kvbench compare"))
@@ -121,7 +115,7 @@ def check_output(path: str | Path, made_by_kvbench: Callable[[bytes], bool], wha
         raise OutputRefused(f"{what} {path} is a symbolic link: kvbench writes no file through one "
                             f"(give the path it points to, or a new one)")
     if not stat.S_ISREG(mode):
-        raise OutputRefused(f"{what} {path} is {_kind(mode)}, not a regular file: kvbench writes only new "
+        raise OutputRefused(f"{what} {path} is {file_kind(mode)}, not a regular file: kvbench writes only new "
                             f"files or its own (give a file path)")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -149,7 +143,7 @@ def check_output_folder(folder: str | Path, what: str = "output folder",
     except OSError as exc:
         raise OutputRefused(f"{what} {folder}: {exc.strerror}") from None
     if not stat.S_ISDIR(mode):
-        raise OutputRefused(f"{what} {folder} is {'a file' if stat.S_ISREG(mode) else _kind(mode)}, not a folder")
+        raise OutputRefused(f"{what} {folder} is {file_kind(mode)}, not a folder")
     for name, recognise in (files or {}).items():
         check_output(folder / name, recognise, "output")
 
@@ -165,8 +159,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     except FileNotFoundError:
         mode = None
     if mode is not None and not stat.S_ISREG(mode):
-        kind = "a symbolic link" if stat.S_ISLNK(mode) else _kind(mode)
-        raise OSError(errno.EEXIST, f"{os.strerror(errno.EEXIST)}: {kind} there, not replaced", str(path))
+        raise OSError(errno.EEXIST, f"{os.strerror(errno.EEXIST)}: {file_kind(mode)} there, not replaced", str(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:

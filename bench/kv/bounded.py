@@ -32,12 +32,14 @@ def _named(what: str, path) -> str:
     return f"{what} {path}" if what else str(path)
 
 
-def _kind(mode: int) -> str:
-    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")):
-        if test(mode):
-            return what
-    return "not a regular file"
+_KINDS = ((stat.S_ISREG, "a file"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISDIR, "a folder"))
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` (``st_mode``) is, in words: "a file", "a FIFO", "a folder", ..."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
 def open_regular(path: str | Path, what: str = "file") -> int:
@@ -52,7 +54,7 @@ def open_regular(path: str | Path, what: str = "file") -> int:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise InputError(f"{_named(what, path)} is {_kind(mode)}, not a regular file: kvbench reads only regular files")
+        raise InputError(f"{_named(what, path)} is {file_kind(mode)}, not a regular file: kvbench reads only regular files")
     return fd
 
 
