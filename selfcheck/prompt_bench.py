@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 from kvbench.selfcheck.common import Mock
 
@@ -72,12 +73,9 @@ def in_process(folder: Path, n_requests: int, n_tokens: int) -> dict:
         PromptBuilder(folder / "tokenizer.json").word_ids  # noqa: B018
         return time.perf_counter() - t0
 
-    with tempfile.TemporaryDirectory() as home:  # no kept words: the vocabulary scan and joining check
-        before, os.environ["KVBENCH_HOME"] = os.environ.get("KVBENCH_HOME"), home
-        try:
-            scan_s, kept_s = words_s(), words_s()  # then the words that scan kept
-        finally:
-            os.environ.pop("KVBENCH_HOME") if before is None else os.environ.update(KVBENCH_HOME=before)
+    # a home of no kept words: the vocabulary scan and joining check, then the words that scan kept
+    with tempfile.TemporaryDirectory() as home, patch.dict(os.environ, {"KVBENCH_HOME": home}):
+        scan_s, kept_s = words_s(), words_s()
     builder = PromptBuilder(folder / "tokenizer.json")
     t1 = time.perf_counter()
     w = Workload(name="prompt_bench", seed=1, prompt_tokens=[n_tokens], output_tokens=1, concurrency=[n_requests])

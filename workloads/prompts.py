@@ -30,6 +30,7 @@ from kvbench.kv import bounded
 
 _PLAIN_WORD = re.compile(r"^ [A-Za-z]{2,12}$")
 JOIN_CHECK_WORDS = 2048  # words per piece of the joining check
+MIN_PLAIN_WORDS = 100  # fewer: the tokenizer cannot give varied token-exact prompts
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class PromptBuilder:
         try:
             kept = json.loads(bounded.read_bytes(self._words_file, bounded.TOKENIZER_MAX_BYTES, "prompt words"))
             ids, texts = kept.pop("ids"), kept.pop("texts")
-            if kept != WORDS_FILE_FORMAT or len(ids) != len(texts) or len(ids) < 100:
+            if kept != WORDS_FILE_FORMAT or len(ids) != len(texts) or len(ids) < MIN_PLAIN_WORDS:
                 return None
             if not all(type(i) is int and type(t) is str and _PLAIN_WORD.match(t) and self.tokenizer.decode([i]) == t
                        for i, t in zip(ids, texts)):
@@ -126,7 +127,7 @@ class PromptBuilder:
         encoded = self.tokenizer.encode_batch([text for _, text in candidates], add_special_tokens=False)
         kept = [(token_id, text) for (token_id, text), enc in zip(candidates, encoded) if enc.ids == [token_id]]
         ids, texts = [token_id for token_id, _ in kept], [text for _, text in kept]
-        if len(ids) < 100:
+        if len(ids) < MIN_PLAIN_WORDS:
             raise ValueError(f"tokenizer has only {len(ids)} plain-word tokens; cannot build token-exact prompts")
         words = np.array(ids, dtype=np.int64), np.array(texts, dtype=object)
         self._check_joining(*words)

@@ -84,9 +84,9 @@ def test_kept_words_that_are_not_true_are_found_again(words_found, damage):
         assert found == [1, 1]
 
 
-def test_a_home_that_cannot_keep_the_words_costs_only_time(words_found, tmp_path):
+def test_a_home_that_cannot_keep_the_words_costs_only_time(words_found, tmp_path, monkeypatch):
     new_process_builder, found = words_found
-    os.environ["KVBENCH_HOME"] = str(tmp_path / "a-file")  # restored by the fixture's monkeypatch
+    monkeypatch.setenv("KVBENCH_HOME", str(tmp_path / "a-file"))
     (tmp_path / "a-file").write_text("not a folder")
     prompt = new_process_builder().build(100, seed=1, request_id="a", output_tokens=8)
     assert prompt.prompt_tokens == 100 and new_process_builder().word_ids.size and found == [1, 1]
