@@ -300,12 +300,15 @@ class ServerProcess:
             with self._guard_lock:
                 if self._stopping or guard is not self.guard or not self.alive():
                     return  # told to stop, or it ended because the engine did: nothing to restart
-                self.guard_restarts.append({"at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                                            "guard_pid": guard.pid, "guard_exit": _describe_exit(code)})
-                if len(self.guard_restarts) > MAX_GUARD_RESTARTS:  # a guard that cannot run: the launcher remains
-                    self.guard_restarts[-1]["replaced"] = False
+                restart = {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "guard_pid": guard.pid,
+                           "guard_exit": _describe_exit(code)}
+                if len(self.guard_restarts) >= MAX_GUARD_RESTARTS:  # a guard that cannot run: the launcher remains
+                    self.guard_restarts.append({**restart, "replaced": False})
                     return
+                # replaced, then recorded: a restart on record has its new guard in place (recorded first, a
+                # reader once saw the restart with the dead guard still there)
                 self.guard = self._start_guard()
+                self.guard_restarts.append(restart)
 
     @property
     def pid(self) -> int | None:
