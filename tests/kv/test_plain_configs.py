@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvbench.kv import model_config
+from kvbench.kv import config_hf, model_config
 from kvbench.planner import CATALOG_DIR, resolve_model
 
 from tests.helpers import DATA
@@ -17,7 +17,7 @@ PLAIN = [p for p in CONFIGS if model_config.plain_config(json.loads(p.read_text(
 
 
 def _read(path, monkeypatch, plain: bool):
-    monkeypatch.setattr(model_config, "READ_PLAIN", plain)
+    monkeypatch.setattr(config_hf, "READ_PLAIN", plain)  # read where hf_config reads it
     m = resolve_model(str(path))
     return m.geometry, m.weights, m.widths, m.unread_keys, m.weights_at("fp8").bytes
 
