@@ -114,19 +114,27 @@ READ_KEYS = {*[k for names in ALIASES.values() for k in names], *KV_HEAD_FIELDS,
              "multi_query", "text_config", "torch_dtype", "dtype", "rope_scaling", "rope_parameters", "rope_theta",
              "model_type", "architectures", "auto_map", "quantization_config", "original_max_position_embeddings",
              "is_encoder_decoder", "is_decoder", "attn_type_list", "layers_block_type", "attn_layer_period",
-             "attn_layer_offset", "block_configs", "num_nextn_predict_layers"}
+             "attn_layer_offset", "block_configs", "num_nextn_predict_layers", "dense_attention_every_n_layers"}
 NOT_KV_WORDS = ("mlp", "moe", "expert", "ffn", "intermediate", "dropout", "norm", "router", "vocab", "token_id",
                 "init", "vision", "audio", "image")
 LAYER_KEY = re.compile(r"(layer|block|attn|attention|window|swa|global|local|kv|head)", re.IGNORECASE)
 PATTERN_KEY = re.compile(r"(pattern|period|offset|interval|every|freq|ratio|idx|indices|ids|list|types?|layers|map)$",
                          re.IGNORECASE)
 KIND_WORDS = ("attention", "attn", "sliding", "full", "global", "local", "linear", "mamba", "window", "swa")
+# words of a key that holds one whole number, a period of layers (every n-th layer is of a kind), not a list
+PERIOD_WORDS = ("every_n", "period", "interval")
+
+
+class PeriodKey(str):
+    """An unread key that holds one whole number and is named like a period of layers (``global_every_n_layers``):
+    refused as a period kvbench does not know (:func:`refuse_unread`), not as a per-layer list."""
 
 
 def unread_keys(raw: dict, text) -> list[str]:
     """Keys of a config transformers has no class for (or a remote-code class) that the KV reader did not
     read and that look per-layer: a list as long as the layers, a list of layer kinds, or a layer pattern
-    under a model-specific name (``attn_type_list``, ``sliding_window_pattern``, ``global_attn_layers``).
+    under a model-specific name (``attn_type_list``, ``sliding_window_pattern``, ``global_attn_layers``); or a
+    period of layers it does not know (one whole number named every_n / period / interval: a :class:`PeriodKey`).
     Which layers cache what is then unknown: a plan refuses it (:func:`refuse_unread`). [] for transformers' own
     classes, and for a remote-code class that derives layer_types from them (the reader reads that)."""
     if builtin(text):
@@ -144,18 +152,30 @@ def unread_keys(raw: dict, text) -> list[str]:
         listed = isinstance(value, (list, tuple))
         per_layer = listed and n is not None and len(value) == n
         kinds = listed and any(isinstance(v, str) and any(w in v.lower() for w in KIND_WORDS) for v in value)
+        period = isinstance(value, int) and LAYER_KEY.search(key) and any(w in low for w in PERIOD_WORDS)
         pattern = LAYER_KEY.search(key) and PATTERN_KEY.search(key) and isinstance(value, (int, list, tuple, str, dict))
-        if per_layer or kinds or pattern:
+        if period:
+            out.append(PeriodKey(key))
+        elif per_layer or kinds or pattern:
             out.append(key)
     return sorted(out)
 
 
 def refuse_unread(keys, source: str) -> None:
-    """One ConfigError naming the per-layer-looking keys the reader did not read: the layout they describe is
-    not known, and a plan of every layer as full attention would be several times off, as confident as any."""
-    if keys:
-        raise ConfigError(f"{source}: {', '.join(keys)} look{'s' * (len(keys) == 1)} per-layer and kvbench does not "
-                          "read it: which layers cache what is unknown, so no KV is planned (kvbench reads "
-                          "layer_types, attn_type_list, layers_block_type, attn_layer_period/offset, block_configs, "
-                          "and per-layer head counts, head_dim and sliding_window; --trust-remote-code reads a class "
-                          "that derives layer_types)")
+    """One ConfigError naming the per-layer-looking keys the reader did not read, and the periods of layers it
+    does not know (:class:`PeriodKey`): the layout they describe is not known, and a plan of every layer as full
+    attention would be several times off, as confident as any."""
+    if not keys:
+        return
+    listed = [k for k in keys if not isinstance(k, PeriodKey)]
+    periods = [k for k in keys if isinstance(k, PeriodKey)]
+    why = []
+    if listed:
+        why.append(f"{', '.join(listed)} look{'s' * (len(listed) == 1)} per-layer and kvbench does not read it")
+    if periods:
+        why.append(f"{', '.join(periods)} {'is a period' if len(periods) == 1 else 'are periods'} of layers "
+                   "(every n-th layer) that kvbench does not know")
+    raise ConfigError(f"{source}: {'; '.join(why)}: which layers cache what is unknown, so no KV is planned "
+                      "(kvbench reads layer_types, attn_type_list, layers_block_type, attn_layer_period/offset, "
+                      "dense_attention_every_n_layers, block_configs, and per-layer head counts, head_dim and "
+                      "sliding_window; --trust-remote-code reads a class that derives layer_types)")

@@ -47,7 +47,12 @@ def _model_layer_kinds(text, n: int, source: str) -> tuple[list[str], dict[int, 
       modeling code, vLLM's minimax_text_01.py; transformers' MiniMaxConfig holds it as layer_types);
     - layers_block_type ("attention" / "mamba"), or attn_layer_period and attn_layer_offset (Jamba: layer i is
       attention where i % period == offset, transformers' JambaConfig.layers_block_type);
-    - block_configs (DeciLM / Nemotron-NAS): a block whose attention is no_op or replace_with_linear."""
+    - block_configs (DeciLM / Nemotron-NAS): a block whose attention is no_op or replace_with_linear;
+    - dense_attention_every_n_layers (Phi-3-small): layer i is dense attention where (i + 1) % n == 0, the others
+      block-sparse attention (its modeling_phi3_small.py and vLLM's phi3_small.py). Both kinds are attention that
+      writes every token's K and V to the layer's cache (vLLM gives each layer the same Attention and a cache of
+      its own; blocksparse_params only change which cached blocks a query reads), so every layer caches KV at
+      full length."""
     listed = getattr(text, "attn_type_list", None)
     if listed is not None:
         if not isinstance(listed, (list, tuple)) or len(listed) != n or any(v not in (0, 1) for v in listed):
@@ -71,6 +76,12 @@ def _model_layer_kinds(text, n: int, source: str) -> tuple[list[str], dict[int, 
     if decilm is not None:
         return (["linear_attention" if none else "full_attention" for none, _ in decilm],
                 {i: none for i, (none, _) in enumerate(decilm) if none})
+    every = getattr(text, "dense_attention_every_n_layers", None)
+    if every is not None:  # 0: no dense layer (its code's `if n and ...`); block-sparse layers cache all the same
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ConfigError(f"{source}: dense_attention_every_n_layers must be a whole number >= 0 (a period of "
+                              f"layers), not {every!r}"[:300])
+        return ["full_attention"] * n, {}
     return None
 
 
