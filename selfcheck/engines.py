@@ -37,6 +37,17 @@ def engine_module(engine: str, name: str) -> ModuleType:
     return importlib.import_module(f"{_package(engine)}.{name}")
 
 
+def startup_rule_module(engine: str) -> ModuleType | None:
+    """The module of the engine's startup-memory rule (its ``gpumem``, as its rules module imports it): the home
+    of its ``FITTED`` constants and their ``FITS``. None for an engine without one."""
+    rules = kv_rules(engine)
+    for cls in type(rules).__mro__ if rules is not None else ():
+        module = getattr(importlib.import_module(cls.__module__), "gpumem", None)
+        if module is not None:
+            return module
+    return None
+
+
 def engine_script(engine: str, name: str) -> Path:
     """A script of the engine's ``scripts/`` folder: run inside an interpreter of its own, never imported."""
     package = importlib.import_module(_package(engine))

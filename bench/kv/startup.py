@@ -120,3 +120,36 @@ class Refusal:
 
     message: str
     fix: str
+
+
+@dataclass(frozen=True)
+class FittedConstant:
+    """A constant no engine source states, and how a public startup log measures it: the [logged] figures of
+    tests/data/startup_logs/ that measure the ledger term it sits in (``logged``), or, where a log shows no such
+    figure, the KV budget's residual (``from_pool``). ``python -m kvbench.selfcheck.startup_fit`` fits each on the
+    corpus (the median over its sources), states its range and counts its deployments."""
+
+    key: str  # in the engine module's FITTED
+    unit: str  # what the value is in ("GiB", "MiB", "B per request per vocab entry", "x")
+    logged: tuple[str, ...] = ()  # [logged] keys that measure its term directly ("non_torch_gib")
+    from_pool: bool = False  # also read from the logged KV budget ("kv_gib") where no direct figure is logged
+    why: str = ""  # what it stands for, briefly
+
+
+def read_fitted(path) -> dict[str, dict]:
+    """The records of an engine's fitted.toml (kvbench.selfcheck.startup_fit --write): {key: {value, unit, low,
+    high, sources, deployments}}."""
+    import tomllib
+    from pathlib import Path
+    return tomllib.loads(Path(path).read_text())
+
+
+def fitted_range(record: dict) -> str:
+    """Where a fitted constant comes from, for its ledger line: its sources, deployments and range."""
+    sources, unit = record.get("sources", []), record.get("unit", "")
+    if not sources:
+        return "no public log measures it"
+    span = (f"{record['low']:g}-{record['high']:g} {unit}" if record.get("high") != record.get("low")
+            else f"{record['low']:g} {unit}")
+    return (f"the median of {len(sources)} source{'s' * (len(sources) != 1)} ({record['deployments']} deployment"
+            f"{'s' * (record['deployments'] != 1)}), range {span}")

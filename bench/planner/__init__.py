@@ -157,6 +157,9 @@ def plan(p: PlanInput, with_levers: bool = True) -> dict:
                 "host_memory_bytes": s.host_bytes(), "weights_bytes_per_gpu": s.weights_per_gpu,
                 "needed_bytes_per_gpu": o.needed, "fits": o.fits, "headroom_bytes": o.headroom,
                 "max_batch": o.max_concurrency, "max_context_at_batch": o.longest_request})
+    if s.startup is not None:  # one planner: the engine's own terms, never the margin model's
+        out.update(margin=None, overhead_fixed_bytes=None, overhead_per_token_bytes=None,
+                   overhead_rule_of_thumb_bytes=None, overhead_source="the engine's own terms at startup (startup.terms)")
     if with_levers:
         out["levers"] = levers(s, o)
     return out
