@@ -89,6 +89,8 @@ class GPU:
     wall: bool = False  # a CPU memory wall (kvbench plan --memory), not a GPU
     cuda_bytes: int | None = None  # the total CUDA reports, where a public log showed it (gpus.toml cuda_mib)
     cuda_source: str = ""
+    memory_source: str = ""  # where gpus.toml's memory_mib was read (a public nvidia-smi output or log)
+    unified_memory: bool = False  # the card's memory is the host's, shared with the CPU (DGX Spark's GB10)
 
     def cuda_memory(self) -> tuple[float, str]:
         """What CUDA reports as the card's total (torch.cuda.mem_get_info), the figure vLLM and SGLang budget
@@ -100,14 +102,23 @@ class GPU:
                       "between NVML's and CUDA's totals on the H100 and RTX 3090 logs; no log of this card)")
 
 
+_GPU_TABLE: dict[str, tuple[GPU, tuple[str, ...]]] = {}  # gpus.toml, read once: {name: (GPU, its spellings)}
+
+
+def _gpu_table() -> dict[str, tuple[GPU, tuple[str, ...]]]:
+    if not _GPU_TABLE:
+        for name, spec in tomllib.loads(GPUS_FILE.read_text()).items():
+            cc, cuda = spec.get("compute_capability"), spec.get("cuda_mib")
+            card = GPU(name, spec["memory_mib"] * 2**20, tuple(int(x) for x in cc.split(".")) if cc else None,
+                       cuda_bytes=cuda * 2**20 if cuda else None, cuda_source=spec.get("cuda_source", ""),
+                       memory_source=spec.get("memory_source", ""),
+                       unified_memory=bool(spec.get("unified_memory", False)))
+            _GPU_TABLE[name] = (card, (name, *spec.get("names", ())))
+    return _GPU_TABLE
+
+
 def gpu_specs() -> dict[str, GPU]:
-    out = {}
-    for name, spec in tomllib.loads(GPUS_FILE.read_text()).items():
-        cc = spec.get("compute_capability")
-        cuda = spec.get("cuda_mib")
-        out[name] = GPU(name, spec["memory_mib"] * 2**20, tuple(int(x) for x in cc.split(".")) if cc else None,
-                        cuda_bytes=cuda * 2**20 if cuda else None, cuda_source=spec.get("cuda_source", ""))
-    return out
+    return {name: card for name, (card, _) in _gpu_table().items()}
 
 
 def gpu_catalog() -> dict[str, int]:
@@ -115,30 +126,103 @@ def gpu_catalog() -> dict[str, int]:
     return {name: g.bytes for name, g in gpu_specs().items()}
 
 
+# Words of a GPU's name that tell no card from another: the vendor, the brand, the memory's kind.
+NAME_NOISE = {"NVIDIA", "GEFORCE", "TESLA", "QUADRO", "RTX", "AMD", "INSTINCT", "GENERATION",
+              "HBM2", "HBM2E", "HBM3", "HBM3E", "GDDR6", "GDDR6X", "GDDR7"}
+# Words that only narrow a model down, its form and its memory: a name may leave them out ("A100"), never a model
+# word ("4070" is not "4070 Ti Super").
+FORMS = {"SXM": "SXM", "SXM2": "SXM", "SXM4": "SXM", "SXM5": "SXM", "PCIE": "PCIE", "NVL": "NVL"}
+SIZE_WORD = re.compile(r"(\d+)(?:GB|GIB|G)")
+
+
+def name_words(name: str) -> tuple[tuple[str, ...], frozenset[str]]:
+    """(model words, qualifier words) of a GPU's name as NVML or a user writes it: "NVIDIA A100-SXM4-80GB" is
+    (A100; SXM, 80GB), "RTX4090", "4090" and "NVIDIA GeForce RTX 4090" are (4090;)."""
+    model, qualifiers = [], set()
+    for word in re.findall(r"[A-Z0-9]+", name.upper().replace("RTX", " RTX ")):
+        if size := SIZE_WORD.fullmatch(word):
+            qualifiers.add(f"{size[1]}GB")
+        elif word in FORMS:
+            qualifiers.add(FORMS[word])
+        elif word not in NAME_NOISE:
+            model += re.fullmatch(r"(\d{4})([A-Z]+)", word).groups() if re.fullmatch(r"\d{4}[A-Z]+", word) else [word]
+    return tuple(model), frozenset(qualifiers)
+
+
+def _sized(qualifiers: frozenset[str]) -> bool:
+    return any(q.endswith("GB") for q in qualifiers)
+
+
+def gpus_named(name: str) -> tuple[list[str], bool]:
+    """The catalog's cards ``name`` may mean, and whether it names one exactly (all its words): a name matches a
+    card's spelling when their model words are the same and its qualifiers are among the spelling's."""
+    model, qualifiers = name_words(name)
+    exact, loose = [], []
+    for key, (_, spellings) in _gpu_table().items():
+        words = [name_words(s) for s in spellings]
+        if any(set(m) == set(model) and q == qualifiers for m, q in words):
+            exact.append(key)
+        elif any(set(m) == set(model) and qualifiers <= q for m, q in words):
+            loose.append(key)
+    return (exact, True) if exact else (loose, False)
+
+
 def gpu(name_or_size: str) -> GPU:
-    """A GPU by catalog name (case-insensitive) or by size: '48GiB', '24GB', '80G'."""
+    """A GPU by name, as the catalog, NVML or a user writes it ("H100-80GB", "NVIDIA H100 80GB HBM3", "h100 sxm",
+    "4090"), or by size ('48GiB', '24GB', '80G'). A name that fits several cards is refused with them."""
     m = re.fullmatch(r"\s*([\d.]+)\s*(gib|gb|g)\s*", name_or_size, re.IGNORECASE)
     if m:
         value, unit = float(m[1]), m[2].lower()
         if value <= 0:
             raise PlanError(f"a GPU size must be positive, not {name_or_size!r}")
         return GPU(name_or_size.strip(), int(value * (1e9 if unit == "gb" else GIB)))
-    for name, spec in gpu_specs().items():
-        if name.lower() == name_or_size.strip().lower().replace(" ", "-"):
-            return spec
-    raise PlanError(f"unknown GPU {name_or_size!r}; known: {', '.join(gpu_catalog())} (or a size such as 48GiB)")
+    table = _gpu_table()
+    keys, exact = gpus_named(name_or_size)
+    if len(keys) > 1:
+        raise PlanError(f"GPU {name_or_size!r} is {', '.join(keys[:-1])} or {keys[-1]}: name one "
+                        "(or give a size such as 48GiB)")
+    if not keys:
+        raise PlanError(_unknown_gpu(name_or_size))
+    key = keys[0]
+    # "4060 Ti" of a catalog that knows only the 16 GB one: a card every spelling of which says its size is sold
+    # in other sizes, which must not be planned as it
+    if not exact and not _sized(name_words(name_or_size)[1]) and all(_sized(name_words(s)[1]) for s in table[key][1]):
+        raise PlanError(f"GPU {name_or_size!r} is sold in more than one size: name {key}, or give its size "
+                        "(such as 8GiB)")
+    return table[key][0]
+
+
+def _unknown_gpu(name: str) -> str:
+    """One line for a name no card has, the nearest card first ("did you mean", difflib through common/suggest)."""
+    from kvbench.common.suggest import closest
+
+    def spelled(words: tuple[tuple[str, ...], frozenset[str]]) -> str:
+        return " ".join([*words[0], *sorted(words[1])])
+
+    near: dict[str, str] = {}
+    for key, (_, spellings) in _gpu_table().items():
+        for s in spellings:
+            words = name_words(s)
+            near.setdefault(spelled(words), key)
+            near.setdefault(spelled((words[0], frozenset())), key)  # the model alone: "H10O" is near "H100"
+    match = closest(spelled(name_words(name)), near)
+    hint = f"did you mean {near[match]!r}? " if match else ""
+    return f"unknown GPU {name!r}; {hint}known: {', '.join(_gpu_table())} (or a size such as 48GiB)"
 
 
 def gpu_of_device(name: str, total_bytes: int) -> str:
-    """The planner's name for a GPU as NVML reports it (its name, its total): the catalog's card of that model
-    ("NVIDIA H100 80GB HBM3" and "NVIDIA H100 PCIe" are H100-80GB, "NVIDIA GeForce RTX 4090" RTX-4090) whose
-    memory is within 3 % of NVML's total, else its size ("139.810547GiB": planned without a compute capability or
-    a logged CUDA total)."""
-    words = " " + re.sub(r"[^A-Z0-9]+", " ", name.upper()) + " "
-    for key, spec in gpu_specs().items():
-        model = re.sub(r"-\d+GB$", "", key).replace("-", " ").upper()
-        if f" {model} " in words and abs(spec.bytes - total_bytes) <= 0.03 * spec.bytes:
-            return key
+    """The planner's name for a GPU as NVML reports it (its name, its total): the catalog's card of that name
+    ("NVIDIA H100 80GB HBM3" is H100-80GB, "NVIDIA H100 PCIe" H100-PCIe, "NVIDIA GeForce RTX 4090" RTX-4090)
+    whose memory is within 3 % of NVML's total, else its size ("139.810547GiB": planned without a compute
+    capability or a logged CUDA total; a MIG slice is one)."""
+    table = _gpu_table()
+    model = set(name_words(name)[0])
+    named = gpus_named(name)[0] or [  # a name with words the catalog lacks ("... MIG 1g.10gb"): its model words
+        key for key, (_, spellings) in table.items()
+        if any(name_words(s)[0] and set(name_words(s)[0]) <= model for s in spellings)]
+    fits = [key for key in named if abs(table[key][0].bytes - total_bytes) <= 0.03 * table[key][0].bytes]
+    if fits:
+        return min(fits, key=lambda key: abs(table[key][0].bytes - total_bytes))
     return f"{total_bytes / GIB:.6f}GiB"
 
 

@@ -198,7 +198,7 @@ def test_help_lists_every_accepted_value():
     (["--weights-dtype", "int3"], "unknown --weights-dtype 'int3'; known: auto, fp32"),
     (["--engine", "vlm"], "no KV rules for engine 'vlm'"),
     (["--engine", "vllm", "--kv-dtype", "q4_0"], "vllm has no KV dtype 'q4_0'; it takes: auto, bf16"),
-    (["--gpu", "X100"], "unknown GPU 'X100'; known: A100-40GB"),
+    (["--gpu", "X100"], "unknown GPU 'X100'; did you mean 'V100-16GB'? known: A100-40GB"),
     (["--device", "tpu"], "--device is gpu or cpu, not 'tpu'"),
     (["-n", "9000", "--max-model-len", "8192"], "is longer than the --max-model-len 8,192"),
 ])
