@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from kvbench.kv.geometry import KVGeometry, LayerKV, decompressed, dtype_bytes
-from kvbench.kv.rules import KVAnswer, KVQuestion, KVRuleError, KVRules, parse_version
+from kvbench.kv.rules import KVAnswer, KVQuestion, KVRuleError, KVRules, Whole, parse_version
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class TransformersKV(KVRules):
     #: `kvbench plan --engine-option decoded_tokens=N`: of each sequence's cached tokens, the last N were decoded
     #: one at a time (a quantised cache keeps N mod residual_length of them unquantised); the runner passes
     #: output - 1. Default 0: the whole context prefilled.
-    rule_options = ("decoded_tokens",)
+    rule_options = {"decoded_tokens": Whole(0)}
     answer_is_in_use = True  # the cache tensors a load holds: what the worker measures
     dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "f16": "fp16",
               "fp32": "fp32", "float32": "fp32", "f32": "fp32", **{name: name for name in QUANTIZED}}

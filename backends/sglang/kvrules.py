@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kvbench.kv.geometry import KVGeometry, LayerKV, cdiv, decompressed, round_up
-from kvbench.kv.rules import KVAnswer, KVQuestion, KVRuleError, KVRules, with_kinds
+from kvbench.kv.rules import Choice, KVAnswer, KVQuestion, KVRuleError, KVRules, Number, Switch, with_kinds
 
 from . import gpumem
 from .gpumem import auto_mem_fraction_static, prefill_graph_sizes  # noqa: F401  (their home before)
@@ -73,7 +73,16 @@ class SGLangKV(KVRules):
     pool_from_budget = True
     # sglang:kv_used_tokens counts the pages the running requests hold, which is what answer() counts
     answer_is_in_use = True
-    rule_options = ("attention_backend", "swa_full_tokens_ratio", "disable_hybrid_swa_memory", "mem_fraction_static")
+    # --attention-backend's choices (0.5.23 arg_groups/choices.py:69-99 ATTENTION_BACKEND_CHOICES); the SWA ratio's
+    # range is SGLang's check (arg_groups/kv_cache_hook.py:427); mem_fraction_static, which SGLang does not
+    # range-check, is a fraction of the GPU's memory that must leave some for activations
+    rule_options = {
+        "attention_backend": Choice(("triton", "torch_native", "flex_attention", "dsa", "nsa", "qsa", "dsv4", "compressed",
+                                     "fa3", "fa4", "flashinfer", "llada2_cfg_flashinfer", "flashmla", "trtllm_mla",
+                                     "cutedsl_mla", "tokenspeed_mla", "trtllm_mha", "hpc_ops", "minicpm_flashattn",
+                                     "minicpm_flashinfer", "aiter", "wave", "intel_amx", "ascend", "intel_xpu")),
+        "swa_full_tokens_ratio": Number(0, 1), "disable_hybrid_swa_memory": Switch(),
+        "mem_fraction_static": Number(0, 1, high_open=True)}
     # kvbench's names -> SGLang's KV dtype; fp16 and fp32 are the model dtype (--dtype), which auto KV takes
     dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "f16": "fp16",
               "fp32": "fp32", "float32": "fp32", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3",

@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import ClassVar
 
 from kvbench.kv.geometry import KVGeometry, LayerKV, decompressed, round_up
-from kvbench.kv.rules import KVAnswer, KVQuestion, KVRuleError, KVRules
+from kvbench.kv.rules import Choice, KVAnswer, KVQuestion, KVRuleError, KVRules, Switch, Whole
 
 from . import llama_server_gpumem as gpumem
 
@@ -40,7 +40,11 @@ class LlamaServerKV(KVRules):
     Each engine that runs llama-server sets its ``engine`` and ``version``.
     """
 
-    rule_options = ("unified", "cache_ram_mib", "n_ubatch", "flash_attn")  # what `kvbench plan --engine-option` takes (KVQuestion.options)
+    # what `kvbench plan --engine-option` takes (KVQuestion.options): -kvu, --cache-ram (0: off; its -1, no limit,
+    # is not planned), -ub, -fa on|off|auto
+    rule_options = {"unified": Switch(), "cache_ram_mib": Whole(0, unit="MiB"), "n_ubatch": Whole(),
+                    "flash_attn": Choice(("on", "off", "auto"), (("true", "on"), ("1", "on"), ("yes", "on"),
+                                                                 ("false", "off"), ("0", "off"), ("no", "off")))}
     model_format = "gguf"
     dtypes = {"f16": "f16", "fp16": "f16", "float16": "f16", "bf16": "bf16", "bfloat16": "bf16", "f32": "f32",
               "fp32": "f32", "float32": "f32", "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0",

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kvbench.kv.geometry import KVGeometry, LayerKV, decompressed, round_up
-from kvbench.kv.rules import KVQuestion, KVRules, with_kinds
+from kvbench.kv.rules import KVQuestion, KVRules, Number, Whole, with_kinds
 
 from . import gpumem
 
@@ -25,7 +25,7 @@ class TGIKV(KVRules):
 
     engine = "tgi"
     version = "3.3.5"
-    rule_options = ("cuda_memory_fraction", "max_batch_prefill_tokens")
+    rule_options = {"cuda_memory_fraction": Number(0, 1), "max_batch_prefill_tokens": Whole()}  # a fraction of the GPU
     has_blocks = True
     dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "f16": "fp16", "float16": "fp16",
               "fp8": "fp8_e4m3fn", "fp8_e4m3": "fp8_e4m3fn", "fp8_e4m3fn": "fp8_e4m3fn", "fp8_e5m2": "fp8_e5m2"}

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvbench.kv.geometry import KVGeometry, cdiv, decompressed
-from kvbench.kv.rules import KVAnswer, KVQuestion, KVRuleError, KVRules, parse_version, with_kinds
+from kvbench.kv.rules import (KVAnswer, KVQuestion, KVRuleError, KVRules, Number, Switch, Whole, parse_version,
+                              with_kinds)
 
 from . import gpumem
 
@@ -47,9 +48,11 @@ class VLLMKV(KVRules):
     answer_is_in_use = True
     pool_from_budget = True
     # what `kvbench plan --engine-option` takes (KVQuestion.options): the hybrid manager on or off, and the
-    # server's --max-num-batched-tokens where it is not vLLM's default (it sets a window's admission cap)
-    rule_options = ("hybrid_kv_cache", "max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization", "use_v1",
-                    "enforce_eager")
+    # server's --max-num-batched-tokens where it is not vLLM's default (it sets a window's admission cap); the
+    # ranges are vLLM's own (0.33.0 config/cache.py:215 gpu_memory_utilization Field(gt=0, le=1),
+    # config/scheduler.py:48, 62 max_num_batched_tokens, max_num_seqs Field(ge=1))
+    rule_options = {"hybrid_kv_cache": Switch(), "max_num_batched_tokens": Whole(), "max_num_seqs": Whole(),
+                    "gpu_memory_utilization": Number(0, 1), "use_v1": Switch(), "enforce_eager": Switch()}
     dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32",
               "float32": "fp32", "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
