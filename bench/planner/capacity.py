@@ -12,7 +12,7 @@ Both ask only the engine's rules (``bytes_per_block``, ``blocks_per_sequence``, 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .deploy import Setup, _largest, with_engine
 from .shared import PlanError
@@ -84,14 +84,17 @@ class EnginePool:
     overhead_source: str
 
 
-def engine_pools(s: Setup, engines: list[str]) -> list[EnginePool]:
+def engine_pools(s: Setup, engines: list[str], options: dict[str, dict] | None = None) -> list[EnginePool]:
     """Each engine's pool of the deployment ``s`` (its GPU, model and limit) under its own rules and auto KV
-    dtype: an engine that sizes its pool from a budget (:attr:`KVRules.pool_from_budget`) makes it of the KV
+    dtype (``s.kv_dtype`` where it is not auto: every engine asked takes it) and its own ``options[engine]``: an
+    engine that sizes its pool from a budget (:attr:`KVRules.pool_from_budget`) makes it of the KV
     budget and holds :meth:`KVRules.sequences_in_pool` requests at the limit; one that allocates for its limit
     and slots holds the most requests at the limit that fit in the same memory, and their tokens."""
     out = []
     for engine in engines:
-        t = with_engine(s, engine)
+        t = with_engine(s, engine, (options or {}).get(engine))
+        if s.kv_dtype.lower() != "auto":
+            t = replace(t, kv_dtype=s.kv_dtype)
         budget = kv_room(t)
         q = t.question(context=t.limit, batch=1)
         if t.rules.pool_from_budget:

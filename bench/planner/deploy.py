@@ -378,12 +378,13 @@ def check_layout(rules: KVRules, model: ModelForPlan, pp: int, dp: int) -> None:
                             "every tensor-parallel rank); this model has none")
 
 
-def with_engine(s: Setup, engine: str) -> Setup:
-    """The same deployment under another engine's rules (its own auto dtypes and served weights)."""
+def with_engine(s: Setup, engine: str, engine_options: dict | None = None) -> Setup:
+    """The same deployment under another engine's rules (its own auto dtypes and served weights), with
+    ``engine_options`` its own (--engine-option ENGINE:KEY=VALUE)."""
     rules = engine_rules(engine)
     check_layout(rules, s.model, s.pp, s.dp)
-    t = replace(s, rules=rules, engine=engine, kv_dtype="auto", block_size=None, options={}, version=None,
-                weights=served_weights(s.model, rules, s.capability), startup_rule=s.overhead_default and
+    t = replace(s, rules=rules, engine=engine, kv_dtype="auto", block_size=None, options=dict(engine_options or {}),
+                version=None, weights=served_weights(s.model, rules, s.capability), startup_rule=s.overhead_default and
                 s.gpu is not None and not s.gpu.wall and s.device == "gpu" and s.margin_default)
     if t.startup_rule and t.startup is None:
         t = replace(t, startup_rule=False)
