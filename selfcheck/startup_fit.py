@@ -11,7 +11,7 @@ sources (each source's logs count once, as their median), its range the sources'
 Leave one source out: each source's logs are planned with every constant fitted on the other sources only, the
 answer a user whose deployment kvbench never saw gets. :func:`accuracy` gives the mean absolute error and the
 worst case per engine and per class of that answer; docs/plan.md shows them and
-tests/planner/test_startup_fit.py fails when either grows past tests/data/startup_accuracy.toml.
+tests/planner/test_startup_fit.py fails when either grows past bench/planner/startup_accuracy.toml.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pathlib import Path
 from kvbench.selfcheck import startup_logs as sl
 
 ROUND = 4  # significant digits a fit is written with
-ACCURACY_FILE = sl.CORPUS.parent / "startup_accuracy.toml"
+ACCURACY_FILE = sl.ROOT / "bench" / "planner" / "startup_accuracy.toml"  # read by the planner's verdict line
 
 
 @dataclass(frozen=True)
@@ -161,6 +161,13 @@ def loso_figures(entries: list[dict]) -> dict[str, dict]:
     return out
 
 
+def all_rows(folder: Path = sl.CORPUS) -> list[sl.Row]:
+    """Every check of the corpus, each log's left-out column planned with every constant fitted without its source."""
+    entries = sl.corpus(folder)
+    held = loso_figures(entries)
+    return [r for e in entries for r in sl.rows_for(e, held.get(e["file"]))]
+
+
 def write(entries: list[dict], rounds: int = 6) -> list[Path]:
     """Refit every constant on ``entries`` and rewrite each engine's fitted.toml (beside its startup rule), until
     the fit no longer moves (each constant is read back with the others as fitted)."""
@@ -189,7 +196,7 @@ def write(entries: list[dict], rounds: int = 6) -> list[Path]:
         path = Path(module.__file__).with_name("fitted.toml")
         path.write_text(head + tomli_w.dumps(dict(sorted(module.FIT_RECORDS.items()))))
         written.append(path)
-    acc = accuracy(sl.all_rows())
+    acc = accuracy(all_rows())
     ACCURACY_FILE.write_text("# The leave-one-source-out accuracy of the startup rules on this corpus, written by `python -m "
                              "kvbench.selfcheck.startup_fit --write`:\n# tests/planner/test_startup_fit.py fails when a "
                              "group's mean or worst error grows past it, or fewer verdicts are right.\n"
@@ -210,13 +217,15 @@ def accuracy(rows: list[sl.Row], loso: bool = True) -> dict[str, dict]:
             groups[f"engine {r.engine}"].append(r)
             for c in r.classes:
                 groups[f"class {c}"].append(r)
+            if r.klass:
+                groups[f"rule {r.klass}"].append(r)
     out = {}
     for name, rs in sorted(groups.items()):
         pools = [(r, r.error(loso)) for r in rs if r.check == "KV pool" and r.error(loso) is not None]
         pct = [abs(err) / max(abs(float(r.logged)), 1.0) * 100 for r, err in pools]
         verdicts = [r for r in rs if r.check != "KV pool" and (r.ok_loso if loso else r.ok) is not None]
         worst = max(pools, key=lambda p: abs(p[1]), default=None)
-        out[name] = {"pools": len(pools),
+        out[name] = {"pools": len(pools), "sources": len({r.source_id for r, _ in pools}),
                      "mae_gib": round(statistics.fmean(abs(e) for _, e in pools), 3) if pools else None,
                      "mape_pct": round(statistics.fmean(pct), 1) if pct else None,
                      "worst_gib": round(abs(worst[1]), 3) if worst else None,
@@ -259,8 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     fits = fit(measurements(entries))
     print(fits_table(fits))
     print()
-    rows = sl.all_rows()
-    print("Each source left out of the fit:\n")
+    rows = all_rows()
+    print(sl.table(rows))
+    print()
+    print(sl.summary(rows))
+    print("\nEach source left out of the fit:\n")
     print(accuracy_table(accuracy(rows)))
     print("\nAs shipped (fitted on every source):\n")
     print(accuracy_table(accuracy(rows, loso=False)))

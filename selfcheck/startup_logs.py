@@ -1,7 +1,8 @@
 """Re-plan every public startup log of tests/data/startup_logs/ and set the plan beside the engine's own figures.
 
-    python -m kvbench.selfcheck.startup_logs          # every check: the figure logged, planned, left one source out
+    python -m kvbench.selfcheck.startup_logs          # every check: the figure logged and planned as shipped
     python -m kvbench.selfcheck.startup_logs --json   # the rows
+    python -m kvbench.selfcheck.startup_fit           # the same with each source left out of the fit, and accuracy
 
 Each log is planned twice: with the constants as shipped (fitted on the whole corpus: ``planned``) and with the
 constants fitted without the log's own source (``loso``, kvbench.selfcheck.startup_fit): the second is what a
@@ -116,7 +117,8 @@ def plan_input(entry: dict, model=None):
     options = {k: v for k, v in settings.items() if v is not None and k in rule_options(entry["engine"])}
     return PlanInput(model=m, engine=entry["engine"], gpu=entry.get("gpu") or None, tp=max(1, entry.get("tp", 1)),
                      pp=max(1, entry.get("pp", 1)), engine_version=entry.get("engine_version"), engine_options=options,
-                     max_model_len=limit, allow_long_context=True, kv_dtype=kv_dtype)
+                     max_model_len=limit, allow_long_context=True, kv_dtype=kv_dtype,
+                     interconnect=entry.get("interconnect") if entry.get("interconnect") in ("nvlink", "pcie") else None)
 
 
 def rule_options(engine: str) -> tuple[str, ...]:
@@ -179,6 +181,8 @@ def figures(entry: dict) -> dict:
     for key, term in TERMS.items():
         if term in terms:
             out[key] = terms[term] / GIB
+    if engine == "sglang" and "preload_gib" in out:  # SGLang's pool loses what it held before loading x its fraction
+        out["preload_gib"] /= view["fraction"]
     if engine == "vllm" and {"cudagraph_estimate_gib", "cudagraph_first_mib"} & set(logged) and model is not None:
         from kvbench.selfcheck.engines import startup_rule_module
         gpumem = startup_rule_module(engine)
@@ -293,14 +297,10 @@ def _arithmetic_rows(entry: dict, row) -> None:
         row("one request at the limit", logged["one_request_gib"], a, a, "GiB", ok, ok, k="")
 
 
-def all_rows(folder: Path = CORPUS, loso: bool = True) -> list[Row]:
-    """Every check of the corpus; with ``loso`` each log's LOSO column planned without its source's fit."""
-    entries = corpus(folder)
-    if not loso:
-        return [r for e in entries for r in rows_for(e)]
-    from kvbench.selfcheck.startup_fit import loso_figures
-    held = loso_figures(entries)
-    return [r for e in entries for r in rows_for(e, held.get(e["file"]))]
+def all_rows(folder: Path = CORPUS) -> list[Row]:
+    """Every check of the corpus with the constants as shipped (the left-out column equal to it:
+    kvbench.selfcheck.startup_fit.all_rows plans each log without its source's fit)."""
+    return [r for e in corpus(folder) for r in rows_for(e)]
 
 
 def table(rows: list[Row]) -> str:

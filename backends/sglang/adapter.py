@@ -49,15 +49,17 @@ MODEL_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "
                 "f16": "float16", "fp32": "float32", "float32": "float32"}
 # mem_cache/memory_pool.py _finalize_allocation_log; scheduler.py: "max_total_num_tokens=N, chunked_prefill_size=..."
 # (releases before 0.4.10 print no dtype: "KV Cache is allocated. #tokens: 367404, K size: 8.23 GB, V size: 8.23 GB")
-ALLOCATED_LINE = re.compile(r"KV Cache is allocated\.(?: dtype: (\S+),)? #tokens: (\d+), "
+ALLOCATED_LINE = re.compile(r"KV Cache is allocated\.(?: dtype: (\S+),)?(?: #tokens: (\d+),)? "  # 0.4.2: no #tokens
                             r"(?:K size: ([\d.]+) GB, V size: ([\d.]+) GB|KV size: ([\d.]+) GB)")
 SCHEDULER_LINE = re.compile(r"max_total_num_tokens=(\d+), chunked_prefill_size=(-?\d+), max_prefill_tokens=(\d+), "
                             r"max_running_requests=(\d+), context_len=(\d+)")
 # model_runner.py: "Init torch distributed ends. mem usage=1.96 GB", "Load weight end. ... avail mem=12.25 GB,
 # mem usage=125.65 GB." (SGLang's "GB" are GiB: its get_available_gpu_memory divides by 1 << 30)
-PRELOAD_LINE = re.compile(r"Init torch distributed ends\. mem usage=(-?[\d.]+) GB")
+PRELOAD_LINE = re.compile(r"Init torch distributed ends\..*?mem usage=(-?[\d.]+) GB")
 WEIGHTS_LINE = re.compile(r"Load weight end\..*?avail mem=(-?[\d.]+) GB, mem usage=(-?[\d.]+) GB")
+WEIGHTS_LINE_04 = re.compile(r"Load weight end\..*?avail mem=(-?[\d.]+) GB\s*$", re.M)  # 0.4.2: no mem usage
 POOL_END_LINE = re.compile(r"Memory pool end\. avail mem=(-?[\d.]+) GB")
+BEFORE_LOAD_LINE = re.compile(r"Load weight begin\. avail mem=(-?[\d.]+) GB")
 REFUSAL_LINE = re.compile(r"(Not enough memory\. Please try to increase --mem-fraction-static\.?|Loaded weights leave "
                           r"no GPU memory for the KV cache[^\n]*)")
 SWA_LINE = re.compile(r"Use sliding window memory pool\. full_layer_tokens=(\d+), swa_layer_tokens=(\d+)")
@@ -69,7 +71,7 @@ NO_CPU_BUILD = ("SGLang publishes no CPU build on the package registries (its ke
 def parse_sglang_log(text: str) -> dict:
     """The launch log's pool figures (the last start's: a restarted server logs again)."""
     out: dict = {}
-    pools = [{"dtype": m[0], "tokens": int(m[1]),
+    pools = [{"dtype": m[0], "tokens": int(m[1]) if m[1] else None,
               **({"k_gib": float(m[2]), "v_gib": float(m[3])} if m[2] else {"kv_gib": float(m[4])})}
              for m in ALLOCATED_LINE.findall(text)]
     if pools:
@@ -93,21 +95,27 @@ def startup_figures(text: str) -> dict | None:
     if pools := log.get("allocated"):
         last = pools[-1]
         out["kv_pool_bytes"] = (last.get("kv_gib") or last.get("k_gib", 0) + last.get("v_gib", 0)) * GIB
-        out["pool_tokens"] = last["tokens"]
-    elif "max_total_num_tokens" in log:
+        if last["tokens"] is not None:
+            out["pool_tokens"] = last["tokens"]
+    if "pool_tokens" not in out and "max_total_num_tokens" in log:
         out["pool_tokens"] = log["max_total_num_tokens"]
     if weights := WEIGHTS_LINE.findall(text):
         out["weights_bytes"] = float(weights[-1][1]) * GIB
         out["avail_after_load_bytes"] = float(weights[-1][0]) * GIB
+    elif weights := WEIGHTS_LINE_04.findall(text):
+        out["avail_after_load_bytes"] = float(weights[-1]) * GIB
     if preload := PRELOAD_LINE.findall(text):
         out["terms"] = {"before loading": float(preload[-1]) * GIB}
+    if before := BEFORE_LOAD_LINE.findall(text):  # what the fraction applies to (memory free before loading)
+        out["avail_before_load_bytes"] = float(before[-1]) * GIB
     if end := POOL_END_LINE.findall(text):
         out["avail_after_pool_bytes"] = float(end[-1]) * GIB
     if refusal := REFUSAL_LINE.findall(text):
         out["refusal"] = refusal[-1].strip()
     if not out:
         return None
-    wanted = (ALLOCATED_LINE, SCHEDULER_LINE, WEIGHTS_LINE, PRELOAD_LINE, POOL_END_LINE, REFUSAL_LINE)
+    wanted = (ALLOCATED_LINE, SCHEDULER_LINE, WEIGHTS_LINE, WEIGHTS_LINE_04, PRELOAD_LINE, BEFORE_LOAD_LINE,
+              POOL_END_LINE, REFUSAL_LINE)
     out["lines"] = [line.strip() for line in text.splitlines() if any(p.search(line) for p in wanted)]
     return out
 

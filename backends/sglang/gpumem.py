@@ -57,7 +57,9 @@ def auto_mem_fraction_static(gpu_mib: float, tp: int = 1, mla: bool = False, chu
 FIT_RECORDS = read_fitted(Path(__file__).with_name("fitted.toml"))
 FITTED = {key: float(record["value"]) for key, record in FIT_RECORDS.items()}
 FITS = (FittedConstant("preload_gib", "GiB", ("preload_gib",), from_pool=True,
-                       why="CUDA context and NCCL before the weights"),)
+                       why="what the process holds before loading at tp 1 or over PCIe (NCCL's few channels)"),
+        FittedConstant("preload_gib_nvlink", "GiB", ("preload_gib",), from_pool=True,
+                       why="what the process holds before loading at tp > 1 over NVLink (NCCL's many channels)"))
 #: Classes whose every corpus check holds with its own source left out of the fit (none yet: docs/plan.md)
 VERIFIED_CLASSES: frozenset[str] = frozenset()
 
@@ -72,10 +74,13 @@ def startup_memory(rules, q: StartupQuestion) -> StartupMemory:
         fraction = auto_mem_fraction_static(q.cuda_bytes / 2**20, tp, mla)
         why = (f"mem_fraction_static auto {fraction} for {q.cuda_bytes / GIB:.1f} GiB at tp {tp} "
                "(arg_groups/memory_hook.py handle_gpu_memory_settings, 0.5.23)")
-    preload = FITTED["preload_gib"]
-    terms = (StartupTerm("before loading", preload * GIB,
-                         f"CUDA context and NCCL before the weights: {preload} GiB (\"Init torch distributed ends. "
-                         "mem usage=1.96 GB\", 8 x H200, sgl-project/sglang#11716)", tp == 1),)
+    # kv_cache_configurator.py _profile_available_bytes: the pool is what loading left free less the memory free
+    # before loading x (1 - fraction): (total - held before loading) x fraction - weights
+    key = "preload_gib_nvlink" if tp > 1 and q.interconnect == "nvlink" else "preload_gib"
+    preload = FITTED[key]
+    terms = (StartupTerm("before loading", preload * fraction * GIB,
+                         f"fitted: {preload:g} GiB held before the weights (CUDA context, NCCL; \"Init torch distributed "
+                         f"ends. mem usage\"), x the fraction {fraction}: {fitted_range(FIT_RECORDS[key])}", True),)
     k = "sglang tp>1" if tp > 1 else "sglang tp1"
     ok = k in VERIFIED_CLASSES
     return StartupMemory("sglang", "SGLang", fraction, why, q.cuda_bytes, q.cuda_source, terms, k, ok,

@@ -71,6 +71,7 @@ class SGLangKV(KVRules):
     version = "0.5.23"
     has_blocks = True  # pages (KVQuestion.block_size is --page-size)
     pool_from_budget = True
+    fraction_option = "mem_fraction_static"
     # sglang:kv_used_tokens counts the pages the running requests hold, which is what answer() counts
     answer_is_in_use = True
     # --attention-backend's choices (0.5.23 arg_groups/choices.py:69-99 ATTENTION_BACKEND_CHOICES); the SWA ratio's

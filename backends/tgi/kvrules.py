@@ -24,6 +24,7 @@ class TGIKV(KVRules):
     qk_nope + qk_rope, V of v_head_dim). fp8 only as e4m3fn / e5m2."""
 
     engine = "tgi"
+    fraction_option = "cuda_memory_fraction"
     version = "3.3.5"
     rule_options = {"cuda_memory_fraction": Number(0, 1), "max_batch_prefill_tokens": Whole()}  # a fraction of the GPU
     has_blocks = True

@@ -48,8 +48,6 @@ from kvbench.kv.units import GIB
 #:   (0.10-0.11.0) or the Triton path (0.17 on)
 #: - non_torch_*: non-torch memory per GPU (GiB) by vLLM's accounting, which changed twice: 0.6.4 and before counted
 #:   the increase after loading; 0.6.5-0.6.6 the CUDA context too, per rank; from 0.7 the increase again
-#: - v1_moe_extra: V1 (0.10 on) with an MoE checkpoint, what the profile run and its kernels' workspaces hold
-#:   besides the modelled forward and sampler (GiB)
 #: - mxfp4_loaded_ratio: MXFP4 experts as the Marlin / Triton kernels hold them before compute capability 10
 #: - cudagraph_first_mib / cudagraph_per_graph_mib: vLLM's CUDA-graph estimate (profile_cudagraph_memory, logged
 #:   from 0.19, out of the pool from 0.21): the first FULL capture (read off the 0.19.0 H100 debug line) and each
@@ -62,7 +60,6 @@ FITTED = {key: float(record["value"]) for key, record in FIT_RECORDS.items()}
 FITS = (
     FittedConstant("activation_scale", "x", ("activation_gib",), why="the forward's peak per token"),
     FittedConstant("sampler_copies", "x", ("activation_gib",), why="v0's float32 logits copies"),
-    FittedConstant("v1_moe_extra", "GiB", (), from_pool=True, why="an MoE checkpoint's profile beyond the model"),
     FittedConstant("v1_sampler_bytes_sort", "B", ("activation_gib",), from_pool=True,
                    why="the sort path's bytes per request per vocab entry"),
     FittedConstant("v1_sampler_bytes_fast", "B", ("activation_gib",), from_pool=True,
@@ -70,9 +67,11 @@ FITS = (
     FittedConstant("non_torch_v064", "GiB", ("non_torch_gib",)),
     FittedConstant("non_torch_v065_per_tp", "GiB", ("non_torch_gib",)),
     FittedConstant("non_torch_v07_tp1", "GiB", ("non_torch_gib",)),
-    FittedConstant("non_torch_v07_tpn", "GiB", ("non_torch_gib",)),
+    FittedConstant("non_torch_v07_tpn", "GiB", ("non_torch_gib",), why="tp > 1 over NVLink"),
+    FittedConstant("non_torch_v07_tpn_pcie", "GiB", ("non_torch_gib",), why="tp > 1 over PCIe"),
     FittedConstant("non_torch_v018_tp1", "GiB", ("non_torch_gib",)),
-    FittedConstant("non_torch_v018_tpn", "GiB", ("non_torch_gib",)),
+    FittedConstant("non_torch_v018_tpn", "GiB", ("non_torch_gib",), why="tp > 1 over NVLink"),
+    FittedConstant("non_torch_v018_tpn_pcie", "GiB", ("non_torch_gib",), why="tp > 1 over PCIe"),
     FittedConstant("mxfp4_loaded_ratio", "x", ("weights_gib",)),
     FittedConstant("cudagraph_first_mib", "MiB", ("cudagraph_first_mib",)),
     FittedConstant("cudagraph_per_graph_mib", "MiB", ("cudagraph_per_graph_mib", "cudagraph_estimate_gib"),
@@ -85,7 +84,7 @@ FITS = (
 
 #: Classes whose every corpus check holds within its tolerance with the log's own source left out of the fit, on
 #: logs of three sources or more (tests/planner/test_startup_logs.py checks it).
-VERIFIED_CLASSES = frozenset({"vllm v1 dense"})
+VERIFIED_CLASSES: frozenset[str] = frozenset()  # none since the corpus of 100 logs: docs/plan.md
 #: Where the CUDA-graph estimate (taken out of the pool from 0.21) was checked within 0.5 GiB: the Hopper logs
 #: at tp 1 (FlashAttention 3). Elsewhere the logs estimated more than the model: the A100 (FlashAttention 2)
 #: log 1.6 GiB more, the 2 x H100 log 1.0 GiB more (its graphs cost 12-20 MiB each, not 6).
@@ -152,11 +151,12 @@ def max_num_seqs(q: StartupQuestion, rules) -> tuple[int, str]:
 
 def sampler_path(version: tuple[int, ...]) -> tuple[str, str]:
     """(FITTED key, why) for V1's dummy sampler by version (v1/sample/ops/topk_topp_sampler.py)."""
-    if version < (0, 10) or (0, 11, 1) <= version < (0, 17):
-        return "v1_sampler_bytes_sort", ("the PyTorch sort top-k/top-p path (0.8-0.9; 0.11.1-0.16, FlashInfer's "
-                                         "sampler off by default after PR #26859)")
     if version < (0, 17):
-        return "v1_sampler_bytes_fast", "FlashInfer's top-k/top-p sampler (0.10-0.11.0, on where flashinfer is installed)"
+        # 0.10-0.11.0 take FlashInfer's sampler only where flashinfer is installed, an optional extra of their wheels
+        # (required from 0.11.1, which turned its sampler off by default, PR #26859): a pip install sorts. An image
+        # that ships flashinfer (the A100 0.10.1.1 logs of the corpus) profiles less: docs/plan.md
+        return "v1_sampler_bytes_sort", ("the PyTorch sort top-k/top-p path (0.8-0.16: flashinfer an optional extra "
+                                         "before 0.11.1, its sampler off by default from 0.11.1)")
     return "v1_sampler_bytes_fast", ("the Triton top-k/top-p path (0.17 on; from 0.21 FlashInfer's is the default "
                                      "but _dummy_sampler_run warms the native path too)")
 
@@ -175,6 +175,10 @@ def activation_peak(q: StartupQuestion, rules) -> StartupTerm:
     reqs = min(seqs, tokens)
     forward_why = (f"{FITTED['activation_scale']} x {tokens:,} tokens x {per_token:,.0f} B (3 x {mlp:,} / {tp} + "
                    f"4 x {w.hidden:,} at 2 B)")
+    if w.experts and is_v1(version, q.options):  # the fused-MoE kernels' workspaces, where larger
+        moe, moe_why = moe_workspace(q, rules, tokens)
+        if moe > forward:
+            forward, forward_why = moe, f"the fused-MoE workspaces, {moe_why}"
     if is_v1(version, q.options):
         # gpu_model_runner.py profile_run: the forward's temporaries are freed before _dummy_sampler_run, which
         # runs with the forward's hidden states (tokens x hidden x 2 B) still held
@@ -197,29 +201,41 @@ def activation_peak(q: StartupQuestion, rules) -> StartupTerm:
 
 
 def non_torch(q: StartupQuestion, rules) -> StartupTerm:
+    """Non-torch memory by how vLLM counted it (it changed twice) and, at tp > 1, by the interconnect: NCCL
+    connects far more channels over NVLink (24 or more on an HGX H100) than over PCIe (2), and NVLS, custom
+    all-reduce and the FlashInfer all-reduce workspace need NVLink or P2P (pynccl.py, custom_all_reduce.py,
+    symm_mem.py; NCCL's init.cc and nvls.cc)."""
     version = parse_version(q.kv.version or rules.version)
     tp = max(1, q.kv.tp)
+    link = "" if tp == 1 or q.interconnect != "pcie" else "_pcie"
     if version and version < (0, 6, 5):
-        gib, why = FITTED["non_torch_v064"], "0.6.4 and before: the increase after loading (RTX 3090 log)"
+        key, why = "non_torch_v064", "0.6.4 and before: the increase after loading"
     elif version and version < (0, 7):
-        gib, why = FITTED["non_torch_v065_per_tp"] * tp, f"0.6.5-0.6.6: the CUDA context and NCCL, {tp} ranks (H100 logs)"
+        key, why = "non_torch_v065_per_tp", f"0.6.5-0.6.6: the CUDA context and NCCL, x {tp} ranks"
     elif version and version < (0, 18):
-        gib = FITTED["non_torch_v07_tp1"] if tp == 1 else FITTED["non_torch_v07_tpn"]
-        why = "0.7-0.17: the increase during profiling (cuBLAS, NCCL, custom all-reduce)"
+        key = "non_torch_v07_tp1" if tp == 1 else f"non_torch_v07_tpn{link}"
+        why = "0.7-0.17: the increase during profiling (cuBLAS; at tp > 1 NCCL, custom all-reduce)"
     else:
-        gib = FITTED["non_torch_v018_tp1"] if tp == 1 else FITTED["non_torch_v018_tpn"]
-        why = ("0.18 on: the increase during profiling (vLLM 0.19.0 H100 logs: 0.25 GiB at tp 1)" if tp == 1 else
-               "0.18 on, tp > 1: NCCL and symmetric-memory all-reduce buffers (llm-d-planner report, 2.07-2.13 GiB)")
-    return StartupTerm("non-torch memory", gib * GIB, f"fitted: {gib:.2f} GiB; {why}", True)
+        key = "non_torch_v018_tp1" if tp == 1 else f"non_torch_v018_tpn{link}"
+        why = "0.18 on: the increase during profiling" + ("" if tp == 1 else ": NCCL's lazily connected channels and "
+                                                         "the all-reduce workspaces")
+    gib = FITTED[key] * (tp if key == "non_torch_v065_per_tp" else 1)
+    where = "" if tp == 1 else f" over {q.interconnect}"
+    return StartupTerm("non-torch memory", gib * GIB, f"fitted: {gib:.2f} GiB{where}, {fitted_range(FIT_RECORDS[key])}; "
+                       f"{why}", True)
 
 
-def moe_extra(q: StartupQuestion, rules) -> StartupTerm | None:
+def moe_workspace(q: StartupQuestion, rules, tokens: int) -> tuple[float, str]:
+    """The fused-MoE kernels' workspaces in the profile run's forward (bf16, reused layer after layer): 0.19 Triton
+    (fused_moe.py, modular_kernel.py) 2 B x M x k x (max(I, H) + max(2I, H)); 0.10 Triton / Marlin
+    (fused_experts_impl, fused_marlin_moe.py) 2 B x M x k x (max(2I, H) + I), M the batched tokens (chunked at
+    VLLM_FUSED_MOE_CHUNK_SIZE 32768), k the experts per token, I the expert width over tp, H the hidden size."""
+    w = q.widths
+    m, k, i, h = min(tokens, 32768), w.experts_per_token, w.expert_intermediate / max(1, q.kv.tp), w.hidden
     version = parse_version(q.kv.version or rules.version)
-    if not (q.widths and q.widths.experts and is_v1(version, q.options) and version >= (0, 10)):
-        return None
-    gib = FITTED["v1_moe_extra"]
-    return StartupTerm("MoE profile extra", gib * GIB, f"fitted: {gib} GiB that V1 (0.10 on) holds for an MoE "
-                       "checkpoint beyond the modelled forward and sampler (gpt-oss-120b on H100, 0.10.1)", True)
+    if version >= (0, 19):
+        return 2 * m * k * (max(i, h) + max(2 * i, h)), f"2 B x {m:,} x {k} x (max(I, H) + max(2I, H)), I {i:,.0f}"
+    return 2 * m * k * (max(2 * i, h) + i), f"2 B x {m:,} x {k} x (max(2I, H) + I), I {i:,.0f}"
 
 
 def capture_sizes(largest: int) -> int:
@@ -298,8 +314,7 @@ def startup_memory(rules, q: StartupQuestion) -> StartupMemory:
            f"gpu_memory_utilization {fraction} (vLLM {'0.33' if fraction == 0.92 else 'before 0.33'} default, "
            "engine/arg_utils.py)")
     graphs = cudagraph_term(q, rules)
-    terms = [t for t in (weights_delta(q), activation_peak(q, rules), non_torch(q, rules), moe_extra(q, rules),
-                         graphs) if t]
+    terms = [t for t in (weights_delta(q), activation_peak(q, rules), non_torch(q, rules), graphs) if t]
     k = klass(q, rules)
     verified, note = k in VERIFIED_CLASSES, ""
     if not verified:

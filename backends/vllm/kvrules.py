@@ -47,6 +47,7 @@ class VLLMKV(KVRules):
     # is compared with it (CellRow.kv_peak_bytes_per_gpu_predicted)
     answer_is_in_use = True
     pool_from_budget = True
+    fraction_option = "gpu_memory_utilization"
     # what `kvbench plan --engine-option` takes (KVQuestion.options): the hybrid manager on or off, and the
     # server's --max-num-batched-tokens where it is not vLLM's default (it sets a window's admission cap); the
     # ranges are vLLM's own (0.33.0 config/cache.py:215 gpu_memory_utilization Field(gt=0, le=1),

@@ -194,6 +194,9 @@ class KVRules:
     #: True where the engine sizes its pool from a byte budget in whole blocks (it then defines
     #: ``bytes_per_block`` and ``blocks_per_sequence``); False where it allocates for its limit and slots at start.
     pool_from_budget: ClassVar[bool] = False
+    #: the engine option that is its share of the GPU (vLLM's gpu_memory_utilization): `kvbench plan --margin M` is
+    #: that option at 1 - M; None where the engine takes no share (llama.cpp allocates what it needs)
+    fraction_option: ClassVar[str | None] = None
     #: What a report says of the engine's KV pool where the engine reported none.
     no_pool_label: ClassVar[str] = "not reported"
     #: True where the engine allocates its KV pool (and its activation buffers) at start; False where its

@@ -52,6 +52,7 @@ class StartupQuestion:
     weights_bytes: float  # per GPU, as kvbench sizes the checkpoint
     widths: ModelWidths | None = None
     batch: int = 1  # requests served at once (the plan's --batch)
+    interconnect: str = "nvlink"  # between the tensor-parallel GPUs: "nvlink" or "pcie" (NCCL's buffers differ)
 
     @property
     def geometry(self) -> KVGeometry:

@@ -159,7 +159,9 @@ def plan(p: PlanInput, with_levers: bool = True) -> dict:
                 "max_batch": o.max_concurrency, "max_context_at_batch": o.longest_request})
     if s.startup is not None:  # one planner: the engine's own terms, never the margin model's
         out.update(margin=None, overhead_fixed_bytes=None, overhead_per_token_bytes=None,
-                   overhead_rule_of_thumb_bytes=None, overhead_source="the engine's own terms at startup (startup.terms)")
+                   overhead_rule_of_thumb_bytes=None,
+                   overhead_source="the engine's own terms at startup (startup.terms)" if s.overhead_default
+                   else s.overhead_source)
     if with_levers:
         out["levers"] = levers(s, o)
     return out

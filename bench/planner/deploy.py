@@ -13,7 +13,7 @@ from kvbench.kv.weights import Weights
 
 from .overhead import default_overhead
 from .resolve import ModelForPlan, served_weights
-from kvbench.kv.startup import StartupMemory, StartupQuestion
+from kvbench.kv.startup import StartupMemory, StartupQuestion, StartupTerm
 
 from .shared import GPU, NODE_GPUS, PlanError, engine_rules, gpu
 
@@ -46,6 +46,7 @@ class PlanInput:
     memory: float | None = None  # bytes of a CPU memory wall (the engine's process tree in a cgroup), not a GPU
     shared_prefix: int | None = None  # tokens every request of the batch starts with alike (--shared-prefix)
     cpu_features: tuple[str, ...] | None = None  # device cpu: the CPU's flags; None: this machine's
+    interconnect: str | None = None  # between the GPUs, "nvlink" or "pcie"; None: the GPU kind's (gpus.toml)
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class Setup:
     cpu_features: tuple[str, ...] = ()
     pp: int = 1  # pipeline stages (PlanInput.pp)
     dp: int = 1  # data-parallel attention ranks (PlanInput.dp)
+    interconnect: str | None = None  # PlanInput.interconnect
 
     @property
     def geometry(self) -> KVGeometry:
@@ -144,16 +146,24 @@ class Setup:
         if self.gpu is None or self.gpu.wall or self.weights_per_gpu is None:
             return None
         cuda, source = self.gpu.cuda_memory()
+        link = self.interconnect or self.gpu.interconnect
         return StartupQuestion(self.question(context=self.limit, batch=1), self.limit, self.gpu.name, self.gpu.bytes,
-                               cuda, source, self.weights_per_gpu, self.model.widths, self.per_rank_batch)
+                               cuda, source, self.weights_per_gpu, self.model.widths, self.per_rank_batch,
+                               "pcie" if link == "pcie" else "nvlink")
 
     @functools.cached_property  # read by every need() of a search: once per deployment (frozen: fields never change)
     def startup(self) -> StartupMemory | None:
-        """The engine's memory at startup on this GPU (its rule, read from its source), where it applies."""
+        """The engine's memory at startup on this GPU (its rule, read from its source), where it applies. An overhead
+        given (--overhead-gib) or measured by a run (--overhead-from) stands for the rule's own terms beside the
+        weights and the KV (what it measures: all the engine holds besides them); the engine's share stays."""
         if not self.startup_rule:
             return None
         q = self.startup_question()
-        return self.rules.startup_memory(q) if q is not None else None
+        mem = self.rules.startup_memory(q) if q is not None else None
+        if mem is None or self.overhead_default:
+            return mem
+        given = StartupTerm("overhead given", self.overhead_fixed, self.overhead_source)
+        return replace(mem, terms=(*(t for t in mem.terms if t.name == "weights as loaded"), given))
 
     @property
     def fixed_overhead(self) -> float:
@@ -304,6 +314,8 @@ def setup(p: PlanInput) -> Setup:
         raise PlanError(f"--pp and --dp must be >= 1, not {p.pp if p.pp < 1 else p.dp}")
     if p.device not in ("gpu", "cpu"):
         raise PlanError(f"--device is gpu or cpu, not {p.device!r}")
+    if p.interconnect not in (None, "nvlink", "pcie"):
+        raise PlanError(f"--interconnect is nvlink or pcie, not {p.interconnect!r}")
     rules = engine_rules(p.engine)
     geom = p.model.geometry
     model_limit = geom.max_context
@@ -340,8 +352,9 @@ def setup(p: PlanInput) -> Setup:
     if max(p.tp, p.pp, p.dp) > 1 and g is not None and g.wall:
         raise PlanError("--tp, --pp and --dp split a model over GPUs: a CPU memory wall has none")
     check_layout(rules, p.model, p.pp, p.dp)
-    rules_startup = (p.margin is None and p.overhead_gib is None and p.device == "gpu" and g is not None
-                     and not g.wall and p.engine is not None)
+    # one planner: an engine with a startup rule on a GPU is planned by it, whatever else is given (--margin is
+    # said in its own terms below, an overhead given is one more of its terms)
+    rules_startup = p.device == "gpu" and g is not None and not g.wall and p.engine is not None
     if p.overhead_gib is None:
         o = default_overhead(p.engine, p.device)
         fixed, per_token, why = o.fixed_bytes, o.per_token_bytes, o.for_model(p.model.name)
@@ -355,9 +368,27 @@ def setup(p: PlanInput) -> Setup:
               served_weights(p.model, rules, g.capability if g else None), fixed, per_token, why, margin, g,
               p.block_size, p.device, p.engine_version, dict(p.engine_options), p.node_gpus, p.overhead_gib is None,
               startup_rule=rules_startup, margin_default=p.margin is None,
-              cpu_features=p.cpu_features if p.device == "cpu" else (), pp=p.pp, dp=p.dp)
+              cpu_features=p.cpu_features if p.device == "cpu" else (), pp=p.pp, dp=p.dp, interconnect=p.interconnect)
     # the engine's own rule where it has one (KVRules.startup_memory), else the margin and the overhead
-    return s if s.startup is not None else replace(s, startup_rule=False)
+    if s.startup is None:
+        return replace(s, startup_rule=False)
+    if p.margin is not None:
+        s = replace(s, options=margin_as_option(rules, s.startup.label, p.margin, s.options))
+    return s
+
+
+def margin_as_option(rules: KVRules, label: str, margin: float, options: dict) -> dict:
+    """--margin said in the engine's own terms: its share of the GPU (KVRules.fraction_option) at 1 - margin; the
+    same share given both ways is one answer, two different ones are refused."""
+    key = rules.fraction_option
+    if key is None:
+        raise PlanError(f"--margin: {label} takes no share of the GPU (it allocates what it needs and fails when that "
+                        "does not fit): plan it without --margin")
+    share = round(1 - margin, 6)
+    if key in options and abs(float(options[key]) - share) > 1e-9:
+        raise PlanError(f"--margin {margin:g} is --engine-option {key}={share:g}, not the {options[key]} also given: "
+                        "give one")
+    return {**options, key: share}
 
 
 def check_layout(rules: KVRules, model: ModelForPlan, pp: int, dp: int) -> None:
@@ -383,9 +414,13 @@ def with_engine(s: Setup, engine: str, engine_options: dict | None = None) -> Se
     ``engine_options`` its own (--engine-option ENGINE:KEY=VALUE)."""
     rules = engine_rules(engine)
     check_layout(rules, s.model, s.pp, s.dp)
-    t = replace(s, rules=rules, engine=engine, kv_dtype="auto", block_size=None, options=dict(engine_options or {}),
-                version=None, weights=served_weights(s.model, rules, s.capability), startup_rule=s.overhead_default and
-                s.gpu is not None and not s.gpu.wall and s.device == "gpu" and s.margin_default)
+    # the margin asked, in this engine's own terms where it takes a share of the GPU
+    options = {rules.fraction_option: round(1 - s.margin, 6)} if not s.margin_default and rules.fraction_option else {}
+    if engine_options:  # a share of the GPU given both ways must agree
+        options = margin_as_option(rules, engine, s.margin, engine_options) if options else dict(engine_options)
+    t = replace(s, rules=rules, engine=engine, kv_dtype="auto", block_size=None, options=options, version=None,
+                weights=served_weights(s.model, rules, s.capability),
+                startup_rule=s.gpu is not None and not s.gpu.wall and s.device == "gpu")
     if t.startup_rule and t.startup is None:
         t = replace(t, startup_rule=False)
     if s.overhead_default:  # the other engine's own measured overhead

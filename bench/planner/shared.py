@@ -91,6 +91,9 @@ class GPU:
     cuda_source: str = ""
     memory_source: str = ""  # where gpus.toml's memory_mib was read (a public nvidia-smi output or log)
     unified_memory: bool = False  # the card's memory is the host's, shared with the CPU (DGX Spark's GB10)
+    #: how its GPUs talk under tensor parallel: "nvlink" (SXM boards: NCCL's many channels, NVLS, custom
+    #: all-reduce) or "pcie"; "unknown" for a size given (planned as NVLink: the larger buffers)
+    interconnect: str = "unknown"
 
     def cuda_memory(self) -> tuple[float, str]:
         """What CUDA reports as the card's total (torch.cuda.mem_get_info), the figure vLLM and SGLang budget
@@ -112,7 +115,8 @@ def _gpu_table() -> dict[str, tuple[GPU, tuple[str, ...]]]:
             card = GPU(name, spec["memory_mib"] * 2**20, tuple(int(x) for x in cc.split(".")) if cc else None,
                        cuda_bytes=cuda * 2**20 if cuda else None, cuda_source=spec.get("cuda_source", ""),
                        memory_source=spec.get("memory_source", ""),
-                       unified_memory=bool(spec.get("unified_memory", False)))
+                       unified_memory=bool(spec.get("unified_memory", False)),
+                       interconnect=spec.get("interconnect", "pcie"))
             _GPU_TABLE[name] = (card, (name, *spec.get("names", ())))
     return _GPU_TABLE
 

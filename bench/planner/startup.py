@@ -3,7 +3,10 @@ holds at once, or the refusal it would print, from the engine's own memory rule 
 Asks only the engine's rules (``startup_memory``, ``startup_refusal``, the pool hooks); never its name."""
 from __future__ import annotations
 
+import functools
 import math
+import tomllib
+from pathlib import Path
 
 from kvbench.kv.rules import KVRuleError
 from kvbench.kv.units import GIB
@@ -63,9 +66,34 @@ def startup_view(s: Setup) -> dict | None:
                 f"({out['pool_tokens']:,} tokens): {out['requests_at_limit']:,} request"
                 f"{'s' * (out['requests_at_limit'] != 1)} of {s.limit:,} tokens at once")
     if not mem.verified:
-        line += f" ({mem.verified_note})"
+        line += f" ({accuracy_note(mem.klass) or mem.verified_note})"
     out["line"] = line
+    out["accuracy"] = rule_accuracy(mem.klass)
     return out
+
+
+ACCURACY_FILE = Path(__file__).with_name("startup_accuracy.toml")
+
+
+@functools.lru_cache(maxsize=1)
+def _accuracy() -> dict:
+    return tomllib.loads(ACCURACY_FILE.read_text()) if ACCURACY_FILE.exists() else {}
+
+
+def rule_accuracy(klass: str) -> dict | None:
+    """How far the rule of this class of deployment was from the public startup logs of its class, each planned
+    with the constants fitted without its own source (kvbench.selfcheck.startup_fit writes it)."""
+    return _accuracy().get(f"rule {klass}")
+
+
+def accuracy_note(klass: str) -> str:
+    """The verdict's own error, for a class not every log of which holds: what a user should expect."""
+    a = rule_accuracy(klass)
+    if not a or not a.get("pools"):
+        return ""
+    return (f"unverified: on {a['pools']} public startup logs of class '{klass}' from {a['sources']} sources, each "
+            f"planned without its own source's fit, the KV budget was off by {a['mae_gib']:.2f} GiB on average "
+            f"({a['mape_pct']:.0f} %), {a['worst_gib']:.2f} GiB at worst; docs/plan.md")
 
 
 def _longest(s: Setup, available: float) -> int:

@@ -114,10 +114,13 @@ def test_an_overhead_measured_on_another_model_says_so():
 
 
 def test_the_rule_of_thumb_is_beside_the_overhead_on_a_gpu_too():
-    code, r = plan_json("llama-3.1-8b", "--engine", "vllm", "--gpu", "H100-80GB", "-n", "8192")
+    code, r = plan_json("llama-3.1-8b", "--gpu", "H100-80GB", "-n", "8192")  # the plain formula: the margin model
     assert code == 0
     assert r["overhead_rule_of_thumb_bytes"] == rule_of_thumb(r["gpu_memory_bytes"])
     assert not r["memory_wall"] and r["overhead_source"].startswith("assumed: 1.5 GiB")
+    # an engine with a startup rule is planned by its own terms only: no margin-model figure beside them
+    code, r = plan_json("llama-3.1-8b", "--engine", "vllm", "--gpu", "H100-80GB", "-n", "8192")
+    assert r["overhead_rule_of_thumb_bytes"] is None and r["margin"] is None and r["startup"]["terms"]
 
 
 @pytest.mark.parametrize("args, message", [
