@@ -70,13 +70,13 @@ def answered_or_refused_in_one_line(args: list[str]) -> None:
         assert len(lines) == 1 and lines[0].startswith("error: "), (args, r.stderr)
 
 
-@settings(max_examples=500, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plan_args(hostile=True))
 def test_hostile_values_are_answered_or_refused_in_one_line(args):
     answered_or_refused_in_one_line(args)
 
 
-@settings(max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plan_args(hostile=False))
 def test_contradictory_values_are_answered_or_refused_in_one_line(args):
     answered_or_refused_in_one_line(args)
