@@ -346,8 +346,10 @@ class PlanOptions:
              "of --engine, if given) instead of the shipped table's.", metavar="RUN"),
         read=read_overhead, default=(None, "given: --overhead-gib"))
     margin: float | None = option(
-        Flag("margin", str, None, "Fraction of the memory kept free, from 0 to below 1 (default 0.10 of a GPU, 0 of "
-             "a --memory wall, which is exact).", metavar="FRACTION"),
+        Flag("margin", str, None, "Fraction of the memory kept free, from 0 to below 1: on a GPU, the engine's "
+             "own share at 1 - FRACTION (vLLM's gpu_memory_utilization, SGLang's mem_fraction_static, TGI's "
+             "cuda_memory_fraction), kept free beside an engine with none (llama.cpp). Default: the engine's own "
+             "share; 0.10 with no engine; 0 of a --memory wall, which is exact.", metavar="FRACTION"),
         read=read_margin, default=None)
     node_gpus: int = option(
         Flag("node_gpus", str, str(NODE_GPUS), "GPUs in a node: the most the tensor-parallel lever proposes.",

@@ -160,6 +160,10 @@ class Setup:
             return None
         q = self.startup_question()
         mem = self.rules.startup_memory(q) if q is not None else None
+        if mem is not None and not self.margin_default and self.rules.fraction_option is None:
+            # an engine with no share of the GPU (it allocates what it needs): --margin is kept free beside it
+            mem = replace(mem, fraction=1 - self.margin,
+                          fraction_source=f"--margin {self.margin:g}: kept free beside what {mem.label} allocates")
         if mem is None or self.overhead_default:
             return mem
         given = StartupTerm("overhead given", self.overhead_fixed, self.overhead_source)
@@ -379,11 +383,11 @@ def setup(p: PlanInput) -> Setup:
 
 def margin_as_option(rules: KVRules, label: str, margin: float, options: dict) -> dict:
     """--margin said in the engine's own terms: its share of the GPU (KVRules.fraction_option) at 1 - margin; the
-    same share given both ways is one answer, two different ones are refused."""
+    same share given both ways is one answer, two different ones are refused. An engine with no share keeps its
+    options."""
     key = rules.fraction_option
-    if key is None:
-        raise PlanError(f"--margin: {label} takes no share of the GPU (it allocates what it needs and fails when that "
-                        "does not fit): plan it without --margin")
+    if key is None:  # no share to set: the margin is kept free beside what the engine allocates (Setup.startup)
+        return options
     share = round(1 - margin, 6)
     if key in options and abs(float(options[key]) - share) > 1e-9:
         raise PlanError(f"--margin {margin:g} is --engine-option {key}={share:g}, not the {options[key]} also given: "

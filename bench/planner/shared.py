@@ -179,7 +179,9 @@ def gpu(name_or_size: str) -> GPU:
         value, unit = float(m[1]), m[2].lower()
         if value <= 0:
             raise PlanError(f"a GPU size must be positive, not {name_or_size!r}")
-        return GPU(name_or_size.strip(), int(value * (1e9 if unit == "gb" else GIB)))
+        size = int(value * (1e9 if unit == "gb" else GIB))
+        # a size given is the memory the engine budgets against: what CUDA reports, no gap of a card's taken off
+        return GPU(name_or_size.strip(), size, cuda_bytes=size, cuda_source="the size given")
     table = _gpu_table()
     keys, exact = gpus_named(name_or_size)
     if len(keys) > 1:

@@ -116,7 +116,12 @@ def verdict(s: Setup, o: Outcome) -> dict:
     tail = (f"{o.max_concurrency:,} request{'s' * (o.max_concurrency != 1)} at once at {s.context:,} tokens; "
             f"the longest request with "
             f"{s.batch} at once: {longest}")
-    if o.fits:
+    pool = _startup_pool(s)
+    if o.fits and pool is not None:  # said in the pool the engine's first line names, not beside it
+        out["word"] = "FITS"
+        out["line"] = (f"FITS{unverified}: the KV held takes {fmt_gib(o.kv)} of the {fmt_gib(pool)} KV pool "
+                       f"{s.per}, {fmt_gib(o.headroom)} left ({_pct(o.headroom_pct)} of {fmt_gib(usable)} usable); {tail}")
+    elif o.fits:
         out["word"] = "FITS"
         out["line"] = (f"FITS{unverified}: {fmt_gib(o.headroom)} headroom {s.per} ({_pct(o.headroom_pct)} of "
                        f"{fmt_gib(usable)} usable); {tail}")
@@ -132,11 +137,24 @@ def verdict(s: Setup, o: Outcome) -> dict:
         out["line"] = (f"DOES NOT FIT{unverified}: {what} {fmt_gib(taken)} {s.per}{share}, more than the "
                        f"{fmt_gib(usable)} usable on {s.gpu.name} ({s.kept_free / s.gpu.bytes:.0%} kept free); short by "
                        f"{fmt_gib(-o.headroom)} with the KV")
+    elif pool is not None:
+        out["word"] = "DOES NOT FIT"
+        out["line"] = (f"DOES NOT FIT{unverified}: the KV held takes {fmt_gib(o.kv)}, more than the {fmt_gib(pool)} KV "
+                       f"pool {s.per}: short by {fmt_gib(-o.headroom)} ({_pct(o.headroom_pct)} of {fmt_gib(usable)} "
+                       f"usable); {tail}")
     else:
         out["word"] = "DOES NOT FIT"
         out["line"] = (f"DOES NOT FIT{unverified}: short by {fmt_gib(-o.headroom)} {s.per} ({_pct(o.headroom_pct)} "
                        f"of {fmt_gib(usable)} usable); {tail}")
     return out
+
+
+def _startup_pool(s: Setup) -> float | None:
+    """The KV pool an engine that sizes it from its budget would start with (its first line's), where it would."""
+    if s.startup is None or not s.rules.pool_from_budget:
+        return None
+    room = s.usable - s.weights_per_gpu - s.fixed_overhead - s.host_bytes()
+    return room if room > 0 else None
 
 
 def lever_line(lv: dict) -> str:

@@ -144,9 +144,12 @@ def test_margin_is_the_engines_own_share(engine, option):
     assert both.exit_code == 2 and "give one" in both.output
 
 
-def test_margin_for_an_engine_without_a_share_is_refused_and_an_overhead_given_stands_for_its_terms():
-    r = CliRunner().invoke(app, ["plan", "llama-3.1-8b", "--engine", "llamacpp", "--gpu", "H100-80GB", "--margin", "0.1"])
-    assert r.exit_code == 2 and "takes no share of the GPU" in r.output
+def test_margin_for_an_engine_without_a_share_is_kept_free_and_an_overhead_given_stands_for_its_terms():
+    llama = ["plan", "llama-3.1-8b", "--engine", "llamacpp", "--gpu", "H100-80GB", "--json"]
+    own, kept = (json.loads(CliRunner().invoke(app, [*llama, *extra]).output)["startup"]
+                 for extra in ([], ["--margin", "0.25"]))
+    assert own["fraction"] == 1.0 and kept["fraction"] == 0.75 and "--margin 0.25" in kept["fraction_source"]
+    assert kept["kv_budget_bytes"] == pytest.approx(own["kv_budget_bytes"] - 0.25 * own["cuda_bytes"])
     base = ["plan", "llama-3.1-8b", "--engine", "vllm", "--gpu", "H100-80GB", "--max-model-len", "8192", "--json"]
     plain = json.loads(CliRunner().invoke(app, base).output)["startup"]
     given = json.loads(CliRunner().invoke(app, [*base, "--overhead-gib", "2"]).output)["startup"]

@@ -67,7 +67,9 @@ def test_deepseek_v3_on_eight_h200_at_32k():
     kv = next(row for row in out["ledger"] if row["term"] == "kv")
     assert kv["bytes"] == per_request + null_block
     assert "the MLA latent replicated on each of 8 GPUs" in kv["source"]
-    assert v["line"].startswith(f"FITS: {(usable - need) / GIB:.2f} GiB headroom per GPU")
+    pool = usable - DEEPSEEK_V3_FP8 / 8 - overhead
+    assert v["line"].startswith(f"FITS: the KV held takes {(per_request + null_block) / GIB:.2f} GiB of the "
+                                f"{pool / GIB:.2f} GiB KV pool per GPU, {(usable - need) / GIB:.2f} GiB left")
 
 
 def test_deepseek_v3_weights_come_from_the_fp8_checkpoint():
