@@ -303,23 +303,26 @@ def all_rows(folder: Path = CORPUS) -> list[Row]:
     return [r for e in corpus(folder) for r in rows_for(e)]
 
 
-def table(rows: list[Row]) -> str:
-    head = ("| log | check | logged | planned | left out | ok | ok left out |\n"
-            "|---|---|---|---|---|---|---|")
-    lines = [head]
+def table(rows: list[Row], loso: bool = True) -> str:
+    """The checks as a markdown table; ``loso`` False leaves out the left-out columns (rows of :func:`all_rows`)."""
+    fmt = lambda v: "" if v is None else (f"{v:,}" if isinstance(v, (int, float)) else str(v))  # noqa: E731
+    mark = lambda v: "" if v is None else ("yes" if v else "**no**")  # noqa: E731
+    cols = ["log", "check", "logged", "planned", "ok"] + (["left out", "ok left out"] if loso else [])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        fmt = lambda v: "" if v is None else (f"{v:,}" if isinstance(v, (int, float)) else str(v))  # noqa: E731
-        mark = lambda v: "" if v is None else ("yes" if v else "**no**")  # noqa: E731
-        lines.append(f"| {r.log.removesuffix('.toml')} | {r.check} | {fmt(r.logged)} {r.unit} | "
-                     f"{fmt(r.planned)} | {fmt(r.loso)} | {mark(r.ok)} | {mark(r.ok_loso)} |")
+        cells = [r.log.removesuffix(".toml"), r.check, f"{fmt(r.logged)} {r.unit}", fmt(r.planned), mark(r.ok)]
+        lines.append("| " + " | ".join(cells + ([fmt(r.loso), mark(r.ok_loso)] if loso else [])) + " |")
     return "\n".join(lines)
 
 
-def summary(rows: list[Row]) -> str:
+def summary(rows: list[Row], loso: bool = True) -> str:
     rs = [r for r in rows if r.ok is not None]
+    out = (f"{sum(bool(r.ok) for r in rs)}/{len(rs)} checks within {TOLERANCE_PCT:g} % or {TOLERANCE_GIB} GiB "
+           "with the shipped constants")
+    if not loso:
+        return out
     b = [r for r in rows if r.ok_loso is not None]
-    return (f"{sum(bool(r.ok) for r in rs)}/{len(rs)} checks within {TOLERANCE_PCT:g} % or {TOLERANCE_GIB} GiB with "
-            f"the shipped constants; {sum(bool(r.ok_loso) for r in b)}/{len(b)} with each source left out of the fit")
+    return out + f"; {sum(bool(r.ok_loso) for r in b)}/{len(b)} with each source left out of the fit"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -328,9 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     if "--json" in argv:
         print(json.dumps([asdict(r) for r in rows], indent=2))
         return 0
-    print(table(rows))
+    print(table(rows, loso=False))
     print()
-    print(summary(rows))
+    print(summary(rows, loso=False))
     return 0
 
 

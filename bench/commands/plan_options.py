@@ -133,6 +133,13 @@ def read_gpu(flags: dict, earlier: dict) -> str | None:
     return text
 
 
+def read_interconnect(flags: dict, earlier: dict) -> str | None:
+    link = flags["interconnect"]
+    if link is not None and link.strip().lower() not in ("nvlink", "pcie"):
+        raise PlanError(f"--interconnect is nvlink or pcie, not {shown(link)}")
+    return link.strip().lower() if link is not None else None
+
+
 def read_device(flags: dict, earlier: dict) -> str:
     device = flags["device"] or ("cpu" if earlier["memory"] is not None else "gpu")
     if device not in ("gpu", "cpu"):
@@ -304,6 +311,11 @@ class PlanOptions:
              "--enable-expert-parallel, SGLang --enable-dp-attention): each GPU holds the KV of its share of the "
              "batch, the routed experts split over all.", metavar="N"),
         read=count("--dp", MAX_GPUS, "GPUs"), default=1)
+    interconnect: str | None = option(
+        Flag("interconnect", str, None, "nvlink or pcie: how the tensor-parallel GPUs talk (NCCL's buffers and the "
+             "engines' all-reduce differ). Default: the card's (SXM boards NVLink, the others PCIe; a size given "
+             "is planned as NVLink, the larger buffers)."),
+        read=read_interconnect, default=None)
     engine: str | None = option(
         Flag("engine", str, None, f"Apply this engine's rules: {', '.join(engines())} (default: the plain formula)."),
         read=read_engine, default=None)
@@ -383,7 +395,7 @@ class PlanOptions:
         overhead, source = self.overhead
         return PlanInput(
             model=model, context=self.context, batch=self.batch, kv_dtype=self.kv_dtype, tp=self.tp, pp=self.pp,
-            dp=self.dp, engine=self.engine, gpu=self.gpu, overhead_gib=overhead, overhead_source=source,
+            dp=self.dp, interconnect=self.interconnect, engine=self.engine, gpu=self.gpu, overhead_gib=overhead, overhead_source=source,
             memory=self.memory, margin=self.margin, block_size=self.block_size, device=self.device,
             engine_version=self.engine_version, engine_options=self.engine_options.get(self.engine or "", {}),
             allow_long_context=self.allow_long_context, max_model_len=self.max_model_len, node_gpus=self.node_gpus,

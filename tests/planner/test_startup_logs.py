@@ -164,3 +164,16 @@ def test_compare_engines_uses_each_engines_rule():
     assert "mem_fraction_static" not in pools["vllm"]["overhead_source"]
     assert pools["sglang"]["overhead_source"].startswith("own startup rule (0.8")
     assert pools["vllm"]["overhead_source"].startswith("own startup rule (0.9")
+
+
+def test_interconnect_given_picks_the_engines_pcie_or_nvlink_terms():
+    """--interconnect overrides the card's (an A100 80GB is SXM: NVLink); a PCIe box gets PCIe's fitted term."""
+    base = ["plan", "llama-3.1-70b", "--engine", "vllm", "--gpu", "A100-80GB", "--tp", "4", "--engine-version",
+            "0.8.0", "--max-model-len", "8192", "--json"]
+    non_torch = {}
+    for link in ("", "nvlink", "pcie"):
+        out = json.loads(CliRunner().invoke(app, [*base, *(["--interconnect", link] if link else [])]).output)
+        non_torch[link] = next(t for t in out["startup"]["terms"] if t["term"] == "non-torch memory")["bytes"]
+    assert non_torch[""] == non_torch["nvlink"] != non_torch["pcie"]
+    bad = CliRunner().invoke(app, [*base, "--interconnect", "infiniband"])
+    assert bad.exit_code == 2 and "--interconnect is nvlink or pcie" in bad.output
