@@ -147,17 +147,55 @@ def fit(measured: dict, leave_out: str | None = None) -> dict[tuple[str, str], F
     return out
 
 
+class _Reads(dict):
+    """An engine's FITTED that remembers the keys read (which constants a plan used)."""
+
+    def __init__(self, values: dict):
+        super().__init__(values)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+
+@contextlib.contextmanager
+def reading():
+    """The engines' FITTED swapped for :class:`_Reads` for the block: {engine: the keys read}."""
+    modules = engines_with_constants()
+    saved = {engine: module.FITTED for engine, module in modules.items()}
+    reads = {engine: _Reads(fitted) for engine, fitted in saved.items()}
+    try:
+        for engine, module in modules.items():
+            module.FITTED = reads[engine]
+        yield reads
+    finally:
+        for engine, module in modules.items():
+            module.FITTED = saved[engine]
+
+
 def loso_figures(entries: list[dict]) -> dict[str, dict]:
-    """{file: its figures planned with each constant fitted without the log's own source}. A constant that only
-    the left-out source measures keeps its shipped value there (its rows say so through the fit's ``sources``)."""
+    """{file: its figures planned with each constant fitted without the log's own source}. A log whose plan reads
+    a constant that only its own source measures has no such figures: {"only_its_own_source": [the constants]}
+    (the shipped value would be its own source's, a fit on itself)."""
     measured = measurements(entries)
+    everywhere = fit(measured)
     out = {}
     for source in sorted({e["source_id"] for e in entries}):
         fits = fit(measured, leave_out=source)
         values = {k: f.value for k, f in fits.items() if f.value is not None}
-        with patched(values):
+        alone = {k for k, f in fits.items() if f.value is None and everywhere[k].value is not None}
+        with reading() as reads, patched(values):
             for e in (e for e in entries if e["source_id"] == source):
-                out[e["file"]] = sl.figures(e)
+                for r in reads.values():
+                    r.read.clear()
+                figures = sl.figures(e)
+                used = sorted(key for engine, key in alone if key in reads[engine].read)
+                out[e["file"]] = {"only_its_own_source": used} if used else figures
     return out
 
 
@@ -225,7 +263,9 @@ def accuracy(rows: list[sl.Row], loso: bool = True) -> dict[str, dict]:
         pct = [abs(err) / max(abs(float(r.logged)), 1.0) * 100 for r, err in pools]
         verdicts = [r for r in rs if r.check != "KV pool" and (r.ok_loso if loso else r.ok) is not None]
         worst = max(pools, key=lambda p: abs(p[1]), default=None)
+        blind = [r for r in rs if r.check == "KV pool" and r.error(loso) is None and r.error(False) is not None]
         out[name] = {"pools": len(pools), "sources": len({r.source_id for r, _ in pools}),
+                     "pools_own_source_only": len(blind),
                      "mae_gib": round(statistics.fmean(abs(e) for _, e in pools), 3) if pools else None,
                      "mape_pct": round(statistics.fmean(pct), 1) if pct else None,
                      "worst_gib": round(abs(worst[1]), 3) if worst else None,
@@ -237,11 +277,12 @@ def accuracy(rows: list[sl.Row], loso: bool = True) -> dict[str, dict]:
 
 
 def accuracy_table(acc: dict[str, dict]) -> str:
-    lines = ["| engine / class | pools | mean abs. error | mean abs. % | worst | worst log | within 5 % or 0.5 GiB | "
-             "verdicts right |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| engine / class | pools | not planned | mean abs. error | mean abs. % | worst | worst log | "
+             "within 5 % or 0.5 GiB | verdicts right |", "|---|---|---|---|---|---|---|---|---|"]
     for name, a in acc.items():
         fmt = lambda v, u="": "" if v is None else f"{v}{u}"  # noqa: E731
-        lines.append(f"| {name} | {a['pools']} | {fmt(a['mae_gib'], ' GiB')} | {fmt(a['mape_pct'], ' %')} | "
+        lines.append(f"| {name} | {a['pools']} | {a.get('pools_own_source_only', 0) or ''} | "
+                     f"{fmt(a['mae_gib'], ' GiB')} | {fmt(a['mape_pct'], ' %')} | "
                      f"{fmt(a['worst_gib'], ' GiB')} | {a['worst_log'] or ''} | {a['within_tolerance']}/{a['pools']} | "
                      f"{a['verdicts_right']}/{a['verdicts']} |")
     return "\n".join(lines)

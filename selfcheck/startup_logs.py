@@ -16,7 +16,7 @@ import json
 import math
 import sys
 import tomllib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvbench.kv.units import GIB, MIB
@@ -220,6 +220,11 @@ def rows_for(entry: dict, loso: dict | None = None) -> list[Row]:
     split, checks = entry.get("split", "holdout"), entry["checks"]
     got = figures(entry)
     loso = got if loso is None else loso
+    alone = loso.get("only_its_own_source")
+    if alone:  # planned without its source, the plan reads a constant no other source measures: no left-out figures
+        return [r if r.check in ARITHMETIC else replace(
+                    r, loso=None, ok_loso=None, note=f"left out: only its own source measures {', '.join(alone)}")
+                for r in rows_for(entry)]
     klass, classes = got.get("class", ""), got.get("classes", [])
 
     def row(check, lv, a, b, unit, ok, ok_b, note="", k=None):
@@ -270,6 +275,9 @@ def rows_for(entry: dict, loso: dict | None = None) -> list[Row]:
                 budget <= 0, k="")
     _arithmetic_rows(entry, row)
     return out
+
+
+ARITHMETIC = ("concurrency from blocks", "one request at the limit")  # the checks of _arithmetic_rows
 
 
 def _arithmetic_rows(entry: dict, row) -> None:

@@ -219,8 +219,10 @@ def non_torch(q: StartupQuestion, rules) -> StartupTerm:
         key = "non_torch_v018_tp1" if tp == 1 else f"non_torch_v018_tpn{link}"
         why = "0.18 on: the increase during profiling" + ("" if tp == 1 else ": NCCL's lazily connected channels and "
                                                          "the all-reduce workspaces")
-    gib = FITTED[key] * (tp if key == "non_torch_v065_per_tp" else 1)
     where = "" if tp == 1 else f" over {q.interconnect}"
+    if link and not FIT_RECORDS[key].get("sources"):  # no public log of PCIe at this version: NVLink's, the larger
+        key, where = key.removesuffix(link), ", NVLink's figure (no public log over PCIe at this version)"
+    gib = FITTED[key] * (tp if key == "non_torch_v065_per_tp" else 1)
     return StartupTerm("non-torch memory", gib * GIB, f"fitted: {gib:.2f} GiB{where}, {fitted_range(FIT_RECORDS[key])}; "
                        f"{why}", True)
 

@@ -89,6 +89,10 @@ def rule_accuracy(klass: str) -> dict | None:
 def accuracy_note(klass: str) -> str:
     """The verdict's own error, for a class not every log of which holds: what a user should expect."""
     a = rule_accuracy(klass)
+    if a and not a.get("pools") and a.get("pools_own_source_only"):
+        return (f"unverified: the {a['pools_own_source_only']} public startup logs of class '{klass}' each read a "
+                "constant only their own source measures, so none was planned without its own source's fit; "
+                "docs/plan.md")
     if not a or not a.get("pools"):
         return ""
     return (f"unverified: on {a['pools']} public startup logs of class '{klass}' from {a['sources']} sources, each "

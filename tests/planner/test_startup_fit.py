@@ -50,6 +50,21 @@ def test_a_constant_is_read_back_from_the_log_that_measures_it(entries):
     assert sf.implied(entry, "vllm", other, module.FITTED[other.key]) is None  # a 0.19 log says nothing of 0.6.4
 
 
+def test_a_log_only_its_own_source_measures_a_constant_of_has_no_left_out_figure(entries):
+    """Left out, a log whose plan reads a constant that no other source measures (vLLM 0.6.4's non-torch memory,
+    measured by one issue's logs alone) is not planned with that source's own fit: it counts as not planned."""
+    held = sf.loso_figures(entries)
+    own = "vllm-10517-llama3.1-8b-3090-20k.toml"
+    assert held[own] == {"only_its_own_source": ["non_torch_v064"]}
+    rows = [r for r in sf.all_rows() if r.log == own]
+    pool = next(r for r in rows if r.check == "KV pool")
+    assert pool.planned is not None and pool.loso is None and pool.ok_loso is None and "non_torch_v064" in pool.note
+    acc = sf.accuracy(sf.all_rows())["rule vllm v0 dense"]
+    assert acc["pools"] == 0 and acc["pools_own_source_only"] == 3
+    other = next(e for e in entries if e["file"] == "vllm-tokenkaki-0.19.1-qwen3-8b-a100-40gb.toml")
+    assert "only_its_own_source" not in held[other["file"]]  # measured by other sources too
+
+
 def test_leave_one_source_out_accuracy_does_not_grow():
     """Per engine, per class and per rule class: the mean and the worst error of the KV budget planned without
     each log's own source stay at or under bench/planner/startup_accuracy.toml, and no fewer verdicts are right."""
