@@ -155,8 +155,8 @@ def _print_pools(s, pools, lacking: list[str], as_json: bool) -> None:
                           "margin": s.margin, "kv_dtype": s.kv_dtype, "engines_without_kv_dtype": lacking,
                           "engines": [asdict(p) for p in pools]}, indent=2, default=str))
         return
-    typer.echo(f"{s.model.name} on {on}, a limit of {s.limit:,} tokens per request ({s.limit_source}); "
-               f"{s.margin:.0%} of the memory kept free")
+    typer.echo(f"{s.model.name} on {on}, a limit of {s.limit:,} tokens per request ({s.limit_source}); the memory "
+               f"each engine takes: {', '.join(f'{p.engine} {p.share}' for p in pools)}")
     t = Table(title=f"KV pool per engine: {escape(s.model.name)}", show_header=True)
     for col in ("engine", "KV dtype", "bytes/token per GPU", "KV budget per GPU", "pool tokens",
                 f"requests of {s.limit:,} at once", "pool sized", "how the engine stores it"):

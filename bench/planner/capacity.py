@@ -82,6 +82,7 @@ class EnginePool:
     sized: str  # "from the budget" (the engine sizes its pool from the bytes left) or "for the limit"
     note: str  # the engine's rounding and storage (KVAnswer.note)
     overhead_source: str
+    share: str = ""  # the memory the engine takes: its own fraction of CUDA's total, or what the margin leaves
 
 
 def engine_pools(s: Setup, engines: list[str], options: dict[str, dict] | None = None) -> list[EnginePool]:
@@ -111,5 +112,6 @@ def engine_pools(s: Setup, engines: list[str], options: dict[str, dict] | None =
         mem = t.startup
         out.append(EnginePool(engine, a.dtype, a.bytes_per_token, budget, tokens, sequences, sized, a.note,
                               f"own startup rule ({mem.fraction:g} of CUDA's total; {mem.klass}"
-                              f"{'' if mem.verified else ', unverified'})" if mem is not None else t.overhead_source))
+                              f"{'' if mem.verified else ', unverified'})" if mem is not None else t.overhead_source,
+                              f"{mem.fraction:g} of CUDA's total" if mem is not None else f"{1 - t.margin:.0%} of the memory"))
     return out
