@@ -46,7 +46,6 @@ class Row:
     log: str
     engine: str
     check: str  # KV pool, requests at the limit, refusal, a term's name ...
-    split: str  # fit: a shipped constant was fitted on this log's source (every log is); holdout: none measures it
     klass: str  # the engine rule's class of deployment ("vllm v1 dense")
     logged: float | str | None
     planned: float | str | None  # with the constants as shipped
@@ -217,7 +216,7 @@ def rows_for(entry: dict, loso: dict | None = None) -> list[Row]:
     """The checks of one log: ``loso`` is :func:`figures` of the log planned without its source's fit."""
     out: list[Row] = []
     logged, name, engine = entry.get("logged", {}), entry["file"], entry["engine"]
-    split, checks = entry.get("split", "holdout"), entry["checks"]
+    checks = entry["checks"]
     got = figures(entry)
     loso = got if loso is None else loso
     alone = loso.get("only_its_own_source")
@@ -228,7 +227,7 @@ def rows_for(entry: dict, loso: dict | None = None) -> list[Row]:
     klass, classes = got.get("class", ""), got.get("classes", [])
 
     def row(check, lv, a, b, unit, ok, ok_b, note="", k=None):
-        out.append(Row(name, engine, check, split, klass if k is None else k, lv, a, b, unit, ok, ok_b, note,
+        out.append(Row(name, engine, check, klass if k is None else k, lv, a, b, unit, ok, ok_b, note,
                        entry["source_id"], classes))
 
     if "unverified" in checks:

@@ -130,7 +130,7 @@ class VLLMBackend(PrometheusPolled, Backend):
                default_text="true on a CPU in sized mode (a 20-25 s start), else false"),
         Option("tp", int, 1, "GPUs to split the model over (--tensor-parallel-size)"),
         Option("gpu_memory_utilization", float, None, "share of each GPU vLLM may use (--gpu-memory-utilization)",
-               default_text="vLLM's own (0.92); deployed mode only", maximum=1.0),
+               default_text="vLLM's own (0.9; 0.92 from 0.33); deployed mode only", maximum=1.0),
         Option("single_process", bool, False, "the engine core inside the API server's process (on a CPU: "
                "VLLM_ENABLE_V1_MULTIPROCESSING=0, --distributed-executor-backend uni): one interpreter fewer, a start "
                "of about 20 s instead of 38 s here; the pool is sized by the same code, so kvbench validate uses it, "

@@ -31,7 +31,7 @@ def test_corpus_files_say_where_they_come_from():
     for e in entries:
         assert re.match(r"https://\S+$", e["source"]) and e["source_id"], e["file"]
         assert e["lines"].strip() and e["engine"] in ("vllm", "sglang", "llamacpp", "tgi") and e["engine_version"]
-        assert e["split"] in ("fit", "holdout") and e["checks"], e["file"]
+        assert e["checks"], e["file"]
     assert {e["engine"] for e in entries} == {"vllm", "sglang", "llamacpp", "tgi"}
     # the classes the issue asks for: MLA, sliding window (Gemma 2 on V1), TGI, llama.cpp on CUDA
     assert {"deepseek-v2-lite", "qwen3-235b-a22b", "gemma-2-9b-it"} <= {e.get("model") for e in entries}
