@@ -68,10 +68,11 @@ def check_cold_then_warm(first, salted, again, warm_at_least):
     assert "prefix cache hit on a cell meant cold" in console_d
     # served from the cache: every TTFT of the unsalted run again below the first run's median
     assert max(ttfts(d)) < sorted(ttfts(a))[len(ttfts(a)) // 2], (ttfts(a), ttfts(d))
-    # kvbench compare: the salted run is no TTFT change from the first; the warm one is not compared with it
+    # kvbench compare: the salted run is no TTFT improvement on the first (one-sided, as above: a busy machine
+    # can make either run slower, only a cache makes one faster); the warm one is not compared with it
     same = compared(a, b)
-    assert not {m["verdict"] for c in same["cells"] for m in c["metrics"] if m["metric"].startswith("ttft")} \
-        & {"regression", "improvement"}, same["cells"]
+    assert "improvement" not in {m["verdict"] for c in same["cells"] for m in c["metrics"]
+                                 if m["metric"].startswith("ttft")}, same["cells"]
     warm = compared(a, d)
     assert warm["summary"]["cache_mismatch"] == 1 and warm["summary"]["compared_cells"] == 0
     assert any(w.startswith("PREFIX CACHE: 1 cell(s) of the candidate meant cold") for w in warm["warnings"])
