@@ -245,13 +245,17 @@ def write(entries: list[dict], rounds: int = 6) -> list[Path]:
 
 # --- accuracy ----------------------------------------------------------------------------------------------------
 
+#: The checks of an engine that allocates what it needs (llama.cpp): its buffers, not a pool from a budget
+BUFFERS = ("KV cache", "compute buffer", "free at load")
+
+
 def accuracy(rows: list[sl.Row], loso: bool = True) -> dict[str, dict]:
     """Mean absolute error and worst case of the planned KV pool (GiB, and % of the logged), per engine and per
     class, with each source left out of the fit (``loso``) or as shipped; verdicts (refusals, requests at the
     limit) counted right."""
     groups: dict[str, list[sl.Row]] = defaultdict(list)
     for r in rows:
-        if r.check in ("KV pool", "requests at the limit", "refusal", "pool tokens"):
+        if r.check in ("KV pool", "requests at the limit", "refusal", "pool tokens") + BUFFERS:
             groups[f"engine {r.engine}"].append(r)
             for c in r.classes:
                 groups[f"class {c}"].append(r)
@@ -261,6 +265,8 @@ def accuracy(rows: list[sl.Row], loso: bool = True) -> dict[str, dict]:
     for name, rs in sorted(groups.items()):
         pools = [(r, r.error(loso)) for r in rs if r.check == "KV pool" and r.error(loso) is not None]
         pct = [abs(err) / max(abs(float(r.logged)), 1.0) * 100 for r, err in pools]
+        buffers = [r for r in rs if r.check in BUFFERS and (r.ok_loso if loso else r.ok) is not None]
+        rs = [r for r in rs if r.check not in BUFFERS]
         verdicts = [r for r in rs if r.check != "KV pool" and (r.ok_loso if loso else r.ok) is not None]
         worst = max(pools, key=lambda p: abs(p[1]), default=None)
         blind = [r for r in rs if r.check == "KV pool" and r.error(loso) is None and r.error(False) is not None]
@@ -272,19 +278,21 @@ def accuracy(rows: list[sl.Row], loso: bool = True) -> dict[str, dict]:
                      "worst_log": worst[0].log.removesuffix(".toml") if worst else None,
                      "within_tolerance": sum(bool(r.ok_loso if loso else r.ok) for r, _ in pools),
                      "verdicts": len(verdicts),
-                     "verdicts_right": sum(bool(r.ok_loso if loso else r.ok) for r in verdicts)}
+                     "verdicts_right": sum(bool(r.ok_loso if loso else r.ok) for r in verdicts),
+                     "buffers": len(buffers), "buffers_logs": len({r.log for r in buffers}),
+                     "buffers_within": sum(bool(r.ok_loso if loso else r.ok) for r in buffers)}
     return out
 
 
 def accuracy_table(acc: dict[str, dict]) -> str:
     lines = ["| engine / class | pools | not planned | mean abs. error | mean abs. % | worst | worst log | "
-             "within 5 % or 0.5 GiB | verdicts right |", "|---|---|---|---|---|---|---|---|---|"]
+             "within 5 % or 0.5 GiB | verdicts right | buffers within |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, a in acc.items():
         fmt = lambda v, u="": "" if v is None else f"{v}{u}"  # noqa: E731
         lines.append(f"| {name} | {a['pools']} | {a.get('pools_own_source_only', 0) or ''} | "
                      f"{fmt(a['mae_gib'], ' GiB')} | {fmt(a['mape_pct'], ' %')} | "
                      f"{fmt(a['worst_gib'], ' GiB')} | {a['worst_log'] or ''} | {a['within_tolerance']}/{a['pools']} | "
-                     f"{a['verdicts_right']}/{a['verdicts']} |")
+                     f"{a['verdicts_right']}/{a['verdicts']} | {a.get('buffers_within', 0)}/{a.get('buffers', 0)} |")
     return "\n".join(lines)
 
 

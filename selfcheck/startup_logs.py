@@ -35,6 +35,7 @@ CHECKS = {"kv_gib": ("KV pool", GIB), "tokens": ("pool tokens", None), "concurre
           "activation_gib": ("profile peak", GIB), "preload_gib": ("before loading", GIB),
           "cudagraph_estimate_gib": ("CUDA-graph estimate", GIB), "weights_gib": ("weights as loaded", GIB),
           "cuda_total_gib": ("CUDA's total", GIB), "kv_mib": ("KV cache", MIB), "compute_mib": ("compute buffer", MIB),
+          "free_at_load_mib": ("free at load", MIB),
           "one_request_gib": ("one request at the limit", GIB),
           "blocks_concurrency": ("concurrency from blocks", None)}
 CONSUMER_PREFIX = "RTX-"  # GeForce cards (RTX-3090 ... RTX-5090); workstation cards are named A6000, RTX-6000-Ada
@@ -208,8 +209,16 @@ def _llamacpp_figures(entry: dict, model) -> dict:
     rules = engine_rules("llamacpp")
     a = rules.deployment(q, st["n_ctx"])
     sq = StartupQuestion(q, st["n_ctx"], "", 0, 0, "", 0, model.widths)
-    return {"kv_mib": a.bytes_per_gpu / MIB, "compute_mib": gpumem.compute_buffer(sq, a.tokens_full).bytes / MIB,
-            "class": "llamacpp cuda " + ("flash-attn" if gpumem._flash(sq) else "no-flash-attn")}
+    out = {"kv_mib": a.bytes_per_gpu / MIB, "compute_mib": gpumem.compute_buffer(sq, a.tokens_full).bytes / MIB,
+           "class": "llamacpp cuda " + ("flash-attn" if gpumem._flash(sq) else "no-flash-attn")}
+    if entry.get("gpu"):  # what llama.cpp finds free at load: CUDA's total less what the context and others hold
+        from kvbench.planner import PlanError, gpu
+        try:
+            cuda = gpu(entry["gpu"]).cuda_memory()[0]
+        except PlanError:
+            return out
+        out["free_at_load_mib"] = (cuda - gpumem.not_free_at_load().bytes) / MIB
+    return out
 
 
 def rows_for(entry: dict, loso: dict | None = None) -> list[Row]:

@@ -28,6 +28,8 @@ COMPUTE_LINE = re.compile(r"(?:sched_reserve|llama_context|llama_new_context_wit
                           r"compute buffer size =\s*(?P<mib>\d+(?:\.\d+)?) MiB")
 N_CTX_LINE = re.compile(r"(?:llama_context|llama_new_context_with_model): n_ctx\s+=\s*(\d+)")
 KV_SELF_LINE = re.compile(r"KV self size\s+=\s*(\d+(?:\.\d+)?) MiB")
+# llama_model_load_from_file_impl: using device CUDA0 (NVIDIA RTX A6000) - 48267 MiB free (src/llama.cpp)
+FREE_LINE = re.compile(r"using device (?P<device>\S+) \(.*\) - (?P<mib>\d+) MiB free")
 OOM_LINE = re.compile(r"(ggml_backend_cuda_buffer_type_alloc_buffer: allocating [\d.]+ MiB on device \d+: cudaMalloc "
                       r"failed: out of memory)")
 
@@ -63,7 +65,7 @@ def startup_figures(text: str) -> dict | None:
     out: dict = {}
     lines = [line.strip() for line in text.splitlines()
              if BUFFER_LINE.search(line) or COMPUTE_LINE.search(line) or KV_LINE.search(line)
-             or N_CTX_LINE.search(line) or OOM_LINE.search(line)]
+             or N_CTX_LINE.search(line) or OOM_LINE.search(line) or FREE_LINE.search(line)]
     buffers = parse_buffers(text)
     kv, kv_gpu = _per_gpu_or_host(buffers["kv"])
     caches = parse_kv_log(text)
@@ -85,6 +87,9 @@ def startup_figures(text: str) -> dict | None:
         compute[m["device"]] = float(m["mib"]) * MIB  # a second context replaces the first
     if compute:
         out["terms"] = {"compute buffer": _per_gpu_or_host(compute)[0]}
+    free = {m["device"]: float(m["mib"]) * MIB for m in FREE_LINE.finditer(text)}
+    if free:  # what the fullest device found free when the model loaded
+        out["free_at_load_bytes"] = max(free.values())
     if oom := OOM_LINE.findall(text):
         out["refusal"] = oom[-1]
     if not out:

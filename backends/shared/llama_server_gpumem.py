@@ -27,13 +27,20 @@ moment; a plan keeps every weight on the GPU.
 """
 from __future__ import annotations
 
-from kvbench.kv.startup import FittedConstant, Refusal, StartupMemory, StartupQuestion, StartupTerm
+from pathlib import Path
+
+from kvbench.kv.startup import (FittedConstant, Refusal, StartupMemory, StartupQuestion, StartupTerm, fitted_range,
+                                read_fitted)
 from kvbench.kv.units import MIB
 
-#: Constants no source states, fitted on public startup logs (kvbench.selfcheck.startup_fit): none; the compute
-#: buffer is the graph's largest live set, every part of it from llama.cpp's source (tests/planner/
-#: test_llamacpp_compute_buffer.py checks each against a log)
-FITS: tuple[FittedConstant, ...] = ()
+#: Constants no source states, fitted on public startup logs (kvbench.selfcheck.startup_fit): what is not free
+#: when llama.cpp loads (the CUDA context it creates, and other processes'; its "MiB free" device line). The
+#: compute buffer is the graph's largest live set, every part of it from llama.cpp's source (tests/planner/
+#: test_llamacpp_compute_buffer.py checks each against a log).
+FIT_RECORDS = read_fitted(Path(__file__).with_name("fitted.toml"))
+FITTED = {key: float(record["value"]) for key, record in FIT_RECORDS.items()}
+FITS = (FittedConstant("not_free_at_load_mib", "MiB", ("free_at_load_mib",),
+                       why="CUDA's total less what llama.cpp finds free at load"),)
 N_UBATCH = 512  # common/common.h n_ubatch default
 F32 = 4
 F16 = 2
@@ -97,12 +104,20 @@ def compute_buffer(q: StartupQuestion, cells: int, host_weight_copy: float = 0.0
                        f"ggml-alloc; flash attention {'on' if _flash(q) else 'off'}){'; ' + others if others else ''}")
 
 
+def not_free_at_load() -> StartupTerm:
+    """What CUDA's total loses before llama.cpp allocates: the CUDA context it creates (ggml_cuda_init) and what
+    other processes hold (a desktop's display on a consumer card), as the "MiB free" of its device lines shows."""
+    mib = FITTED["not_free_at_load_mib"]
+    return StartupTerm("CUDA context", mib * MIB, f"fitted: {mib:.0f} MiB not free at load (the CUDA context, and "
+                       f"other processes'), {fitted_range(FIT_RECORDS['not_free_at_load_mib'])}", True)
+
+
 def startup_memory(rules, q: StartupQuestion) -> StartupMemory:
     a = rules.deployment(q.kv.__class__(**{**q.kv.__dict__, "context": q.limit, "batch": max(1, q.batch)}), q.limit)
     k = "llamacpp cuda " + ("flash-attn" if _flash(q) else "no-flash-attn")
     ok = k in VERIFIED_CLASSES
     return StartupMemory("llamacpp", "llama.cpp", 1.0, "llama.cpp allocates what it needs (no fraction)",
-                         q.cuda_bytes, q.cuda_source, (compute_buffer(q, a.tokens_full),), k, ok,
+                         q.cuda_bytes, q.cuda_source, (compute_buffer(q, a.tokens_full), not_free_at_load()), k, ok,
                          "" if ok else f"unverified: no public llama.cpp startup log of class '{k}' checked")
 
 
@@ -111,4 +126,5 @@ def startup_refusal(rules, q: StartupQuestion, available: float, one_request: fl
         return None
     return Refusal(f"ggml_backend_cuda_buffer_type_alloc_buffer: allocating {one_request / MIB:.2f} MiB on device 0: "
                    "cudaMalloc failed: out of memory",
-                   f"-c {longest} (fewer cells), --cache-type-k q8_0 --cache-type-v q8_0, -fa on, or fewer -ngl layers")
+                   f"{rules.limit_flag(longest, max(1, q.batch)) if longest else 'fewer cells'}, --cache-type-k q8_0 "
+                   "--cache-type-v q8_0, -fa on, or fewer -ngl layers")

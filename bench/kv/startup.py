@@ -145,6 +145,10 @@ def read_fitted(path) -> dict[str, dict]:
     return tomllib.loads(Path(path).read_text())
 
 
+#: A fitted constant held on fewer distinct deployments (source, GPU kind, model) than this is said to be a guess.
+MIN_DEPLOYMENTS = 3
+
+
 def fitted_range(record: dict) -> str:
     """Where a fitted constant comes from, for its ledger line: its sources, deployments and range."""
     sources, unit = record.get("sources", []), record.get("unit", "")
@@ -152,5 +156,7 @@ def fitted_range(record: dict) -> str:
         return "no public log measures it"
     span = (f"{record['low']:g}-{record['high']:g} {unit}" if record.get("high") != record.get("low")
             else f"{record['low']:g} {unit}")
+    few = (f"; fewer than {MIN_DEPLOYMENTS} deployments: unverified beyond them"
+           if record["deployments"] < MIN_DEPLOYMENTS else "")
     return (f"the median of {len(sources)} source{'s' * (len(sources) != 1)} ({record['deployments']} deployment"
-            f"{'s' * (record['deployments'] != 1)}), range {span}")
+            f"{'s' * (record['deployments'] != 1)}), range {span}{few}")

@@ -48,8 +48,8 @@ def startup_view(s: Setup) -> dict | None:
         pool = s.kv_bytes(context=s.limit, batch=s.batch, limit=s.limit)
         requests = s.batch if available >= pool else 0
         tokens = s.kv(context=s.limit, batch=s.batch, limit=s.limit).tokens_full
-        longest = _longest(s, available)
-        available, one = available + pool, pool  # a cache allocated for its slots: refused when it does not fit
+        longest = _longest(s, available, s.batch)  # every slot at it: the cache is allocated for all of them
+        one = pool  # a cache allocated for all its slots at start: refused when it does not fit
         out.update(pool_bytes=pool, pool_tokens=tokens, blocks=None, requests_at_limit=requests, concurrency=None)
     refusal = rules.startup_refusal(s.startup_question(), mem, available, one, longest)
     if refusal is not None:
@@ -93,6 +93,10 @@ def accuracy_note(klass: str) -> str:
         return (f"unverified: the {a['pools_own_source_only']} public startup logs of class '{klass}' each read a "
                 "constant only their own source measures, so none was planned without its own source's fit; "
                 "docs/plan.md")
+    if a and not a.get("pools") and a.get("buffers"):
+        return (f"unverified: on {a['buffers_logs']} public startup logs of class '{klass}', each planned without "
+                f"its own source's fit, {a['buffers_within']} of {a['buffers']} buffer figures (KV cache, compute "
+                "buffer, free at load) within 5 % or 0.5 GiB; docs/plan.md")
     if not a or not a.get("pools"):
         return ""
     return (f"unverified: on {a['pools']} public startup logs of class '{klass}' from {a['sources']} sources, each "
@@ -100,12 +104,13 @@ def accuracy_note(klass: str) -> str:
             f"({a['mape_pct']:.0f} %), {a['worst_gib']:.2f} GiB at worst; docs/plan.md")
 
 
-def _longest(s: Setup, available: float) -> int:
-    """The longest one request the KV budget holds (what the engine's refusal proposes as the limit)."""
+def _longest(s: Setup, available: float, batch: int = 1) -> int:
+    """The longest request the KV budget holds, ``batch`` of them at once (what the engine's refusal proposes as
+    the limit)."""
     from .deploy import _largest
     if available <= 0:
         return 0
-    return max(0, _largest(lambda n: s.kv_bytes(context=n, batch=1, limit=n) <= available, 1, s.limit))
+    return max(0, _largest(lambda n: s.kv_bytes(context=n, batch=batch, limit=n) <= available, 1, s.limit))
 
 
 def planned_figures(s: Setup, kv_budget: float | None = None, pool_tokens_cap: int | None = None) -> dict | None:

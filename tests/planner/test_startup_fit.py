@@ -76,6 +76,7 @@ def test_leave_one_source_out_accuracy_does_not_grow():
         if was.get("mae_gib") is not None:
             assert got["mae_gib"] <= was["mae_gib"] + SLACK and got["worst_gib"] <= was["worst_gib"] + SLACK, name
         assert got["verdicts_right"] >= was["verdicts_right"] and got["within_tolerance"] >= was["within_tolerance"]
+        assert got.get("buffers_within", 0) >= was.get("buffers_within", 0), name
     assert {"engine vllm", "engine sglang", "class moe", "class mla", "class tp>1", "class consumer",
             "class quantised", "class hybrid"} <= set(now)
 

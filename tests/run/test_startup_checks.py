@@ -34,7 +34,8 @@ LOGGED = {"kv_gib": (("kv_budget_bytes", "kv_pool_bytes"), GIB), "tokens": (("po
           "activation_gib": (("term: profile peak",), GIB), "kv_mib": (("kv_pool_bytes",), MIB),
           "compute_mib": (("term: compute buffer",), MIB), "avail_after_load_gib": (("avail_after_load_bytes",), GIB),
           "one_request_gib": (("one_request_bytes",), GIB), "cudagraph_estimate_gib": (("term: CUDA graphs",), GIB),
-          "preload_gib": (("term: before loading",), GIB), "avail_before_load_gib": (("avail_before_load_bytes",), GIB)}
+          "preload_gib": (("term: before loading",), GIB), "avail_before_load_gib": (("avail_before_load_bytes",), GIB),
+          "free_at_load_mib": (("free_at_load_bytes",), MIB)}
 # Figures the corpus's fit reads off debug lines a run does not record (kvbench.selfcheck.startup_fit)
 FIT_ONLY = {"cudagraph_first_mib", "cudagraph_per_graph_mib"}
 # Figures a corpus file logs that are worked out from its lines, not printed as such (the parser cannot read them)
