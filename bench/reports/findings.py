@@ -51,12 +51,28 @@ def _order(frame: pd.DataFrame) -> pd.DataFrame:
         ["prompt_tokens", "_load"], kind="stable")
 
 
+def _pool_full(r) -> bool:
+    """Whether a cell that queued did so on a full pool: a request preempted, or as many running as it holds."""
+    held = sequences_fitting(r)
+    return (not _missing(r.preemptions) and r.preemptions > 0) or held is None or \
+        _missing(r.requests_running_peak) or r.requests_running_peak >= held
+
+
 def _pool_line(ok: pd.DataFrame, with_variant: bool) -> str:
     pooled = ok[ok.kv_pool_bytes_engine.notna()]
     if pooled.empty:
         labels = {pool_label(r) for r in ok.itertuples()}
         return f"KV pool: {', '.join(sorted(labels)) if labels else NOT_MEASURED}."
     queued = _order(pooled[(pooled.requests_waiting_peak.fillna(0) > 0) | (pooled.preemptions.fillna(0) > 0)])
+    # a wait with fewer running than the pool holds is the scheduler's batch limit, not a full pool
+    full = queued[[_pool_full(r) for r in queued.itertuples()]] if not queued.empty else queued
+    if not queued.empty and full.empty:
+        r = queued.iloc[0]
+        return (f"Requests waited at {_cell(r, with_variant)} with {r.requests_running_peak:g} running, fewer than the "
+                f"{fmt_int(sequences_fitting(r))} sequences of this length the KV pool ({pool_label(r)}) holds: the "
+                f"engine's scheduler limited the batch, not the pool (no request preempted; {len(queued)} of "
+                f"{len(pooled)} cells queued).")
+    queued = full
     if not queued.empty:
         r = queued.iloc[0]
         held = sequences_fitting(r)
