@@ -1,16 +1,15 @@
 """The prefix cache against real engines: two back-to-back runs attached to one running vLLM or llama.cpp
-server. Salted (the default), the second run hits nothing and its TTFTs are the first run's; with
+server. Salted (the default), the second run hits nothing, by the engine's own counters; with
 ``--prompt-salt none`` both send the same prompts, the second is served from the cache, and its rows say so
-(a cold cell that hit is flagged). Unit tests of the salt and the rows: tests/run/test_prefix_cache.py."""
+(a cold cell that hit is flagged). No verdict here rests on a time (a busy machine flips TTFT ratios). Unit tests of the salt and the rows: tests/run/test_prefix_cache.py."""
 import io
-import statistics
 
 import pytest
 from rich.console import Console
 
 from kvbench.run.backend_config import BackendConfig
 from kvbench.run.runner import Runner, RunOptions
-from kvbench.store.readers import load, load_cells, load_run_info
+from kvbench.store.readers import load_cells, load_run_info
 from kvbench.workloads import Workload
 
 from tests.helpers import engine_env
@@ -28,17 +27,9 @@ def attached_run(root, workload, backend, run_id, **options):
     return run_dir, cells, console.getvalue()
 
 
-def ttfts(run_dir):
-    reqs = load(run_dir, what="requests")
-    return reqs[~reqs.warmup].ttft_s.dropna().tolist()
-
-
 def three_runs(tmp_path, workload, backend, counters=lambda: None):
     """An unsalted run, a salted one (the default) right after it, and the unsalted one again;
-    ``counters()`` read around the last (the engine's own). Before them a salted run of its own (a salt of its
-    own: it caches nothing the others send) takes the fresh server's first batches, which ran slower than any
-    later one (vLLM's first two at once: 0.50 s against 0.16-0.35 s) and made the first run look slower."""
-    attached_run(tmp_path, workload, backend, "server-warm-up")
+    ``counters()`` read around the last (the engine's own)."""
     first = attached_run(tmp_path, workload, backend, "none-1", prompt_salt="none")
     salted = attached_run(tmp_path, workload, backend, "salted")
     before = counters()
@@ -53,26 +44,13 @@ def check_cold_then_warm(first, salted, again, warm_at_least):
         assert (cells.prefix_cache_expected == "cold").all()
         assert (cells.prefix_cache_hit_rate < 0.01).all(), cells.prefix_cache_hit_rate.tolist()
     assert load_run_info(a)["prompt_salt"]["value"] is None and load_run_info(b)["prompt_salt"]["value"]
-    # no saving from a cache: the salted run's mean TTFT not below 0.85 of the first run's. The mean, not the
-    # median: vLLM on CPU prefills one of two prompts sent together per step, so a TTFT is one prefill or two
-    # (0.15-0.25 s or 0.30-0.37 s here), and a median of 6 moved with how many of each a run drew (0.82 of the
-    # first run's once, 4 and 2 against 3 and 3). Not a rank test: runs of one server differ by a few % on some
-    # machines (2.45 s against 2.35 s on every request), a shift a rank test of 6 against 6 calls significant;
-    # one-sided, as a busy machine slows either run and only a cache makes one faster (tens of %: the warm run
-    # below).
-    ratio = statistics.mean(ttfts(b)) / statistics.mean(ttfts(a))
-    assert ratio > 0.85, (ttfts(a), ttfts(b))
+    # cold and warm are read from the engine's own counters (the hit rates above and below), not from TTFTs: a
+    # TTFT ratio between two runs flips on a busy machine (0.69 against 0.85 once, with other work running)
     assert (cells_d.prefix_cache_hit_rate >= warm_at_least).all(), cells_d.prefix_cache_hit_rate.tolist()
     assert (cells_d.status == "flagged").all()
     assert all(f[0].startswith("prefix cache hit on a cell meant cold") for f in cells_d["flags"])
     assert "prefix cache hit on a cell meant cold" in console_d
-    # served from the cache: every TTFT of the unsalted run again below the first run's median
-    assert max(ttfts(d)) < sorted(ttfts(a))[len(ttfts(a)) // 2], (ttfts(a), ttfts(d))
-    # kvbench compare: the salted run is no TTFT improvement on the first (one-sided, as above: a busy machine
-    # can make either run slower, only a cache makes one faster); the warm one is not compared with it
-    same = compared(a, b)
-    assert "improvement" not in {m["verdict"] for c in same["cells"] for m in c["metrics"]
-                                 if m["metric"].startswith("ttft")}, same["cells"]
+    # kvbench compare: the warm run is not compared with the cold one (its cells were meant cold and hit)
     warm = compared(a, d)
     assert warm["summary"]["cache_mismatch"] == 1 and warm["summary"]["compared_cells"] == 0
     assert any(w.startswith("PREFIX CACHE: 1 cell(s) of the candidate meant cold") for w in warm["warnings"])
