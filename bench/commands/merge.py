@@ -31,6 +31,8 @@ def merge(
     except ResultsWriteError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1)
+    for note in done.notes:  # what was left out of the copy (a link, a special file): said, and in run.json
+        typer.echo(f"warning: {note}", err=True)
     lost = f", {done.lost} of them lost with their load process" if done.lost else ""
     typer.echo(f"merged {len(done.shares)} load shares ({', '.join(str(s.path) for s in done.shares)}): "
                f"{done.cells} cells, {done.requests} requests{lost} -> {done.into}")

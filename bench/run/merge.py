@@ -30,8 +30,10 @@ telemetry and logs.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+import stat
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -39,13 +41,15 @@ from pathlib import Path
 from kvbench.backends.types import RequestResult
 from kvbench.load import LoadPoint, profile_class
 from kvbench.load.common import LOST, LoadResult, is_lost
+from kvbench.kv import bounded
+from kvbench.load.split import MAX_SHARES
 from kvbench.load.workers import in_flight_peak
 from kvbench.common.metrics import percentiles
 from kvbench.run.prefix_cache import cold_hit_flag, measured_hits
 from kvbench.run.contract import lost_flag, request_figures
 from kvbench.run.rows import request_row
 from kvbench.store.errors import ResultsReadError
-from kvbench.store.readers import ensure_parquet, load_run_info, not_a_run_dir, read_jsonl_rows
+from kvbench.store.readers import LOGPROBS_MAX_BYTES, ensure_parquet, load_run_info, not_a_run_dir, read_jsonl_rows
 from kvbench.store.schema import CellRow, RequestRow, migrate_row
 from kvbench.store.writer import RunWriter
 from kvbench.workloads import Workload
@@ -53,6 +57,17 @@ from kvbench.workloads import Workload
 
 class MergeError(ValueError):
     """Folders that are not the shares of one experiment, or records that do not account for every request."""
+
+
+#: A cell's planned requests kvbench merge accounts for (a list of ordinals per share): a cells.jsonl
+#: claiming more is damaged, not read into memory.
+MAX_REQUESTS_PLANNED = 10_000_000
+#: How far apart, on the owner's clock, the shares may start one cell: each takes its start right after the
+#: cell's ``:ready`` barrier (bench/run/measure.py), then a few calls to the engine (its counters, a cache
+#: reset). Further apart, the folders did not run at one barrier (another run's share, or times shifted).
+START_SPREAD_S = 60.0
+#: The record files of a share, read (never through a link: kvbench merge reads only the folder given).
+RECORDS = ("run.json", "cells.jsonl", "requests.jsonl")
 
 
 #: run.json's records that must be equal in every share's folder (the experiment), and how each is named.
@@ -73,21 +88,43 @@ class Share:
     order: list[tuple[str, int]] = field(default_factory=list)
     requests: dict[tuple[str, int], list[dict]] = field(default_factory=dict)  # measured requests per cell
     warmups: list[dict] = field(default_factory=list)
+    torn: dict[str, list[int]] = field(default_factory=dict)  # record file -> its damaged (torn) line numbers
 
     @property
     def name(self) -> str:
         return f"{self.path} (share {self.index} of {self.of})"
 
 
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def own_file(path: Path, folder: Path) -> None:
+    """``path`` is the share folder's own file, not a link (to a file outside it, or back into the merged
+    run): MergeError otherwise."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode):
+        raise MergeError(f"{path} is a symbolic link: kvbench merge reads a share folder's own files and follows "
+                         f"no link out of {folder}")
+
+
 def read_share(path: Path) -> Share:
     if problem := not_a_run_dir(path):
         raise MergeError(problem)
+    for name in RECORDS:
+        own_file(Path(path) / name, Path(path))
     info = load_run_info(path)
     share = info.get("load_share") or {"index": 0, "of": 1}
-    if not isinstance(share, dict) or not isinstance(share.get("index"), int) or not isinstance(share.get("of"), int):
-        raise MergeError(f"{path}: run.json's load_share is {share!r}, not {{index, of}}")
+    if not isinstance(share, dict) or not _count(share.get("index")) or not _count(share.get("of")):
+        raise MergeError(f"{path}: run.json's load_share is {str(share)[:100]}, not {{index, of}}")
+    if not (0 < share["of"] <= MAX_SHARES and 0 <= share["index"] < share["of"]):
+        raise MergeError(f"{path}: run.json's load_share is share {str(share['index'])[:30]} of "
+                         f"{str(share['of'])[:30]}: not 0 <= index < of <= {MAX_SHARES}")
     out = Share(Path(path), info, share["index"], share["of"])
-    cells, _ = read_jsonl_rows(Path(path) / "cells.jsonl")
+    cells, out.torn["cells.jsonl"] = read_jsonl_rows(Path(path) / "cells.jsonl")
     for raw in cells:
         row = _migrated(raw, CellRow, path, "cells.jsonl")
         if row["replica"]:
@@ -96,7 +133,7 @@ def read_share(path: Path) -> Share:
         key = (row["cell_id"], row["repeat"])
         out.cells[key] = row
         out.order.append(key)
-    requests, _ = read_jsonl_rows(Path(path) / "requests.jsonl")
+    requests, out.torn["requests.jsonl"] = read_jsonl_rows(Path(path) / "requests.jsonl")
     for raw in requests:
         row = _migrated(raw, RequestRow, path, "requests.jsonl")
         if row["warmup"]:
@@ -166,8 +203,13 @@ def expected_ordinals(row: dict, of: int) -> list[list[int]]:
     """Each share's ordinals of a cell: the profile's split of ``range(requests_planned)`` over ``of`` shares
     (an empty list for a share the split leaves out)."""
     planned = row["requests_planned"]
-    point = LoadPoint(row["load_profile"], row["concurrency"], row["request_rate"])
-    split = profile_class(row["load_profile"]).shares(list(range(planned)), point, 0, of) if planned else []
+    try:
+        point = LoadPoint(row["load_profile"], row["concurrency"], row["request_rate"])
+        split = profile_class(row["load_profile"]).shares(list(range(planned)), point, 0, of) if planned else []
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise MergeError(f"cell {row['cell_id']}: its load ({row['load_profile']!r}, concurrency "
+                         f"{row['concurrency']}, rate {row['request_rate']}) cannot be split again: "
+                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     return [list(split[i][0]) if i < len(split) else [] for i in range(of)]
 
 
@@ -178,11 +220,16 @@ def merge_cell(key: tuple[str, int], shares: list[Share], of: int, accept_lost: 
     by_index = {s.index: s for s in shares}
     present = [s for s in shares if key in s.cells]
     base = dict(present[0].cells[key])
-    if base["requests_planned"] is None:
+    planned = base["requests_planned"]
+    if planned is None:
         raise MergeError(f"{present[0].path}: {where} recorded no requests_planned (a run from before kvbench "
                          "merge): its requests cannot be accounted for")
+    if not 0 <= planned <= MAX_REQUESTS_PLANNED:
+        raise MergeError(f"{present[0].path}: {where} records {planned} requests planned, not 0 to "
+                         f"{MAX_REQUESTS_PLANNED:,} (a damaged cells.jsonl)")
     expected = expected_ordinals(base, of)
-    results, seen, lost_by = [], {}, []
+    results, seen, lost_by, gone = [], {}, [], []
+    by_share: dict[int, list[RequestResult]] = {}  # each present share's requests (the clock checks)
     for index in range(of):
         s = by_index.get(index)
         mine = set(expected[index])
@@ -199,31 +246,109 @@ def merge_cell(key: tuple[str, int], shares: list[Share], of: int, accept_lost: 
         got = [r["ordinal"] for r in rows]
         if any(o is None for o in got):
             raise MergeError(f"{s.path}: {where} has requests without an ordinal (a run from before kvbench merge)")
+        counted = s.cells[key]["n_requests"]
+        # what the share sent: all of its share, or with a duration the first of them its row counts (a
+        # share's profile sends its ordinals in order and stops taking them when the duration is up)
+        sent = expected[index] if not duration else expected[index][:max(0, min(counted, len(mine)))]
         twice = sorted({o for o in got if got.count(o) > 1})
         stray = sorted(set(got) - mine)
-        missing = sorted(mine - set(got))
-        if twice or stray or (missing and not duration):
+        beyond = sorted(set(got) - set(sent) - set(stray)) if duration else []
+        if twice or stray or beyond:
             what = "; ".join(p for p in (twice and f"ordinals {_few(twice)} twice",
                                          stray and f"ordinals {_few(stray)} not of its share",
-                                         missing and f"ordinals {_few(missing)} of its share missing") if p)
+                                         beyond and f"ordinals {_few(beyond)} beyond the {counted} requests its "
+                                                    "row counts") if p)
             raise MergeError(f"{s.name}: {where}: {what}: its records do not account for its share")
+        missing = sorted(set(sent) - set(got))
+        if missing:  # a record deleted or torn (a duration-bound cell used to be merged "ok" without them)
+            torn = s.torn.get("requests.jsonl") or []
+            how = f"its row counts {counted} requests, requests.jsonl holds {len(got)}" + (
+                f" and {len(torn)} torn line{'s' if len(torn) > 1 else ''} ({_few(torn)})" if torn else "")
+            if not accept_lost:
+                raise MergeError(f"{s.name}: {where}: ordinals {_few(missing)} of its share missing ({how}): its "
+                                 "records do not account for its share; --accept-lost merges them as lost")
+            gone.append((index, s, missing, how))
         for o, r in zip(got, rows):
             if o in seen:
                 raise MergeError(f"{where}: ordinal {o} is in {seen[o].path} and {s.path}")
             seen[o] = s
             results.append(_result(r))
+            by_share.setdefault(index, []).append(results[-1])
+    check_clocks(where, key, present, by_share)
     if duration and lost_by:  # due within the duration: as far as the ordinals sent reach (schedules only grow)
-        reach = max(seen, default=-1)
+        reach = max([*seen, *(o for _, _, ords, _ in gone for o in ords)], default=-1)
         lost_by = [(i, s, [o for o in ords if o <= reach]) for i, s, ords in lost_by]
     for index, s, ordinals in lost_by:
         process = f"share {index} ({s.path.name})" if s is not None else f"share {index} (no folder)"
         why = "ended before it finished this cell" if s is not None else "left no folder"
         for o in ordinals:
             results.append(_lost(o, cell_id, process, why))
+    for index, s, ordinals, how in gone:
+        for o in ordinals:
+            results.append(_lost(o, cell_id, f"share {index} ({s.path.name})",
+                                 f"has no record of it ({how}: a line deleted or torn)"))
     ordinals = sorted(r.ordinal for r in results)
-    if not duration and ordinals != list(range(base["requests_planned"])):
-        raise MergeError(f"{where}: the shares' ordinals are not 0..{base['requests_planned'] - 1} once each")
-    return MergedCell(_remade(base, present, results, of), results)
+    if not duration and ordinals != list(range(planned)):
+        raise MergeError(f"{where}: the shares' ordinals are not 0..{planned - 1} once each")
+    merged = MergedCell(_remade(base, present, results, of), results)
+    if flag := wall_clock_flag(key, present):
+        merged.row.flags.append(flag)
+        merged.row.status = "flagged" if merged.row.status == "ok" else merged.row.status
+    return merged
+
+
+def _start_on_owner(s: Share, key: tuple[str, int], mine: list[RequestResult]) -> float | None:
+    """Where share ``s`` took the cell's start (its row's ``t_cell_start``, on its own clock), on the owner's
+    clock: moved by the offset its requests were moved by. None: not known (no request with an offset)."""
+    start = s.cells[key]["t_cell_start"]
+    offsets = [r.clock_offset_start_s for r in mine if r.clock_offset_start_s is not None]
+    if start is None or not offsets:
+        return None
+    return start + offsets[0]
+
+
+def check_clocks(where: str, key: tuple[str, int], present: list[Share],
+                 by_share: dict[int, list[RequestResult]]) -> None:
+    """The shares started the cell at one barrier on one clock: each share's start, put on the owner's clock
+    with the offset its requests carry, within :data:`START_SPREAD_S` of the first share's, and none of its
+    requests sent before it (shares of two runs, or a folder whose times were moved, were merged without
+    a word: a cell an hour long)."""
+    starts = {}
+    for s in present:
+        mine = by_share.get(s.index, [])
+        start = _start_on_owner(s, key, mine)
+        if start is None:
+            continue
+        starts[s.index] = (s, start)
+        early = [r for r in mine if r.t_sent < start - START_SPREAD_S]
+        if early:
+            raise MergeError(f"{s.name}: {where}: request {early[0].request_id} was sent "
+                             f"{start - early[0].t_sent:,.0f} s before the share started the cell, on the owner's "
+                             "clock: its times are not on the run owner's clock")
+    if len(starts) < 2:
+        return
+    first_index = min(starts)
+    first, t0 = starts[first_index]
+    for index, (s, start) in sorted(starts.items()):
+        if abs(start - t0) > START_SPREAD_S:
+            raise MergeError(f"{s.name} started {where} {start - t0:+,.0f} s from {first.name}, on the run owner's "
+                             f"clock (more than {START_SPREAD_S:g} s): the shares of one run start every cell at "
+                             "one barrier; these folders are not one run's, or their times were moved")
+
+
+def wall_clock_flag(key: tuple[str, int], present: list[Share]) -> str:
+    """A flag where the shares' wall clocks (each cell's start in Unix seconds, taken right after the cell's
+    barrier) disagree by more than :data:`START_SPREAD_S`: the merged row's time of day is the first
+    share's."""
+    starts = [(s, s.cells[key]["t_cell_start_unix"]) for s in present if s.cells[key]["t_cell_start_unix"]]
+    if len(starts) < 2:
+        return ""
+    (first, t0), *rest = starts
+    worst = max(rest, key=lambda st: abs(st[1] - t0))
+    if abs(worst[1] - t0) <= START_SPREAD_S:
+        return ""
+    return (f"load shares' wall clocks disagree: share {worst[0].index} started the cell {worst[1] - t0:+,.0f} s "
+            f"from share {first.index} by its wall clock (the times of day are share {first.index}'s)")
 
 
 def _few(values: list[int]) -> str:
@@ -312,6 +437,7 @@ class Merged:
     cells: int
     requests: int
     lost: int
+    notes: list[str] = field(default_factory=list)  # what was left out (links, special files), one line each
 
 
 def merge(folders: list[Path], into: Path, accept_lost: bool = False, command: str = "") -> Merged:
@@ -322,12 +448,25 @@ def merge(folders: list[Path], into: Path, accept_lost: bool = False, command: s
     resolved = [Path(f).resolve() for f in folders]
     if len(set(resolved)) != len(resolved):
         raise MergeError("a folder is given twice")
-    if Path(into).resolve() in resolved:
-        raise MergeError(f"--into {into} is one of the folders merged: give a new folder")
+    target = Path(into).resolve()
+    for given, folder in zip(folders, resolved):
+        if target == folder:
+            raise MergeError(f"--into {into} is one of the folders merged: give a new folder")
+        if folder in target.parents:  # the merged run would be copied into itself, or into a share
+            raise MergeError(f"--into {into} is inside the share folder {given}: give a new folder outside the "
+                             "folders merged")
+        if target in folder.parents:
+            raise MergeError(f"--into {into} holds the share folder {given}: give a new folder outside the folders "
+                             "merged, not one of their parents")
     try:
         shares = sorted((read_share(Path(f)) for f in folders), key=lambda s: s.index)
     except ResultsReadError as exc:
         raise MergeError(str(exc)) from None
+    except MergeError:
+        raise
+    except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as exc:  # a row of the wrong kind
+        raise MergeError(f"the share folders could not be read ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
     check_one_experiment(shares)
     of = shares[0].of
     if len(shares) < of and not accept_lost:
@@ -339,11 +478,19 @@ def merge(folders: list[Path], into: Path, accept_lost: bool = False, command: s
     except ValueError:
         raise MergeError(f"{shares[0].path}: run.json's workload does not read as a workload") from None
     order = list(dict.fromkeys(k for s in shares for k in s.order))
-    joined = [merge_cell(key, shares, of, accept_lost, duration) for key in order]
-    return _write(Path(into), shares, joined, command)
+    try:
+        joined = [merge_cell(key, shares, of, accept_lost, duration) for key in order]
+    except (ValueError, TypeError, KeyError, OverflowError, IndexError) as exc:
+        if isinstance(exc, MergeError):
+            raise
+        raise MergeError(f"the shares' cells could not be merged ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
+    logprobs = _logprobs(shares)  # read (and refused) before anything is written
+    return _write(Path(into), shares, joined, command, logprobs)
 
 
-def _write(into: Path, shares: list[Share], joined: list[MergedCell], command: str) -> Merged:
+def _write(into: Path, shares: list[Share], joined: list[MergedCell], command: str,
+           logprobs: dict[str, list]) -> Merged:
     owner = shares[0]
     writer = RunWriter(into, mode="new")
     started = sorted(s.info.get("started_at") for s in shares if s.info.get("started_at"))
@@ -368,25 +515,67 @@ def _write(into: Path, shares: list[Share], joined: list[MergedCell], command: s
         writer.write_cell(cell.row)
         n_requests += len(cell.requests)
         n_lost += cell.row.n_lost
+    notes: list[str] = []
     for part in ("timelines", "telemetry", "logs"):  # the owner's: its polls saw every share's load
-        source = owner.path / part
-        if source.is_dir():
-            shutil.copytree(source, into / part, dirs_exist_ok=True)
-    _logprobs(shares, into)
+        copy_own(owner.path / part, into / part, notes)
+    if logprobs:
+        (into / "logprobs").mkdir(exist_ok=True)
+    for name, requests in logprobs.items():
+        (into / "logprobs" / name).write_text(json.dumps({"cell_id": name[:-5], "requests": requests},
+                                                         separators=(",", ":")))
+    if notes:
+        writer.update_run_info(merge_notes=notes)
     writer.update_run_info(status="finished" if not n_lost else f"finished, {n_lost} requests lost",
                            finished_at=finished[-1] if finished else None)
     ensure_parquet(into)
-    return Merged(into, shares, len(joined), n_requests, n_lost)
+    return Merged(into, shares, len(joined), n_requests, n_lost, notes)
 
 
-def _logprobs(shares: list[Share], into: Path) -> None:
-    """A kv_quant run's per-request log-probabilities: every share's requests of each cell, in one file."""
+def copy_own(source: Path, dest: Path, notes: list[str]) -> None:
+    """The regular files under ``source`` copied to ``dest``, following no symbolic link (shutil.copytree
+    followed them: a link back to an ancestor copied the merged run into itself, a link to a file outside
+    the share copied that file into the merged run); a link or a special file is left out, with a line in
+    ``notes``."""
+    try:
+        mode = os.lstat(source).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(mode):
+        notes.append(f"left out {source}: {bounded.file_kind(mode)}, not a folder (kvbench merge copies a share "
+                     "folder's own files and follows no link out of it)")
+        return
+    for folder, dirs, files in os.walk(source, followlinks=False):
+        here = Path(folder)
+        (dest / here.relative_to(source)).mkdir(parents=True, exist_ok=True)
+        for name in sorted(dirs + files):
+            path = here / name
+            mode = os.lstat(path).st_mode
+            if stat.S_ISDIR(mode):
+                continue  # os.walk goes into it (a link to a folder is no folder to lstat)
+            if stat.S_ISREG(mode):
+                shutil.copyfile(path, dest / path.relative_to(source), follow_symlinks=False)
+            else:
+                notes.append(f"left out {path}: {bounded.file_kind(mode)} (kvbench merge copies a share folder's "
+                             "own files and follows no link out of it)")
+
+
+def _logprobs(shares: list[Share]) -> dict[str, list]:
+    """A kv_quant run's per-request log-probabilities: every share's requests of each cell, in one file
+    each (read here, before anything is written; a link or a damaged file is refused)."""
     files: dict[str, list] = {}
     for s in shares:
-        for path in sorted((s.path / "logprobs").glob("*.json")) if (s.path / "logprobs").is_dir() else []:
-            files.setdefault(path.name, []).extend(json.loads(path.read_text()).get("requests", []))
-    if files:
-        (into / "logprobs").mkdir(exist_ok=True)
-    for name, requests in files.items():
-        (into / "logprobs" / name).write_text(json.dumps({"cell_id": name[:-5], "requests": requests},
-                                                         separators=(",", ":")))
+        folder = s.path / "logprobs"
+        own_file(folder, s.path)
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.glob("*.json")):
+            own_file(path, s.path)
+            try:
+                data = bounded.read_json(path, LOGPROBS_MAX_BYTES, what="")
+                requests = data.get("requests", []) if isinstance(data, dict) else None
+                if not isinstance(requests, list):
+                    raise bounded.InputError(f"{path}: not a cell's log-probabilities (no list of requests)")
+            except (bounded.InputError, OSError) as exc:
+                raise MergeError(str(exc).splitlines()[0]) from None
+            files.setdefault(path.name, []).extend(requests)
+    return files

@@ -82,6 +82,11 @@ def seconds(flag: str):
 
 def read_load_workers(flags: dict, earlier: dict) -> int:
     """A load profile that cannot be split over load processes is refused before anything starts."""
+    from kvbench.load.split import MAX_WORKERS
+
+    if flags["load_workers"] > MAX_WORKERS:  # each one a process spawned on this machine
+        raise ValueError(f"--load-workers {flags['load_workers']}: at most {MAX_WORKERS} load processes on one "
+                         "machine")
     earlier["workload"].load.check_workers(flags["load_workers"])
     return flags["load_workers"]
 
@@ -106,8 +111,14 @@ def read_load_share(flags: dict, earlier: dict) -> tuple[int, int] | None:
         if earlier["load_owner"] is not None:
             raise ValueError("--load-owner belongs to --load-share I/N: give both")
         return None
+    from kvbench.load.split import MAX_SHARES, processes_used
+
     index, _, of = text.partition("/")
-    if not (index.isdigit() and of.isdigit() and 0 <= int(index) < int(of)):
+    if not (index.isascii() and of.isascii() and index.isdigit() and of.isdigit()):
+        raise ValueError(f"--load-share {text[:40]!r}: give I/N with 0 <= I < N, e.g. 0/4 (I: this process's share)")
+    if len(of) > 6 or int(of) > MAX_SHARES or len(index) > 6:  # the owner keeps a set of the N shares
+        raise ValueError(f"--load-share {text[:40]}: at most {MAX_SHARES} shares (load processes) in one run")
+    if not 0 <= int(index) < int(of):
         raise ValueError(f"--load-share {text!r}: give I/N with 0 <= I < N, e.g. 0/4 (I: this process's share)")
     index, of = int(index), int(of)
     if of > 1 and earlier["load_owner"] is None:
@@ -127,6 +138,11 @@ def read_load_share(flags: dict, earlier: dict) -> tuple[int, int] | None:
     for driver in load.drivers():
         if not driver.splits_over_workers:
             raise ValueError(f"--load-share {text}: load profile {driver.name!r} runs from one load process only")
+    # a share that sends nothing in every cell still holds every barrier (and the owner waits for its pod)
+    if of > 1 and (used := processes_used(load, of)) < of:
+        raise ValueError(f"--load-share {text}: no cell of workload {earlier['workload'].name!r} splits over more "
+                         f"than {used} load processes (its requests, closed-loop streams or open-loop cap): "
+                         f"shares {used}..{of - 1} would send nothing; give N <= {used}")
     return index, of
 
 
