@@ -113,45 +113,91 @@ class Logs:
         pipe.close()
 
 
+METRICS_DEADLINE_S = 300.0  # each call of collect_metrics.sh (KVBENCH_METRICS_DEADLINE_S sets another)
+
+
 @dataclass
 class MetricsCollection:
     """llm-d-benchmark's ``collect_metrics.sh`` (in its harness image) around the load, as its harnesses run
-    it: ``start`` in the background, then ``stop`` and ``process``; its output to metrics_collection.log."""
+    it: ``start`` in the background, then ``stop`` and ``process``; its output to metrics_collection.log.
+    Each call has a deadline (``deadline_s``): a script that does not return by then is ended with its whole
+    process group, said in stderr.log and in run_metadata.yaml (``metrics_collection``), and the harness
+    goes on to write what kvbench measured (a script that never returned held the harness for ever)."""
 
     env: Environment
     logs: Logs
+    deadline_s: float = METRICS_DEADLINE_S
     script: str | None = None
     started: subprocess.Popen | None = None
+    problems: list[str] = field(default_factory=list)
     log_path: Path = field(init=False)
 
     def __post_init__(self):
         self.log_path = self.env.results_dir / METRICS_LOG
         self.script = shutil.which("collect_metrics.sh")
 
-    def _call(self, action: str, background: bool = False):
-        with open(self.log_path, "ab") as log:
-            proc = subprocess.Popen([self.script, action], stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT)
-        return proc if background else proc.wait()
+    def _spawn(self, action: str) -> subprocess.Popen | None:
+        try:
+            with open(self.log_path, "ab") as log:  # a session of its own: its whole group can be ended
+                return subprocess.Popen([self.script, action], stdin=subprocess.DEVNULL, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as exc:
+            self._problem(f"collect_metrics.sh {action} could not be run: {exc}")
+            return None
+
+    def _problem(self, line: str) -> None:
+        self.problems.append(line)
+        self.logs.error(line)
+
+    def _end(self, proc: subprocess.Popen, action: str, waited_s: float) -> None:
+        """``proc`` given ``waited_s`` seconds: past them its group is ended (SIGTERM, then SIGKILL) and said."""
+        try:
+            proc.wait(timeout=waited_s)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        for sig, grace in ((signal.SIGTERM, min(5.0, waited_s)), (signal.SIGKILL, None)):
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                proc.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self._problem(f"collect_metrics.sh {action} did not return within {waited_s:g} s: ended (its process group "
+                      f"killed); the metrics may be incomplete ({METRICS_LOG})")
 
     def start(self) -> None:
         if not self.script:
-            self.logs.error("metrics scraping is enabled but collect_metrics.sh is not on PATH: not collected")
+            self._problem("metrics scraping is enabled but collect_metrics.sh is not on PATH: not collected")
             return
         self.logs.say(f"starting metrics collection ({METRICS_LOG})")
-        self.started = self._call("start", background=True)
+        self.started = self._spawn("start")
 
     def stop(self) -> None:
         if self.started is None:
             return
-        self._call("stop")
-        try:
-            self.started.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.started.kill()
-            self.started.wait()
-        self._call("process")
+        for action in ("stop", "process"):
+            proc = self._spawn(action)
+            if proc is not None:
+                self._end(proc, action, self.deadline_s)
+            if action == "stop":  # the background collector, told to stop, ends within the deadline too
+                self._end(self.started, "start (the collector told to stop)", min(60.0, self.deadline_s))
         self.logs.say(f"metrics collection done ({METRICS_LOG})")
+
+    @classmethod
+    def deadline_from(cls, environ) -> float:
+        """KVBENCH_METRICS_DEADLINE_S, a number of seconds above 0 (else the default, said by the caller)."""
+        raw = (environ.get("KVBENCH_METRICS_DEADLINE_S") or "").strip()
+        try:
+            value = float(raw) if raw else METRICS_DEADLINE_S
+        except ValueError:
+            raise HarnessError(f"KVBENCH_METRICS_DEADLINE_S is {raw!r}: a number of seconds above 0") from None
+        if not (0 < value < float("inf")):
+            raise HarnessError(f"KVBENCH_METRICS_DEADLINE_S is {raw!r}: a number of seconds above 0")
+        return value
 
 
 # --- the outputs -----------------------------------------------------------------------------------------
@@ -206,9 +252,11 @@ def kvbench_version() -> str:
 
 
 def write_metadata(env: Environment, start: float, stop: float, command: list[str], rc: int, model: str,
-                   endpoint: str, run_dir: Path | None, reports: list[str]) -> None:
+                   endpoint: str, run_dir: Path | None, reports: list[str],
+                   metrics_problems: list[str] | None = None) -> None:
     """run_metadata.yaml: the keys llm-d-benchmark's harnesses write (its analysis reads them: the times, the
-    arguments, the version, the status, the experiment), strings as theirs are; then kvbench's own two."""
+    arguments, the version, the status, the experiment), strings as theirs are; then kvbench's own two (and how the
+    metrics collection went, where it was asked for)."""
     data = {
         "harness_start": _iso(start), "harness_stop": _iso(stop), "harness_delta": f"PT{stop - start:.3f}S",
         "harness_args": redact_text(shlex.join(command[1:])), "harness_version": kvbench_version(),
@@ -218,6 +266,8 @@ def write_metadata(env: Environment, start: float, stop: float, command: list[st
         "kvbench_run": str(run_dir.relative_to(env.results_dir)) if run_dir and run_dir.exists() else "",
         "benchmark_reports": reports,
     }
+    if metrics_problems is not None:  # scraping was asked for: how it went
+        data["metrics_collection"] = "; ".join(metrics_problems) or "collected"
     atomic_write_text(env.results_dir / METADATA, yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
 
 
@@ -236,7 +286,7 @@ def run(environ=None, stdout=None, stderr=None) -> int:
               file=sys.stderr)
         return 1
     start = time.time()
-    rc, command, run_dir, reports = 2, [], None, []
+    rc, command, run_dir, reports, metrics = 2, [], None, [], None
     model, endpoint = env.model, env.endpoint
     try:
         profile, raw = read_profile(env)
@@ -248,14 +298,17 @@ def run(environ=None, stdout=None, stderr=None) -> int:
         for note in notes:
             logs.say(note)
         logs.say(f"running {redact_text(shlex.join(command))}")
-        metrics = MetricsCollection(env, logs) if env.scrape_metrics else None
-        if metrics:
+        if env.scrape_metrics:
+            metrics = MetricsCollection(env, logs, MetricsCollection.deadline_from(environ))
             metrics.start()
         try:
             rc = logs.run(command)
         finally:
             if metrics:
-                metrics.stop()
+                try:
+                    metrics.stop()
+                except Exception as exc:  # noqa: BLE001 - the metrics never cost what kvbench measured
+                    metrics._problem(f"metrics collection failed: {type(exc).__name__}: {exc}")
         logs.say(f"kvbench run exited {rc}")
     except HarnessError as exc:
         logs.error(str(exc))
@@ -270,8 +323,9 @@ def run(environ=None, stdout=None, stderr=None) -> int:
             logs.error(f"Benchmark Reports not written: {exc}")
             rc = rc or 1
     try:
-        write_metadata(env, start, time.time(), command, rc, model, endpoint, run_dir, reports)
-    except OSError as exc:
+        write_metadata(env, start, time.time(), command, rc, model, endpoint, run_dir, reports,
+                       metrics.problems if metrics else None)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
         logs.error(f"{METADATA} not written: {exc}")
         rc = rc or 1
     logs.close()
@@ -283,6 +337,8 @@ def run(environ=None, stdout=None, stderr=None) -> int:
 def analyze(environ=None) -> int:
     """Every Benchmark Report in the results folder validated by the package (the harness wrote them: nothing
     to convert). 1 when one does not validate, or when kvbench succeeded and there is none; else 0."""
+    from llmd_benchmark_report import load_benchmark_report
+
     from kvbench.reports import benchmark_report as br
 
     environ = os.environ if environ is None else environ
@@ -292,15 +348,18 @@ def analyze(environ=None) -> int:
               file=sys.stderr)
         return 2
     folder = Path(folder)
-    try:
-        meta = yaml.safe_load(bounded.read_bytes(folder / METADATA, PROFILE_MAX_BYTES, what=METADATA)) or {}
-    except (bounded.InputError, OSError, yaml.YAMLError):
+    try:  # bounded YAML (no alias bomb), as the reports below
+        meta = bounded.parse_yaml(bounded.read_bytes(folder / METADATA, PROFILE_MAX_BYTES, what=METADATA),
+                                  folder / METADATA, METADATA) or {}
+    except (bounded.InputError, OSError):
         meta = {}
     bad = 0
     files = sorted(folder.glob(f"{br.FILE_PREFIX}*.yaml"))
     for path in files:
         try:
-            report = br.read_back(bounded.read_bytes(path, 64 << 20, what="Benchmark Report").decode())
+            data = bounded.parse_yaml(bounded.read_bytes(path, 64 << 20, what="Benchmark Report"), path,
+                                      "Benchmark Report")
+            report = load_benchmark_report(data)
             print(f"{SAY}{path.name}: valid Benchmark Report v{report.version}")
         except (ValueError, TypeError, KeyError, OSError, yaml.YAMLError) as exc:
             print(f"{SAY}error: {path.name}: {' '.join(str(exc).split())[:500]}", file=sys.stderr)

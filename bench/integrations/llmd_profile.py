@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-import yaml
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
+from kvbench.common import outside
 from kvbench.common.files import PlainNameError, atomic_write_text, check_plain_name
 from kvbench.common.suggest import closest
 from kvbench.kv import bounded
@@ -32,6 +32,7 @@ HARNESS = "kvbench"
 RUNS_FOLDER = "kvbench_runs"  # kvbench's run folders, inside the results folder
 WORKLOAD_FILE = "kvbench_workload.toml"  # a profile's workload settings, as kvbench run --workload reads them
 PROFILE_MAX_BYTES = 1 << 20
+PROFILE_MAX_DEPTH = 16
 #: kvbench run's flags the harness gives itself (a profile's run: may not)
 HARNESS_FLAGS = ("backend", "url", "model", "workload", "results-dir", "run-id", "resume", "overwrite")
 TOKEN = re.compile(r"REPLACE_ENV_\w+")  # an llm-d-benchmark template token left unrendered
@@ -79,10 +80,11 @@ class Environment:
             check_plain_name(harness, "LLMDBENCH_HARNESS_NAME")
         except PlainNameError as exc:
             raise HarnessError(str(exc)) from None
+        workspace = Path(environ.get("LLMDBENCH_RUN_WORKSPACE_DIR", "").strip() or "/workspace")
+        environ = _Texts(environ)  # the rest is text kept in the reports and run_metadata.yaml (paths stay bytes)
         keywords = environ.get("LLMDBENCH_DESCRIPTION_KEYWORDS", "")
         return cls(
-            results_dir=Path(results), workload_name=workload,
-            workspace=Path(environ.get("LLMDBENCH_RUN_WORKSPACE_DIR", "").strip() or "/workspace"),
+            results_dir=Path(results), workload_name=workload, workspace=workspace,
             harness_name=harness,
             model=environ.get("LLMDBENCH_DEPLOY_CURRENT_MODEL", "").strip(),
             endpoint=environ.get("LLMDBENCH_HARNESS_STACK_ENDPOINT_URL", "").strip(),
@@ -97,6 +99,19 @@ class Environment:
     @property
     def profile_path(self) -> Path:
         return self.workspace / "profiles" / self.harness_name / self.workload_name
+
+
+class _Texts:
+    """The environment's values as text every writer takes: a byte that is not UTF-8 (which Python keeps as a
+    lone surrogate, and which made every Benchmark Report of a finished run fail to be written) read as
+    U+FFFD (kvbench.common.outside)."""
+
+    def __init__(self, environ):
+        self.environ = environ
+
+    def get(self, key: str, default: str = "") -> str:
+        value = self.environ.get(key, default)
+        return default if value is None else outside.text(value, limit=None)
 
 
 # --- the profile -----------------------------------------------------------------------------------------
@@ -125,14 +140,12 @@ def read_profile(env: Environment) -> tuple[Profile, bytes]:
     except (bounded.InputError, OSError) as exc:
         raise HarnessError(f"{exc} (llm-d-benchmark mounts the rendered profiles of harness "
                            f"{env.harness_name} there)") from None
-    try:
-        data = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        raise HarnessError(f"{where} is not YAML: {' '.join(str(exc).split())}") from None
+    try:  # bounded: 16 levels, no alias bomb (620 bytes of nested aliases held the harness for ever)
+        data = bounded.parse_yaml(raw, env.profile_path, "profile", max_depth=PROFILE_MAX_DEPTH)
+    except bounded.InputError as exc:
+        raise HarnessError(str(exc)) from None
     if not isinstance(data, dict):
         raise HarnessError(f"{where} is not a mapping of keys (endpoint, model, engine, workload, ...)")
-    if bounded.depth(data) > 16:
-        raise HarnessError(f"{where} nests deeper than 16 levels")
     try:
         profile = Profile.model_validate(data)
     except ValidationError as exc:

@@ -128,6 +128,75 @@ def read_toml(path: str | Path, max_bytes: int = TOML_MAX_BYTES, what: str = "fi
     return _check_depth(value, path, what, max_depth)
 
 
+# --- YAML ----------------------------------------------------------------------------------------------
+
+#: nodes that aliases may add to a YAML document beyond its own (a "billion laughs" of nested aliases: 620
+#: bytes that expand to 10^9 nodes, which any walk of the loaded data then visits one by one)
+YAML_MAX_ALIAS_NODES = 100_000
+
+
+def parse_yaml(data: bytes | str, path: str | Path, what: str = "file", max_depth: int = MAX_DEPTH,
+               max_alias_nodes: int = YAML_MAX_ALIAS_NODES):
+    """``data`` (read from ``path`` within its own bound) parsed as YAML of plain data (PyYAML's safe loader),
+    its node graph checked before anything is built from it: at most ``max_depth`` levels and at most
+    ``max_alias_nodes`` nodes more with every alias expanded than it has written out; an alias that contains
+    itself is refused. Not YAML (or not UTF-8) is an InputError too."""
+    import yaml
+
+    try:
+        text = data.decode() if isinstance(data, bytes) else data
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{_named(what, path)}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_yaml_graph(node, path, what, max_depth, max_alias_nodes)
+        return loader.construct_document(node)
+    except RecursionError:
+        raise _too_deep(path, what, max_depth) from None
+    except yaml.YAMLError as exc:
+        raise InputError(f"{_named(what, path)}: not valid YAML ({' '.join(str(exc).split())[:300]})") from None
+    finally:
+        loader.dispose()
+
+
+def _check_yaml_graph(root, path, what: str, max_depth: int, max_alias_nodes: int) -> None:
+    """Each node's size and depth with its aliases expanded, once per node (linear in the nodes written)."""
+    def children(node):
+        value = node.value
+        if isinstance(value, list):
+            return [c for item in value for c in (item if isinstance(item, tuple) else (item,))]
+        return ()
+
+    size: dict[int, int] = {}
+    deep: dict[int, int] = {}
+    open_: set[int] = set()
+    stack = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if done:
+            kids = children(node)
+            size[key] = 1 + sum(size[id(c)] for c in kids)
+            deep[key] = (1 + max((deep[id(c)] for c in kids), default=0)) if isinstance(node.value, list) else 0
+            open_.discard(key)
+            if deep[key] > max_depth:
+                raise _too_deep(path, what, max_depth)
+            if size[key] - len(size) > max_alias_nodes:
+                raise InputError(f"{_named(what, path)}: its aliases expand it to {size[key]:,} nodes from "
+                                 f"{len(size):,} written (an alias bomb): not a file kvbench reads")
+            continue
+        if key in size:
+            continue
+        if key in open_:
+            raise InputError(f"{_named(what, path)}: an alias contains itself: not a file kvbench reads")
+        open_.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in children(node))
+
+
 # --- GGUF headers ------------------------------------------------------------------------------------------
 
 GGUF_MAGIC = b"GGUF"
