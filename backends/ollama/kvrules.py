@@ -11,6 +11,7 @@ class OllamaKV(LlamaServerKV):
     engine = "ollama"
     version = "0.30.0"
     dtypes = {"f16": "f16", "fp16": "f16", "float16": "f16", "q8_0": "q8_0", "q4_0": "q4_0"}
+    rule_options = {k: v for k, v in LlamaServerKV.rule_options.items() if k != "draft_kv_dtype"}  # no draft
 
     def kv_dtype_flag(self, dtype: str) -> str:
         return f"OLLAMA_KV_CACHE_TYPE={dtype} (with OLLAMA_FLASH_ATTENTION=1)"
@@ -26,3 +27,10 @@ class OllamaKV(LlamaServerKV):
 
     def tp_flag(self, tp: int) -> str:
         return f"{tp} GPUs"
+
+    # Ollama starts its runner without any of llama-server's speculative flags: no speculative decoding
+    def speculative_flag(self, spec) -> str | None:
+        return None
+
+    def draft_kv(self, q, spec, limit: int):
+        return None

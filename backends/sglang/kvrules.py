@@ -6,10 +6,12 @@ against hand-computed cases in tests/backends/sglang/test_adapter.py.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar
 
 from kvbench.kv.geometry import KVGeometry, LayerKV, cdiv, decompressed, round_up
 from kvbench.kv.rules import Choice, KVAnswer, KVQuestion, KVRuleError, KVRules, Number, Switch, with_kinds
+from kvbench.kv.speculative import DraftKV, ngram_kv
 
 from . import gpumem
 from .gpumem import auto_mem_fraction_static, prefill_graph_sizes  # noqa: F401  (their home before)
@@ -289,6 +291,37 @@ class SGLangKV(KVRules):
     # --- its memory on a GPU at startup (gpumem.py) -------------------------------------------------------
     def startup_memory(self, q):
         return gpumem.startup_memory(self, q)
+
+    # --- speculative decoding (0.5.23: arg_groups/fields/spec.py, model_executor/pool_configurator.py) -----------
+    SPEC_ALGORITHMS = {"ngram": "NGRAM", "draft": "STANDALONE", "eagle": "EAGLE", "mtp": "NEXTN"}
+
+    def speculative_flag(self, spec) -> str | None:
+        flag = f"--speculative-algorithm {self.SPEC_ALGORITHMS[spec.method]}"
+        if spec.method in ("draft", "eagle"):
+            flag += f" --speculative-draft-model-path {spec.draft_name or 'HEAD'}"
+        return flag + (f" --speculative-num-draft-tokens {spec.tokens}" if spec.tokens else "")
+
+    def draft_kv(self, q: KVQuestion, spec, limit: int) -> DraftKV:
+        """Read, not run (no SGLang server runs here). The draft worker gets a pool of its own with the target's
+        token count (kv_cache_configurator.py configure: a draft worker takes the target's memory_pool_config)
+        in the drafter's own geometry; the target sizes its pool by pricing the drafter's layers at the target's
+        per-layer KV: cell_size x (1 + draft layers / target layers) (pool_configurator.py DefaultPoolConfigurator,
+        "assumes the draft shares the target's per-layer KV size", eagle_draft_num_layers from
+        spec_aux_hidden_state.py: num_nextn_predict_layers, else the draft's num_hidden_layers). A drafter whose
+        layers hold more than the target's each takes the rest from outside the budget."""
+        if spec.method == "ngram":
+            return ngram_kv("SGLang: speculative/ngram_worker.py, a host-side n-gram cache")
+        layers = max(1, self.stored(q).num_layers)
+        priced = self.cell_size(q) * spec.layers / layers
+        held = self.bytes_per_token(replace(q, geometry=spec.draft))
+        deploy = self.deployment(q, limit)
+        tokens = (deploy.bytes_per_gpu + deploy.pool_extra_bytes) / self.cell_size(q)
+        note = (f"the draft worker's own pool of the target's tokens, {held:,.0f} B per token as its "
+                f"{spec.layers} layer(s) hold it; the target's pool prices them at the target's per-layer KV, "
+                f"{priced:,.0f} B per token (pool_configurator.py: cell_size x (1 + {spec.layers} / {layers})); "
+                "unverified: read from SGLang 0.5.23's source, no SGLang server ran here")
+        return DraftKV("its own pool of the target's token count", held, tokens * held, note, verified=False,
+                       priced_per_token=priced)
 
     def startup_refusal(self, q, mem, available: float, one_request: float, longest: int):
         return gpumem.startup_refusal(self, q, available, one_request, longest)

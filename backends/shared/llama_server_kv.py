@@ -7,6 +7,8 @@ from typing import ClassVar
 
 from kvbench.kv.geometry import KVGeometry, LayerKV, decompressed, round_up
 from kvbench.kv.rules import Choice, KVAnswer, KVQuestion, KVRuleError, KVRules, Switch, Whole
+from kvbench.kv.speculative import DraftKV, ngram_kv
+from kvbench.kv.startup import StartupQuestion
 
 from . import llama_server_gpumem as gpumem
 
@@ -41,10 +43,11 @@ class LlamaServerKV(KVRules):
     """
 
     # what `kvbench plan --engine-option` takes (KVQuestion.options): -kvu, --cache-ram (0: off; its -1, no limit,
-    # is not planned), -ub, -fa on|off|auto
+    # is not planned), -ub, -fa on|off|auto, and the draft context's --cache-type-k-draft/-v-draft (its allowed values)
     rule_options = {"unified": Switch(), "cache_ram_mib": Whole(0, unit="MiB"), "n_ubatch": Whole(),
                     "flash_attn": Choice(("on", "off", "auto"), (("true", "on"), ("1", "on"), ("yes", "on"),
-                                                                 ("false", "off"), ("0", "off"), ("no", "off")))}
+                                                                 ("false", "off"), ("0", "off"), ("no", "off"))),
+                    "draft_kv_dtype": Choice(("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"))}
     model_format = "gguf"
     dtypes = {"f16": "f16", "fp16": "f16", "float16": "f16", "bf16": "bf16", "bfloat16": "bf16", "f32": "f32",
               "fp32": "f32", "float32": "f32", "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0",
@@ -193,6 +196,41 @@ class LlamaServerKV(KVRules):
             return pool_tokens // padded
         full = max(caches, key=lambda c: c["cells"] * c["streams"])  # the full-attention cache
         return min(int(full["seqs"]), int(full["streams"]) * (int(full["cells"]) // padded))
+
+    # --- speculative decoding (tools/server/server-context.cpp, common/speculative.cpp) -------------------------
+    SPEC_TYPES = {"ngram": "ngram-simple", "draft": "draft-simple", "eagle": "draft-eagle3", "mtp": "draft-mtp"}
+
+    def speculative_flag(self, spec) -> str | None:
+        flag = f"--spec-type {self.SPEC_TYPES[spec.method]}"
+        if spec.method in ("draft", "eagle"):
+            flag += f" --model-draft {spec.draft_name or 'HEAD.gguf'}"
+        return flag + (f" --spec-draft-n-max {spec.tokens}" if spec.tokens and spec.method != "ngram" else "")
+
+    def draft_kv(self, q: KVQuestion, spec, limit: int) -> DraftKV:
+        """llama-server makes the drafter a context of its own (common/speculative.cpp
+        common_speculative_init_result: ``cparams.n_ctx = llama_n_ctx(ctx_tgt)``, "the draft context holds as
+        many tokens per sequence as the target context"), with the target's slots and unified switch
+        (common_base_params_to_speculative copies them) and its own cache types (``--cache-type-k-draft`` /
+        ``-v-draft``, f16 by default): a second KV cache of the same cells, and its own compute buffer. An MTP
+        context (draft-mtp) runs on the target's weights (LLAMA_CONTEXT_TYPE_MTP): its cache is read here as the
+        MTP layers', unverified."""
+        if spec.method == "ngram":
+            return ngram_kv("llama.cpp: common/ngram-*.cpp over the slot's tokens")
+        dtype = str(q.options.get("draft_kv_dtype") or "f16")
+        dq = replace(q, geometry=spec.draft, dtype=dtype)
+        a = self.deployment(dq, limit)
+        terms = ()
+        if q.device == "gpu" and spec.widths is not None:  # the draft context's own reserve graph
+            sq = StartupQuestion(replace(dq, context=max(limit, q.context)), limit, "", 0.0, 0.0, "", 0.0,
+                                 spec.widths, q.batch)
+            buf = gpumem.compute_buffer(sq, a.tokens_full)
+            terms = (("draft compute buffer", buf.bytes, f"the draft context's: {buf.source}"),)
+        mtp = spec.method == "mtp"
+        return DraftKV("its own context: a second KV cache of the same cells", a.bytes_per_token, a.bytes_per_gpu,
+                       f"the draft context's cache: {a.note}; K/V {a.dtype} (--cache-type-k-draft/-v-draft"
+                       f"{'' if 'draft_kv_dtype' in q.options else ', f16 by default'})"
+                       + ("; unverified: the MTP context's cache is read as the MTP layers' (no MTP GGUF ran here)"
+                          if mtp else ""), verified=not mtp, terms=terms)
 
     # --- its memory on a GPU at startup (gpumem.py) -------------------------------------------------------
     def startup_memory(self, q):

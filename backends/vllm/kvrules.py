@@ -6,6 +6,7 @@ from dataclasses import replace
 from kvbench.kv.geometry import KVGeometry, cdiv, decompressed
 from kvbench.kv.rules import (KVAnswer, KVQuestion, KVRuleError, KVRules, Number, Switch, Whole, parse_version,
                               with_kinds)
+from kvbench.kv.speculative import DraftKV, ngram_kv
 
 from . import gpumem
 
@@ -326,6 +327,44 @@ class VLLMKV(KVRules):
         q = KVQuestion(geometry, dtype, block_size=block, device=details.get("device", "gpu"),
                        version=details.get("version"))
         return self.bytes_per_block(q) / block
+
+    # --- speculative decoding (0.32.0: config/speculative.py, v1/spec_decode/, v1/core/kv_cache_utils.py) ---------
+    SPEC_METHODS = {"ngram": "ngram", "draft": "draft_model", "eagle": "eagle", "mtp": "mtp"}
+
+    def speculative_flag(self, spec) -> str | None:
+        fields = [f'"method": "{self.SPEC_METHODS[spec.method]}"']
+        if spec.method in ("draft", "eagle"):
+            fields.append(f'"model": "{spec.draft_name or "HEAD"}"')
+        fields.append(f'"num_speculative_tokens": {spec.tokens or "N"}')
+        return "--speculative-config '{" + ", ".join(fields) + "}'"
+
+    def draft_kv(self, q: KVQuestion, spec, limit: int) -> DraftKV:
+        """The drafter's attention layers register in the same static forward context as the target's
+        (v1/spec_decode/llm_base_proposer.py load_model: _draft_attn_layer_names), so get_kv_cache_spec gives them
+        to the one pool: layers of one attention type form one KV cache group (UniformTypeKVCacheSpecs, whose page
+        is the sum of its layers' pages: v1/kv_cache_interface.py), and validate_same_kv_cache_group requires the
+        drafter's layers in the target's group. A block then holds every layer's page, drafter's included: the
+        pool's tokens fall by target / (target + drafter) per token. The drafter's KV dtype is the target's
+        cache dtype (SpeculativeConfig.kv_cache_dtype None) resolved for the drafter's own model."""
+        if spec.method == "ngram":
+            return ngram_kv("vLLM: v1/spec_decode/ngram_proposer.py, numpy on the host")
+        dq = replace(q, geometry=spec.draft)
+        stored = self.stored(q)
+        block = self.block_size(q, stored)
+        groups, _ = self.groups(stored)
+        per_token = self.bytes_per_token(dq)
+        deploy = self.deployment(q, limit)
+        blocks = (deploy.bytes_per_gpu + deploy.pool_extra_bytes) / self.bytes_per_block(q)
+        hybrid = len(groups) > 1
+        note = (f"{spec.layers} drafter layer(s) in the target's KV cache group: each block holds their pages "
+                f"beside the target's ({per_token * block:,.0f} B more per block of {block}; "
+                "v1/core/kv_cache_utils.py get_kv_cache_groups, UniformTypeKVCacheSpecs); a decoding request also "
+                f"holds up to {spec.tokens or 'N'} lookahead slots (num_lookahead_tokens)")
+        if hybrid:
+            note += ("; unverified: with a hybrid model's window groups the drafter's full layers regroup the pool, "
+                     "priced here as pages added to every block")
+        return DraftKV("the target's KV pool (the same blocks)", per_token, blocks * block * per_token, note,
+                       verified=not hybrid)
 
     # --- its memory on a GPU at startup (gpumem.py) -------------------------------------------------------
     def startup_memory(self, q):

@@ -27,7 +27,8 @@ def plan_command(**given):
     try:
         o = read_plan_options(given)
         m = resolve_model(model, o.weights_dtype, o.trust_remote_code, o.weights_bytes)
-        p = o.plan_input(m)
+        draft = resolve_model(o.draft_model, trust_remote_code=o.trust_remote_code) if o.draft_model else None
+        p = o.plan_input(m, draft)
         if o.compare_engines:
             s = setup(p)
             if s.gpu is None:
@@ -92,6 +93,8 @@ def _print(r: dict) -> None:
         typer.echo(f"  {v['line']}")
     if r["at_asked_limit"]:
         typer.echo(r["at_asked_limit"]["line"])
+    if r.get("speculation"):
+        typer.echo(r["speculation"]["line"])
     wall = r.get("memory_wall")
     on = r["gpu"] if wall else f"{r['gpus']} x {r['gpu']}{_layout(r)}" if r.get("gpu") else "no GPU given"
     typer.echo(f"{r['model']} under {r['engine']} on {on}: {r['batch']} at once of {r['context']:,} tokens "
@@ -165,6 +168,10 @@ def _print_pools(s, pools, lacking: list[str], as_json: bool) -> None:
         t.add_row(p.engine, p.kv_dtype, f"{p.bytes_per_token:,.0f}", fmt_gib(p.budget), f"{p.tokens:,}",
                   f"{p.sequences:,}", p.sized, escape(p.note))
     ui.console().print(t)
+    for p in (p for p in pools if p.speculation):  # --speculative: each engine's drafter, and its pool without
+        without = (f" (without the drafter: {p.tokens_without:,} tokens, {p.sequences_without:,} at once)"
+                   if p.tokens_without is not None else "")
+        typer.echo(f"  {p.engine}: {p.speculation}{without}")
     if lacking:
         typer.echo(f"Not in the table: {', '.join(lacking)} (no KV dtype {s.kv_dtype!r}).")
     sources = {p.overhead_source.split(";")[0] for p in pools}

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from kvbench.common.suggest import hint, with_hint
 from kvbench.kv.geometry import KV_DTYPE_BYTES
 from kvbench.kv.rules import KVQuestion, KVRuleError
+from kvbench.kv.speculative import MAX_SPECULATIVE_TOKENS, METHODS
 from kvbench.kv.units import GIB
 from kvbench.planner import (
     NODE_GPUS,
@@ -179,6 +180,34 @@ def read_overhead(flags: dict, earlier: dict) -> tuple[float | None, str]:
 def read_margin(flags: dict, earlier: dict) -> float | None:
     margin = finite(flags["margin"], "--margin")
     return margin if margin is not None else (0.0 if earlier["memory"] is not None else None)
+
+
+def read_speculative(flags: dict, earlier: dict) -> str | None:
+    """A drafter's method kvbench plans (none: no speculation); whether the engine has it is its rules' to say."""
+    text = flags["speculative"]
+    if text is None or text.strip().lower() == "none":
+        return None
+    if text.strip().lower() not in METHODS:
+        raise PlanError(with_hint(f"--speculative is one of {', '.join(METHODS)}, not {shown(text)}", text, METHODS))
+    return text.strip().lower()
+
+
+def read_draft_model(flags: dict, earlier: dict) -> str | None:
+    """A draft model (or an EAGLE head's config) named as MODEL is: checked now, read with the model."""
+    text = flags["draft_model"]
+    if text is None:
+        return None
+    if earlier["speculative"] not in ("draft", "eagle"):
+        raise PlanError("--draft-model is the drafter of --speculative draft (or an EAGLE head's config with "
+                        f"--speculative eagle), not of {earlier['speculative'] or 'no speculation'}")
+    return read_model({"model": text}, earlier)
+
+
+def read_speculative_tokens(flags: dict, earlier: dict) -> int | None:
+    text = flags["speculative_tokens"]
+    if text is not None and earlier["speculative"] is None:
+        raise PlanError("--speculative-tokens needs --speculative (ngram, draft, eagle or mtp)")
+    return count("--speculative-tokens", MAX_SPECULATIVE_TOKENS, "tokens")(flags, earlier)
 
 
 def read_compare(flags: dict, earlier: dict) -> bool:
@@ -381,6 +410,22 @@ class PlanOptions:
              "blocks; engines that do not share hold a copy each). The pool and verdict are unchanged.",
              metavar="TOKENS"),
         read=tokens("--shared-prefix"), default=None)
+    speculative: str | None = option(
+        Flag("speculative", str, None, f"Speculative decoding: {', '.join(METHODS)} (where the engine has it). The "
+             "drafter's weights and KV are counted where the engine keeps them (vLLM: its layers in the target's "
+             "pool; llama.cpp: a second context of the same cells; SGLang: a pool of its own); ngram needs none.",
+             metavar="METHOD"),
+        read=read_speculative, default=None)
+    draft_model: str | None = option(
+        Flag("draft_model", str, None, "The draft model of --speculative draft (or an EAGLE head's config): a "
+             "catalog name, config folder or file, as MODEL. Without it --speculative eagle plans one decoder layer "
+             "of the target's shape.", metavar="MODEL"),
+        read=read_draft_model, default=None)
+    speculative_tokens: int | None = option(
+        Flag("speculative_tokens", str, None, "Tokens the drafter proposes a step (vLLM num_speculative_tokens, "
+             f"llama.cpp --spec-draft-n-max), 1 to {MAX_SPECULATIVE_TOKENS:,}; default: the engine's.",
+             metavar="N"),
+        read=read_speculative_tokens, default=None)
     as_json: bool = option(Flag("as_json", bool, False, "Print one JSON object.", names=("--json",)))
     compare_engines: bool = option(
         Flag("compare_engines", bool, False, "Every engine's KV pool side by side for this model and GPU (or wall), "
@@ -390,8 +435,9 @@ class PlanOptions:
     # set once every flag is read: {engine: its --engine-option values, checked}
     engine_options: dict[str, dict] = field(default_factory=dict)
 
-    def plan_input(self, model: ModelForPlan) -> PlanInput:
-        """The plan these options ask of ``model`` (--compare-engines: the deployment each engine is set on)."""
+    def plan_input(self, model: ModelForPlan, draft: ModelForPlan | None = None) -> PlanInput:
+        """The plan these options ask of ``model`` (--compare-engines: the deployment each engine is set on);
+        ``draft``: --draft-model, resolved."""
         overhead, source = self.overhead
         return PlanInput(
             model=model, context=self.context, batch=self.batch, kv_dtype=self.kv_dtype, tp=self.tp, pp=self.pp,
@@ -399,7 +445,8 @@ class PlanOptions:
             memory=self.memory, margin=self.margin, block_size=self.block_size, device=self.device,
             engine_version=self.engine_version, engine_options=self.engine_options.get(self.engine or "", {}),
             allow_long_context=self.allow_long_context, max_model_len=self.max_model_len, node_gpus=self.node_gpus,
-            shared_prefix=self.shared_prefix)
+            shared_prefix=self.shared_prefix, speculative=self.speculative, draft_model=draft,
+            speculative_tokens=self.speculative_tokens, draft_label=self.draft_model or "")
 
     def compared_engines(self) -> tuple[list[str], list[str]]:
         """(the engines --compare-engines sets side by side, those left out for lacking --kv-dtype)."""

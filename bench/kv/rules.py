@@ -237,6 +237,17 @@ class KVRules:
         where the engine has none."""
         return None
 
+    # --- speculative decoding: the drafter's memory (kvbench.kv.speculative) ----------------------------
+    def speculative_flag(self, spec) -> str | None:
+        """How a user starts the engine with the drafter ``spec`` (a :class:`kvbench.kv.speculative.Speculation`);
+        None where the engine has no such speculative decoding (the default: it has none)."""
+        return None
+
+    def draft_kv(self, q: KVQuestion, spec, limit: int):
+        """Where the engine keeps the drafter's KV for ``q`` on a server started with a limit of ``limit`` (a
+        :class:`kvbench.kv.speculative.DraftKV`); None where it has no such speculative decoding."""
+        return None
+
     def check(self, q: KVQuestion) -> None:
         if q.context < 1 or q.batch < 1:
             raise KVRuleError("the context and the batch must be >= 1")

@@ -41,6 +41,7 @@ from .shared import (
     parse_tokens,
     similar_model,
 )
+from .speculative import check_speculation, speculation_view
 from .startup import planned_figures, startup_view
 from .verdict import asked_first, kv_scope, ledger, lever_line, limit_label, verdict
 
@@ -100,6 +101,7 @@ def _formula_per_token(geom, typical, tp: int) -> float:
 def plan(p: PlanInput, with_levers: bool = True) -> dict:
     """The plan of ``p`` as one dict (what ``kvbench plan --json`` prints)."""
     s = setup(p)
+    check_speculation(s)
     geom, rules = s.geometry, s.rules
     typical = s.typical()
     deploy = s.kv()
@@ -146,6 +148,7 @@ def plan(p: PlanInput, with_levers: bool = True) -> dict:
     out["ledger"] = ledger(s, o, deploy)
     out["verdict"] = verdict(s, o)
     out["startup"] = startup_view(s)
+    out["speculation"] = speculation_view(s)
     out.update(asked_first(s, o, typical, out["startup"]))  # the question asked, answered first
     out["levers"] = []
     if s.gpu is None:

@@ -58,7 +58,7 @@ def capacity(s: Setup, budget: float | None = None) -> Capacity:
     if rules.pool_from_budget:
         q = s.question(context=limit, batch=1)
         block = rules.answer(s.question(context=1, batch=1)).tokens_full  # one token takes one whole block
-        blocks = int((kv_room(s) if budget is None else budget) // rules.bytes_per_block(q))
+        blocks = int((kv_room(s) if budget is None else budget) // s.bytes_per_block(q))
         details = {"block_size": block, "num_gpu_blocks": blocks, "device": s.device, "version": s.version,
                    "capability": s.capability, "max_model_len": limit, **s.options}
         return Capacity(rules.engine, limit, blocks * block,
@@ -83,6 +83,23 @@ class EnginePool:
     note: str  # the engine's rounding and storage (KVAnswer.note)
     overhead_source: str
     share: str = ""  # the memory the engine takes: its own fraction of CUDA's total, or what the margin leaves
+    speculation: str = ""  # with --speculative: where the engine keeps the drafter's KV, or that it has no such method
+    tokens_without: int | None = None  # with --speculative: the pool without the drafter
+    sequences_without: int | None = None
+
+
+def _pool(t: Setup) -> tuple[float, int, int, str]:
+    """(KV budget per GPU, pool tokens, requests at the limit at once, how sized) of one engine's deployment."""
+    budget = kv_room(t)
+    if t.rules.pool_from_budget:
+        cap = capacity(t, max(budget, 0.0))
+        # the requests at the limit the blocks hold x the limit: what vLLM logs as its KV cache size, and
+        # for paged pools without groups the pool's own tokens, a partial page off
+        tokens = cap.blocks * t.limit // cap.blocks_per_request if cap.blocks_per_request else 0
+        return budget, tokens, cap.sequences or 0, "from the budget"
+    n = max(0, _largest(lambda b: t.fits(context=t.limit, batch=b, limit=t.limit), 1, 1 << 20))
+    tokens = t.kv(context=t.limit, batch=n, limit=t.limit).tokens_full if n else 0
+    return budget, tokens, n, "for the limit"
 
 
 def engine_pools(s: Setup, engines: list[str], options: dict[str, dict] | None = None) -> list[EnginePool]:
@@ -96,22 +113,19 @@ def engine_pools(s: Setup, engines: list[str], options: dict[str, dict] | None =
         t = with_engine(s, engine, (options or {}).get(engine))
         if s.kv_dtype.lower() != "auto":
             t = replace(t, kv_dtype=s.kv_dtype)
-        budget = kv_room(t)
+        spec, said, without = t.speculation, "", (None, None)
+        if spec is not None and t.rules.speculative_flag(spec) is None:  # planned without it, and said so
+            t, said = replace(t, spec_method=None), f"no {spec.method} speculative decoding"
+        elif spec is not None:
+            said = f"{spec.method}: {t.draft().where}"
+            without = _pool(replace(t, spec_method=None))[1:3]
+        budget, tokens, sequences, sized = _pool(t)
         q = t.question(context=t.limit, batch=1)
-        if t.rules.pool_from_budget:
-            cap = capacity(t, max(budget, 0.0))
-            # the requests at the limit the blocks hold x the limit: what vLLM logs as its KV cache size, and
-            # for paged pools without groups the pool's own tokens, a partial page off
-            tokens = cap.blocks * t.limit // cap.blocks_per_request if cap.blocks_per_request else 0
-            sequences, sized = cap.sequences or 0, "from the budget"
-        else:
-            n = max(0, _largest(lambda b: t.fits(context=t.limit, batch=b, limit=t.limit), 1, 1 << 20))
-            tokens = t.kv(context=t.limit, batch=n, limit=t.limit).tokens_full if n else 0
-            sequences, sized = n, "for the limit"
         a = t.rules.answer(q)
         mem = t.startup
         out.append(EnginePool(engine, a.dtype, a.bytes_per_token, budget, tokens, sequences, sized, a.note,
                               f"own startup rule ({mem.fraction:g} of CUDA's total; {mem.klass}"
                               f"{'' if mem.verified else ', unverified'})" if mem is not None else t.overhead_source,
-                              f"{mem.fraction:g} of CUDA's total" if mem is not None else f"{1 - t.margin:.0%} of the memory"))
+                              f"{mem.fraction:g} of CUDA's total" if mem is not None else f"{1 - t.margin:.0%} of the memory",
+                              said, *without))
     return out

@@ -12,6 +12,7 @@ from kvbench.kv.units import GIB, fmt_gib
 from kvbench.kv.weights import Weights
 
 from .overhead import default_overhead
+from .drafter import Drafter
 from .resolve import ModelForPlan, served_weights
 from kvbench.kv.startup import StartupMemory, StartupQuestion, StartupTerm
 
@@ -47,6 +48,10 @@ class PlanInput:
     shared_prefix: int | None = None  # tokens every request of the batch starts with alike (--shared-prefix)
     cpu_features: tuple[str, ...] | None = None  # device cpu: the CPU's flags; None: this machine's
     interconnect: str | None = None  # between the GPUs, "nvlink" or "pcie"; None: the GPU kind's (gpus.toml)
+    speculative: str | None = None  # the drafter's method (kvbench.kv.speculative.METHODS); None: no speculation
+    draft_model: ModelForPlan | None = None  # --draft-model, resolved
+    speculative_tokens: int | None = None
+    draft_label: str = ""  # --draft-model as given
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,7 @@ def _largest(fits, low: int, high: int) -> int:
 
 
 @dataclass(frozen=True)
-class Setup:
+class Setup(Drafter):
     model: ModelForPlan
     rules: KVRules
     engine: str | None
@@ -111,6 +116,10 @@ class Setup:
     pp: int = 1  # pipeline stages (PlanInput.pp)
     dp: int = 1  # data-parallel attention ranks (PlanInput.dp)
     interconnect: str | None = None  # PlanInput.interconnect
+    spec_method: str | None = None  # PlanInput.speculative
+    draft_model: ModelForPlan | None = None
+    spec_tokens: int | None = None
+    draft_label: str = ""
 
     @property
     def geometry(self) -> KVGeometry:
@@ -172,7 +181,7 @@ class Setup:
     @property
     def fixed_overhead(self) -> float:
         mem = self.startup
-        return mem.overhead_bytes if mem is not None else self.overhead_fixed
+        return (mem.overhead_bytes if mem is not None else self.overhead_fixed) + self.spec_fixed
 
     def question(self, context: int | None = None, batch: int | None = None) -> KVQuestion:
         """One GPU's KV question: its pipeline stage's layers, its data-parallel rank's share of the batch."""
@@ -195,14 +204,17 @@ class Setup:
             raise PlanError(str(exc)) from None
 
     def kv_bytes(self, context: int | None = None, batch: int | None = None, limit: int | None = None) -> float:
+        """The deployment's KV per GPU, the drafter's included."""
         a = self.kv(context, batch, limit)
-        return a.bytes_per_gpu + a.pool_extra_bytes
+        d = self.draft(context, batch, limit)
+        return a.bytes_per_gpu + a.pool_extra_bytes + (d.bytes_per_gpu if d is not None else 0.0)
 
     def overhead_at(self, context: int | None = None, batch: int | None = None) -> float:
         mem = self.startup
         if mem is not None:
-            return mem.overhead_bytes
-        return self.overhead_fixed + self.overhead_per_token * (context or self.context) * (batch or self.batch)
+            return mem.overhead_bytes + self.spec_fixed
+        return (self.overhead_fixed + self.overhead_per_token * (context or self.context) * (batch or self.batch)
+                + self.spec_fixed)
 
     @property
     def overhead(self) -> float:
@@ -372,7 +384,12 @@ def setup(p: PlanInput) -> Setup:
               served_weights(p.model, rules, g.capability if g else None), fixed, per_token, why, margin, g,
               p.block_size, p.device, p.engine_version, dict(p.engine_options), p.node_gpus, p.overhead_gib is None,
               startup_rule=rules_startup, margin_default=p.margin is None,
-              cpu_features=p.cpu_features if p.device == "cpu" else (), pp=p.pp, dp=p.dp, interconnect=p.interconnect)
+              cpu_features=p.cpu_features if p.device == "cpu" else (), pp=p.pp, dp=p.dp, interconnect=p.interconnect,
+              spec_method=p.speculative, draft_model=p.draft_model, spec_tokens=p.speculative_tokens,
+              draft_label=p.draft_label)
+    if s.speculation is not None and max(p.pp, p.dp) > 1:
+        raise PlanError("--speculative with --pp or --dp is not planned (where a drafter's layers sit across "
+                        "pipeline stages or data-parallel ranks is each engine's own)")
     # the engine's own rule where it has one (KVRules.startup_memory), else the margin and the overhead
     if s.startup is None:
         return replace(s, startup_rule=False)

@@ -55,6 +55,8 @@ class ModelForPlan:
     widths: ModelWidths | None = field(default=None, compare=False)
     # the routed experts' share of the checkpoint's bytes (counted from the config; None: dense or uncounted)
     expert_share: Callable[[], float | None] | None = field(default=None, compare=False, repr=False)
+    # the config's multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers): an MTP drafter's
+    mtp_layers: int = 0
 
     @property
     def weights_bytes(self) -> float | None:
@@ -260,10 +262,44 @@ def resolve_model(model: str, weights_dtype: str = "auto", trust_remote_code: bo
     except ConfigError as exc:
         raise PlanError(str(exc)) from None
     widths = ModelWidths.from_config(text)
+    nextn = getattr(text, "num_nextn_predict_layers", None) or raw.get("num_nextn_predict_layers")
+    mtp = nextn if isinstance(nextn, int) and not isinstance(nextn, bool) and 0 < nextn <= 64 else 0
     if given is not None:
-        return ModelForPlan(name, geometry, given, source, weights_dtype, None, unread, widths=widths)
+        return ModelForPlan(name, geometry, given, source, weights_dtype, None, unread, widths=widths, mtp_layers=mtp)
 
     def at(dtype: str) -> Weights:
         return checkpoint_weights(path, raw, config, text, dtype)
     return ModelForPlan(name, geometry, at(weights_dtype), source, weights_dtype, at, unread, widths=widths,
-                        expert_share=functools.cache(functools.partial(expert_share, config, text)))
+                        expert_share=functools.cache(functools.partial(expert_share, config, text)), mtp_layers=mtp)
+
+
+def build_speculation(model: ModelForPlan, rules: KVRules, capability: tuple[int, int] | None, method: str,
+                      draft: ModelForPlan | None, tokens: int | None, draft_label: str = ""):
+    """The drafter ``method`` runs beside ``model`` (kvbench plan --speculative): its layers and its weights as the
+    engine of ``rules`` serves them (a draft model's own, an EAGLE head's one layer of the target's shape, the
+    config's MTP layers, whose weights the checkpoint already holds)."""
+    from kvbench.kv.speculative import Speculation, mtp_head, one_layer_head
+
+    if method == "ngram":
+        return Speculation("ngram", tokens, None, "", 0.0, "no drafter weights (n-gram lookup)", head="n-gram lookup")
+    if method == "mtp":
+        if not model.mtp_layers:
+            raise PlanError("--speculative mtp: the config has no multi-token-prediction layers "
+                            "(num_nextn_predict_layers)")
+        mtp = model.weights.breakdown.get("mtp") if model.weights.breakdown else None
+        why = (f"the checkpoint's total already holds them (about {mtp / 2**30:.2f} GiB, loaded only to speculate)"
+               if mtp else "in the checkpoint's total (its MTP layers are part of its files)")
+        return Speculation("mtp", tokens, mtp_head(model.geometry, model.mtp_layers), "", 0.0, why, model.widths,
+                           head=f"the config's {model.mtp_layers} MTP layer(s)")
+    if draft is None:
+        if method == "draft":
+            raise PlanError("--speculative draft needs --draft-model (a catalog name, config folder or file)")
+        w = served_weights(model, rules, capability).bytes
+        layers = max(1, model.geometry.num_layers)
+        return Speculation("eagle", tokens, one_layer_head(model.geometry), "", None if w is None else w / layers,
+                           f"estimate: one decoder layer's share of the target's weights (1/{layers}); give the "
+                           "head's config as --draft-model for its own", model.widths,
+                           head="one decoder layer of the target's shape")
+    w = served_weights(draft, rules, capability)
+    return Speculation(method, tokens, draft.geometry, draft_label or draft.name, w.bytes,
+                       f"the draft model's: {w.source}", draft.widths)

@@ -28,7 +28,7 @@ def startup_view(s: Setup) -> dict | None:
     if rules.pool_from_budget:
         cap = capacity(s, max(available, 0.0))
         q = s.question(context=s.limit, batch=1)
-        per_block = rules.bytes_per_block(q)
+        per_block = s.bytes_per_block(q)
         pool = cap.blocks * per_block
         tokens = cap.blocks * s.limit // cap.blocks_per_request if cap.blocks_per_request else cap.pool_tokens
         requests = cap.sequences or 0
@@ -128,7 +128,7 @@ def planned_figures(s: Setup, kv_budget: float | None = None, pool_tokens_cap: i
     out: dict = {"limit": s.limit, "kv_dtype": s.resolved_kv_dtype(), "tp": s.tp, "gpu": s.gpu.name if s.gpu else None}
     if kv_budget is not None and rules.pool_from_budget:
         cap = capacity(s, float(kv_budget))
-        per_block = rules.bytes_per_block(s.question(context=s.limit, batch=1))
+        per_block = s.bytes_per_block(s.question(context=s.limit, batch=1))
         out.update(rule="the KV budget the server was given", kv_budget_bytes=float(kv_budget),
                    kv_pool_bytes=cap.blocks * per_block, pool_tokens=cap.tokens_at_limit, blocks=cap.blocks,
                    concurrency=cap.requests_at_limit, concurrency_limit=s.limit, requests_at_limit=cap.sequences)

@@ -61,9 +61,14 @@ def ledger(s: Setup, o: Outcome, deploy: KVAnswer) -> list[dict]:
     rows = [{"term": "weights", "bytes": w,
              "source": s.weights.source + (_weights_split(s) if s.gpus > 1 and w is not None else "")}]
     scope = kv_scope(s)
-    rows.append({"term": "kv", "bytes": o.kv,
+    d = s.draft()
+    drafted = d.bytes_per_gpu if d is not None else 0.0
+    rows.append({"term": "kv", "bytes": o.kv - drafted,
                  "source": f"{s.rules.engine}: {deploy.note}; {deploy.dtype} ({s.kv_dtype_note()})"
                            + (f"; {scope}" if scope else "")})
+    if d is not None:  # the drafter's: its weights, its KV where the engine keeps it, the engine's terms for it
+        rows += [{"term": name, "bytes": b, "source": why} for name, b, why in s.draft_terms]
+        rows.append({"term": "draft KV", "bytes": drafted, "source": f"{d.where}: {d.note}"})
     host = s.host()
     if host:
         rows.append({"term": "host cache", "bytes": host[0], "source": host[1]})
