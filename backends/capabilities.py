@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .types import EngineStartError, PrefixCacheCounters
+from .types import EngineStartError, PrefixCacheCounters, SpeculationCounters
 
 if TYPE_CHECKING:
     import httpx
@@ -105,6 +106,64 @@ class MemoryWall:
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding (docs/speculation.md): the drafters the engine has, the server flags that start one,
+    and how it says what was drafted and accepted. The default has none: the speculation options are refused
+    for the engine (backends/options.py) and its rows' speculation figures are "not reported". An engine that
+    has it subclasses this for :meth:`server_args` (and :meth:`counters`, :meth:`draft_problem`) and declares
+    the options with ``speculation_options`` (backends/options.py) among its ``option_specs``."""
+
+    #: The drafters, in one spelling across engines ("ngram": n-gram lookup in the request's own tokens,
+    #: "draft": a draft model, "eagle"/"mtp" where the engine has them), each with how the engine does it.
+    methods: Mapping[str, str] = field(default_factory=dict)
+    #: How the engine reports one request's drafted and accepted tokens (set in ``stream`` as
+    #: ``RequestResult.spec_draft_tokens``/``spec_accepted_tokens``); "": it does not, the cell's counters only.
+    per_request: str = ""
+    #: Where :meth:`counters` reads the cumulative counters; "": the engine keeps none kvbench reads.
+    counters_source: str = ""
+    #: Methods that need a ``draft_model`` because the engine has no default drafter for them.
+    needs_draft_model: tuple[str, ...] = ()
+
+    def server_args(self, backend: Backend, method: str, tokens: int | None, draft: str | None) -> list[str]:
+        """The server's command-line arguments that start it speculating with ``method`` ("none": none),
+        ``tokens`` proposed a step (None: the engine's default) and the drafter ``draft`` (a path; None: the
+        adapter's default where it has one)."""
+        if method in ("", "none"):
+            return []
+        raise EngineStartError(f"the {backend.engine} adapter has no speculative decoding")
+
+    def draft_problem(self, path: Path) -> str | None:
+        """What makes ``path`` no drafter this engine loads (None: none found), checked before a run starts."""
+        return None if path.exists() else "no such file or folder"
+
+    def check(self, engine: str, options: dict) -> None:
+        """The speculation options together (each alone is checked by its declaration): one-line ValueError
+        for tokens or a draft model without a drafter, a draft model the method does not take, or one the
+        engine cannot load; before anything starts."""
+        method = str(options.get("speculative", "none"))
+        draft = options.get("draft_model")
+        if method == "none":
+            given = [k for k in ("speculative_tokens", "draft_model") if k in options]
+            if given:
+                raise ValueError(f"{engine}: {', '.join(given)} without a drafter: give speculative="
+                                 f"{'|'.join(self.methods)} too")
+            return
+        if draft is not None and method not in ("draft", "eagle"):
+            raise ValueError(f"{engine}: draft_model is the drafter of speculative=draft or eagle, not of "
+                             f"speculative={method}")
+        if draft is None and method in self.needs_draft_model:
+            raise ValueError(f"{engine}: speculative={method} needs draft_model=PATH (kvbench has no default "
+                             f"{method} drafter for it)")
+        if draft is not None and (problem := self.draft_problem(Path(str(draft)).expanduser())):
+            raise ValueError(f"{engine}: draft_model={str(draft)[:200]}: {problem}")
+
+    def counters(self, backend: Backend, client: httpx.Client) -> SpeculationCounters | None:
+        """The engine's cumulative drafted/accepted counters, read before and after each cell (None: it
+        keeps none, or its requests' own counts are all it says)."""
+        return None
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """Every group an adapter may declare; each left out is the group's default."""
 
@@ -113,3 +172,4 @@ class Capabilities:
     telemetry: Telemetry = Telemetry()
     served_model: ServedModel = ServedModel()
     memory_wall: MemoryWall = MemoryWall()
+    speculation: Speculation = Speculation()

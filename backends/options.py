@@ -50,6 +50,27 @@ COMMON = (
 EXTRA_ARGS = Option("extra_args", str, None, "more arguments for the server's command line (split on spaces)")
 
 
+#: The engine options of speculative decoding (docs/speculation.md), one spelling on every engine that has it;
+#: an engine without it refuses them by name (:func:`validate`).
+SPECULATION_KEYS = ("speculative", "speculative_tokens", "draft_model")
+#: speculative_tokens at most: past every engine's default (3 to 16) and the longest drafts of their docs, and
+#: small enough that a typo (a token count meant as a context) is refused before an engine starts
+MAX_SPECULATIVE_TOKENS = 64
+
+
+def speculation_options(methods: tuple[str, ...], tokens_default: str, draft_default: str) -> tuple[Option, ...]:
+    """The speculation options of an engine with the drafters ``methods`` ("none" added first)."""
+    return (
+        Option("speculative", str, "none", "speculative decoding: none, or the drafter (ngram: n-gram lookup "
+               "in the request's own tokens; draft: a draft model; eagle: an EAGLE head); docs/speculation.md",
+               choices=("none", *methods)),
+        Option("speculative_tokens", int, None, "tokens the drafter proposes a step", default_text=tokens_default,
+               maximum=MAX_SPECULATIVE_TOKENS),
+        Option("draft_model", str, None, "the draft model (or EAGLE head) of speculative=draft (eagle)",
+               default_text=draft_default),
+    )
+
+
 def specs_of(cls) -> dict[str, Option]:
     """Every option an adapter class takes: its own and the common ones."""
     return {o.name: o for o in (*COMMON, *cls.option_specs)}
@@ -98,6 +119,9 @@ def validate(engine: str, cls, options: dict) -> dict:
     out = {}
     for key, value in options.items():
         spec = specs.get(key)
+        if spec is None and key in SPECULATION_KEYS:
+            raise OptionError(f"option {key!r}: the {engine} adapter has no speculative decoding (docs/speculation.md "
+                              "lists the engines that have)")
         if spec is None:
             allowed = ", ".join(sorted(specs))
             raise OptionError(f"unknown option {key!r} for {engine}; {hint(key, specs)}allowed: {allowed}")

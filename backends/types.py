@@ -50,6 +50,10 @@ class RequestResult:
     prompt_tokens_reported: int | None = None  # what the engine says it read
     prompt_tokens_cached: int | None = None  # of those, what it says came from its prefix cache (None: not said)
     output_tokens_reported: int | None = None  # what the engine says it generated
+    # speculative decoding: the tokens the drafter proposed for this request and those the target accepted, as
+    # the engine reports them per request (llama.cpp's timings.draft_n / draft_n_accepted); None: not reported
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
     engine_details: dict = field(default_factory=dict)
     error: str | None = None
     # asked with Prompt.top_logprobs / prompt_logprobs (a KV-quantisation workload): the generated token ids,
@@ -86,7 +90,9 @@ class RequestResult:
 _INT64_MAX = 2**63 - 1
 _REPORTED_COUNTS = (("prompt_tokens_reported", "prompt token count"),
                     ("output_tokens_reported", "output token count"),
-                    ("prompt_tokens_cached", "cached prompt token count"))
+                    ("prompt_tokens_cached", "cached prompt token count"),
+                    ("spec_draft_tokens", "drafted token count"),
+                    ("spec_accepted_tokens", "accepted draft token count"))
 
 
 @dataclass
@@ -123,6 +129,18 @@ class PrefixCacheCounters:
 
     queried_tokens: float
     hit_tokens: float
+    source: str
+
+
+@dataclass(frozen=True)
+class SpeculationCounters:
+    """An engine's cumulative speculative-decoding counters, read before and after a cell (the difference is
+    the cell's, and any other client's on an attached server): draft tokens proposed, those the target accepted,
+    and the drafts (verification steps) they came in; None where the engine does not count that figure."""
+
+    draft_tokens: float
+    accepted_tokens: float
+    drafts: float | None
     source: str
 
 

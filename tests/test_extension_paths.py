@@ -185,12 +185,12 @@ def plant_results_column(tree: Path) -> None:
     edit(tree, "bench/common/metrics.py", '    out.update(percentiles([r.ttft for r in requests], "ttft_s"))\n',
          '    out.update(percentiles([r.ttft for r in requests], "ttft_s"))\n'
          '    out["ttft_s_max"] = max((r.ttft for r in requests if r.ttft is not None), default=None)\n')
-    edit(tree, "bench/store/schema.py", "SCHEMA_VERSION = 8\n", "SCHEMA_VERSION = 9\n")
+    edit(tree, "bench/store/schema.py", "SCHEMA_VERSION = 9\n", "SCHEMA_VERSION = 10\n")
     edit(tree, "bench/store/schema.py", "    ttft_s_p99: float | None = None\n",
          "    ttft_s_p99: float | None = None\n    ttft_s_max: float | None = None\n")
-    edit(tree, "bench/store/schema.py", '    offsets None, ``load_process`` "" (not recorded; its times are on the one clock of the run\'s process).\n',
-         '    offsets None, ``load_process`` "" (not recorded; its times are on the one clock of the run\'s process).\n'
-         '    v8 -> v9: ``ttft_s_max`` None (not measured).\n')
+    edit(tree, "bench/store/schema.py", '    figures None; a request\'s ``spec_draft_tokens`` and ``spec_accepted_tokens`` None.\n',
+         '    figures None; a request\'s ``spec_draft_tokens`` and ``spec_accepted_tokens`` None.\n'
+         '    v9 -> v10: ``ttft_s_max`` None (not measured).\n')
 
 
 def plant_run_option(tree: Path) -> None:

@@ -10,7 +10,7 @@ import os
 import platform
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -24,13 +24,14 @@ from kvbench.kv.units import MIB
 
 from ..base import Backend, extra_args
 from ..capabilities import Capabilities, KVQuantisation, PrefixCache, Telemetry
-from ..options import EXTRA_ARGS, Option
+from ..options import EXTRA_ARGS, Option, speculation_options
 from ..process import last_error_line
 from ..prometheus import capped_get, gauge_sum, metric_samples, note_dropped
 from ..shared.served_models import OpenAIModelList
 from ..streaming import stream_sse
 from ..types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 from .kvrules import EMBEDDED_CASES, FAMILY_CASE, LlamaCppKV
+from .speculation import DRAFT_DEFAULT, SPECULATION, drafter, split_draft_log
 from .startup_log import BUFFER_LINE, KV_LINE, parse_buffers, parse_kv_log, startup_figures  # noqa: F401 (re-exported)
 
 SCRIPTS = Path(__file__).with_name("scripts")
@@ -124,6 +125,7 @@ class LlamaCppBackend(Backend):
                choices=("none", "layer", "row"), default_text="llama.cpp's own: layer, over every visible GPU"),
         Option("tensor_split", str, None, "share of the model per GPU, e.g. 3/1 (-ts; llama.cpp reads / like a "
                "comma, which would end the option here)", default_text="by free memory"),
+        *speculation_options(tuple(SPECULATION.methods), "llama.cpp's own (3 drafted, 48 looked up)", DRAFT_DEFAULT),
         EXTRA_ARGS,
     )
     kv_rules = LlamaCppKV()
@@ -141,7 +143,8 @@ class LlamaCppBackend(Backend):
         telemetry=Telemetry({"llamacpp:kv_cache_usage_ratio": "kv_usage",
                              "llamacpp:requests_processing": "requests_running",
                              "llamacpp:requests_deferred": "requests_waiting"}),
-        served_model=OpenAIModelList())
+        served_model=OpenAIModelList(),
+        speculation=SPECULATION)
 
     @classmethod
     def recipe(cls, version: str) -> Recipe:
@@ -309,9 +312,12 @@ class LlamaCppBackend(Backend):
         super().start(spec, log_path, timeout_s)
 
     def command(self, spec: ServerSpec):
+        method, draft = drafter(self.options, spec.model)
         gguf = self.options.get("gguf") or spec.model.gguf_path
-        if gguf is None:  # an HF folder (a hub id): llama.cpp's converter makes the GGUF from the same weights
-            gguf = self.gguf_for(spec.model)
+        if gguf is None or (method == "draft" and not self.options.get("draft_model")):
+            # an HF folder (a hub id), or the default draft: llama.cpp's converter makes the GGUF from the
+            # same weights (the model's own GGUF is then the draft, a quantised copy of the target)
+            gguf = self.gguf_for(replace(spec.model, gguf_path=None))
         deployed = self.options.get("engine_mode", "sized") == "deployed"
         cache_type = self.kv_rules.resolve_dtype(KVQuestion(spec.model.geometry, spec.kv_dtype))
         cores = os.cpu_count() or 1
@@ -335,6 +341,8 @@ class LlamaCppBackend(Backend):
             argv += ["--split-mode", str(self.options["split_mode"])]
         if self.options.get("tensor_split"):
             argv += ["-ts", str(self.options["tensor_split"])]
+        argv += self.capabilities.speculation.server_args(self, method, self.options.get("speculative_tokens"),
+                                                          str(draft) if draft else None)
         extra = extra_args(self.options)
         if self.cuda_build() and not {"-ngl", "--n-gpu-layers", "--gpu-layers"} & set(extra):
             argv += ["-ngl", "999"]  # every layer, and so its KV cache, on the GPU
@@ -366,7 +374,14 @@ class LlamaCppBackend(Backend):
         return await stream_sse(client, self.base_url + "/completion", body, prompt, CompletionEvents())
 
     def kv_pool(self) -> KVPool | None:
-        return self.kv_pool_from_log(self.server.log_path.read_text(errors="replace")) if self.server else None
+        """The target's pool; a draft model's own KV cache (logged after it) is kept apart in the details."""
+        if not self.server:
+            return None
+        target, draft = split_draft_log(self.server.log_path.read_text(errors="replace"))
+        pool = self.kv_pool_from_log(target)
+        if pool is not None and (draft_pool := self.kv_pool_from_log(draft)):
+            pool.details["draft_kv_bytes"] = draft_pool.bytes
+        return pool
 
     @classmethod
     def startup_figures_from_log(cls, text: str) -> dict | None:
@@ -463,3 +478,6 @@ class CompletionEvents:
                                      "tokens_cached": event.get("tokens_cached")}
             if isinstance(timings.get("cache_n"), int):  # prompt tokens the slot's cache served
                 result.prompt_tokens_cached = timings["cache_n"]
+            if "draft_n" in timings:  # sent only by a server that drafted for this request
+                result.spec_draft_tokens = timings["draft_n"]
+                result.spec_accepted_tokens = timings.get("draft_n_accepted")

@@ -24,7 +24,7 @@ from kvbench.kv.rules import KVCheck, KVQuestion, KVRuleError
 
 from ..base import Backend, extra_args
 from ..capabilities import Capabilities, KVQuantisation, PrefixCache, Telemetry
-from ..options import EXTRA_ARGS, Option
+from ..options import EXTRA_ARGS, Option, speculation_options
 from ..process import PRIVATE_TMP, last_error_line
 from ..prometheus import PrometheusPolled, gauge_sum
 from ..shared.openai_chunks import read_completion_chunk
@@ -32,6 +32,7 @@ from ..shared.served_models import OpenAIModelList
 from ..streaming import stream_sse
 from ..types import EngineStartError, KVInUse, KVPool, PrefixCacheCounters, RequestResult, ServerSpec
 from .kvrules import VLLMKV
+from .speculation import DEFAULT_TOKENS, DRAFT_DEFAULT, SPECULATION, draft_folder, draft_kv_share
 from .startup_log import startup_figures, weights_bytes
 
 # vLLM's prefix-cache counters, in prompt tokens (vllm/v1/metrics/loggers.py; prometheus_client adds _total)
@@ -137,6 +138,7 @@ class VLLMBackend(PrometheusPolled, Backend):
                "but serving shares one process, so a benchmark should not"),
         Option("cpu_preload", bool, True, "on a CPU, LD_PRELOAD TCMalloc (or jemalloc) and Intel OpenMP where "
                "installed, as vLLM's CPU docs ask"),
+        *speculation_options(tuple(SPECULATION.methods), f"{DEFAULT_TOKENS} (vLLM has no default)", DRAFT_DEFAULT),
         EXTRA_ARGS,
     )
     kv_rules = VLLMKV()
@@ -155,7 +157,8 @@ class VLLMBackend(PrometheusPolled, Backend):
         telemetry=Telemetry({"vllm:kv_cache_usage_perc": "kv_usage", "vllm:num_requests_running": "requests_running",
                              "vllm:num_requests_waiting": "requests_waiting",
                              "vllm:num_preemptions_total": "preemptions"}),
-        served_model=OpenAIModelList())
+        served_model=OpenAIModelList(),
+        speculation=SPECULATION)
     # The samples polled during a cell (gpu_cache_usage_perc: the KV gauge's name before vLLM 0.10).
     POLLED = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_requests_waiting",
               "vllm:num_requests_running", "vllm:num_preemptions_total")
@@ -251,10 +254,10 @@ class VLLMBackend(PrometheusPolled, Backend):
         return None
 
     def pool_budget_bytes(self, spec: ServerSpec) -> int:
-        """Every sequence at full length in whole blocks, plus vLLM's null block."""
+        """Every sequence at full length in whole blocks, plus vLLM's null block (and a draft model's share)."""
         q = self.kv_question(spec)
         blocks = spec.pool_sequences * self.kv_rules.blocks_per_sequence(q, spec.max_context) + 1
-        return int(blocks * self.kv_rules.bytes_per_block(q))
+        return int(blocks * self.kv_rules.bytes_per_block(q) * (1 + draft_kv_share(self.options, spec.model, q.dtype)))
 
     def command(self, spec: ServerSpec):
         gpu = has_nvidia_gpu()
@@ -291,6 +294,9 @@ class VLLMBackend(PrometheusPolled, Backend):
         single = bool(self.options.get("single_process")) and tp == 1
         if single:  # vLLM keeps a uniprocess executor on a CPU only without V1 multiprocessing (platforms/cpu.py)
             argv += ["--distributed-executor-backend", "uni"]
+        argv += self.capabilities.speculation.server_args(self, str(self.options.get("speculative", "none")),
+                                                          self.options.get("speculative_tokens"),
+                                                          draft_folder(self.options, spec.model))
         argv += extra_args(self.options)
         env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "VLLM_LOGGING_LEVEL": "INFO"}

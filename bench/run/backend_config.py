@@ -119,6 +119,9 @@ class BackendConfig(BaseModel):
         credentials = _one_credential([credentials, gateway_credentials], where)
         _check_credential_options(options, urls[0] if urls else None, where, [*urls, *filter(None, [gateway])])
         options = check_options(engine, options)
+        if urls and str(options.get("speculative", "none")) != "none":
+            raise ConfigError(f"speculative in {where}: an attached server's drafter is its operator's (its "
+                              "counters are read all the same): leave speculative out")
         cfg = cls(engine=engine, version=version.strip() or REGISTRY[engine].default_version, options=options,
                   urls=urls, gateway=gateway, credentials=credentials)
         cfg.auth_headers()  # an unset api_key_env variable is an error now, not in the middle of the run
@@ -229,8 +232,10 @@ def _check_credential_options(options: dict, url: str | None, where: str, urls: 
 def check_options(engine: str, options: dict) -> dict:
     """The options checked against the engine's declaration (its adapter's ``option_specs``), typed."""
     try:
-        return validate(engine, REGISTRY[engine], options)
-    except OptionError as exc:
+        options = validate(engine, REGISTRY[engine], options)
+        REGISTRY[engine].capabilities.speculation.check(engine, options)  # the drafter's options together
+        return options
+    except (OptionError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
 
 

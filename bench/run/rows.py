@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from kvbench.backends.types import KVInUse, KVPool, PrefixCacheCounters, RequestResult
+from kvbench.backends.types import KVInUse, KVPool, PrefixCacheCounters, RequestResult, SpeculationCounters
 from kvbench.common.metrics import RequestTimes
 from kvbench.run.contract import (  # noqa: F401 - what the run's steps take from here
     SHORT_OUTPUT,
@@ -27,6 +27,7 @@ from kvbench.run.cells import Cell, load_label
 from kvbench.run.kvquant import declined_dtype, formula_bytes
 from kvbench.run.prefix_cache import meant_warm, prefix_cache_columns
 from kvbench.run.samplers import KVSample, MemorySample, QueueSample
+from kvbench.run.speculation import speculation_columns
 from kvbench.store.schema import CellRow, RequestRow
 from kvbench.workloads import Workload
 
@@ -52,6 +53,8 @@ class EngineRun:
     rules: KVRules | None = None  # how the engine sizes its KV (None: unknown)
     engine_mode: str = ""  # "sized" or "deployed" (:func:`engine_setup`); "": not recorded
     gpus_used: int = 1  # GPUs the engine is split over
+    speculative: str = ""  # the drafter it was started with ("none"; "": not known, or no speculation)
+    can_speculate: bool = False  # its adapter has speculative decoding (a row then says what it reported)
 
 
 def engine_setup(cls, options: dict, attached: bool = False) -> dict:
@@ -63,7 +66,10 @@ def engine_setup(cls, options: dict, attached: bool = False) -> dict:
 
     spec = specs_of(cls).get("engine_mode")
     mode = str(options.get("engine_mode", spec.default)) if spec is not None and not attached else ""
-    return {"engine_mode": mode, "gpus_used": int(cls.gpus_used(options))}
+    can_speculate = bool(cls.capabilities.speculation.methods)
+    drafter = str(options.get("speculative", "none")) if can_speculate and not attached else ""
+    return {"engine_mode": mode, "gpus_used": int(cls.gpus_used(options)), "speculative": drafter,
+            "can_speculate": can_speculate}
 
 
 @dataclass
@@ -95,6 +101,8 @@ class CellMeasurement:
     # earlier cell of this engine start sent the workload's shared prefix (what an ideal cache can reuse)
     prefix_counters: tuple[PrefixCacheCounters | None, PrefixCacheCounters | None] = (None, None)
     prefix_seen: bool = False
+    # the engine's speculative-decoding counters before and after the cell (None: it keeps none)
+    spec_counters: tuple[SpeculationCounters | None, SpeculationCounters | None] = (None, None)
 
 
 def failed_row(run: EngineRun, cell: Cell, status: str, error: str | None, log_tail: str | None) -> CellRow:
@@ -129,6 +137,7 @@ def summarize(run: EngineRun, m: CellMeasurement) -> CellRow:
     _queued_first(row, m)
     prefix_cache_columns(row, w, m.cell, results, run.rules, run.model.geometry, m.kv_dtype, m.kv_pool,
                          m.prefix_counters, m.prefix_seen)
+    speculation_columns(row, run.speculative, run.can_speculate, results, m.spec_counters)
     row.t_cell_start_unix = m.t_cell_start_unix
     for k, v in (m.telemetry or {}).items():  # the cluster's own monitoring, as read from Prometheus
         setattr(row, k, v)
@@ -406,8 +415,8 @@ def request_row(run_id: str, cell_id: str, label: str, r: RequestResult, warmup:
     times = RequestTimes.of(r)
     return RequestRow(run_id=run_id, cell_id=cell_id, backend=label, request_id=r.request_id, warmup=warmup,
                       prompt_tokens_sent=r.prompt_tokens_sent, prompt_tokens_reported=r.prompt_tokens_reported,
-                      prompt_tokens_cached=r.prompt_tokens_cached,
-                      output_tokens_requested=r.output_tokens_requested, output_tokens_received=times.output_tokens,
+                      prompt_tokens_cached=r.prompt_tokens_cached, spec_draft_tokens=r.spec_draft_tokens,
+                      spec_accepted_tokens=r.spec_accepted_tokens, output_tokens_requested=r.output_tokens_requested, output_tokens_received=times.output_tokens,
                       output_tokens_reported=r.output_tokens_reported, t_sent=r.t_sent, t_done=r.t_done,
                       chunk_times=r.chunk_times, chunk_tokens=r.chunk_tokens, ttft_s=times.ttft, e2e_s=times.e2e,
                       error=r.error, engine_details=r.engine_details, t_scheduled=r.t_scheduled,
@@ -431,6 +440,7 @@ def summary_line(row: CellRow) -> str:
               if lag is not None and lag > CLIENT_LAG_WARN_S else "")
     itl = "undefined" if row.itl_s_p50 is None else f"{row.itl_s_p50 * 1000:.1f} ms"  # no gap measured: not 0
     hits = "" if row.prefix_cache_hit_rate is None else f", prefix cache hits {row.prefix_cache_hit_rate:.1%}"
+    hits += "" if row.spec_acceptance_rate is None else f", drafts accepted {row.spec_acceptance_rate:.1%}"
     warned = "".join(f"\n  [yellow]warning[/]: {f}" for f in row.flags
                      if f.startswith(("prefix cache hit", "memory not sampled")))
     return (f"{head} [{color}]{row.status}[/] TTFT p50 {row.ttft_s_p50:.3f} s, ITL p50 "

@@ -212,3 +212,17 @@ def prefix_counters(backend):
         return backend.capabilities.prefix_cache.counters(backend, backend.http)
     except (httpx.HTTPError, ValueError):
         return None
+
+
+def speculation_counters(backend):
+    """The engine's speculative-decoding counters now (read before and after each cell), or None: counters
+    that cannot be read are "not reported", never a failed cell."""
+    try:
+        return backend.capabilities.speculation.counters(backend, backend.http)
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def engine_counters(backend) -> tuple:
+    """The engine's cumulative counters read around a cell: (prefix cache, speculation), each None where none."""
+    return prefix_counters(backend), speculation_counters(backend)

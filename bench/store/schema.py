@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 OK_STATUSES = ("ok", "flagged")  # cell statuses whose figures count (flagged: some requests broke the contract)
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 #: The fields that say what a cell *is*; two cells with equal values measure the same thing
 #: (``kvbench compare`` matches on these, repeats aside).
 CELL_CONFIG_FIELDS = ("engine", "engine_version", "model", "workload", "variant", "prompt_tokens", "output_tokens",
@@ -175,6 +175,19 @@ class CellRow(BaseModel):
     load_processes: int | None = None
     requests_planned: int | None = None
     n_lost: int = 0
+    # speculative decoding (bench/run/speculation.py, docs/speculation.md): the drafter the engine was started
+    # with ("none"; "": not known, an attached server or an engine without speculation), the draft tokens it
+    # proposed and the target accepted over the cell, the drafts (verification steps) where the engine counts
+    # them, accepted / drafted, 1 + accepted / drafts (tokens a step yields), the target's passes per output
+    # token ((output - accepted) / output), and where the figures were read ("not reported": it said nothing)
+    spec_method: str = ""
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
+    spec_drafts: int | None = None
+    spec_acceptance_rate: float | None = None
+    spec_tokens_per_step: float | None = None
+    spec_steps_per_output_token: float | None = None
+    spec_source: str | None = None
 
 
 class RequestRow(BaseModel):
@@ -187,6 +200,10 @@ class RequestRow(BaseModel):
     prompt_tokens_sent: int
     prompt_tokens_reported: int | None
     prompt_tokens_cached: int | None = None  # of those, what the engine says its prefix cache served
+    # speculative decoding: the tokens drafted for this request and those accepted, as the engine reports them
+    # per request (llama.cpp's timings); None: not reported (vLLM counts per cell only)
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
     output_tokens_requested: int
     output_tokens_received: int
     output_tokens_reported: int | None
@@ -241,6 +258,8 @@ def migrate_row(row: dict, model: type[BaseModel]) -> dict:
     v7 -> v8: a cell's ``load_processes`` and ``requests_planned`` None (not recorded), ``n_lost`` 0 (no
     request was lost: earlier runs failed a cell whose load worker died); a request's ``ordinal`` and clock
     offsets None, ``load_process`` "" (not recorded; its times are on the one clock of the run's process).
+    v8 -> v9: a cell's ``spec_method`` "" (not recorded: no earlier run speculated) and its other ``spec_*``
+    figures None; a request's ``spec_draft_tokens`` and ``spec_accepted_tokens`` None.
     """
     version = int(row.get("schema_version", 1))
     if version > SCHEMA_VERSION:
