@@ -8,17 +8,20 @@ import typer
 from rich.markdown import Markdown
 
 from kvbench.backends import DEFAULT_ENGINES, REGISTRY, gguf_converter
+from kvbench.backends.types import EngineStartError
 from kvbench.common import models, ui
 from kvbench.common.envs import EnvInstallError, ensure_env
 from kvbench.common.files import OutputRefused, atomic_write_text, check_output_folder, kvbench_jsonl
 from kvbench.common.hardware import environment_info
 from kvbench.run.backend_config import BackendConfig, ConfigError
-from kvbench.run.validate import families, family_markdown, markdown, measure_families, run_all
+from kvbench.run.validate import (families, family_markdown, markdown, measure_families, run_all, speculative_checks,
+                                   speculative_engines)
 
 VALIDATION_FILE = "kv_validation.jsonl"
 FAMILIES_FILE = "kv_families.jsonl"
 FAMILIES_TABLE = "kv_families.md"
 FAMILIES_TITLE = "# KV rules against the engines, by attention family"
+SPECULATIVE_FILE = "kv_speculative.jsonl"
 
 
 def validate(
@@ -29,6 +32,9 @@ def validate(
                                        "MHA, windows, sinks, chunks, MLA, MoE) in every engine (minutes per engine)."),
     only: list[str] = typer.Option([], "--family", help="Only these families (repeat); implies --families."),
     embedded: bool = typer.Option(True, "--embedded/--no-embedded", help="The engines' own cases on the embedded model."),
+    speculative: bool = typer.Option(False, "--speculative", help="Also check a drafter's KV (the embedded model "
+                                     "drafting for itself) in every engine that has a draft model: vLLM's pool with "
+                                     "and without it, llama.cpp's draft context's KV buffer."),
 ):
     """Check the engines' KV rules against what the real engines allocate (predicted, engine-reported, measured)."""
     console = ui.console()
@@ -44,7 +50,7 @@ def validate(
     out_dir = into or Path("results/validation")
     try:  # only new files or kvbench's own: never through a link, onto a device or over another's file
         check_output_folder(out_dir, "--into folder",
-                            {VALIDATION_FILE: kvbench_jsonl, FAMILIES_FILE: kvbench_jsonl,
+                            {VALIDATION_FILE: kvbench_jsonl, FAMILIES_FILE: kvbench_jsonl, SPECULATIVE_FILE: kvbench_jsonl,
                              FAMILIES_TABLE: lambda head: head.startswith(FAMILIES_TITLE.encode())})
     except OutputRefused as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -84,6 +90,21 @@ def validate(
         # a family an engine cannot load here is reported, not failed; a measured difference fails
         ok = ok and not any(r["predicted"] is not None and not r["ok"] and
                             (r["measured"] is not None or r["engine_reported"] is not None) for r in rows)
+    if speculative:
+        rows = []
+        for engine in speculative_engines(list(envs)):
+            console.print(f"checking a drafter's KV against {engine}")
+            try:
+                rows += [c.row() for c in speculative_checks(engine, envs[engine], model,
+                                                             out_dir / "logs" / "speculative")]
+            except (EngineStartError, RuntimeError, OSError) as exc:
+                rows.append({"engine": engine, "case": "draft", "quantity": "-", "predicted": None,
+                             "engine_reported": None, "measured": None, "tolerance": 0, "note": f"failed: {exc}",
+                             "error_pct": None, "ok": False})
+        _write_jsonl(out_dir / SPECULATIVE_FILE, rows)
+        console.print(Markdown(markdown(rows)))
+        console.print(f"written to {out_dir / SPECULATIVE_FILE}")
+        ok = ok and all(r["ok"] for r in rows)
     if not ok:
         raise typer.Exit(1)
 

@@ -174,3 +174,86 @@ def family_markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['family']} | {r['attention']} | {r['engine']} | {what} | {_fmt(r.get('formula'))} "
                      f"| {_fmt(r['predicted'])} | {_fmt(observed)} | {verdict(r)} | {note} |")
     return "\n".join(lines)
+
+
+# --- speculative decoding: a drafter's KV against the engines' (kvbench validate --speculative) ------------------
+#: The deployment checked: requests of SPEC_LIMIT tokens; a budget engine gets SPEC_BLOCKS of its blocks with the
+#: drafter and half a block more (its floor matters); an engine that allocates for its slots gets SPEC_SLOTS.
+SPEC_LIMIT, SPEC_BLOCKS, SPEC_SLOTS = 300, 57, 3
+
+
+def speculative_engines(engines: list[str]) -> list[str]:
+    """Of ``engines``, those whose rules plan a draft model (KVRules.speculative_flag)."""
+    from kvbench.kv.speculative import Speculation
+    from kvbench.planner import engine_rules
+
+    return [e for e in engines if engine_rules(e).speculative_flag(Speculation("draft")) is not None]
+
+
+def _spec_plan(engine: str, model: ModelFiles, speculative: str | None, budget: float | None = None):
+    """The deployment as ``kvbench plan`` asks it: the embedded model drafting for itself (its HF folder for an
+    engine serving folders, its own GGUF for one serving GGUFs), weights and overheads 0, on a GPU of exactly the
+    KV budget the engine is given."""
+    from kvbench.kv.units import GIB
+    from kvbench.planner import PlanInput, engine_rules, resolve_model
+
+    rules = engine_rules(engine)
+    path = str(model.gguf_path if rules.model_format == "gguf" else model.hf_dir)
+    target = resolve_model(str(model.hf_dir), weights_bytes=0)
+    draft = resolve_model(path, weights_bytes=0) if speculative else None
+    size = {"gpu": f"{budget / GIB!r}GiB"} if budget is not None else {}
+    return PlanInput(target, overhead_gib=0, overhead_source="none", margin=0, engine=engine, device="cpu",
+                     kv_dtype="auto" if rules.model_format == "gguf" else "bf16", max_model_len=SPEC_LIMIT,
+                     batch=1 if rules.pool_from_budget else SPEC_SLOTS, speculative=speculative, draft_model=draft,
+                     draft_label=path if draft else "", **size)
+
+
+def _started(engine: str, env: Path, options: dict, model: ModelFiles, slots: int, kv_dtype: str, log: Path):
+    """The pool the engine reports once started, and its log's text; the server stopped after."""
+    from kvbench.backends.types import ServerSpec
+
+    cls = REGISTRY[engine]
+    backend = cls(cls.default_version, env, options)
+    try:
+        backend.start(ServerSpec(model=model, max_context=SPEC_LIMIT, max_concurrency=slots, kv_dtype=kv_dtype),
+                      log, 300)
+        return backend.kv_pool(), log.read_text(errors="replace")
+    finally:
+        backend.stop()
+
+
+def speculative_checks(engine: str, env: Path, model: ModelFiles, log_dir: Path, without: bool = True) -> list[KVCheck]:
+    """The drafter's KV as the engine allocates it, the embedded model drafting for itself: an engine that sizes a
+    pool from a budget (its rules' pool_from_budget) by the pool's tokens with the drafter (and, ``without``,
+    without it) on the same budget; one that allocates for its slots by the draft context's logged KV buffer
+    (llama-server's llama_kv_cache lines: the target's caches, then the draft's)."""
+    from kvbench.backends.shared.llama_log import parse_kv_log
+    from kvbench.planner import setup
+    from kvbench.planner.capacity import capacity
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    p = _spec_plan(engine, model, "draft")
+    s = setup(p)
+    rows = []
+    if s.rules.pool_from_budget:
+        per_block = s.bytes_per_block(s.question(context=SPEC_LIMIT, batch=1))
+        budget = int(SPEC_BLOCKS * per_block + per_block // 2)
+        for spec in ("draft", None) if without else ("draft",):
+            planned = capacity(setup(_spec_plan(engine, model, spec, budget)))
+            options = {"kv_cache_memory_bytes": budget, "single_process": True, "speculative": spec or "none"}
+            pool, _ = _started(engine, env, options, model, 1, "bf16", log_dir / f"{engine}-{spec or 'none'}.log")
+            rows.append(KVCheck(engine, f"{'with a draft (the model itself)' if spec else 'without a drafter'}, "
+                                f"KV budget {budget:,} B, limit {SPEC_LIMIT}", "pool tokens", planned.pool_tokens,
+                                pool.tokens if pool else None, None, 0,
+                                "" if pool else "no pool reported"))
+        return rows
+    d = s.draft(context=SPEC_LIMIT, batch=SPEC_SLOTS, limit=SPEC_LIMIT)
+    _, text = _started(engine, env, {"speculative": "draft"}, model, SPEC_SLOTS, "f16", log_dir / f"{engine}-draft.log")
+    caches = parse_kv_log(text)
+    windowed = any(layer.kind != "full" for layer in s.rules.stored(s.question()).kv_layers)
+    drafted = caches[-(2 if windowed else 1):] if len(caches) >= 2 else []
+    logged = sum(c["mib"] for c in drafted) * 2**20 if drafted else None
+    rows.append(KVCheck(engine, f"draft context (the model's own GGUF), {SPEC_SLOTS} slots x {SPEC_LIMIT}",
+                        "draft KV buffer bytes", d.bytes_per_gpu, logged, None, 0.01 * 2**20 * max(1, len(drafted)),
+                        "" if drafted else f"no draft llama_kv_cache line ({len(caches)} cache lines)"))
+    return rows
