@@ -20,8 +20,10 @@ then joins the folders into one run (:mod:`kvbench.run.merge`). The owner binds 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -33,6 +35,13 @@ BARRIER_TIMEOUT_S = 600.0  # a share that has not arrived by then (its pod still
 START_MARGIN_S = 0.25  # between the last arrival and the common start: every answer has reached its process
 REQUEST_TIMEOUT_S = 10.0  # a clock ping or a leave
 BODY_MAX_BYTES = 4096
+# a share may start before its owner (pods start in any order): until it has first reached the owner it
+# tries again for this long while the owner refuses connections or its name does not resolve yet
+CONNECT_DEADLINE_S = BARRIER_TIMEOUT_S
+# once reached, an owner that refuses connections has ended: given up on after this long
+RECONNECT_DEADLINE_S = REQUEST_TIMEOUT_S
+RETRY_S = 0.5
+SAY_EVERY_S = 30.0  # a wait at a barrier, or for the owner, is said this often
 
 
 class OwnerError(RuntimeError):
@@ -49,8 +58,10 @@ class _Barrier:
 class LoadOwner:
     """The owner's side: the clock, the barriers and the leaving, for ``processes`` shares."""
 
-    def __init__(self, host: str, port: int, processes: int, barrier_timeout_s: float = BARRIER_TIMEOUT_S):
+    def __init__(self, host: str, port: int, processes: int, barrier_timeout_s: float = BARRIER_TIMEOUT_S,
+                 say: Callable[[str], None] | None = None):
         self.processes, self.barrier_timeout_s = processes, barrier_timeout_s
+        self.say = say or _say
         self._cond = threading.Condition()
         self._barriers: dict[str, _Barrier] = {}
         self.absent: set[int] = set()  # shares that missed a barrier
@@ -107,7 +118,8 @@ class LoadOwner:
             barrier = self._barriers.setdefault(key, _Barrier())
             barrier.arrived.add(share)
             self.absent.discard(share)
-            deadline = time.monotonic() + self.barrier_timeout_s
+            t0 = time.monotonic()
+            deadline, said = t0 + self.barrier_timeout_s, t0
             while barrier.t_go is None:
                 expected = set(range(self.processes)) - self.absent
                 if expected <= barrier.arrived:
@@ -118,7 +130,14 @@ class LoadOwner:
                     barrier.missing = sorted(expected - barrier.arrived)
                     self.absent |= set(barrier.missing)
                     barrier.t_go = time.perf_counter() + START_MARGIN_S
+                    self.say(f"load owner: {key}: shares {_listed(barrier.missing)} of {self.processes} did not "
+                             f"reach the start within {self.barrier_timeout_s:g} s: starting without them (their "
+                             "requests are not in this run)")
                     break
+                if share == min(barrier.arrived) and time.monotonic() - said >= SAY_EVERY_S:  # one says it
+                    said = time.monotonic()
+                    self.say(f"load owner: {key}: waiting for shares {_listed(sorted(expected - barrier.arrived))} "
+                             f"of {self.processes} ({said - t0:.0f} s of {self.barrier_timeout_s:g} s)")
                 self._cond.wait(min(left, 1.0))
             self._cond.notify_all()
             return {"t_go": barrier.t_go, "missing": barrier.missing}
@@ -144,20 +163,57 @@ class LoadOwner:
         self.server.server_close()
 
 
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _listed(shares: list[int]) -> str:
+    return ", ".join(map(str, shares[:10])) + (f" ... ({len(shares)})" if len(shares) > 10 else "")
+
+
 class OwnerClient:
     """A load process's side: its share, its clock offset to the owner's and the barrier. The owner's own
     process (share 0) asks its :class:`LoadOwner` directly: its offset is 0 by definition."""
 
-    def __init__(self, url: str, share: int, processes: int, local: LoadOwner | None = None):
+    def __init__(self, url: str, share: int, processes: int, local: LoadOwner | None = None,
+                 say: Callable[[str], None] | None = None):
         self.url, self.share, self.processes, self.local = url.rstrip("/"), share, processes, local
         self._http = httpx.Client(timeout=REQUEST_TIMEOUT_S, trust_env=False)
+        self.reached = False  # whether the owner has answered once (before: it may still be starting)
+        self.say = say or _say
+
+    def _call(self, method: str, path: str, **kwargs) -> httpx.Response:
+        """One call to the owner. Until the owner has first answered, a refused connection (or a name that does
+        not resolve yet: its pod is starting) is tried again until :data:`CONNECT_DEADLINE_S`, said every
+        :data:`SAY_EVERY_S`; after, until :data:`RECONNECT_DEADLINE_S`. Any other failure at once."""
+        t0 = time.monotonic()
+        said = t0
+        while True:
+            try:
+                answer = self._http.request(method, f"{self.url}{path}", **kwargs)
+                answer.raise_for_status()
+                self.reached = True
+                return answer
+            except httpx.ConnectError as exc:
+                waited = time.monotonic() - t0
+                limit = RECONNECT_DEADLINE_S if self.reached else CONNECT_DEADLINE_S
+                if waited >= limit:
+                    raise OwnerError(f"the load owner at {self.url} did not answer {path}: "
+                                     f"no connection{' any more' if self.reached else ''} for {waited:.0f} s "
+                                     f"({type(exc).__name__}: {exc})") from None
+                if not self.reached and time.monotonic() - said >= SAY_EVERY_S:
+                    said = time.monotonic()
+                    self.say(f"load share {self.share}: waiting for the load owner at {self.url} ({waited:.0f} s "
+                             f"of {limit:g} s: {exc})")
+                time.sleep(min(RETRY_S, max(0.0, limit - waited)))
+            except httpx.HTTPError as exc:
+                raise OwnerError(f"the load owner at {self.url} did not answer {path}: {type(exc).__name__}: "
+                                 f"{exc}") from None
 
     def _post(self, path: str, body: dict, timeout_s: float) -> dict:
         try:
-            answer = self._http.post(f"{self.url}{path}", json=body, timeout=timeout_s)
-            answer.raise_for_status()
-            return answer.json()
-        except (httpx.HTTPError, ValueError) as exc:
+            return self._call("POST", path, json=body, timeout=timeout_s).json()
+        except ValueError as exc:
             raise OwnerError(f"the load owner at {self.url} did not answer {path}: {type(exc).__name__}: {exc}") \
                 from None
 
@@ -169,10 +225,9 @@ class OwnerClient:
         for _ in range(PINGS):
             a = time.perf_counter()
             try:
-                answer = self._http.get(f"{self.url}/clock")
-                answer.raise_for_status()
+                answer = self._call("GET", "/clock")
                 t_owner = float(answer.json()["t"])
-            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            except (ValueError, KeyError, TypeError) as exc:
                 raise OwnerError(f"the load owner at {self.url} did not answer /clock: {type(exc).__name__}: "
                                  f"{exc}") from None
             b = time.perf_counter()
@@ -222,8 +277,13 @@ async def run_share(backend, prompts, point, settings):
     else:
         result = LoadResult([], t_go, t_go, offered_request_rate=point.request_rate)
     t_end_local = time.perf_counter()
-    offset_end, _ = await asyncio.to_thread(share.owner.offset)
-    clock = ClockMap(t_go, offset_start, t_end_local, offset_end)
+    try:
+        offset_end, _ = await asyncio.to_thread(share.owner.offset)
+    except OwnerError as exc:  # the owner ended during the cell: this share's requests are kept all the same
+        offset_end = None
+        result.notes.append(f"the load owner stopped answering during the cell ({exc}): this share's requests are "
+                            "put on its clock with the offset measured at the cell's start")
+    clock = ClockMap(t_go, offset_start, t_end_local if offset_end is not None else None, offset_end)
     for r in result.results:
         clock.apply(r)
     result.t_start, result.t_end = t_go_owner, clock(result.t_end)

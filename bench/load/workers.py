@@ -28,8 +28,10 @@ instant.
 
 A worker that dies during the cell (killed, crashed) takes with it the requests it had not handed back: they
 are recorded as lost (:data:`~kvbench.load.common.LOST`, the cell's ``n_lost``), never dropped, and its
-siblings' requests are kept; the cell goes on without it. A worker that cannot start fails the cell
-(:class:`WorkerError`).
+siblings' requests are kept; the cell goes on without it. So does a worker that stops answering: its event
+loop says it is alive every :data:`HEARTBEAT_S` while its share runs, and one silent for :data:`HANG_S`
+(stopped, or its loop blocked) is ended, its requests lost with the reason. A worker that cannot start fails
+the cell (:class:`WorkerError`).
 
 Workers are started with the ``spawn`` context (a fresh interpreter: the harness has sampler threads, which
 ``fork`` would copy in whatever state they are in). The backend goes to each worker as a copy of its state
@@ -71,6 +73,10 @@ from .open_loop import send_on_schedule
 from .profile import LoadPoint, Share
 
 READY_TIMEOUT_S = 120.0  # a worker that has not started and read its share by then is given up on
+HEARTBEAT_S = 0.5  # a worker's event loop says it is alive this often while its share runs
+# a worker silent this long while its share runs is stopped (SIGSTOP) or hung (its event loop blocked): it is
+# ended and its requests recorded lost; its siblings' are kept (such a worker used to hang the cell for ever)
+HANG_S = 30.0
 START_MARGIN_S = 0.05  # between the parent choosing the common start and the workers starting
 CONTEXT = "spawn"
 TAKEN_BY_NONE = -1
@@ -233,7 +239,19 @@ async def _share(conn, backend, dropped, prompts, point: LoadPoint, offsets, set
     t_go = await asyncio.get_running_loop().run_in_executor(None, _answer_clock, conn, "go")
     if t_go is None:
         return None
-    return await run_from(t_go, backend, prompts, point, offsets, settings)
+    beat = asyncio.create_task(_heartbeat(conn))
+    try:
+        return await run_from(t_go, backend, prompts, point, offsets, settings)
+    finally:
+        beat.cancel()
+
+
+async def _heartbeat(conn) -> None:
+    """Say "alive" to the parent every :data:`HEARTBEAT_S` from the worker's event loop: a stopped process
+    or a blocked loop falls silent, and the parent ends it (:data:`HANG_S`)."""
+    while True:
+        conn.send(("alive", None))
+        await asyncio.sleep(HEARTBEAT_S)
 
 
 async def run_from(t_go: float, backend, prompts, point: LoadPoint, offsets, settings: LoadSettings) -> LoadResult:
@@ -353,19 +371,20 @@ def run_workers(backend: Backend, prompts: Sequence, point: LoadPoint, settings:
         for w in team:
             w.clock = ClockMap(t_go - w.clock.offset_start, w.clock.offset_start)
             w.conn.send(("go", t_go - w.clock.offset_start))  # on the worker's own clock
-        # a request may take settings.timeout_s after the last one was sent; a closed loop sends in turn
+        # a request may take settings.timeout_s after the last one was sent; a closed loop sends in turn: no
+        # deadline for the share itself, but every worker must say it is alive while it runs
         results = []
-        for w in team:
+        for w in _finished(team, stop):
             try:
-                _expect(w, "finished", None, stop)
                 offset, _ = _measure(w, stop)
                 w.clock = replace(w.clock, t_end=time.perf_counter() - offset, offset_end=offset)
                 w.conn.send(("results", True))
-                results.append((w, _expect(w, "done", None, stop)))
+                results.append((w, _expect(w, "done", READY_TIMEOUT_S, stop)))
             except WorkerError as exc:  # it ended during its load: what it had not handed back is lost
                 if stop is not None and stop.is_set():
                     raise
                 w.died = exc.how if isinstance(exc, WorkerDied) else str(exc)
+                w.proc.kill()
     finally:
         for w in team:
             w.conn.close()
@@ -388,6 +407,46 @@ def run_workers(backend: Backend, prompts: Sequence, point: LoadPoint, settings:
         for r in sorted(merged.results, key=lambda r: r.t_done or r.t_sent):
             settings.streak.record(bool(r.error) and r.error.startswith("timed out"))
     return merged
+
+
+def _finished(team: list[_Worker], stop: threading.Event | None) -> list[_Worker]:
+    """Wait for every worker's "finished" (its share sent), all at once: the workers that said it, in order.
+    One that ends, fails or stays silent for :data:`HANG_S` (stopped, hung) gets ``died`` set and is ended;
+    the others are still waited for. Its "alive" messages are read as they come, so none waits on a full pipe."""
+    heard = {w.index: time.monotonic() for w in team}
+    running = {w.index: w for w in team}
+    done: list[_Worker] = []
+    while running:
+        if stop is not None and stop.is_set():
+            raise WorkerError("the load was cancelled")
+        multiprocessing.connection.wait([w.conn for w in running.values()]
+                                        + [w.proc.sentinel for w in running.values()], timeout=0.2)
+        now = time.monotonic()
+        for w in list(running.values()):
+            try:
+                while w.conn.poll(0):
+                    kind, value = w.conn.recv()
+                    heard[w.index] = now
+                    if kind == "finished":
+                        done.append(running.pop(w.index))
+                        break
+                    if kind == "error":
+                        w.died = f"failed ({value.strip().splitlines()[-1]})"
+                        break
+                    if kind != "alive":
+                        w.died = f"said {kind!r} during its load"
+                        break
+            except (EOFError, OSError):
+                w.proc.join(1)
+                w.died = f"exited ({w.proc.exitcode})" if w.proc.exitcode is not None else "closed its pipe"
+            if w.index in running and not w.died and not w.proc.is_alive() and not w.conn.poll(0):
+                w.died = f"exited ({w.proc.exitcode})"
+            if w.index in running and not w.died and now - heard[w.index] > HANG_S:
+                w.died = f"stopped answering (silent for {HANG_S:g} s: stopped or hung) and was ended"
+            if w.died:
+                w.proc.kill()
+                running.pop(w.index, None)
+    return sorted(done, key=lambda w: w.index)
 
 
 def numbered(prompts: Sequence, k: int):

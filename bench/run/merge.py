@@ -358,8 +358,11 @@ def _few(values: list[int]) -> str:
 def _result(row: dict) -> RequestResult:
     r = RequestResult(row["request_id"], row["prompt_tokens_sent"], row["output_tokens_requested"], row["t_sent"],
                       list(row["chunk_times"]), list(row["chunk_tokens"]), row["t_done"], row["t_scheduled"],
-                      row["prompt_tokens_reported"], row["prompt_tokens_cached"], row["output_tokens_reported"],
-                      dict(row["engine_details"] or {}), row["error"])
+                      prompt_tokens_reported=row["prompt_tokens_reported"],
+                      prompt_tokens_cached=row["prompt_tokens_cached"],
+                      output_tokens_reported=row["output_tokens_reported"],
+                      spec_draft_tokens=row.get("spec_draft_tokens"), spec_accepted_tokens=row.get("spec_accepted_tokens"),
+                      engine_details=dict(row["engine_details"] or {}), error=row["error"])
     r.ordinal, r.load_process = row["ordinal"], row["load_process"]
     r.clock_offset_start_s, r.clock_offset_end_s = row["clock_offset_start_s"], row["clock_offset_end_s"]
     return r
