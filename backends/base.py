@@ -18,6 +18,7 @@ import httpx
 
 import kvbench.backends.streaming as streaming  # the module (its endpoint settings), not the package
 from kvbench.common.envs import Recipe
+from kvbench.common import outside
 from kvbench.common.models import ModelFiles
 from kvbench.common.redact import redact_url
 from kvbench.kv.geometry import kv_bytes_per_token
@@ -33,6 +34,26 @@ from .untimed import bounded_client
 ATTACH_REFUSED_S = 2.0  # an attached server whose port refuses connections this long is not there
 PORT_TRIES = 3  # free ports chosen for one start, where another process took the one chosen before the spawn
 
+
+
+# A pool past these is no engine's: a server's /metrics of 10^30 blocks crashed the run after its cells (an
+# integer past 64 bits in the records) and kept its report from reading the run
+POOL_MAX_TOKENS = 2**40
+POOL_MAX_BYTES = 2**60
+
+
+def believable_pool(pool: KVPool | None) -> KVPool | None:
+    """The engine's pool as it reported it, or, where a count is past any engine's (or not a whole number),
+    a pool of no figures whose source says what the server said."""
+    if pool is None:
+        return None
+    tokens = pool.tokens if pool.tokens is None else outside.count(pool.tokens, POOL_MAX_TOKENS)
+    size = pool.bytes if pool.bytes is None else outside.count(pool.bytes, POOL_MAX_BYTES)
+    if (tokens is None) == (pool.tokens is None) and (size is None) == (pool.bytes is None):
+        return pool
+    said = outside.cut(f"{pool.tokens!r} tokens, {pool.bytes!r} bytes", 200)
+    return KVPool(bytes=None, tokens=None, source=f"not believed: {pool.source} said {said} (at most "
+                                                 f"{POOL_MAX_TOKENS:,} tokens and {POOL_MAX_BYTES:,} bytes)")
 
 class Backend(ABC):
     """Base class of all adapters. Subclasses set ``engine`` and ``default_version``."""

@@ -45,7 +45,7 @@ import httpx
 from kvbench.common.envs import Recipe
 from kvbench.common.redact import host_port
 
-from .base import Backend
+from .base import Backend, believable_pool
 from .capabilities import Capabilities, ServedModel
 from .streaming import TRANSPORT_ERRORS
 from .types import (
@@ -411,7 +411,7 @@ class Deployment(Backend):
         own is kept for its row."""
         pools = []
         for label, replica in zip(self.labels, self.replicas):
-            self._polls[label].kv_pool = pool = replica.kv_pool()
+            self._polls[label].kv_pool = pool = believable_pool(replica.kv_pool())
             pools.append(pool)
         if all(p is None for p in pools):
             return None
@@ -441,7 +441,7 @@ class Deployment(Backend):
         marked with its replica in ``engine_details["replica"]`` (also one that failed before any answer)."""
         for label, replica in zip(self.labels, self.replicas):
             if self._polls[label].kv_pool is None:
-                self._polls[label].kv_pool = replica.kv_pool()
+                self._polls[label].kv_pool = believable_pool(replica.kv_pool())
         for r in results:
             # the stamp stream() left (also where it ran in another process), else where it was sent
             label = r.engine_details.get("replica") or self._routed.get(r.request_id)

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import httpx
 import psutil
 
+from kvbench.common import outside
 from kvbench.common.memory_wall import MemoryWall, MemoryWallError, cleanup_stale, oom_verdict
 
 from .guard import describe, running, terminate
@@ -91,22 +92,36 @@ def last_error_line(log_tail: str) -> str:
     return lines[-1].strip()[-300:] if lines else ""
 
 
+EXCERPT_HEAD_BYTES = 8 << 20  # of a log, where its first error line is looked for
+EXCERPT_TAIL_BYTES = 1 << 20  # and where its last lines are read
+
+
 def log_excerpt(path: Path, offset: int = 0, lines: int = 40, context: int = 3) -> str:
     """What a log says since byte ``offset``: its first error line with a few lines around it (vLLM names
     the cause of a failed start ~90 lines above the end of its log, under the traceback of every process
-    that then gave up) and its last ``lines`` lines."""
+    that then gave up) and its last ``lines`` lines. Bounded: the first error is looked for in the first
+    8 MiB, the last lines in the last 1 MiB, and each line kept is cut to 2,000 characters, the cut said (a
+    64 MiB line was copied whole into the failed rows and run.json)."""
     try:
         with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
             f.seek(offset)
-            text = f.read().decode(errors="replace")
+            if size - offset <= EXCERPT_HEAD_BYTES + EXCERPT_TAIL_BYTES:
+                head = tail = f.read(EXCERPT_HEAD_BYTES + EXCERPT_TAIL_BYTES).decode(errors="replace")
+            else:
+                head = f.read(EXCERPT_HEAD_BYTES).decode(errors="replace")
+                f.seek(size - EXCERPT_TAIL_BYTES)
+                tail = f.read(EXCERPT_TAIL_BYTES).decode(errors="replace")
     except OSError:
         return ""
-    all_lines = text.splitlines()
-    last = all_lines[-lines:]
-    first = next((i for i, line in enumerate(all_lines) if _is_error_line(line)), None)
-    if first is None or first >= len(all_lines) - lines:
+    whole = head is tail
+    head_lines, tail_lines = head.splitlines(), tail.splitlines()
+    last = [outside.cut(line, outside.LINE_MAX_CHARS) for line in tail_lines[-lines:]]
+    first = next((i for i, line in enumerate(head_lines) if _is_error_line(line)), None)
+    if first is None or (whole and first >= len(head_lines) - lines):
         return "\n".join(last)
-    around = all_lines[max(0, first - context):first + context + 1]
+    around = [outside.cut(line, outside.LINE_MAX_CHARS)
+              for line in head_lines[max(0, first - context):first + context + 1]]
     return "\n".join(["[first error in the log]", *around, "[...]", "[last lines]", *last])
 
 

@@ -95,8 +95,13 @@ class PromptBuilder:
         is None: the words are found again."""
         try:
             kept = json.loads(bounded.read_bytes(self._words_file, bounded.TOKENIZER_MAX_BYTES, "prompt words"))
-            ids, texts = kept.pop("ids"), kept.pop("texts")
+            ids, texts, digest = kept.pop("ids"), kept.pop("texts"), kept.pop("sha256", None)
             if kept != WORDS_FILE_FORMAT or len(ids) != len(texts) or len(ids) < MIN_PLAIN_WORDS:
+                return None
+            # a list edited by hand (a word taken out, two swapped, one added) is still plain words that decode,
+            # but other prompts for the same seed and salt: the digest it was kept with says so, and the ids are
+            # in the vocabulary's order as found
+            if digest != self._words_digest(ids, texts) or any(a >= b for a, b in zip(ids, ids[1:])):
                 return None
             if not all(type(i) is int and type(t) is str and _PLAIN_WORD.match(t) and self.tokenizer.decode([i]) == t
                        for i, t in zip(ids, texts)):
@@ -105,12 +110,18 @@ class PromptBuilder:
             return None
         return np.array(ids, dtype=np.int64), np.array(texts, dtype=object)
 
+    def _words_digest(self, ids: list, texts: list) -> str:
+        """What a kept list is checked by: the tokenizer's file, the format and the words, hashed together."""
+        body = json.dumps([self._tokenizer_sha256, WORDS_FILE_FORMAT, ids, texts], separators=(",", ":"))
+        return hashlib.sha256(body.encode()).hexdigest()
+
     def _keep_words(self, ids: np.ndarray, texts: np.ndarray) -> None:
         """Keep the words for the next process; a home that cannot be written only costs the next one the time."""
         try:
             self._words_file.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self._words_file, json.dumps({**WORDS_FILE_FORMAT, "ids": ids.tolist(),
-                                                            "texts": texts.tolist()}))
+            ids, texts = ids.tolist(), texts.tolist()
+            atomic_write_text(self._words_file, json.dumps({**WORDS_FILE_FORMAT, "ids": ids, "texts": texts,
+                                                            "sha256": self._words_digest(ids, texts)}))
         except (OSError, ValueError):
             pass
 

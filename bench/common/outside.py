@@ -45,8 +45,10 @@ def cut(value: str, limit: int) -> str:
     """``value`` within ``limit`` characters, the cut said: ``... [1,234,567 characters cut]``."""
     if len(value) <= limit:
         return value
-    marker = f" [... {len(value) - limit:,} characters cut]"
-    return value[:max(0, limit - len(marker))] + marker if limit > len(marker) else value[:limit]
+    keep = limit - len(f" [... {len(value):,} characters cut]")  # the marker's longest: within the limit
+    if keep <= 0:
+        return value[:limit]
+    return f"{value[:keep]} [... {len(value) - keep:,} characters cut]"
 
 
 def cut_lines(value: str, limit: int = LINE_MAX_CHARS) -> str:
@@ -68,3 +70,14 @@ def count(value, limit: int) -> int | None:
     if not isinstance(value, int):
         return None
     return value if 0 <= value <= limit else None
+
+
+def texts(value, limit: int | None = None):
+    """``value`` (parsed JSON: dicts, lists, strings, numbers) with every string made :func:`text`."""
+    if isinstance(value, str):
+        return text(value, limit)
+    if isinstance(value, dict):
+        return {texts(k, limit): texts(v, limit) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [texts(v, limit) for v in value]
+    return value

@@ -12,7 +12,7 @@ import httpx
 
 from kvbench.backends.base import Backend
 from kvbench.backends.types import EngineStartError
-from kvbench.common import models
+from kvbench.common import models, outside
 from kvbench.common.redact import redact_url
 from kvbench.run import startup_checks
 from kvbench.store.errors import RunFolderError
@@ -27,7 +27,8 @@ def check(s: EngineSession, backend: Backend) -> None:
     cells ran on (another version behind an attached URL, another build) is refused for the whole run
     (RunFolderError); a started engine that reports another version or model than it was started with is
     not the engine kvbench started (EngineStartError)."""
-    version = backend.reported_version()
+    # the server's words, made text every writer takes (a lone surrogate in its JSON failed the run's records)
+    version = outside.optional_text(backend.reported_version(), limit=200)
     cls, label, record = type(backend), s.cfg.label, s.r.record
     build = cls.machine_build(backend.version) if not s.cfg.url else None
     _held_to_the_run(s, "version", record.engine_versions.get(label), version)
@@ -38,8 +39,9 @@ def check(s: EngineSession, backend: Backend) -> None:
                                f"kvbench started: not the engine kvbench started")
     record.engine_versions[label] = version
     served_model = backend.capabilities.served_model
-    record.served_models[label] = served = served_model.models(backend)
-    record.capabilities[label] = served_model.support(backend)
+    served = served_model.models(backend)
+    record.served_models[label] = served = None if served is None else outside.texts(served, limit=400)
+    record.capabilities[label] = outside.texts(served_model.support(backend), limit=outside.TEXT_MAX_CHARS)
     if build:
         record.engine_builds[label] = build
     record.save(s.r.writer)

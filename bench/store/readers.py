@@ -7,6 +7,7 @@ import copy
 import functools
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 from typing import Literal
@@ -14,11 +15,17 @@ from typing import Literal
 import pandas as pd
 from pydantic import BaseModel, ValidationError
 
+from kvbench.common import outside
 from kvbench.common.files import atomic_write_bytes
 from kvbench.common.metrics import RequestTimes, request_verdict
 from kvbench.kv import bounded
 from kvbench.store.errors import DamagedLinesWarning, ResultsReadError, ResultsWarning, ResultsWriteError
 from kvbench.store.schema import SCHEMA_VERSION, CellRow, RequestRow, migrate_row
+
+
+# a JSON escape of a lone surrogate (a server's "\ud800", kept as it came by an earlier kvbench): such a string
+# cannot be written as UTF-8 (report.md, Parquet), so it is read as text that can (kvbench.common.outside)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _decode_row(line: bytes) -> dict | None:
@@ -27,6 +34,8 @@ def _decode_row(line: bytes) -> dict | None:
         row = json.loads(line)
     except ValueError:  # JSONDecodeError and UnicodeDecodeError
         return None
+    if isinstance(row, dict) and _SURROGATE_ESCAPE.search(line):
+        row = outside.texts(row)
     return row if isinstance(row, dict) else None
 
 
@@ -63,17 +72,28 @@ JSONL_MAX_BYTES = 64 << 30  # a run's requests.jsonl: ~3 KB a request, 10^7 requ
 LOGPROBS_MAX_BYTES = 4 << 30  # one kv_quant cell's log-probabilities: the top 20 of every token of every request
 
 
+def _beyond_int64(item) -> bool:
+    return isinstance(item, int) and not isinstance(item, bool) and abs(item) > INT64_MAX
+
+
 def _damaged_number(row: dict) -> str | None:
     """The field of a row (or an item of a list field) holding a number no writer writes: NaN or Infinity
-    (pydantic writes null where nothing was measured) or an integer beyond 64 bits (no count or size is;
-    pandas cannot hold it). None for a sound row."""
+    (pydantic writes null where nothing was measured) or, in a list, an integer beyond 64 bits (pandas cannot
+    hold it). None for a sound row. (A field of its own beyond 64 bits is :func:`_counts_beyond_int64`'s.)"""
     for key, value in row.items():
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, float) and not math.isfinite(item):
                 return f"{key} is {json.dumps(item)}, where a number (or null, not measured) belongs"
-            if isinstance(item, int) and not isinstance(item, bool) and abs(item) > INT64_MAX:
+            if isinstance(value, list) and _beyond_int64(item):
                 return f"{key} is {item}, beyond a 64-bit integer"
     return None
+
+
+def _counts_beyond_int64(row: dict) -> list[str]:
+    """The fields holding an integer beyond 64 bits: a server's count an earlier kvbench kept as it came (a
+    /metrics pool of 10^30 blocks), read as not measured (None) and said where the field may be None, so that
+    the rest of the run reads; a damaged row where it may not."""
+    return [key for key, value in row.items() if _beyond_int64(value)]
 
 
 def _read_jsonl(path: Path, model: type[BaseModel]) -> pd.DataFrame:
@@ -81,10 +101,17 @@ def _read_jsonl(path: Path, model: type[BaseModel]) -> pd.DataFrame:
     :class:`DamagedLinesWarning` and counted in ``frame.attrs["damaged_lines"]`` ({path: [line numbers]});
     a whole row of the wrong shape is a :class:`ResultsReadError` naming the line and field."""
     numbered, damaged = _numbered_rows(path)
-    rows = []
+    rows, beyond = [], []
     for number, row in numbered:
         if problem := _damaged_number(row):
             raise ResultsReadError(f"{path} line {number}: damaged row: {problem}")
+        for key in _counts_beyond_int64(row):
+            field = model.model_fields.get(key)
+            if field is None or field.is_required() or field.default is not None:  # a count every row has
+                raise ResultsReadError(f"{path} line {number}: damaged row: {key} is {row[key]}, beyond a "
+                                       "64-bit integer")
+            beyond.append(f"line {number}: {key} {row[key]:.3g}")
+            row[key] = None
         try:
             rows.append(migrate_row(row, model))
         except ValidationError as exc:
@@ -94,6 +121,10 @@ def _read_jsonl(path: Path, model: type[BaseModel]) -> pd.DataFrame:
             raise ResultsReadError(f"{path} line {number}: {exc}") from None
     if damaged:
         warnings.warn(DamagedLinesWarning(path, damaged), stacklevel=2)
+    if beyond:
+        shown = "; ".join(beyond[:3]) + ("; ..." if len(beyond) > 3 else "")
+        warnings.warn(ResultsWarning(path, f"{path.name}: {len(beyond)} value(s) beyond a 64-bit integer read as "
+                                           f"not measured ({shown})"), stacklevel=2)
     frame = pd.DataFrame(rows, columns=list(model.model_fields))
     frame.attrs["damaged_lines"] = {str(path): damaged} if damaged else {}
     return frame
@@ -109,7 +140,10 @@ def load_run_info(run_dir: str | Path) -> dict:
     """run.json as a dict; :class:`ResultsReadError` (naming the file) when it is not a JSON object."""
     path = Path(run_dir) / "run.json"
     try:  # a regular file, bounded in size and nesting (kvbench.kv.bounded)
-        info = bounded.read_json(path, bounded.RUN_JSON_MAX_BYTES, what="")  # the path names it
+        data = bounded.read_bytes(path, bounded.RUN_JSON_MAX_BYTES, what="")  # the path names it
+        info = bounded.parse_json(data, path, what="")
+        if _SURROGATE_ESCAPE.search(data):  # a server's lone surrogate an earlier kvbench kept: text that encodes
+            info = outside.texts(info)
     except bounded.InputError as exc:
         raise ResultsReadError(str(exc)) from None
     except FileNotFoundError:

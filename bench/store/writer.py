@@ -31,6 +31,7 @@ import pandas as pd
 import psutil
 from pydantic import BaseModel
 
+from kvbench.common import outside
 from kvbench.common.files import append_line, atomic_write_bytes, atomic_write_text
 from kvbench.common.redact import holding, scrub_value
 from kvbench.kv import bounded
@@ -265,8 +266,16 @@ class RunWriter:
             changed = {k: v2 for k, v in row.__dict__.items()
                        if isinstance(v, (str, dict, list)) and (v2 := scrub_value(v)) != v}
             row = row.model_copy(update=changed) if changed else row
+        try:
+            line = row.model_dump_json()
+        except ValueError as exc:  # a lone surrogate from outside that no boundary caught: written as U+FFFD
+            if "surrogate" not in str(exc):
+                raise
+            row = row.model_copy(update={k: outside.texts(v) for k, v in row.__dict__.items()
+                                         if isinstance(v, (str, dict, list))})
+            line = row.model_dump_json()
         with self._writing(f"writing {name}"):
-            append_line(self.root / name, row.model_dump_json())
+            append_line(self.root / name, line)
 
     def write_cell(self, row: CellRow) -> None:
         self._append("cells.jsonl", row)

@@ -1,0 +1,113 @@
+"""The fourth fault matrix, B: what a server answers, kept as text and counts every writer takes. A version string
+with a lone surrogate and a /metrics pool of 10^30 blocks (tests/fakes/replica_server.py, attached through the
+real vLLM adapter), a run an earlier kvbench wrote with them, a 64 MiB engine log line
+(docs/fault-matrix.md, "The fourth matrix, B")."""
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from kvbench.backends.process import log_excerpt
+from kvbench.common import outside
+from kvbench.run.backend_config import BackendConfig
+from kvbench.run.runner import Runner, RunOptions
+from kvbench.store.readers import load_cells, load_run_info
+from kvbench.workloads import Workload
+from tests.fakes.replica_server import FakeReplica
+from tests.helpers import kvbench_here
+from tests.synth import make_run
+
+WORKLOAD = Workload(name="answers", seed=5, prompt_tokens=[48], output_tokens=4, concurrency=[1], rounds=1,
+                    warmup_requests=0)
+
+
+def run_against(tmp_path: Path, fake: FakeReplica) -> Path:
+    opts = RunOptions(model="smollm2", workload=WORKLOAD, backends=[BackendConfig.parse(f"vllm:url={fake.url}")],
+                      results_dir=tmp_path, run_id="run", estimate=False)
+    return Runner(opts, Console(file=io.StringIO(), width=200)).run()
+
+
+def reads(run_dir: Path, out: Path) -> str:
+    """kvbench report of the run: exit 0, report.md written and UTF-8; its text."""
+    done = kvbench_here("report", run_dir, "-o", out, "--no-plots")
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out.read_bytes().decode()
+
+
+def test_a_version_with_a_lone_surrogate_is_kept_as_text_and_the_run_and_its_report_finish(tmp_path, smollm2):
+    """/version answering {"version": "0.32.0\\ud800"} (valid JSON, not text UTF-8 can hold) failed the engine
+    ("Error serializing to JSON: ... surrogates not allowed"); the version is now kept with U+FFFD."""
+    with FakeReplica(version="0.32.0\ud800") as fake:
+        run_dir = run_against(tmp_path, fake)
+    cells = load_cells(run_dir)
+    assert (cells.status == "ok").all(), cells.error.tolist()
+    info = load_run_info(run_dir)
+    assert info["status"] == "finished" and list(info["engine_versions"].values()) == ["0.32.0\ufffd"]
+    assert "0.32.0\ufffd" in reads(run_dir, tmp_path / "report.md")
+
+
+def test_a_pool_of_10_30_blocks_is_not_believed_and_the_run_and_its_report_finish(tmp_path, smollm2):
+    """vllm:cache_config_info with num_gpu_blocks="1e30" crashed the run after its cells (an integer past 64 bits
+    in cells.jsonl), and the report then refused the run; the pool is now "not believed", saying what came."""
+    with FakeReplica(num_gpu_blocks=10**30) as fake:
+        run_dir = run_against(tmp_path, fake)
+    assert load_run_info(run_dir)["status"] == "finished"
+    cells = load_cells(run_dir)
+    assert (cells.status == "ok").all(), cells.error.tolist()
+    assert cells.kv_pool_tokens_engine.isna().all() and cells.kv_pool_sequences_predicted.isna().all()
+    assert cells.kv_pool_source.str.startswith("not believed: vllm:cache_config_info said "
+                                               "128000000000000000000000000000000 tokens").all()
+    reads(run_dir, tmp_path / "report.md")
+
+
+def test_a_run_an_earlier_kvbench_wrote_with_such_answers_is_read_by_report(tmp_path):
+    """A run an earlier kvbench kept them in: run.json with the version's "\\ud800" escape, cells.jsonl with a
+    pool of 10^30 sequences. report read neither (a UnicodeEncodeError; "beyond a 64-bit integer"); it reads
+    both now, the count as not measured and said in the report's header."""
+    run = make_run(tmp_path, "old", prompts=(1024,), concurrency=(1,), repeats=1, n_requests=3)
+    info = json.loads((run / "run.json").read_text())
+    info["engine_versions"]["vllm-0.31.0"] = "0.31.0\ud800"
+    (run / "run.json").write_text(json.dumps(info))  # json's escape, as kvbench wrote it
+    assert "\\ud800" in (run / "run.json").read_text()
+    lines = (run / "cells.jsonl").read_text().splitlines()
+    row = json.loads(lines[0])
+    row["kv_pool_sequences_predicted"] = 10**30
+    row["error"] = "bad response: \udcff"
+    lines[0] = json.dumps(row)
+    (run / "cells.jsonl").write_text("\n".join(lines) + "\n")
+    for parquet in run.glob("*.parquet"):
+        parquet.unlink()
+    text = reads(run, tmp_path / "report.md")
+    assert "0.31.0\ufffd" in text
+    assert re.search(r"cells.jsonl: 1 value\(s\) beyond a 64-bit integer read as not measured \(line 1: "
+                     r"kv_pool_sequences_predicted 1e\+30\)", text), text[:3000]
+
+
+def test_a_64_mib_log_line_is_cut_with_a_marker_before_it_reaches_a_record(tmp_path):
+    """An engine's log with one line of 64 MiB (a dumped tensor, a binary blob): the whole line went into the
+    failed rows' log tail and run.json; each line kept is now at most 2,000 characters, the cut said."""
+    log = tmp_path / "engine.log"
+    with log.open("wb") as f:
+        f.write(b"INFO starting\nERROR " + b"x" * (64 << 20) + b"\nINFO after\n" + b"last line\n")
+    excerpt = log_excerpt(log)
+    assert len(excerpt) < 10_000
+    assert re.search(r"ERROR x{100,}.* \[\.\.\. [\d,]+ characters cut\]", excerpt)
+    assert excerpt.rstrip().endswith("last line")
+
+
+def test_the_outside_text_helpers():
+    assert outside.text("a\ud800b") == "a\ufffdb"
+    assert outside.text("ok \U0001f600") == "ok \U0001f600"
+    assert outside.text("x" * 10, limit=5) == "xxxxx" and outside.cut("y" * 100, 40) == "y" * 15 + " [... 85 characters cut]"
+    assert outside.count(10**30, 2**40) is None and outside.count(1e3, 2**40) == 1000
+    assert outside.count(float("nan"), 10) is None and outside.count(True, 10) is None and outside.count(-1, 10) is None
+
+
+@pytest.mark.parametrize("limit", [5, 30, 31, 100])
+def test_a_cut_text_is_within_its_limit(limit):
+    assert len(outside.cut("z" * 1000, limit)) <= limit
