@@ -65,6 +65,8 @@ def check_values(body: dict, source: str) -> None:
     for key in ("rope_scaling", "rope_parameters"):
         if body.get(key) is not None and not isinstance(body[key], dict):
             raise ConfigError(f"{source}: {key} is a {type(body[key]).__name__}, not an object (rope_type, factor)")
+        if isinstance(body.get(key), dict):
+            _check_rope(body[key], key, source)
     quant = body.get("quantization_config")
     if quant is not None and not isinstance(quant, dict):
         raise ConfigError(f"{source}: quantization_config is a {type(quant).__name__}, not an object "
@@ -79,6 +81,26 @@ def check_values(body: dict, source: str) -> None:
 # torch dtype names a config gives its weights (transformers writes torch.dtype's name)
 CONFIG_DTYPES = ("bfloat16", "float16", "half", "float32", "float", "float64", "float8_e4m3fn", "float8_e5m2",
                  "int8", "uint8")
+
+
+MAX_ROPE_FACTOR = 1_000  # RoPE scalings published stretch a context 4-64 times: 1e300 (or 1e400, inf) is no model
+
+
+def _check_rope(params: dict, key: str, source: str) -> None:
+    """A RoPE scaling's ``factor`` a finite number in (0, 1,000] and its ``original_max_position_embeddings`` a
+    count, in it and in each per-layer-type entry: a factor of 1e300 planned a context of 4 x 10^303 tokens,
+    one of 1e400 (JSON's infinity) an OverflowError traceback."""
+    for name, entry in [(key, params), *((f"{key}.{k}", v) for k, v in params.items() if isinstance(v, dict))]:
+        factor = entry.get("factor")
+        if factor is not None:
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+                raise ConfigError(f"{source}: {name}.factor must be a number, not {factor!r}"[:300])
+            if not (0 < factor <= MAX_ROPE_FACTOR):  # NaN fails this too
+                raise ConfigError(f"{source}: {name}.factor {factor:g} is not a RoPE scaling of any model "
+                                  f"(above 0, at most {MAX_ROPE_FACTOR:,})")
+        if entry.get("original_max_position_embeddings") is not None:
+            _check_count(entry["original_max_position_embeddings"], f"{name}.original_max_position_embeddings",
+                         source, minimum=1)
 
 
 def _check_count(value, key: str, source: str, minimum: int) -> None:
