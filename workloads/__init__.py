@@ -40,7 +40,7 @@ class Workload(BaseModel):
 
     name: str
     description: str = ""
-    family: Literal["ladder", "shared_prefix", "multi_turn", "kv_boundary", "kv_quant"] = "ladder"
+    family: Literal["ladder", "shared_prefix", "multi_turn", "kv_boundary", "kv_quant", "speculation"] = "ladder"
     seed: int
     prompt_tokens: list[Union[int, Literal["max"]]] = Field(min_length=1)
     output_tokens: int = Field(gt=0)
@@ -66,6 +66,10 @@ class Workload(BaseModel):
     kv_dtypes: list[str] = Field(default_factory=lambda: ["baseline", "quantised"])
     top_logprobs: int = Field(default=20, ge=0)
     prompt_text: Literal["synthetic", "kjv"] = "synthetic"
+    # speculation: the prompt kinds, each a cell of its own (docs/speculation.md): "copy" (a seeded passage
+    # given twice: the model goes on copying it, which n-gram lookup predicts) and "free" (seeded plain words:
+    # what follows is the model's own, which only a draft model can guess)
+    prompt_kinds: list[Literal["copy", "free"]] = Field(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod
@@ -146,6 +150,10 @@ class Workload(BaseModel):
             raise ValueError("family \"kv_quant\" compares with each engine's 16-bit cache: kv_dtypes needs \"baseline\"")
         if self.family != "kv_quant" and self.prompt_text != "synthetic":
             raise ValueError("prompt_text applies to family \"kv_quant\" only")
+        if (self.family == "speculation") != bool(self.prompt_kinds):
+            raise ValueError("family \"speculation\" needs prompt_kinds (copy, free), and only it takes them")
+        if len(set(self.prompt_kinds)) != len(self.prompt_kinds):
+            raise ValueError(f"prompt_kinds {self.prompt_kinds}: each kind once")
         if self.family == "kv_boundary" and not self.kv_pool_sequences:
             raise ValueError("family \"kv_boundary\" needs kv_pool_sequences (the pool is sized for that many)")
         return self
@@ -187,6 +195,10 @@ class Workload(BaseModel):
         """Tokens of the longest prompt a rung sends (the last turn of a multi-turn rung)."""
         return self.prompt_tokens_sent(length, self.turns if self.family == "multi_turn" else 0)
 
+    def kinds(self) -> list[str]:
+        """The prompt kinds of a cell ([""]: one kind, every family but speculation's)."""
+        return list(self.prompt_kinds) or [""]
+
     def prompt_tokens_sent(self, length: int, turn: int = 0) -> int:
         """Tokens a rung's prompt has (turn ``turn`` of a multi-turn rung holds the earlier turns and replies)."""
         return turn * length + (turn - 1) * self.output_tokens if turn else length
@@ -197,8 +209,9 @@ class WorkloadError(ValueError):
 
 
 def cells_per_start(workload: Workload, repeats: int) -> int:
-    """Cells one engine start runs before any a load profile adds: lengths x points x turns x repeats."""
-    turns = workload.turns if workload.family == "multi_turn" else 1
+    """Cells one engine start runs before any a load profile adds: lengths x points x turns (or prompt kinds)
+    x repeats."""
+    turns = workload.turns if workload.family == "multi_turn" else len(workload.kinds())
     return len(workload.prompt_tokens) * len(workload.load.points()) * turns * repeats
 
 

@@ -20,6 +20,8 @@ def _fmt_value(v, unit: str) -> str:
         return fmt_bytes(v)
     if unit == "s":
         return f"{v:,.4f} s"
+    if unit == "share":
+        return f"{v:.1%}"
     return f"{v:,.3f}/s"
 
 

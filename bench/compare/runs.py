@@ -70,6 +70,7 @@ class Metric:
     requests: str | None = None  # per-request samples for a single-run interval: ttft_s, itl, tpot_s, e2e_s
     percentile: float | None = None
     deterministic: bool = False  # one value per side may be compared as it is
+    only_where_measured: bool = False  # left out of a cell neither side measured (a figure few runs have)
 
 
 def _latency(name: str) -> Metric:
@@ -89,6 +90,9 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     Metric("rss_peak_bytes", True, "B"),
     Metric("gpu_process_peak_bytes", True, "B"),
     Metric("gpu_device_peak_bytes", True, "B"),
+    # a drafter's acceptance (bench/run/speculation.py): greedy decoding of the same prompts accepts the same
+    # drafts, so one value per side is compared as it is; a drop is a regression
+    Metric("spec_acceptance_rate", False, "share", deterministic=True, only_where_measured=True),
 ]}
 
 
@@ -283,6 +287,9 @@ def _interval(metric: Metric, b_rows, c_rows, baseline: Side, candidate: Side, c
     if not b or not c:
         return None, "not measured on " + ("either side" if not b and not c else
                                            "the baseline" if not b else "the candidate"), None, False
+    if metric.deterministic and min(b) > 0 and max(c) == 0:  # a drafter none of whose drafts were accepted
+        return stats.Interval(-1.0, -1.0, -1.0, "the candidate's values are all 0: -100 %", len(b), len(c),
+                              confidence), "", None, False
     if min(b) <= 0 or min(c) <= 0:
         return None, "a value is 0: no relative change", None, False
     if len(b) >= 2 and len(c) >= 2:
@@ -452,6 +459,8 @@ def compare(baseline: Side, candidate: Side, config: CompareConfig, allow_differ
         metrics = []
         for name, tol in config.tolerances.items():
             metric = METRICS[name]
+            if metric.only_where_measured and ub[name].isna().all() and uc[name].isna().all():
+                continue
             seed = zlib.crc32(repr((key, name)).encode())
             interval, note, noise, paired = _interval(metric, ub, uc, baseline, candidate, config.confidence, seed,
                                                       pairing.pairable)

@@ -17,7 +17,7 @@ import pandas as pd
 
 from kvbench.common.files import (NEW_FILE_MODE, OutputRefused, atomic_write_text, check_output, check_output_folder,
                                   kvbench_html, kvbench_markdown, kvbench_png)
-from kvbench.reports import findings, prefix_cache, tables
+from kvbench.reports import findings, prefix_cache, speculation, tables
 from kvbench.store.errors import DamagedLinesWarning, ResultsReadError, ResultsWarning, ResultsWriteError
 from kvbench.store.readers import load, load_run_info, read_jsonl_rows
 from kvbench.store.writer import run_status
@@ -232,6 +232,9 @@ def _build(run_dirs: list[Path], plots_dir: Path | None) -> Report:
                 code_blocks=[(f"log tail of {cid}", tail) for cid, tail in tables.log_tails(agg)]),
         *_validation(run_dirs, infos),
     ]
+    if speculation.speculated(agg):  # a run with a drafter: after the prefix cache
+        sections.insert(_after(sections, "prefix_cache"), Section(
+            "speculation", speculation.TITLE, speculation.INTRO, speculation.speculation_table(agg), speculation.RIGHT, cap))
     _gpu_sections(sections, agg, cap)  # GPU runs only: memory per GPU, the planner against the boundary
     _startup_section(sections, infos, cap)  # the engines' own startup figures beside the plan's (run.json)
     if tables.deployments(agg):  # after the boundary: which replica of a deployment queued first

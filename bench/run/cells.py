@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from kvbench.load import LoadPoint, profile_class
 from kvbench.run.prompt_salt import UNSALTED, PromptSalt
 from kvbench.workloads import Workload
@@ -28,6 +30,7 @@ class Cell:
     prefix_caching: bool | None = None  # the server variant the cell runs on
     kv_dtype: str | None = None  # kv_quant: the KV dtype of the engine start the cell runs on
     requests: int = field(kw_only=True)  # prompts the cell sends, set where the cell is planned
+    kind: str = field(default="", kw_only=True)  # speculation: the prompt kind ("copy", "free"; "": the one)
 
     @property
     def variant(self) -> str:
@@ -38,6 +41,8 @@ class Cell:
             parts.append(f"kv_dtype={self.kv_dtype}")
         if self.turn:
             parts.append(f"turn={self.turn}")
+        if self.kind:
+            parts.append(f"prompt={self.kind}")
         return ",".join(parts)
 
     def cell_id(self, label: str) -> str:
@@ -49,12 +54,14 @@ class Cell:
         parts += [f"p{self.prompt_tokens}", self.load.slug]
         if self.turn:
             parts.append(f"t{self.turn}")
+        if self.kind:
+            parts.append(self.kind)
         parts.append(f"r{self.repeat}")
         return "_".join(parts)
 
     def describe(self) -> str:
         """For the progress bar: ``1024 tok x4``, ``512 tok turn 2 poisson 2/s, <=8 #2``."""
-        turn = f" turn {self.turn}" if self.turn else ""
+        turn = f" turn {self.turn}" if self.turn else f" {self.kind}" if self.kind else ""
         return (f"{self.prompt_tokens} tok{turn} "
                 f"{load_label(self.load.profile, self.load.concurrency, self.load.request_rate)}"
                 + (f" #{self.repeat + 1}" if self.repeat else ""))
@@ -76,8 +83,8 @@ def cells_for(workload: Workload, lengths: list[int], points: list[LoadPoint], r
     """The cells of one repeat on one server variant, in the order they run."""
     turns = range(1, workload.turns + 1) if workload.family == "multi_turn" else [0]
     return [Cell(p, point, repeat, t, prefix_caching, kv_dtype,
-                 requests=workload.load.requests_per_cell(point))
-            for p in lengths for point in points for t in turns]
+                 requests=workload.load.requests_per_cell(point), kind=kind)
+            for p in lengths for point in points for t in turns for kind in workload.kinds()]
 
 
 class NothingFits(ValueError):
@@ -141,7 +148,7 @@ class RunPlan:
     @property
     def cells_per_start(self) -> int:
         """Cells one engine start runs, the points found later included (for the progress bar)."""
-        turns = self.workload.turns if self.workload.family == "multi_turn" else 1
+        turns = self.workload.turns if self.workload.family == "multi_turn" else len(self.workload.kinds())
         later = self.workload.load.points_found_later()
         return len(self.cells(None)) + self.repeats * len(self.lengths) * later * turns
 
@@ -204,6 +211,12 @@ class CellPrompts:
             else:
                 prompt = self.builder.build(cell.prompt_tokens, w.seed, f"{key}-{i}", w.output_tokens, None, salt)
             return replace(prompt, top_logprobs=w.top_logprobs, prompt_logprobs=natural)
+        if cell.kind == "copy":  # a passage given twice: what follows is the passage again
+            passage = self.builder.draw((cell.prompt_tokens + 1) // 2, w.seed, f"{key}-copy-{i}", salt)
+            words = np.concatenate([passage, passage])[:cell.prompt_tokens]
+            return self.builder.from_words(words, f"{key}-copy-{i}", w.output_tokens)
+        if cell.kind == "free":  # its own key: the copy cell's prompts are not these
+            return self.builder.build(cell.prompt_tokens, w.seed, f"{key}-free-{i}", w.output_tokens, None, salt)
         return self.builder.build(cell.prompt_tokens, w.seed, f"{key}-{i}", w.output_tokens, self._prefix, salt)
 
     def warmup(self) -> list[Prompt]:

@@ -53,7 +53,7 @@ class EngineRun:
     rules: KVRules | None = None  # how the engine sizes its KV (None: unknown)
     engine_mode: str = ""  # "sized" or "deployed" (:func:`engine_setup`); "": not recorded
     gpus_used: int = 1  # GPUs the engine is split over
-    speculative: str = ""  # the drafter it was started with ("none"; "": not known, or no speculation)
+    speculative: str = ""  # the drafter it was started with ("": none, or not known: an attached server)
     can_speculate: bool = False  # its adapter has speculative decoding (a row then says what it reported)
 
 
@@ -68,6 +68,7 @@ def engine_setup(cls, options: dict, attached: bool = False) -> dict:
     mode = str(options.get("engine_mode", spec.default)) if spec is not None and not attached else ""
     can_speculate = bool(cls.capabilities.speculation.methods)
     drafter = str(options.get("speculative", "none")) if can_speculate and not attached else ""
+    drafter = "" if drafter == "none" else drafter  # "": no drafter, as in every run before speculation
     return {"engine_mode": mode, "gpus_used": int(cls.gpus_used(options)), "speculative": drafter,
             "can_speculate": can_speculate}
 
@@ -108,8 +109,10 @@ class CellMeasurement:
 def failed_row(run: EngineRun, cell: Cell, status: str, error: str | None, log_tail: str | None) -> CellRow:
     """The row of a cell with no figures: failed, or not run (and why)."""
     w = run.workload
+    # a drafter is part of what the cell measured: compare matches its cells with the same drafter's only
+    variant = ",".join(filter(None, [cell.variant, run.speculative and f"speculative={run.speculative}"]))
     return CellRow(run_id=run.run_id, cell_id=cell.cell_id(run.label), backend=run.label, engine=run.engine,
-                   engine_version=run.engine_version, model=run.model.name, workload=w.name, variant=cell.variant,
+                   engine_version=run.engine_version, model=run.model.name, workload=w.name, variant=variant,
                    prompt_tokens=w.prompt_tokens_sent(cell.prompt_tokens, cell.turn), output_tokens=w.output_tokens,
                    load_profile=cell.load.profile, concurrency=cell.load.concurrency,
                    request_rate=cell.load.request_rate, repeat=cell.repeat, kv_dtype=run.kv_dtype,

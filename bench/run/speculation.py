@@ -69,12 +69,12 @@ def steps_per_output_token(d: Drafted, output_tokens: int) -> float | None:
 
 def speculation_columns(row: CellRow, method: str, has_speculation: bool, results: list[RequestResult],
                         counters: tuple[SpeculationCounters | None, SpeculationCounters | None]) -> None:
-    """A row's speculation columns: the method the engine was started with ("" where not known: an attached
-    server, an engine without speculation), and what the engine says it drafted and accepted."""
+    """A row's speculation columns: the drafter the engine was started with ("": none, or not known: an
+    attached server), and what the engine says it drafted and accepted."""
     row.spec_method = method
     d = measured(results, *counters)
     if d is None:  # an engine that can speculate but said nothing; no source for one that cannot
-        row.spec_source = "not reported" if has_speculation and method not in ("", "none") else None
+        row.spec_source = "not reported" if has_speculation and method else None
         return
     row.spec_draft_tokens, row.spec_accepted_tokens, row.spec_drafts = d.draft_tokens, d.accepted_tokens, d.drafts
     row.spec_source = d.source

@@ -176,7 +176,7 @@ class CellRow(BaseModel):
     requests_planned: int | None = None
     n_lost: int = 0
     # speculative decoding (bench/run/speculation.py, docs/speculation.md): the drafter the engine was started
-    # with ("none"; "": not known, an attached server or an engine without speculation), the draft tokens it
+    # with ("ngram", "draft", ...; "": none, or not known: an attached server), the draft tokens it
     # proposed and the target accepted over the cell, the drafts (verification steps) where the engine counts
     # them, accepted / drafted, 1 + accepted / drafts (tokens a step yields), the target's passes per output
     # token ((output - accepted) / output), and where the figures were read ("not reported": it said nothing)
