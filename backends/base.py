@@ -17,8 +17,8 @@ from typing import ClassVar
 import httpx
 
 import kvbench.backends.streaming as streaming  # the module (its endpoint settings), not the package
-from kvbench.common.envs import Recipe
 from kvbench.common import outside
+from kvbench.common.envs import Recipe
 from kvbench.common.models import ModelFiles
 from kvbench.common.redact import redact_url
 from kvbench.kv.geometry import kv_bytes_per_token
@@ -83,6 +83,10 @@ class Backend(ABC):
     #: The options this adapter reads (-b ENGINE:KEY=VALUE): checked by BackendConfig.parse, listed by
     #: `kvbench backends`. Each adapter declares its own.
     option_specs: ClassVar[tuple[Option, ...]] = ()
+    #: The run's --request-timeout, set before the server is started or attached to: the deadline of a request
+    #: the adapter sends itself then (the openai adapter's capability probe). None: the adapter's own.
+    request_timeout_s: float | None = None
+
     @classmethod
     def gpus_used(cls, options: dict) -> int:
         """GPUs one server started with ``options`` spans (tensor parallel, a layer split, a device map)."""

@@ -190,6 +190,7 @@ class Deployment(Backend):
         self.spec = spec
         for label, member, where in [*zip(self.labels, self.replicas, self.urls),
                                      *([(GATEWAY, self.gateway, self.gateway_url)] if self.gateway else [])]:
+            member.request_timeout_s = self.request_timeout_s
             try:
                 member.attach(spec, where, timeout_s)
             except EngineStartError as exc:

@@ -31,7 +31,7 @@ from ..base import Backend
 from ..capabilities import Capabilities, PrefixCache, ServedModel
 from ..options import Option
 from ..shared.openai_chunks import read_completion_chunk
-from ..streaming import sse_payloads, stream_sse
+from ..streaming import sse_json, sse_payloads, stream_sse
 from ..types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 
 PROBE_DEADLINE_S = 30.0  # one probe request, from connect to its last byte
@@ -125,19 +125,21 @@ class OpenAIBackend(Backend):
 
     def _try(self, body: dict) -> tuple[bool, dict | str | None]:
         """(accepted, the usage chunk or None; the error text when refused) of one streamed 2-token request.
-        Its whole answer within :data:`PROBE_DEADLINE_S` (httpx's timeout is per read: a server dripping a
-        byte at a time held it for ever) and :data:`PROBE_MAX_BYTES`."""
+        Its whole answer within the run's --request-timeout (:data:`PROBE_DEADLINE_S` where none was given;
+        httpx's timeout is per read: a server dripping a byte at a time held it for ever) and
+        :data:`PROBE_MAX_BYTES`."""
         body = {"model": self.model, "max_tokens": 2, "temperature": 0.0, "stream": True, **body}
-        deadline = time.monotonic() + PROBE_DEADLINE_S
+        deadline_s = self.request_timeout_s or PROBE_DEADLINE_S
+        deadline = time.monotonic() + deadline_s
         try:
             with self.http.stream("POST", self.base_url + "/v1/completions", json=body,
-                                  timeout=PROBE_DEADLINE_S) as response:
+                                  timeout=deadline_s) as response:
                 pieces, size = [], 0
                 for piece in response.iter_bytes():
                     pieces.append(piece)
                     size += len(piece)
                     if time.monotonic() > deadline or size > PROBE_MAX_BYTES:
-                        return False, (f"no whole answer within {PROBE_DEADLINE_S:g} s and "
+                        return False, (f"no whole answer within {deadline_s:g} s and "
                                        f"{PROBE_MAX_BYTES // 1024} KiB")
                 answer = b"".join(pieces)
                 if response.status_code >= 400:
@@ -146,7 +148,7 @@ class OpenAIBackend(Backend):
                 for data in sse_payloads(answer):
                     if data.strip() in (b"", b"[DONE]"):
                         continue
-                    event = json.loads(data)
+                    event = sse_json(data)
                     if "error" in event:
                         return False, scrub(str(event["error"]))[:300]
                     usage = event.get("usage") or usage

@@ -32,6 +32,7 @@ def start_or_attach(s: EngineSession, backend: Backend) -> None:
     """Attach to the server at the backend's url, or start one (its GPU baseline taken first, its log in the
     run folder)."""
     r, cfg = s.r, s.cfg
+    backend.request_timeout_s = r.o.request_timeout_s  # a probe the adapter sends itself waits as long
     s.progress.update(s.bar, description=f"{cfg.label}: {'attaching' if cfg.url else 'starting'}")
     if cfg.url:
         backend.attach(s.spec, cfg.url, timeout_s=min(r.o.start_timeout_s, 60))

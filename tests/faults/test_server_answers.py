@@ -1,23 +1,31 @@
 """The fourth fault matrix, B: what a server answers, kept as text and counts every writer takes. A version string
 with a lone surrogate and a /metrics pool of 10^30 blocks (tests/fakes/replica_server.py, attached through the
-real vLLM adapter), a run an earlier kvbench wrote with them, a 64 MiB engine log line
+real vLLM adapter), a run an earlier kvbench wrote with them, a 64 MiB engine log line, an event split over two
+data lines inside a JSON string, and the capability probe held to --request-timeout
 (docs/fault-matrix.md, "The fourth matrix, B")."""
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
+from kvbench.backends.openai.adapter import OpenAIBackend
 from kvbench.backends.process import log_excerpt
+from kvbench.backends.vllm.adapter import VLLMBackend
+from kvbench.load import run_async
 from kvbench.common import outside
 from kvbench.run.backend_config import BackendConfig
 from kvbench.run.runner import Runner, RunOptions
 from kvbench.store.readers import load_cells, load_run_info
 from kvbench.workloads import Workload
+from tests.backends.test_streaming import CHUNKED_HEAD, _serve, chunk, run_sse
+from tests.fakes.openai_server import FakeOpenAI, OpenAIHandler
 from tests.fakes.replica_server import FakeReplica
 from tests.helpers import kvbench_here
 from tests.synth import make_run
@@ -26,9 +34,9 @@ WORKLOAD = Workload(name="answers", seed=5, prompt_tokens=[48], output_tokens=4,
                     warmup_requests=0)
 
 
-def run_against(tmp_path: Path, fake: FakeReplica) -> Path:
-    opts = RunOptions(model="smollm2", workload=WORKLOAD, backends=[BackendConfig.parse(f"vllm:url={fake.url}")],
-                      results_dir=tmp_path, run_id="run", estimate=False)
+def run_against(tmp_path: Path, fake: FakeOpenAI, engine: str = "vllm", **options) -> Path:
+    opts = RunOptions(model="smollm2", workload=WORKLOAD, backends=[BackendConfig.parse(f"{engine}:url={fake.url}")],
+                      results_dir=tmp_path, run_id="run", estimate=False, **options)
     return Runner(opts, Console(file=io.StringIO(), width=200)).run()
 
 
@@ -111,3 +119,64 @@ def test_the_outside_text_helpers():
 @pytest.mark.parametrize("limit", [5, 30, 31, 100])
 def test_a_cut_text_is_within_its_limit(limit):
     assert len(outside.cut("z" * 1000, limit)) <= limit
+
+
+class SplitInsideAString(OpenAIHandler):
+    """Every event's data over two data lines, cut inside its first JSON string: joined by LF (the standard), the
+    string holds a bare LF, which strict JSON refuses."""
+
+    def _event(self, obj) -> None:
+        text = json.dumps(obj)
+        cut = text.index('"', text.index(':') + 1) + 2  # just inside the first string value
+        self.chunk(b"data: " + text[:cut].encode() + b"\ndata: " + text[cut:].encode() + b"\n\n")
+
+
+class SplitFake(FakeOpenAI):
+    handler = SplitInsideAString
+
+
+def test_an_event_split_inside_a_json_string_over_two_data_lines_is_read(tmp_path, smollm2):
+    """Valid SSE (its data lines joined by LF), JSON with a bare LF in a string: the openai adapter's probe
+    refused the server ("Invalid control character") and every cell failed; it is read now, LF kept."""
+    event = {"id": "cmpl-1", "choices": [{"text": "ab", "index": 0}], "usage": {"prompt_tokens": 3,
+                                                                                "completion_tokens": 1}}
+    text = json.dumps(event)
+    body = b"data: " + text[:10].encode() + b"\ndata: " + text[10:].encode() + b"\n\ndata: [DONE]\n\n"
+    r = run_sse([CHUNKED_HEAD + chunk(body) + b"0\r\n\r\n"], handle=VLLMBackend._read_event)
+    assert r.error is None and r.chunk_tokens == [1] and r.output_tokens_reported == 1
+    with SplitFake(model="smollm2") as fake:
+        run_dir = run_against(tmp_path, fake, engine="openai")
+    cells = load_cells(run_dir)
+    assert (cells.status == "ok").all() and (cells.n_failed == 0).all(), cells.error.tolist()
+
+
+def test_a_stream_that_is_not_json_still_fails_its_request():
+    body = b"data: {oops\ndata: more\n\ndata: [DONE]\n\n"
+    with pytest.raises(ValueError):  # the parse error, which the load makes that request's failure
+        run_sse([CHUNKED_HEAD + chunk(body) + b"0\r\n\r\n"], handle=VLLMBackend._read_event)
+
+
+def test_the_capability_probe_waits_the_request_timeout_not_its_own():
+    """The openai adapter's probe gave every server 30 s whatever --request-timeout said; it now waits the
+    run's request timeout (set on the adapter before it attaches, bench/run/start.py)."""
+    script = [CHUNKED_HEAD] + [chunk(b": drip\n"), 0.2] * 30
+
+    async def client_fn(url):
+        backend = OpenAIBackend("v1", None, {})
+        backend.base_url, backend.model, backend.request_timeout_s = url.removesuffix("/v1/completions"), "m", 1.0
+        t0 = time.perf_counter()
+        ok, why = await asyncio.to_thread(backend._try, {"prompt": "Hello"})
+        return ok, why, time.perf_counter() - t0
+    ok, why, took = run_async(_serve(script, client_fn))
+    assert not ok and "no whole answer within 1 s" in why and took < 2.5
+
+
+def test_a_run_gives_its_request_timeout_to_the_probe(tmp_path, smollm2):
+    """--request-timeout 1 against a server whose first token takes 3 s: the attach probe gives up after 1 s
+    (it waited up to 30 s, and passed, each request then timing out)."""
+    with FakeOpenAI(model="smollm2", first_token_delay_s=lambda prompt: 3.0) as fake:
+        started = time.monotonic()
+        run_dir = run_against(tmp_path, fake, engine="openai", request_timeout_s=1.0)
+    cells = load_cells(run_dir)
+    assert cells.error.str.contains("refused a 2-token request: ReadTimeout").all(), cells.error.tolist()
+    assert time.monotonic() - started < 20
