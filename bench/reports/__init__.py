@@ -17,6 +17,7 @@ import pandas as pd
 
 from kvbench.common.files import (NEW_FILE_MODE, OutputRefused, atomic_write_text, check_output, check_output_folder,
                                   kvbench_html, kvbench_markdown, kvbench_png)
+from kvbench.common.markdown import md_text
 from kvbench.reports import findings, prefix_cache, speculation, tables
 from kvbench.store.errors import DamagedLinesWarning, ResultsReadError, ResultsWarning, ResultsWriteError
 from kvbench.store.readers import load, load_run_info, read_jsonl_rows
@@ -74,7 +75,8 @@ def served_models(info: dict) -> str:
     parts = []
     for label, models in served.items():
         found = ", ".join(f"{name} {'yes' if ok else 'no'}" for name, ok in (caps.get(label) or {}).items())
-        parts.append(f"{label}: {', '.join(models) or 'none listed'}" + (f" (asked: {found})" if found else ""))
+        parts.append(f"{label}: {', '.join(map(md_text, models)) or 'none listed'}"  # a server's words: only text
+                     + (f" (asked: {md_text(found)})" if found else ""))
     return "; ".join(parts)
 
 
@@ -88,7 +90,8 @@ def engines(info: dict) -> str:
     """Each engine's version, and the threads it computed on where the run measured them."""
     versions = info.get("engine_versions") or {b["label"]: b["version"] for b in info.get("backends", [])}
     threads = {key.split(" ")[0]: t for key, t in (info.get("engine_threads") or {}).items()}
-    return ", ".join(f"{k} ({v}" + (f", {threads[k]['busy_threads']} busy threads" if k in threads else "") + ")"
+    return ", ".join(f"{k} ({md_text(v)}"  # the version a server reported: only text, never Markdown
+                     + (f", {threads[k]['busy_threads']} busy threads" if k in threads else "") + ")"
                      for k, v in versions.items()) or "-"
 
 

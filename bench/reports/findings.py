@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from kvbench.common.markdown import md_text
 from kvbench.store.schema import OK_STATUSES
 
 from .tables import (NOT_MEASURED, failure_text, fmt_bytes, fmt_int, fmt_num, fmt_ratio, load_label, pool_label,
@@ -130,7 +131,7 @@ def _failure_line(cells: pd.DataFrame, with_variant: bool) -> str:
     if not failed.empty:
         first = failed.iloc[0]
         parts.append(f"{len(failed)} of {len(cells)} cells failed (first: {_cell(first, with_variant)}, "
-                     f"{failure_text(first)})")
+                     f"{md_text(failure_text(first))})")  # a server's words: only text in the Markdown
     if not flagged.empty:
         parts.append(f"{len(flagged)} of {len(cells)} flagged (requests that broke the token contract)")
     return "; ".join(parts) + "."

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvbench.common.markdown import md_table
+from kvbench.common.markdown import fence, md_table
 
 
 def render(report, base: Path) -> str:
@@ -30,7 +30,7 @@ def render(report, base: Path) -> str:
         if s.note:
             out.append(s.note)
         for title, text in s.code_blocks:
-            out.append(f"{title}:\n\n```\n{text}\n```")
+            out.append(f"{title}:\n\n{fence(text)}\n{text}\n{fence(text)}")
         out += [figure(f) for f in placed.get(id(s), [])]  # each plot under the table it illustrates
     if rest:
         out.append("## Plots")

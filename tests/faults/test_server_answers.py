@@ -180,3 +180,34 @@ def test_a_run_gives_its_request_timeout_to_the_probe(tmp_path, smollm2):
     cells = load_cells(run_dir)
     assert cells.error.str.contains("refused a 2-token request: ReadTimeout").all(), cells.error.tolist()
     assert time.monotonic() - started < 20
+
+
+EVIL = "0.31.0\n\n# INJECTED heading\n\n[click me](http://evil.example) <script>alert(1)</script> | x | *bold*"
+
+
+def test_markdown_in_a_servers_words_reaches_report_md_only_as_text(tmp_path):
+    """A version, a served model's name, a failed cell's error and its log tail holding Markdown: report.md
+    rendered a heading, a link, raw HTML (a <script>) and a log line of ``` ended its code block. Rendered
+    now (markdown-it, CommonMark with raw HTML on, as a Markdown viewer would), each is text."""
+    from markdown_it import MarkdownIt
+
+    run = make_run(tmp_path, "evil", prompts=(1024,), concurrency=(1, 4), repeats=1, n_requests=3,
+                   failed={("vllm-0.31.0", 1024, 4)})
+    info = json.loads((run / "run.json").read_text())
+    info["engine_versions"]["vllm-0.31.0"] = EVIL
+    info["served_models"] = {"vllm-0.31.0": ["smollm2\n## served <img src=x onerror=alert(1)>"]}
+    (run / "run.json").write_text(json.dumps(info))
+    lines = [json.loads(line) for line in (run / "cells.jsonl").read_text().splitlines()]
+    for row in lines:
+        if row["status"] == "failed":
+            row["error"] = "bad response: <script>alert(2)</script> [x](http://evil.example/2)"
+            row["log_tail"] = "```\n# LOG heading <script>alert(3)</script>\n```"
+    (run / "cells.jsonl").write_text("".join(json.dumps(row) + "\n" for row in lines))
+    for parquet in run.glob("*.parquet"):
+        parquet.unlink()
+    text = reads(run, tmp_path / "report.md")
+    assert "vllm-0.31.0 (`0.31.0 # INJECTED heading" in text
+    html = MarkdownIt("commonmark", {"html": True}).enable("table").render(text)
+    assert "<script>" not in html and 'href="http://evil' not in html  # no raw HTML, no link
+    assert not re.search(r"<h\d>(INJECTED|served|LOG)", html) and "<img src=\"x\"" not in html
+    assert "alert(2)" in html and "alert(3)" in html  # the words themselves are kept, as text
