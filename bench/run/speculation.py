@@ -70,9 +70,14 @@ def steps_per_output_token(d: Drafted, output_tokens: int) -> float | None:
 def speculation_columns(row: CellRow, method: str, has_speculation: bool, results: list[RequestResult],
                         counters: tuple[SpeculationCounters | None, SpeculationCounters | None]) -> None:
     """A row's speculation columns: the drafter the engine was started with ("": none, or not known: an
-    attached server), and what the engine says it drafted and accepted."""
+    attached server), and what the engine says it drafted and accepted: 0 where a drafter ran and its counters,
+    read around the cell, did not rise (n-gram lookup on free text), "not reported" where it said nothing."""
     row.spec_method = method
     d = measured(results, *counters)
+    before, after = counters
+    if d is None and method and before is not None and after is not None and \
+            after.draft_tokens == before.draft_tokens:  # read around the cell, not risen: it drafted nothing
+        d = Drafted(0, 0, None if before.drafts is None or after.drafts is None else 0, after.source)
     if d is None:  # an engine that can speculate but said nothing; no source for one that cannot
         row.spec_source = "not reported" if has_speculation and method else None
         return
