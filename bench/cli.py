@@ -4,6 +4,9 @@ A verb's module is imported only when that verb runs (or its own --help is asked
 pandas, matplotlib and transformers, which took ``kvbench --help`` to 2.3-2.8 s. The listing of
 ``kvbench --help`` reads each verb's docstring from its source instead of importing it.
 
+A verb's text and flag options are taken as typed, without the pydantic validation typer 0.29 brings
+(:func:`plain_value`): `kvbench plan` imports only what its answer needs (issue 54 item 4).
+
 Help text is printed as written (``rich_markup_mode=None``): under rich markup, ``ENGINE[@VERSION]`` lost
 its ``[@VERSION]`` as a markup tag.
 """
@@ -40,8 +43,46 @@ def load_command(name: str):
     """The verb's click command, built by typer from its function (importing its module)."""
     module, function = COMMANDS[name]
     sub = typer.Typer(add_completion=False, rich_markup_mode=None)
-    sub.command(name)(getattr(importlib.import_module(module), function))
+    sub.command(name, cls=Command)(getattr(importlib.import_module(module), function))
     return typer.main.get_command(sub)
+
+
+class Command(TyperCommand):
+    def get_params(self, ctx):  # its --help too, which typer makes per context
+        return [plain_value(param) for param in super().get_params(ctx)]
+
+
+try:  # typer's coercion of a value (imported with typer.core: nothing more to load)
+    from typer._coercion import RuntimeParam, build_runtime_param
+except ImportError:  # a typer without it: its own coercion throughout
+    RuntimeParam = None
+else:
+    class PlainParam(RuntimeParam):
+        """A str, list[str] or bool value as typer's TypeAdapter returns it, without one (:func:`plain_value`)."""
+
+        def _coerce_value(self, value, param, ctx):  # None never comes here: RuntimeParam.coerce returns it
+            if self.annotation in (str, bool) and type(value) is self.annotation:
+                return value
+            if self.annotation == list[str] and isinstance(value, (list, tuple)) and all(type(v) is str
+                                                                                       for v in value):
+                return list(value)
+            return build_runtime_param(param.type_descriptor)._coerce_value(value, param=param, ctx=ctx)
+
+
+def plain_value(param):
+    """A text or flag parameter's value taken as it is, without pydantic. typer 0.29 coerces every value through
+    a pydantic TypeAdapter it builds per parameter (a flag's too, where it is not given): importing pydantic and
+    building one per option was 60 ms of `kvbench plan`'s 0.33 s, for values that the adapter passes through
+    unchanged. A str, list[str] or bool parameter with no parser of its own gets :class:`PlainParam` instead;
+    any other parameter, or another typer, keeps typer's own coercion (tests/planner/test_plan_imports.py checks
+    that both give the same)."""
+    descriptor = getattr(param, "type_descriptor", None)
+    if (RuntimeParam is None or getattr(param, "_runtime_param", False) is not None or descriptor is None
+            or descriptor.annotation not in (str, list[str], bool) or descriptor.parameter_info.parser is not None
+            or descriptor.file_annotation is not None):
+        return param
+    param._runtime_param = PlainParam(descriptor.parameter_info, descriptor.annotation)
+    return param
 
 
 def docstring(name: str) -> str:
@@ -60,6 +101,9 @@ def docstring(name: str) -> str:
 
 class LazyGroup(TyperGroup):
     """Verbs imported on first use; `kvbench --help` lists them from their docstrings."""
+
+    def get_params(self, ctx):
+        return [plain_value(param) for param in super().get_params(ctx)]
 
     def list_commands(self, ctx) -> list[str]:
         return list(COMMANDS)

@@ -6,11 +6,8 @@ import json
 from dataclasses import asdict
 
 import typer
-from rich.markup import escape
-from rich.table import Table
 
 from kvbench.commands.plan_options import ARGUMENTS, EXIT_UNVERIFIED, plan_flags, read_plan_options
-from kvbench.common import ui
 from kvbench.common.suggest import with_hint
 from kvbench.kv.units import fmt_bytes, fmt_gib
 from kvbench.planner import PlanError, catalog_names, engines, lever_line, plan, resolve_model, setup, similar_model
@@ -86,6 +83,12 @@ plan_command.__annotations__ = {flag.param: flag.kind for flag in plan_flags()}
 
 
 def _print(r: dict) -> None:
+    # rich here and in _print_pools, not at the top: --json and a refusal print no table (issue 54 item 4)
+    from rich.markup import escape
+    from rich.table import Table
+
+    from kvbench.common import ui
+
     v = r["verdict"]
     typer.echo(r["asked"]["line"])  # the question asked, answered first; then what the limit implies
     typer.echo(r["at_limit"]["line"])
@@ -158,6 +161,11 @@ def _print_pools(s, pools, lacking: list[str], as_json: bool) -> None:
                           "margin": s.margin, "kv_dtype": s.kv_dtype, "engines_without_kv_dtype": lacking,
                           "engines": [asdict(p) for p in pools]}, indent=2, default=str))
         return
+    from rich.markup import escape
+    from rich.table import Table
+
+    from kvbench.common import ui
+
     typer.echo(f"{s.model.name} on {on}, a limit of {s.limit:,} tokens per request ({s.limit_source}); the memory "
                f"each engine takes: {', '.join(f'{p.engine} {p.share}' for p in pools)}")
     t = Table(title=f"KV pool per engine: {escape(s.model.name)}", show_header=True)

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.util
 import os
 import re
@@ -22,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbench.common.envs import HomeError, held, kvbench_home, tail
 from kvbench.kv import bounded, hub
 from kvbench.kv.geometry import KVGeometry
 from kvbench.kv.model_config import ConfigError, geometry_from_hf
@@ -56,6 +54,8 @@ def sha256_file(path: Path) -> str:
 @functools.lru_cache(maxsize=16)
 def _sha256(path: str, mtime_ns: int, size: int) -> str:
     """Cached per file version: the run's checks before its folder exists and the run itself hash a GGUF once."""
+    import hashlib  # here, not at the top: `kvbench plan` hashes nothing (OpenSSL's import, issue 54 item 4)
+
     h = hashlib.sha256()
     try:  # a regular file only: a FIFO would block, /dev/zero never end
         fd = bounded.open_regular(path, "model file")
@@ -69,6 +69,8 @@ def _sha256(path: str, mtime_ns: int, size: int) -> str:
 
 def sha256_folder(path: Path) -> str:
     """Hash of the files that define a model folder (config, weights, tokenizer), in name order."""
+    import hashlib  # as _sha256
+
     h = hashlib.sha256()
     for f in sorted(path.iterdir()):
         if f.is_file() and f.suffix in (".json", ".safetensors", ".bin", ".model", ".jinja", ".txt"):
@@ -89,6 +91,8 @@ def embedded_gguf(name: str) -> Path:
 def hf_copy_dir(gguf: Path, digest: str | None = None) -> Path:
     """Where kvbench keeps the HF-format copy it converts ``gguf`` to (for the engines that serve HF folders);
     it may not exist yet."""
+    from kvbench.common.envs import kvbench_home  # with psutil: `kvbench plan` of a catalog model needs neither
+
     return kvbench_home() / "models" / (digest or sha256_file(gguf))[:16] / HF_FOLDER
 
 
@@ -207,6 +211,8 @@ def resolve(model: str, convert: GGUFConverter | None, log=print, weights: bool 
             return ModelFiles(name=model if not Path(model).expanduser().exists() else path.name, hf_dir=path,
                               gguf_path=None, sha256=sha256_folder(path), geometry=_geometry(path))
         name, gguf = path.stem, path
+    from kvbench.common.envs import HomeError, held  # as hf_copy_dir
+
     digest = sha256_file(gguf)
     hf_dir = hf_copy_dir(gguf, digest)
     if not (hf_dir / "config.json").exists():
@@ -224,6 +230,8 @@ def resolve(model: str, convert: GGUFConverter | None, log=print, weights: bool 
 def _convert(gguf: Path, hf_dir: Path, convert: GGUFConverter, log) -> None:
     """Convert into a staging folder (emptied first: a killed conversion may have left one) renamed to ``hf_dir``
     when complete, so that only a complete copy ever has the final name. Called under the model's lock."""
+    from kvbench.common.envs import tail  # as hf_copy_dir
+
     log(f"preparing an HF-format copy of {gguf.name} in {hf_dir} (once)")
     staging = hf_dir.with_name(HF_FOLDER + ".partial")
     log_file = hf_dir.with_name("convert.log")
