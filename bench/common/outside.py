@@ -3,12 +3,14 @@ encodes (no lone surrogate: a JSON ``"\\ud800"`` or a byte the environment could
 with a marker of what was cut, and counts within a bound. Every writer (JSON, YAML, Parquet, Markdown) then
 takes it as it takes any other text.
 
-The bottom of ``kvbench.common``: it imports nothing of kvbench's."""
+Near the bottom of ``kvbench.common``: it imports only ``kvbench.common.redact``."""
 from __future__ import annotations
 
 import codecs
 import math
 import re
+
+from kvbench.common import redact
 
 TEXT_MAX_CHARS = 4_096  # a version, a model name, a message: more is not one of these
 LINE_MAX_CHARS = 2_000  # a log line kept in a record
@@ -42,7 +44,11 @@ def optional_text(value, limit: int | None = TEXT_MAX_CHARS) -> str | None:
 
 
 def cut(value: str, limit: int) -> str:
-    """``value`` within ``limit`` characters, the cut said: ``... [1,234,567 characters cut]``."""
+    """``value`` within ``limit`` characters, the cut said: ``... [1,234,567 characters cut]``. Held credentials
+    are masked first: a cut through one would leave a prefix the writers' masking no longer recognises."""
+    if len(value) <= limit:
+        return value
+    value = redact.scrub(value)
     if len(value) <= limit:
         return value
     keep = limit - len(f" [... {len(value):,} characters cut]")  # the marker's longest: within the limit

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import httpx
 import psutil
 
-from kvbench.backends.base import Backend
+from kvbench.backends.base import Backend, believable_pool
 from kvbench.load import LoadSettings, frozen_heap, run, run_async
 from kvbench.load.common import LoadShare
 from kvbench.load.open_loop import schedule_seed
@@ -120,7 +120,7 @@ def measure(s: EngineSession, backend: Backend, cell: Cell) -> CellMeasurement:
         kv_peak = None
     m = CellMeasurement(cell, load, t0, backend.kv_dtype_name(), engine_exit=died,
                         log_tail=backend.log_tail() if "ok" not in verdicts else "",
-                        kv_pool=backend.kv_pool(), kv_peak=kv_peak,
+                        kv_pool=believable_pool(backend.kv_pool()), kv_peak=kv_peak,
                         kv_samples=engine.kv_samples, kv_source=engine.kv_source,
                         queue_samples=engine.queue_samples, queue_source=engine.queue_source,
                         memory_samples=memory.samples if memory else None, rss_baseline_bytes=rss_baseline,

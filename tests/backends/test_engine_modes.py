@@ -160,10 +160,13 @@ def test_every_starting_adapter_declares_the_mode_and_refuses_a_wrong_one():
 
 
 def test_the_row_records_the_mode_and_gpus_from_the_adapter(tmp_path):
-    assert engine_setup(VLLMBackend, {}) == {"engine_mode": "sized", "gpus_used": 1}
-    assert engine_setup(VLLMBackend, {"engine_mode": "deployed", "tp": 4}) == {"engine_mode": "deployed", "gpus_used": 4}
+    no_drafter = {"speculative": "", "can_speculate": True}
+    assert engine_setup(VLLMBackend, {}) == {"engine_mode": "sized", "gpus_used": 1, **no_drafter}
+    assert engine_setup(VLLMBackend, {"engine_mode": "deployed", "tp": 4}) == {"engine_mode": "deployed", "gpus_used": 4,
+                                                                               **no_drafter}
     assert engine_setup(VLLMBackend, {"engine_mode": "deployed"}, attached=True)["engine_mode"] == ""
-    assert engine_setup(REGISTRY["openai"], {}) == {"engine_mode": "", "gpus_used": 1}  # declares no mode
+    assert engine_setup(REGISTRY["openai"], {}) == {"engine_mode": "", "gpus_used": 1, "speculative": "",
+                                                    "can_speculate": False}  # declares no mode, no drafter
     run = EngineRun("r", "vllm-1", "vllm", "1", spec(tmp_path).model, WORKLOAD, "auto", False,
                     **engine_setup(VLLMBackend, {"engine_mode": "deployed", "tp": 2}))
     row = failed_row(run, CELL, "not run", "why", None)

@@ -164,7 +164,7 @@ def test_the_served_model_is_recorded_and_set_against_the_model(tmp_path, smollm
     from kvbench.reports import build
 
     header = dict(build([tmp_path / "allowed"]).headers[0])
-    assert header["Served models"].startswith(f"{label}: Qwen/Qwen2.5-7B-Instruct (asked: stream usage yes")
+    assert header["Served models"].startswith(f"{label}: Qwen/Qwen2.5-7B-Instruct (asked: `stream usage yes")  # a code span: a server's words
     assert header["Model"].startswith("smollm2")  # the model whose KV is predicted, the served one beside it
     assert cells.engine_version_reported.isna().all()  # no /version: unknown, not "v1"
     with FakeOpenAI(model="HuggingFaceTB/SmolLM2-135M-Instruct") as fake:  # the same model, named as the hub does
