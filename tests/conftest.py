@@ -19,6 +19,9 @@ sys.dont_write_bytecode = False
 # Python processes on 2 cores (kvbench commands, load workers, stand-in servers: about 250 in the developer's
 # loop). No test multiplies matrices. Set before anything here imports numpy; a user's own setting is kept.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# Each run's memory-bandwidth probe (bench/common/bandwidth.py) reads 256 MiB or more for about 0.3 s: off for
+# the suite's many short runs; tests/run/test_decode_bound.py switches it on where it is what is tested.
+os.environ.setdefault("KVBENCH_BANDWIDTH_PROBE", "off")
 
 # pytest-timeout: every test has pyproject.toml's default (300 s); one marked `engine` starts a real engine
 # (a module's engine fixture runs inside its first test) and gets this instead. A test's own

@@ -185,12 +185,12 @@ def plant_results_column(tree: Path) -> None:
     edit(tree, "bench/common/metrics.py", '    out.update(percentiles([r.ttft for r in requests], "ttft_s"))\n',
          '    out.update(percentiles([r.ttft for r in requests], "ttft_s"))\n'
          '    out["ttft_s_max"] = max((r.ttft for r in requests if r.ttft is not None), default=None)\n')
-    edit(tree, "bench/store/schema.py", "SCHEMA_VERSION = 9\n", "SCHEMA_VERSION = 10\n")
+    edit(tree, "bench/store/schema.py", "SCHEMA_VERSION = 10\n", "SCHEMA_VERSION = 11\n")
     edit(tree, "bench/store/schema.py", "    ttft_s_p99: float | None = None\n",
          "    ttft_s_p99: float | None = None\n    ttft_s_max: float | None = None\n")
-    edit(tree, "bench/store/schema.py", '    figures None; a request\'s ``spec_draft_tokens`` and ``spec_accepted_tokens`` None.\n',
-         '    figures None; a request\'s ``spec_draft_tokens`` and ``spec_accepted_tokens`` None.\n'
-         '    v9 -> v10: ``ttft_s_max`` None (not measured).\n')
+    edit(tree, "bench/store/schema.py", "    v9 -> v10: a cell's ``decode_*`` and ``itl_s_bound`` None (not measured: earlier runs probed no bandwidth).\n",
+         "    v9 -> v10: a cell's ``decode_*`` and ``itl_s_bound`` None (not measured: earlier runs probed no bandwidth).\n"
+         '    v10 -> v11: ``ttft_s_max`` None (not measured).\n')
 
 
 def plant_run_option(tree: Path) -> None:
@@ -299,9 +299,9 @@ def test_a_results_column_is_a_metric_key_a_field_and_a_schema_version(planted_r
     [cell] = cells(planted_run)
     requests = [json.loads(line) for line in (planted_run / "requests.jsonl").read_text().splitlines()]
     ttfts = [r["ttft_s"] for r in requests if r["cell_id"] == cell["cell_id"] and not r["warmup"]]
-    assert cell["schema_version"] == 9 and cell["ttft_s_max"] == pytest.approx(max(ttfts))
+    assert cell["schema_version"] == 11 and cell["ttft_s_max"] == pytest.approx(max(ttfts))
     parquet = pq.read_table(planted_run / "cells.parquet")
-    assert parquet.schema.metadata[b"kvbench_schema_version"] == b"9"
+    assert parquet.schema.metadata[b"kvbench_schema_version"] == b"11"
     assert pd.Series(parquet.column("ttft_s_max").to_pylist()).tolist() == [cell["ttft_s_max"]]
 
 

@@ -12,6 +12,7 @@ from kvbench.common.suggest import with_hint
 from kvbench.kv.units import fmt_bytes, fmt_gib
 from kvbench.planner import PlanError, catalog_names, engines, lever_line, plan, resolve_model, setup, similar_model
 from kvbench.planner.capacity import engine_pools
+from kvbench.planner.decode import decode_answer
 from kvbench.kv.model_config import ConfigError
 from kvbench.kv.rules import KVRuleError
 from kvbench.run.option_fields import Flag
@@ -27,6 +28,8 @@ def plan_command(**given):
         draft = resolve_model(o.draft_model, trust_remote_code=o.trust_remote_code) if o.draft_model else None
         p = o.plan_input(m, draft)
         if o.compare_engines:
+            if o.bandwidth is not None:
+                raise PlanError("--bandwidth answers one engine's plan, not --compare-engines")
             s = setup(p)
             if s.gpu is None:
                 raise PlanError("--compare-engines needs a GPU (--gpu) or a memory wall (--memory)")
@@ -36,6 +39,8 @@ def plan_command(**given):
             pools = engine_pools(s, compared, o.engine_options)
         else:
             result = plan(p)
+            if o.bandwidth is not None:
+                result["decode_bound"] = decode_answer(result, o.bandwidth, o.decode_efficiency)
     except (PlanError, ConfigError, KVRuleError) as exc:  # KVRuleError: an engine's rules refusing, in one line
         message = str(exc)
         if model in message and (near := similar_model(model, catalog_names())):  # its family and size only
@@ -98,6 +103,9 @@ def _print(r: dict) -> None:
         typer.echo(r["at_asked_limit"]["line"])
     if r.get("speculation"):
         typer.echo(r["speculation"]["line"])
+    if "decode_bound" in r:
+        typer.echo(r["decode_bound"]["line"] if r["decode_bound"] else
+                   "Decode bound: not planned (the weights' size is unknown: give --weights-bytes)")
     wall = r.get("memory_wall")
     on = r["gpu"] if wall else f"{r['gpus']} x {r['gpu']}{_layout(r)}" if r.get("gpu") else "no GPU given"
     typer.echo(f"{r['model']} under {r['engine']} on {on}: {r['batch']} at once of {r['context']:,} tokens "

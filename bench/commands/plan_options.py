@@ -17,6 +17,7 @@ from kvbench.kv.geometry import KV_DTYPE_BYTES
 from kvbench.kv.rules import KVQuestion, KVRuleError
 from kvbench.kv.speculative import MAX_SPECULATIVE_TOKENS, METHODS
 from kvbench.kv.units import GIB
+from kvbench.planner.decode import read_bandwidth, read_decode_efficiency
 from kvbench.planner import (
     NODE_GPUS,
     WEIGHT_DTYPES,
@@ -426,6 +427,16 @@ class PlanOptions:
              f"llama.cpp --spec-draft-n-max), 1 to {MAX_SPECULATIVE_TOKENS:,}; default: the engine's.",
              metavar="N"),
         read=read_speculative_tokens, default=None)
+    bandwidth: float | None = option(
+        Flag("bandwidth", str, None, "The GPU's (or CPU's) memory read bandwidth per GPU, e.g. 3.35TB/s, 900GB/s: "
+             "prints the fastest ITL the batch allows (a decode step reads the weights once and every request's "
+             "KV; docs/metrics.md, \"Decode bound\").", metavar="RATE"),
+        read=read_bandwidth, default=None)
+    decode_efficiency: float | None = option(
+        Flag("decode_efficiency", str, None, "With --bandwidth: the share of the bound an engine reaches (a run's "
+             "efficiency, from `kvbench report`), above 0 and at most 1: prints the ITL to expect.",
+             metavar="FRACTION"),
+        read=read_decode_efficiency, default=None)
     as_json: bool = option(Flag("as_json", bool, False, "Print one JSON object.", names=("--json",)))
     compare_engines: bool = option(
         Flag("compare_engines", bool, False, "Every engine's KV pool side by side for this model and GPU (or wall), "

@@ -93,6 +93,9 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     # a drafter's acceptance (bench/run/speculation.py): greedy decoding of the same prompts accepts the same
     # drafts, so one value per side is compared as it is; a drop is a regression
     Metric("spec_acceptance_rate", False, "share", deterministic=True, only_where_measured=True),
+    # the decode bound over the median ITL (bench/run/decode_bound.py): lower is worse; runs before schema 10
+    # and GPU runs have none
+    Metric("decode_efficiency", False, "share", only_where_measured=True),
 ]}
 
 

@@ -18,7 +18,7 @@ import pandas as pd
 from kvbench.common.files import (NEW_FILE_MODE, OutputRefused, atomic_write_text, check_output, check_output_folder,
                                   kvbench_html, kvbench_markdown, kvbench_png)
 from kvbench.common.markdown import md_text
-from kvbench.reports import findings, prefix_cache, speculation, tables
+from kvbench.reports import bandwidth, findings, prefix_cache, speculation, tables
 from kvbench.store.errors import DamagedLinesWarning, ResultsReadError, ResultsWarning, ResultsWriteError
 from kvbench.store.readers import load, load_run_info, read_jsonl_rows
 from kvbench.store.writer import run_status
@@ -238,6 +238,10 @@ def _build(run_dirs: list[Path], plots_dir: Path | None) -> Report:
     if speculation.speculated(agg):  # a run with a drafter: after the prefix cache
         sections.insert(_after(sections, "prefix_cache"), Section(
             "speculation", speculation.TITLE, speculation.INTRO, speculation.speculation_table(agg), speculation.RIGHT, cap))
+    sections.insert(_after(sections, "performance"), Section(  # decode against the bandwidth limit
+        bandwidth.SECTION, bandwidth.TITLE, bandwidth.INTRO, bandwidth.bound_table(agg) if bandwidth.measured(agg)
+        else None, bandwidth.RIGHT, cap if bandwidth.measured(agg) else "",
+        note="" if bandwidth.measured(agg) else bandwidth.not_measured_note(agg)))
     _gpu_sections(sections, agg, cap)  # GPU runs only: memory per GPU, the planner against the boundary
     _startup_section(sections, infos, cap)  # the engines' own startup figures beside the plan's (run.json)
     if tables.deployments(agg):  # after the boundary: which replica of a deployment queued first

@@ -23,6 +23,7 @@ COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:b
           "tab:cyan", "tab:gray")
 # the sections a plot can illustrate, by their ids (bench/reports/__init__.py)
 KV_SECTION, PERF_SECTION, BOUNDARY_SECTION = "kv", "performance", "boundary"
+DECODE_BOUND_SECTION = "decode_bound"  # bench/reports/bandwidth.py's section
 
 _palette: dict[str, str] = {}
 
@@ -303,6 +304,31 @@ def latency_cdfs(requests: pd.DataFrame, out: Path) -> Path | None:
     return _save(fig, out)
 
 
+def itl_against_context(cells: pd.DataFrame, out: Path) -> Path | None:
+    """Per load point a panel: each engine's median ITL against the prompt's length (solid) and its decode bound
+    (dashed, the same colour; bench/reports/bandwidth.py)."""
+    from .tables import OK_STATUSES
+
+    ok = cells[cells.status.isin(OK_STATUSES) & cells.itl_s_bound.notna() & cells.itl_s_p50.notna()]
+    if ok.empty:
+        return None
+    ok = ok.assign(load=[load_label(r) for r in ok.itertuples()])
+    loads = list(dict.fromkeys(ok.sort_values("concurrency", na_position="last").load))
+    fig, axes = plt.subplots(1, len(loads), figsize=(5.2 * len(loads), 4.2), squeeze=False, layout="constrained")
+    for ax, load in zip(axes[0], loads):
+        for label, g in ok[ok.load == load].groupby("label", sort=False):
+            g = g.sort_values("prompt_tokens")
+            ax.plot(g.prompt_tokens, g.itl_s_p50 * 1000, "o-", color=color(label), label=f"{label} measured")
+            ax.plot(g.prompt_tokens, g.itl_s_bound * 1000, "--", color=color(label), label=f"{label} bound")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.set(title=load, xlabel="prompt tokens", ylabel="ITL p50 (ms)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Inter-token latency against context, with the memory-bandwidth bound under it")
+    return _save(fig, out)
+
+
 def _draw(plot, path: Path, *args) -> bool:
     return bool(plot(*args, path))
 
@@ -344,6 +370,9 @@ def report_figures(run_dirs, agg: pd.DataFrame, requests: pd.DataFrame, folder: 
         latency_throughput, agg)
     add(PERF_SECTION, "TTFT and ITL distributions per engine", "latency_cdfs.png", latency_cdfs, requests)
     add(BOUNDARY_SECTION, "The KV boundary", "kv_boundary.png", kv_boundary, agg)
+    if "itl_s_bound" in agg:
+        add(DECODE_BOUND_SECTION, "ITL against context, with the memory-bandwidth bound", "itl_bound_vs_context.png",
+            itl_against_context, agg)
     return figures
 
 

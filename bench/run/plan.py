@@ -30,11 +30,23 @@ def plan_run(options: RunOptions, model: ModelFiles, carried: RunPlan | None) ->
     return carried or RunPlan.make(options.workload, model.geometry.max_context, options.max_context, options.repeats)
 
 
+def checkpoint_bytes(folder) -> int | None:
+    """The HF checkpoint's tensor bytes (its safetensors headers): the weights an engine that loads them as
+    stored reads each decode step, where it does not report its own (None: not safetensors)."""
+    from kvbench.kv import bounded
+    from kvbench.kv.weights import safetensors_bytes
+    try:
+        return safetensors_bytes(folder) or None
+    except (OSError, ValueError, bounded.InputError):
+        return None
+
+
 def plan_record(model: ModelFiles, plan: RunPlan) -> dict:
     """What run.json records of the model and the plan."""
     return dict(model={"name": model.name, "sha256": model.sha256,
                        "gguf": str(model.gguf_path) if model.gguf_path else None,
                        "hf_dir": str(model.hf_dir), "geometry": asdict(model.geometry),
+                       "checkpoint_bytes": checkpoint_bytes(model.hf_dir),
                        "max_context": plan.max_context},
                 skipped_prompt_lengths=list(plan.skipped), prompt_lengths=list(plan.lengths),
                 load_points=[asdict(p) for p in plan.points])

@@ -24,6 +24,7 @@ from kvbench.kv.rules import KVQuestion, KVRules
 from kvbench.kv.units import fmt_bytes
 from kvbench.load import LoadResult
 from kvbench.run.cells import Cell, load_label
+from kvbench.run.decode_bound import decode_bound_columns
 from kvbench.run.kvquant import declined_dtype, formula_bytes
 from kvbench.run.prefix_cache import meant_warm, prefix_cache_columns
 from kvbench.run.samplers import KVSample, MemorySample, QueueSample
@@ -55,6 +56,8 @@ class EngineRun:
     gpus_used: int = 1  # GPUs the engine is split over
     speculative: str = ""  # the drafter it was started with ("": none, or not known: an attached server)
     can_speculate: bool = False  # its adapter has speculative decoding (a row then says what it reported)
+    memory_bandwidth: dict | None = None  # run.json's probe (bench/common/bandwidth.py run_probe); None: none
+    checkpoint_bytes: int | None = None  # the HF checkpoint's tensors: the weights where the engine reports none
 
 
 def engine_setup(cls, options: dict, attached: bool = False) -> dict:
@@ -141,6 +144,7 @@ def summarize(run: EngineRun, m: CellMeasurement) -> CellRow:
     prefix_cache_columns(row, w, m.cell, results, run.rules, run.model.geometry, m.kv_dtype, m.kv_pool,
                          m.prefix_counters, m.prefix_seen)
     speculation_columns(row, run.speculative, run.can_speculate, results, m.spec_counters)
+    decode_bound_columns(row, run.model.geometry, run.memory_bandwidth, run.checkpoint_bytes, w.output_tokens)
     row.t_cell_start_unix = m.t_cell_start_unix
     for k, v in (m.telemetry or {}).items():  # the cluster's own monitoring, as read from Prometheus
         setattr(row, k, v)

@@ -26,7 +26,7 @@ from rich.console import Console
 
 from kvbench.backends import REGISTRY
 from kvbench.backends.types import ServerSpec
-from kvbench.common import models
+from kvbench.common import bandwidth, models
 from kvbench.common.hardware import NVML, environment_info, hardware_differences
 from kvbench.kv import bounded
 from kvbench.load import interrupt
@@ -191,6 +191,8 @@ class Runner:
         self.console = console or Console()
         self.carried_plan = plan
         self.environment = environment_info()  # recorded in run.json; a resumed run's is held to it
+        self.memory_bandwidth: dict | None = None  # probed when the run starts its cells (the decode bound)
+        self.checkpoint_bytes: int | None = None
         self.run_id = options.run_id or new_run_id(options.workload.name)
         # a share of a run on several machines: the owner's clock and barrier (share 0 serves them), before
         # anything is created (a port in use is refused like a bad flag)
@@ -293,7 +295,11 @@ class Runner:
             if plan.skipped:
                 self.console.print(f"[yellow]prompt lengths {list(plan.skipped)} skipped: they do not fit the "
                                    f"context limit {plan.max_context} with {w.output_tokens} output tokens[/]")
-            self.writer.update_run_info(**plan_record(model, plan))
+            record = plan_record(model, plan)
+            self.checkpoint_bytes = record["model"]["checkpoint_bytes"]
+            # the decode bound's denominator (bench/common/bandwidth.py); a resumed run measures it again
+            self.memory_bandwidth = bandwidth.run_probe(self.environment)
+            self.writer.update_run_info(**record, memory_bandwidth=self.memory_bandwidth)
             prompts = CellPrompts(builder, w, self.salt)
             spec = ServerSpec(model=model, max_context=plan.server_context, max_concurrency=plan.server_concurrency,
                               kv_dtype=o.kv_dtype, kv_pool_sequences=w.kv_pool_sequences,

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 OK_STATUSES = ("ok", "flagged")  # cell statuses whose figures count (flagged: some requests broke the contract)
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 #: The fields that say what a cell *is*; two cells with equal values measure the same thing
 #: (``kvbench compare`` matches on these, repeats aside).
 CELL_CONFIG_FIELDS = ("engine", "engine_version", "model", "workload", "variant", "prompt_tokens", "output_tokens",
@@ -188,6 +188,15 @@ class CellRow(BaseModel):
     spec_tokens_per_step: float | None = None
     spec_steps_per_output_token: float | None = None
     spec_source: str | None = None
+    # decode against the memory-bandwidth limit (bench/common/bandwidth.py; docs/metrics.md, "Decode bound"): the
+    # bytes one decode step reads by kvbench's model (the weights once, the K/V every running sequence attends to
+    # at the cell's mean decode position), the KV's share of them, those bytes over the run's measured read
+    # bandwidth (the fastest an ITL can be), that bound over the median ITL measured, and what each came from
+    decode_step_bytes: float | None = None
+    decode_kv_share: float | None = None
+    itl_s_bound: float | None = None
+    decode_efficiency: float | None = None
+    decode_bound_source: str | None = None
 
 
 class RequestRow(BaseModel):
@@ -260,6 +269,7 @@ def migrate_row(row: dict, model: type[BaseModel]) -> dict:
     offsets None, ``load_process`` "" (not recorded; its times are on the one clock of the run's process).
     v8 -> v9: a cell's ``spec_method`` "" (not recorded: no earlier run speculated) and its other ``spec_*``
     figures None; a request's ``spec_draft_tokens`` and ``spec_accepted_tokens`` None.
+    v9 -> v10: a cell's ``decode_*`` and ``itl_s_bound`` None (not measured: earlier runs probed no bandwidth).
     """
     version = int(row.get("schema_version", 1))
     if version > SCHEMA_VERSION:

@@ -1,0 +1,64 @@
+"""`kvbench plan --bandwidth RATE`: the fastest inter-token latency the planned batch allows (bench/common/bandwidth.py).
+One decode step on each GPU reads that GPU's weights once and the KV of every request of the batch at its typical
+length: those bytes over the GPU's read bandwidth are the floor; at a measured efficiency (`kvbench report`'s
+decode-bound table: bound over measured ITL) the ITL to expect."""
+from __future__ import annotations
+
+import re
+
+from kvbench.planner.shared import PlanError
+
+BANDWIDTH = re.compile(r"(?P<n>[0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*(?P<unit>[kmgt]i?b)?(?:/s)?", re.IGNORECASE)
+BANDWIDTH_UNITS = {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+MAX_BANDWIDTH = 1e15  # bytes/s: a memory past 1 PB/s is a typo
+
+
+def read_bandwidth(flags: dict, earlier: dict) -> float | None:
+    """A read bandwidth (3.35TB/s, 900GB/s, 819GiB/s, or bytes per second), above 0 and at most 1 PB/s."""
+    text = flags["bandwidth"]
+    if text is None:
+        return None
+    m = BANDWIDTH.fullmatch(text.strip())
+    if not m:
+        raise PlanError(f"--bandwidth {text[:40]!r} is not a rate such as 3.35TB/s or 900GB/s")
+    value = float(m["n"]) * BANDWIDTH_UNITS.get((m["unit"] or "").lower(), 1)
+    if not 1e6 <= value <= MAX_BANDWIDTH:
+        raise PlanError(f"--bandwidth takes 1MB/s to 1PB/s, not {text[:40]!r}")
+    return value
+
+
+def read_decode_efficiency(flags: dict, earlier: dict) -> float | None:
+    text = flags["decode_efficiency"]
+    try:
+        value = None if text is None else float(text)
+    except ValueError:
+        raise PlanError(f"--decode-efficiency takes a number, not {text[:40]!r}") from None
+    if value is not None and not 0 < value <= 1:  # NaN too
+        raise PlanError(f"--decode-efficiency is above 0 and at most 1, not {flags['decode_efficiency']}")
+    if value is not None and earlier.get("bandwidth") is None:
+        raise PlanError("--decode-efficiency needs --bandwidth (the bound it is a share of)")
+    return value
+
+
+def decode_answer(result: dict, bandwidth: float, efficiency: float | None) -> dict | None:
+    """The plan's decode bound (None where the weights' size is unknown)."""
+    # here, not at the top: its module brings concurrent.futures and logging (its probe's), which a plan without
+    # --bandwidth does not need (issue 54 item 4)
+    from kvbench.common.bandwidth import decode_bound
+
+    weights = result.get("weights_bytes_per_gpu")
+    if weights is None:
+        return None
+    batch = max(1, int(result["batch"]))
+    bound = decode_bound(weights, result["kv_bytes_per_gpu"] / batch, batch, bandwidth)
+    out = {"bandwidth_bytes_per_s": bandwidth, "step_bytes_per_gpu": bound.step_bytes,
+           "kv_bytes_per_gpu": bound.kv_bytes, "kv_share": bound.kv_share, "itl_s_bound": bound.itl_s,
+           "efficiency": efficiency, "itl_s_expected": bound.itl_s / efficiency if efficiency else None}
+    expected = (f"; at {efficiency:.0%} of it (the efficiency given) {out['itl_s_expected'] * 1000:,.2f} ms, "
+                f"{1 / out['itl_s_expected']:,.1f} tokens/s a request" if efficiency else
+                "; give --decode-efficiency (a run's, from `kvbench report`) for the ITL to expect")
+    out["line"] = (f"Decode at {bandwidth / 1e9:,.0f} GB/s: a step reads {bound.step_bytes / 2**30:,.2f} GiB per GPU "
+                   f"(weights {weights / 2**30:,.2f}, KV of {batch:,} x {result['context']:,} tokens "
+                   f"{bound.kv_bytes / 2**30:,.2f}: {bound.kv_share:.0%}), so no ITL is under "
+                   f"{bound.itl_s * 1000:,.2f} ms ({1 / bound.itl_s:,.1f} tokens/s a request){expected}")
+    return out

@@ -1,0 +1,42 @@
+"""A cell's decode bound (bench/common/bandwidth.py): the bytes one decode step reads by kvbench's model, over the
+read bandwidth measured at the run's start, beside the ITL the cell measured. docs/metrics.md, "Decode bound"."""
+from __future__ import annotations
+
+from kvbench.common.bandwidth import decode_bound
+from kvbench.kv.geometry import KVGeometry, UnknownKVDtype, kv_bytes_for_sequence
+from kvbench.kv.units import fmt_bytes
+from kvbench.store.schema import CellRow
+
+
+def decode_bound_columns(row: CellRow, geometry: KVGeometry, bandwidth: dict | None, checkpoint_bytes: int | None,
+                         output_tokens: int) -> None:
+    """Fill the row's ``decode_*`` and ``itl_s_bound`` where the run measured a bandwidth, the weights are known
+    (the engine's own figure, else the checkpoint as stored) and the KV dtype has a size; else leave them None
+    and say why in ``decode_bound_source``."""
+    if not bandwidth or not bandwidth.get("bytes_per_s"):
+        row.decode_bound_source = "not measured: " + ((bandwidth or {}).get("not_measured")
+                                                      or "no bandwidth was probed at the run's start")
+        return
+    weights, weights_from = row.weights_bytes_engine, row.weights_source
+    if not weights:
+        weights, weights_from = checkpoint_bytes, "the checkpoint's tensors as stored"
+    if not weights:
+        row.decode_bound_source = "not measured: the engine reported no weights and the checkpoint is not safetensors"
+        return
+    # at a decode step a sequence has its prompt and, on average over its decode, half its output cached
+    attended = row.prompt_tokens + (output_tokens - 1) // 2
+    sequences = max(1, row.max_in_flight or row.concurrency or 1)  # the most the cell had in flight
+    try:
+        per_sequence = kv_bytes_for_sequence(geometry, row.kv_dtype, attended)
+    except UnknownKVDtype:
+        row.decode_bound_source = f"not measured: no element size for the KV dtype {row.kv_dtype}"
+        return
+    bound = decode_bound(weights, per_sequence, sequences, bandwidth["bytes_per_s"])
+    row.decode_step_bytes, row.decode_kv_share, row.itl_s_bound = bound.step_bytes, bound.kv_share, bound.itl_s
+    if row.itl_s_p50:
+        row.decode_efficiency = bound.itl_s / row.itl_s_p50
+    row.decode_bound_source = (f"weights {fmt_bytes(weights)} ({weights_from}); KV of {sequences} x "
+                               f"{attended:,} tokens by kvbench's formula; read bandwidth "
+                               f"{bandwidth['bytes_per_s'] / 1e9:.1f} GB/s ({bandwidth.get('threads', '?')} threads, "
+                               "measured at the run's start)")
+

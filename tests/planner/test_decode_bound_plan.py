@@ -1,0 +1,51 @@
+"""`kvbench plan --bandwidth RATE [--decode-efficiency F]`: the fastest ITL the planned batch allows, its bytes
+per GPU (the weights once, every request's KV), and the ITL at an efficiency a run measured."""
+import pytest
+
+from kvbench.planner.decode import decode_answer
+from tests.planner.test_plan_options import planned, refused
+
+
+def test_the_bound_is_the_gpus_weights_and_the_batchs_kv_over_the_bandwidth():
+    r = planned("--engine", "vllm", "-n", "32768", "--batch", "8", "--bandwidth", "3.35TB/s",
+                "--decode-efficiency", "0.5")
+    d = r["decode_bound"]
+    step = r["weights_bytes_per_gpu"] + r["kv_bytes_per_gpu"]
+    assert d["step_bytes_per_gpu"] == pytest.approx(step) and d["bandwidth_bytes_per_s"] == 3.35e12
+    assert d["itl_s_bound"] == pytest.approx(step / 3.35e12) and d["itl_s_expected"] == pytest.approx(2 * step / 3.35e12)
+    assert d["kv_share"] == pytest.approx(r["kv_bytes_per_gpu"] / step)
+    assert "no ITL is under" in d["line"] and "at 50% of it" in d["line"]
+
+
+def test_tensor_parallel_splits_the_bytes_each_gpu_reads():
+    one = planned("--engine", "vllm", "-n", "8192", "--bandwidth", "1TB/s")["decode_bound"]
+    two = planned("--engine", "vllm", "-n", "8192", "--bandwidth", "1TB/s", "--tp", "2")["decode_bound"]
+    assert two["step_bytes_per_gpu"] < 0.6 * one["step_bytes_per_gpu"]
+
+
+def test_the_kv_share_grows_with_context():
+    short = planned("-n", "1024", "--bandwidth", "1TB/s")["decode_bound"]["kv_share"]
+    long = planned("-n", "131072", "--bandwidth", "1TB/s")["decode_bound"]["kv_share"]
+    assert short < 0.1 < 0.5 < long
+
+
+def test_units_of_a_rate_are_read():
+    for text, value in (("900GB/s", 9e11), ("819GiB/s", 819 * 2**30), ("2e12", 2e12), ("1.5 TB", 1.5e12)):
+        assert planned("--bandwidth", text)["decode_bound"]["bandwidth_bytes_per_s"] == pytest.approx(value)
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--bandwidth", "abc"), "is not a rate"), (("--bandwidth", "0"), "1MB/s to 1PB/s"),
+    (("--bandwidth", "1e30"), "1MB/s to 1PB/s"), (("--bandwidth", "-5GB/s"), "is not a rate"),
+    (("--decode-efficiency", "0.5"), "needs --bandwidth"),
+    (("--bandwidth", "1TB/s", "--decode-efficiency", "1.5"), "above 0 and at most 1"),
+    (("--bandwidth", "1TB/s", "--decode-efficiency", "nan"), "above 0 and at most 1"),
+    (("--bandwidth", "1TB/s", "--decode-efficiency", "half"), "takes a number"),
+    (("--bandwidth", "1TB/s", "--compare-engines"), "not --compare-engines"),
+])
+def test_hostile_rates_are_one_line_and_exit_2(args, words):
+    assert words in refused(*args)
+
+
+def test_unknown_weights_plan_no_bound():
+    assert decode_answer({"weights_bytes_per_gpu": None}, 1e12, None) is None
