@@ -6,10 +6,12 @@ import re
 
 # llama_kv_cache: size =   90.00 MiB (  4096 cells,  30 layers,  1/1 seqs), K (f16):   45.00 MiB, V (f16):   45.00 MiB
 # (older builds prefix the line with llama_kv_cache_unified: and use the same fields); sizes are decimal numbers
-# (a garbled "1.2.3" does not match: the line is not read, rather than failing the pool read)
+# (a garbled "1.2.3" does not match: the line is not read, rather than failing the pool read). "N/S seqs" is
+# n_seq_max / n_stream (src/llama-kv-cache.cpp): equal with a stream per slot, "4/1" for 4 slots sharing one
+# unified stream (--kv-unified), whose cells are the whole pool
 KV_LINE = re.compile(
     r"llama_kv_cache(?:_unified)?: size =\s*(?P<mib>\d+(?:\.\d+)?) MiB \(\s*(?P<cells>\d+) cells,\s*(?P<layers>\d+) layers,"
-    r"\s*(?P<streams>\d+)/(?P<seqs_max>\d+) seqs\), K \((?P<type_k>\w+)\):\s*(?P<k_mib>\d+(?:\.\d+)?) MiB, "
+    r"\s*(?P<seqs_max>\d+)/(?P<streams>\d+) seqs\), K \((?P<type_k>\w+)\):\s*(?P<k_mib>\d+(?:\.\d+)?) MiB, "
     r"V \((?P<type_v>\w+)\):\s*(?P<v_mib>\d+(?:\.\d+)?) MiB")
 
 

@@ -33,6 +33,16 @@ def test_llama_kv_line_per_stream():
     assert cache["streams"] * cache["cells"] * 23_040 == 45 * MIB
 
 
+def test_llama_kv_line_of_a_unified_cache():
+    """llama-server -c 512 -np 2 --kv-unified (0.3.36): "2/1 seqs" is n_seq_max / n_stream, one stream of 512
+    cells for both slots (11.25 MiB = 512 x 23,040 bytes), not two of 512."""
+    line = ("0.00.414.600 I llama_kv_cache: size =   11.25 MiB (   512 cells,  30 layers,  2/1 seqs), "
+            "K (f16):    5.62 MiB, V (f16):    5.62 MiB")
+    (cache,) = parse_kv_log(line)
+    assert (cache["streams"], cache["seqs"], cache["cells"]) == (1, 2, 512)
+    assert cache["streams"] * cache["cells"] * 23_040 == round(11.25 * MIB)
+
+
 def test_llama_two_caches_for_sliding_window_models():
     caches = parse_kv_log(LLAMA_SWA_LOG)
     assert [c["cells"] for c in caches] == [4096, 768]
