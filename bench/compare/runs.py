@@ -71,6 +71,9 @@ class Metric:
     percentile: float | None = None
     deterministic: bool = False  # one value per side may be compared as it is
     only_where_measured: bool = False  # left out of a cell neither side measured (a figure few runs have)
+    # compared only where both sides sent the same prompt tokens (one prompt salt): a drafter's acceptance
+    # depends on the very tokens, and each run's own salt changes them
+    same_prompts: bool = False
 
 
 def _latency(name: str) -> Metric:
@@ -92,11 +95,27 @@ METRICS: dict[str, Metric] = {m.name: m for m in [
     Metric("gpu_device_peak_bytes", True, "B"),
     # a drafter's acceptance (bench/run/speculation.py): greedy decoding of the same prompts accepts the same
     # drafts, so one value per side is compared as it is; a drop is a regression
-    Metric("spec_acceptance_rate", False, "share", deterministic=True, only_where_measured=True),
+    Metric("spec_acceptance_rate", False, "share", deterministic=True, only_where_measured=True, same_prompts=True),
     # the decode bound over the median ITL (bench/run/decode_bound.py): lower is worse; runs before schema 10
     # and GPU runs have none
     Metric("decode_efficiency", False, "share", only_where_measured=True),
 ]}
+
+
+def prompt_salts(baseline: Side, candidate: Side) -> str:
+    """The two sides' prompt salts where they differ ("" where both sent the same prompt tokens)."""
+    def salts(side: Side) -> set:
+        return {(info.get("prompt_salt") or {}).get("value") if isinstance(info.get("prompt_salt"), dict)
+                else info.get("prompt_salt") for info in side.infos}
+    b, c = salts(baseline), salts(candidate)
+    return "" if b == c and len(b) == 1 else f"{sorted(map(str, b))} and {sorted(map(str, c))}"
+
+
+def not_compared(name: str, metric: Metric, tol: float, vb: pd.Series, vc: pd.Series, why: str) -> dict:
+    return {"metric": name, "unit": metric.unit, "worse": "higher" if metric.higher_is_worse else "lower",
+            "tolerance": tol, "baseline": _center(vb), "candidate": _center(vc), "change": None, "ci_low": None,
+            "ci_high": None, "method": None, "n_baseline": len(vb), "n_candidate": len(vc), "verdict": "not compared",
+            "note": why, "paired": False, "noise_log_sd": None, "repeats_needed": None, "repeats_to_settle": None}
 
 
 @dataclass
@@ -463,6 +482,11 @@ def compare(baseline: Side, candidate: Side, config: CompareConfig, allow_differ
         for name, tol in config.tolerances.items():
             metric = METRICS[name]
             if metric.only_where_measured and ub[name].isna().all() and uc[name].isna().all():
+                continue
+            if metric.same_prompts and (salts := prompt_salts(baseline, candidate)):
+                metrics.append(not_compared(name, metric, tol, ub[name].dropna(), uc[name].dropna(),
+                                            f"other prompts: prompt salts {salts} (kvbench run --prompt-salt: one "
+                                            "salt on both sides)"))
                 continue
             seed = zlib.crc32(repr((key, name)).encode())
             interval, note, noise, paired = _interval(metric, ub, uc, baseline, candidate, config.confidence, seed,
