@@ -125,6 +125,26 @@ def log_excerpt(path: Path, offset: int = 0, lines: int = 40, context: int = 3) 
     return "\n".join(["[first error in the log]", *around, "[...]", "[last lines]", *last])
 
 
+LOG_READ_BYTES = 16 << 20  # of a log read for its figures: this much of its start and of its end
+
+
+def read_log(path: Path) -> str:
+    """An engine's log as text for the parsers of its figures, bounded: its first and last 16 MiB where it is
+    longer (the startup figures are at the start, a reload's at the end; a log of one 64 MiB line was read
+    whole, every poll). "" where it cannot be read."""
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size <= 2 * LOG_READ_BYTES:
+                return f.read().decode(errors="replace")
+            head = f.read(LOG_READ_BYTES).decode(errors="replace")
+            f.seek(size - LOG_READ_BYTES)
+            tail = f.read(LOG_READ_BYTES).decode(errors="replace")
+    except OSError:
+        return ""
+    return f"{head}\n[... {size - 2 * LOG_READ_BYTES:,} bytes of the log not read]\n{tail}"
+
+
 def _reaches(listen_ip: str, host: str | None) -> bool:
     """Whether a socket listening at ``listen_ip`` takes connections made to ``host``: the same address or
     a wildcard one (any address where ``host`` is a name or not given)."""

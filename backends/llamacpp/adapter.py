@@ -25,7 +25,7 @@ from kvbench.kv.units import MIB
 from ..base import Backend, extra_args
 from ..capabilities import Capabilities, KVQuantisation, PrefixCache, Telemetry
 from ..options import EXTRA_ARGS, Option, speculation_options
-from ..process import last_error_line
+from ..process import last_error_line, read_log
 from ..prometheus import capped_get, gauge_sum, metric_samples, note_dropped
 from ..shared.served_models import OpenAIModelList
 from ..streaming import stream_sse
@@ -187,7 +187,7 @@ class LlamaCppBackend(Backend):
 
     def start_failure_hint(self, failure: str, log_tail: str) -> str | None:
         """A llama-server that a signal ended before it was ready, classified by what its log shows."""
-        log = self.server.log_path.read_text(errors="replace") if self.server and self.server.log_path.exists() else log_tail
+        log = read_log(self.server.log_path) if self.server and self.server.log_path.exists() else log_tail
         if "SIGILL" in failure:
             return ("the build uses an instruction this CPU lacks (built on another machine?): `kvbench setup -b "
                     "llamacpp` builds one for this CPU")
@@ -377,7 +377,7 @@ class LlamaCppBackend(Backend):
         """The target's pool; a draft model's own KV cache (logged after it) is kept apart in the details."""
         if not self.server:
             return None
-        target, draft = split_draft_log(self.server.log_path.read_text(errors="replace"))
+        target, draft = split_draft_log(read_log(self.server.log_path))
         pool = self.kv_pool_from_log(target)
         if pool is not None and (draft_pool := self.kv_pool_from_log(draft)):
             pool.details["draft_kv_bytes"] = draft_pool.bytes

@@ -34,6 +34,7 @@ from kvbench.kv.units import MIB
 from ..base import Backend
 from ..capabilities import Capabilities, ServedModel
 from ..options import Option
+from ..process import read_log
 from ..shared.llama_log import parse_kv_log
 from ..streaming import stream_ndjson
 from ..types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
@@ -243,7 +244,7 @@ class OllamaBackend(Backend):
                 KVQuestion(self.show_geometry(), self.kv_dtype_name()))
         except (httpx.HTTPError, ConnectionError, KeyError, ValueError, ollama.ResponseError):  # ConfigError is
             pass  # a ValueError
-        text = last_load(self.server.log_path.read_text(errors="replace")) if self.server else ""
+        text = last_load(read_log(self.server.log_path)) if self.server else ""
         caches = parse_kv_log(text)
         if caches:
             return KVPool(bytes=round(sum(c["mib"] for c in caches) * MIB),

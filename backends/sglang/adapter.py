@@ -37,6 +37,7 @@ from kvbench.kv.units import GIB
 from ..base import Backend, extra_args
 from ..capabilities import Capabilities, PrefixCache, Telemetry
 from ..options import EXTRA_ARGS, Option
+from ..process import read_log
 from ..prometheus import PrometheusPolled, gauge_sum
 from ..shared.served_models import OpenAIModelList
 from ..streaming import stream_sse
@@ -333,7 +334,7 @@ class SGLangBackend(PrometheusPolled, Backend):
                                 final_event="SGLang's final event (meta_info.finish_reason)")
 
     def _log(self) -> dict:
-        return parse_sglang_log(self.server.log_path.read_text(errors="replace")) if self.server else {}
+        return parse_sglang_log(read_log(self.server.log_path)) if self.server else {}
 
     def _pool_details(self, tokens: int, info: dict, log: dict, samples: dict) -> dict:
         q = self.kv_question(self.spec)

@@ -26,6 +26,7 @@ from kvbench.common.redact import scrub
 from ..base import Backend, extra_args
 from ..capabilities import Capabilities, ServedModel
 from ..options import EXTRA_ARGS, Option
+from ..process import read_log
 from ..prometheus import PrometheusPolled, gauge_sum
 from ..streaming import stream_sse
 from ..types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
@@ -236,7 +237,7 @@ class TGIBackend(PrometheusPolled, Backend):
                 "kv_dtype": spec.kv_dtype}
 
     def kv_pool(self) -> KVPool | None:
-        log = parse_tgi_log(self.server.log_path.read_text(errors="replace")) if self.server else {}
+        log = parse_tgi_log(read_log(self.server.log_path)) if self.server else {}
         try:
             tokens = gauge_sum(self.metrics(self.http), "tgi_batch_max_total_tokens")
         except httpx.HTTPError:

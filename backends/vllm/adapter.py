@@ -25,7 +25,7 @@ from kvbench.kv.rules import KVCheck, KVQuestion, KVRuleError
 from ..base import Backend, extra_args
 from ..capabilities import Capabilities, KVQuantisation, PrefixCache, Telemetry
 from ..options import EXTRA_ARGS, Option, speculation_options
-from ..process import PRIVATE_TMP, last_error_line
+from ..process import PRIVATE_TMP, last_error_line, read_log
 from ..prometheus import PrometheusPolled, gauge_sum
 from ..shared.openai_chunks import read_completion_chunk
 from ..shared.served_models import OpenAIModelList
@@ -380,7 +380,7 @@ class VLLMBackend(PrometheusPolled, Backend):
         one per tensor-parallel worker, summed); None where it prints none (its CPU runner)."""
         if not self.server:
             return None
-        return weights_bytes(self.server.log_path.read_text(errors="replace"), self.gpus_used(self.options))
+        return weights_bytes(read_log(self.server.log_path), self.gpus_used(self.options))
 
     @classmethod
     def startup_figures_from_log(cls, text: str) -> dict | None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from kvbench.backends.base import Backend
+from kvbench.backends.process import read_log
 from kvbench.backends.types import EngineStartError
 from kvbench.common import models, outside
 from kvbench.common.redact import redact_url
@@ -103,7 +104,7 @@ def check_startup(s: EngineSession, backend: Backend, started: bool) -> None:
         return
     cls, spec = type(backend), s.spec
     try:
-        figures = cls.startup_figures_from_log(s.log_path.read_text(errors="replace"))
+        figures = cls.startup_figures_from_log(read_log(s.log_path))
         if not figures:
             return
         settings = backend.startup_settings(spec)

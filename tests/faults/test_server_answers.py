@@ -16,7 +16,7 @@ import pytest
 from rich.console import Console
 
 from kvbench.backends.openai.adapter import OpenAIBackend
-from kvbench.backends.process import log_excerpt
+from kvbench.backends.process import LOG_READ_BYTES, log_excerpt, read_log
 from kvbench.backends.vllm.adapter import VLLMBackend
 from kvbench.load import run_async
 from kvbench.common import outside
@@ -106,6 +106,20 @@ def test_a_64_mib_log_line_is_cut_with_a_marker_before_it_reaches_a_record(tmp_p
     assert len(excerpt) < 10_000
     assert re.search(r"ERROR x{100,}.* \[\.\.\. [\d,]+ characters cut\]", excerpt)
     assert excerpt.rstrip().endswith("last line")
+
+
+def test_an_engines_log_is_read_for_its_figures_within_a_bound(tmp_path):
+    """The adapters read an engine's log for their startup figures (llama.cpp's KV cache line, vLLM's weights):
+    a log of 80 MiB was read whole, every time; now its first and last 16 MiB, the rest said."""
+    log = tmp_path / "engine.log"
+    with log.open("wb") as f:
+        f.write(b"llama_kv_cache: size = 33.75 MiB\n" + b"x" * (80 << 20) + b"\nModel loading took 1.5 GiB\n")
+    text = read_log(log)
+    assert len(text) < 2 * LOG_READ_BYTES + 100 and "bytes of the log not read]" in text
+    assert text.startswith("llama_kv_cache: size = 33.75 MiB") and text.endswith("Model loading took 1.5 GiB\n")
+    small = tmp_path / "small.log"
+    small.write_text("one\ntwo\n")
+    assert read_log(small) == "one\ntwo\n" and read_log(tmp_path / "gone.log") == ""
 
 
 def test_the_outside_text_helpers():
