@@ -31,7 +31,8 @@ are recorded as lost (:data:`~kvbench.load.common.LOST`, the cell's ``n_lost``),
 siblings' requests are kept; the cell goes on without it. So does a worker that stops answering: its event
 loop says it is alive every :data:`HEARTBEAT_S` while its share runs, and one silent for :data:`HANG_S`
 (stopped, or its loop blocked) is ended, its requests lost with the reason. A worker that cannot start fails
-the cell (:class:`WorkerError`).
+the cell (:class:`WorkerError`). The parent's watch over its workers (every message awaited with a deadline,
+the heartbeats read, a dead or silent worker named) is :mod:`.supervision`.
 
 Workers are started with the ``spawn`` context (a fresh interpreter: the harness has sampler threads, which
 ``fork`` would copy in whatever state they are in). The backend goes to each worker as a copy of its state
@@ -51,7 +52,6 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
-import socket
 import ssl
 import subprocess
 import threading
@@ -67,10 +67,11 @@ from kvbench.backends.base import Backend
 from kvbench.backends.process import ServerProcess
 from kvbench.common import redact
 
-from .clock import PINGS, ClockMap, best_offset
+from .clock import ClockMap
 from .common import LoadResult, LoadSettings, is_lost, lost_request, run_async
 from .open_loop import send_on_schedule
 from .profile import LoadPoint, Share
+from .supervision import Worker, WorkerDied, WorkerError, expect, finished, measure
 
 READY_TIMEOUT_S = 120.0  # a worker that has not started and read its share by then is given up on
 HEARTBEAT_S = 0.5  # a worker's event loop says it is alive this often while its share runs
@@ -80,18 +81,6 @@ HANG_S = 30.0
 START_MARGIN_S = 0.05  # between the parent choosing the common start and the workers starting
 CONTEXT = "spawn"
 TAKEN_BY_NONE = -1
-
-
-class WorkerError(RuntimeError):
-    """A load worker failed outside any one request (could not start or unpickle its share)."""
-
-
-class WorkerDied(WorkerError):
-    """A load worker ended (killed, crashed) before handing back its requests."""
-
-    def __init__(self, index: int, how: str):
-        super().__init__(f"load worker {index} {how} before handing back its requests")
-        self.index, self.how = index, how
 
 
 class MergedLoadResult(LoadResult):
@@ -320,21 +309,6 @@ WORKER_MAIN = _worker_main
 
 # --- the parent ----------------------------------------------------------------------------------------
 
-@dataclass
-class _Worker:
-    index: int
-    proc: object
-    conn: object
-    ordinals: list[int] | None  # an open loop's share (None: it takes from the shared queue)
-    offsets: object = None  # an open loop's send times of its share
-    clock: ClockMap | None = None
-    died: str = ""  # how it ended, when it ended before handing back its requests
-
-    @property
-    def name(self) -> str:
-        return f"{socket.gethostname()}:{self.proc.pid}"
-
-
 def run_workers(backend: Backend, prompts: Sequence, point: LoadPoint, settings: LoadSettings,
                 stop: threading.Event | None = None, queue: bool = True) -> LoadResult:
     """Run the cell on ``settings.workers`` processes and merge their requests (blocking: the async
@@ -349,7 +323,7 @@ def run_workers(backend: Backend, prompts: Sequence, point: LoadPoint, settings:
     worker_settings = replace(settings, workers=1)
     ctx = multiprocessing.get_context(CONTEXT)
     shared = SharedQueue.create(ctx, len(prompts)) if closed and queue else None
-    team: list[_Worker] = []
+    team: list[Worker] = []
     try:
         for i, (ordinals, share_point, offsets) in enumerate(shares):
             parent_end, child_end = ctx.Pipe()
@@ -357,15 +331,15 @@ def run_workers(backend: Backend, prompts: Sequence, point: LoadPoint, settings:
                                daemon=True)
             proc.start()
             child_end.close()
-            team.append(_Worker(i, proc, parent_end, None if shared else ordinals, offsets))
+            team.append(Worker(i, proc, parent_end, None if shared else ordinals, offsets))
         for w, (ordinals, share_point, offsets) in zip(team, shares):
             mine = prompts if shared else [numbered(prompts, k) for k in ordinals]
             w.conn.send_bytes(dumps_for_worker((clone, dropped, endpoints, secrets, mine, share_point, offsets,
                                                 worker_settings)))
         for w in team:
-            _expect(w, "ready", READY_TIMEOUT_S, stop)
+            expect(w, "ready", READY_TIMEOUT_S, stop)
         for w in team:
-            offset, _ = _measure(w, stop)
+            offset, _ = measure(w, stop, READY_TIMEOUT_S)
             w.clock = ClockMap(0.0, offset)
         t_go = time.perf_counter() + START_MARGIN_S
         for w in team:
@@ -374,12 +348,12 @@ def run_workers(backend: Backend, prompts: Sequence, point: LoadPoint, settings:
         # a request may take settings.timeout_s after the last one was sent; a closed loop sends in turn: no
         # deadline for the share itself, but every worker must say it is alive while it runs
         results = []
-        for w in _finished(team, stop):
+        for w in finished(team, stop, HANG_S):
             try:
-                offset, _ = _measure(w, stop)
+                offset, _ = measure(w, stop, READY_TIMEOUT_S)
                 w.clock = replace(w.clock, t_end=time.perf_counter() - offset, offset_end=offset)
                 w.conn.send(("results", True))
-                results.append((w, _expect(w, "done", READY_TIMEOUT_S, stop)))
+                results.append((w, expect(w, "done", READY_TIMEOUT_S, stop)))
             except WorkerError as exc:  # it ended during its load: what it had not handed back is lost
                 if stop is not None and stop.is_set():
                     raise
@@ -409,53 +383,13 @@ def run_workers(backend: Backend, prompts: Sequence, point: LoadPoint, settings:
     return merged
 
 
-def _finished(team: list[_Worker], stop: threading.Event | None) -> list[_Worker]:
-    """Wait for every worker's "finished" (its share sent), all at once: the workers that said it, in order.
-    One that ends, fails or stays silent for :data:`HANG_S` (stopped, hung) gets ``died`` set and is ended;
-    the others are still waited for. Its "alive" messages are read as they come, so none waits on a full pipe."""
-    heard = {w.index: time.monotonic() for w in team}
-    running = {w.index: w for w in team}
-    done: list[_Worker] = []
-    while running:
-        if stop is not None and stop.is_set():
-            raise WorkerError("the load was cancelled")
-        multiprocessing.connection.wait([w.conn for w in running.values()]
-                                        + [w.proc.sentinel for w in running.values()], timeout=0.2)
-        now = time.monotonic()
-        for w in list(running.values()):
-            try:
-                while w.conn.poll(0):
-                    kind, value = w.conn.recv()
-                    heard[w.index] = now
-                    if kind == "finished":
-                        done.append(running.pop(w.index))
-                        break
-                    if kind == "error":
-                        w.died = f"failed ({value.strip().splitlines()[-1]})"
-                        break
-                    if kind != "alive":
-                        w.died = f"said {kind!r} during its load"
-                        break
-            except (EOFError, OSError):
-                w.proc.join(1)
-                w.died = f"exited ({w.proc.exitcode})" if w.proc.exitcode is not None else "closed its pipe"
-            if w.index in running and not w.died and not w.proc.is_alive() and not w.conn.poll(0):
-                w.died = f"exited ({w.proc.exitcode})"
-            if w.index in running and not w.died and now - heard[w.index] > HANG_S:
-                w.died = f"stopped answering (silent for {HANG_S:g} s: stopped or hung) and was ended"
-            if w.died:
-                w.proc.kill()
-                running.pop(w.index, None)
-    return sorted(done, key=lambda w: w.index)
-
-
 def numbered(prompts: Sequence, k: int):
     """Prompt ``k`` of the cell, its ordinal set where the prompt has none (a test's list)."""
     prompt = prompts[k]
     return prompt if prompt.ordinal is not None else replace(prompt, ordinal=k)
 
 
-def _lost(prompts: Sequence, team: list[_Worker], shared: SharedQueue | None, settings: LoadSettings,
+def _lost(prompts: Sequence, team: list[Worker], shared: SharedQueue | None, settings: LoadSettings,
           t_go: float, any_finished: bool) -> list:
     """The requests of the workers that died: what each had taken off the queue (or its whole share of an
     open loop, as far as the duration reaches), and, when no worker lived to finish, what none took."""
@@ -474,41 +408,6 @@ def _lost(prompts: Sequence, team: list[_Worker], shared: SharedQueue | None, se
         lost += [lost_request(numbered(prompts, k), t_go, k, "(none alive)", "every load worker ended")
                  for k in shared.untaken()]
     return lost
-
-
-def _measure(w: _Worker, stop: threading.Event | None) -> tuple[float, float]:
-    """The worker's clock offset to this process's (:func:`~kvbench.load.clock.best_offset` of a few pings)."""
-    pings = []
-    for _ in range(PINGS):
-        a = time.perf_counter()
-        w.conn.send(("clock", None))
-        reading = _expect(w, "clock", READY_TIMEOUT_S, stop)
-        pings.append((a, reading, time.perf_counter()))
-    return best_offset(pings)
-
-
-def _expect(w: _Worker, kind: str, timeout_s: float | None, stop: threading.Event | None = None):
-    """The worker's next message, which must be ``kind``; a WorkerError with its traceback otherwise
-    (:class:`WorkerDied` where the worker ended)."""
-    conn, proc, i = w.conn, w.proc, w.index
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while not conn.poll(0.2):
-        if stop is not None and stop.is_set():
-            raise WorkerError("the load was cancelled")
-        if not proc.is_alive() and not conn.poll(0):
-            raise WorkerDied(i, f"exited ({proc.exitcode})")
-        if deadline is not None and time.monotonic() > deadline:
-            raise WorkerError(f"load worker {i} did not say '{kind}' within {timeout_s:g} s")
-    try:
-        got, value = conn.recv()
-    except EOFError:  # it ended: say how
-        proc.join(1)
-        raise WorkerDied(i, f"exited ({proc.exitcode})" if proc.exitcode is not None else "closed its pipe") from None
-    if got == "error":
-        if kind in ("finished", "done"):  # during its load: what it had not handed back is lost
-            raise WorkerDied(i, f"failed ({value.strip().splitlines()[-1]})")
-        raise WorkerError(f"load worker {i} failed:\n{value}")
-    return value
 
 
 def merge(results: list[LoadResult], t_start: float, offered_rate: float | None, lost: list | None = None,
