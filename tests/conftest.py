@@ -50,6 +50,7 @@ QUIET_TESTS = (
     "tests/load/test_workers.py::test_a_load_on_two_workers_is_the_load_of_one_process",
     "tests/load/test_workers.py::test_a_cancelled_load_ends_its_workers_at_once",
     "tests/load/test_workers.py::test_a_killed_harness_takes_its_load_workers_with_it",
+    "tests/faults/test_load_workers.py::test_a_stopped_load_worker_loses_only_its_own_requests_and_the_run_says_which",
     "tests/load/test_profiles.py::test_open_loop_sends_on_schedule_when_the_engine_keeps_up",
     "tests/selfcheck/test_client_bench.py::test_mock_records_pair_with_client_timings",
     "tests/run/test_merge.py", "tests/run/test_prefix_cache_engines.py", "tests/backends/test_smoke_engines.py",

@@ -11,7 +11,7 @@ def merge(
                                                                   "(kvbench run --load-share I/N), one per process."),
     into: Path = typer.Option(..., "--into", metavar="RUN", help="The merged run's folder (new)."),
     accept_lost: bool = typer.Option(False, "--accept-lost", help="Merge a share whose folder lacks a cell (its pod "
-                                                                  "died mid-run) with that share's requests recorded "
+                                                                  "died mid-run) with the requests it never recorded "
                                                                   "as lost, instead of refusing."),
 ):
     """Join the run folders of one experiment's load shares (kvbench run --load-share I/N, one per machine or pod)
