@@ -312,6 +312,21 @@ class MemoryWall:
         keys = ("total_rss", "total_shmem") if self.kind == "v1" else ("anon", "shmem")
         return sum(int(stat.get(k, 0)) for k in keys)
 
+    def resident_bytes(self) -> int | None:
+        """What the wall's processes hold and use now: :meth:`unreclaimable_bytes` plus the file pages they map
+        (memory.stat: v1 total_mapped_file, v2 file_mapped; a server's mmapped weights, its libraries), which
+        the kernel can take back at the wall only by reading them again on the next touch. The page cache of
+        files read and closed is left out. None once closed or unreadable."""
+        if self._closed:
+            return None
+        try:
+            stat = dict(line.split() for line in _read(self.path / "memory.stat").splitlines() if " " in line)
+        except OSError:
+            return None
+        keys = ("total_rss", "total_shmem", "total_mapped_file") if self.kind == "v1" else ("anon", "shmem",
+                                                                                             "file_mapped")
+        return sum(int(stat.get(k, 0)) for k in keys)
+
     def sample(self) -> int:
         """Read the usage now and keep its maximum: the peak where the kernel keeps none (v2 before 5.19).
         Harmless to call where it does."""

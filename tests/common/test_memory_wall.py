@@ -99,6 +99,41 @@ def test_a_process_under_the_wall_survives():
         assert 60 * MIB <= wall.peak_bytes() < WALL
 
 
+# holds 40 MiB of its own and maps a 24 MiB file, every page touched; says so, then waits for a line on stdin
+HOLDER = """
+import mmap, sys
+own = bytearray(b"\\x01") * (40 * 2**20)
+with open(sys.argv[1], "rb") as f:
+    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    touched = sum(mapped[i] for i in range(0, len(mapped), 4096))
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+@needs_wall
+@pytest.mark.timeout(60)
+def test_resident_counts_the_files_a_process_maps_beside_its_own_memory(tmp_path):
+    """unreclaimable_bytes: anonymous and shared memory only; resident_bytes adds the file pages the tree maps
+    (a server's mmapped weights), which the kernel takes back at the wall only to read them again."""
+    data = tmp_path / "weights.bin"
+    with data.open("wb") as f:
+        f.write(os.urandom(24 * MIB))
+        f.flush()
+        os.fsync(f.fileno())  # written back: clean pages, which the advice below drops
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # so they are read, and charged, inside the wall
+    with MemoryWall(WALL, "test-resident") as wall:
+        proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(data)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, preexec_fn=wall.join)  # noqa: PLW1509
+        assert proc.stdout.readline().strip() == "ready"
+        unreclaimable, resident = wall.unreclaimable_bytes(), wall.resident_bytes()
+        proc.communicate("\n", timeout=20)
+        assert 40 * MIB <= unreclaimable < 40 * MIB + 24 * MIB
+        assert resident - unreclaimable >= 20 * MIB  # the mapped file, most of it charged here
+        assert resident <= wall.peak_bytes()
+    assert wall.resident_bytes() is None  # closed
+
+
 @needs_wall
 @pytest.mark.timeout(60)
 def test_close_kills_the_tree_and_removes_the_group():
