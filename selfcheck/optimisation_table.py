@@ -308,17 +308,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="the folder for run.json, trials.jsonl, requests/, "
                                                                "table.md and the plot")
     parser.add_argument("--log-dir", type=Path, default=None, help="the engines' logs (a temporary folder)")
-    parser.add_argument("--table-from", type=Path, default=None, help="print (and redraw) the table of a folder "
-                                                                      "this command wrote, starting no engine")
+    parser.add_argument("--table-from", type=Path, default=None, help="redo table.md and the plot of a folder this "
+                                                                      "command wrote (and print it), starting no engine")
     args = parser.parse_args(argv)
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
 
     if args.table_from:
         run, trials, requests = read_folder(args.table_from)
-        print(render(run, trials, requests))
+        text = render(run, trials, requests)
+        atomic_write_text(args.table_from / "table.md", text + "\n")
+        print(text)
         from kvbench.selfcheck.optimisation.plot import plot
 
-        plot(run, tables.assemble(run, trials, requests, with_plan=False), args.table_from / "held.png")
+        plot(run, tables.assemble(run, trials, requests), args.table_from / "held.png")
         return 0
 
     from kvbench.backends import gguf_converter
@@ -356,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     from kvbench.selfcheck.optimisation.plot import plot
 
-    plot(run, tables.assemble(run, trials, requests, with_plan=False), out / "held.png")
+    plot(run, tables.assemble(run, trials, requests), out / "held.png")
     if run_state.survivors:
         print(f"processes survived a stop: {run_state.survivors}", file=sys.stderr)
         return 1

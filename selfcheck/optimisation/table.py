@@ -97,6 +97,8 @@ class Cell:
     longest: int | None = None
     longest_not: int | None = None
     metrics: dict = field(default_factory=dict)  # of the largest batch that ran
+    pool_bytes: int | None = None  # the KV pool the engine allocated for the largest batch that ran (None: no pool)
+    at_the_wall: bool = False  # that batch ran with the wall full: the kernel took back file pages to keep it under
     trials: list[str] = field(default_factory=list)  # the trial ids behind the cell
     plan: dict | None = None
     output_change: dict | None = None  # greedy match against the 16-bit configuration
@@ -123,6 +125,7 @@ def capacity_cell(column: str, config: dict, trials: list[dict]) -> Cell:
     if ran:
         best = ran[-1]
         cell.held, cell.metrics = best["rung"], best.get("metrics") or {}
+        cell.pool_bytes, cell.at_the_wall = best.get("kv_pool_bytes"), bool(best.get("at_the_wall"))
     above = [t for t in mine if t["verdict"] != "ran" and (cell.held is None or t["rung"] > cell.held)]
     if above:
         cell.not_held, cell.not_held_verdict = above[0]["rung"], above[0]["verdict"]
@@ -199,7 +202,8 @@ def assemble(run: dict, trials: list[dict], requests: dict[str, list[dict]] | No
                     cell.plan = planned(config, scale, cell.wall_bytes)
                 if config["kv_dtype"] == "auto" and config["engine"] not in sixteen and not config.get("reserve"):
                     sixteen[config["engine"]] = cell
-                elif requests is not None and config["kv_dtype"] != "auto":
+                elif requests is not None and config["kv_dtype"] != "auto" and not config.get("prefix_tokens"):
+                    # a shared prefix changes the prompts themselves: nothing of the same requests to compare
                     base = sixteen.get(config["engine"])
                     cell.output_change = output_change(cell, base, requests)
                     if cell.output_change is not None and base is not None:
@@ -277,6 +281,10 @@ def verdict_on(estimate: str, held: int) -> str:
 
 # --- Markdown ---------------------------------------------------------------------------------------
 
+def _mib(v) -> str:
+    return "-" if not v else f"{v / MIB:.1f} MiB"
+
+
 def _n(v) -> str:
     return "-" if v is None else f"{v:,}"
 
@@ -304,6 +312,8 @@ def held_text(c: Cell) -> str:
     got = _n(c.held) if c.held is not None else "0"
     if c.not_held is not None:
         got += f" ({c.not_held} {c.not_held_verdict})"
+    elif c.held is not None:
+        got += " (or more: the ladder's last rung ran)"
     if c.plan:
         got += f"; plan {c.plan['held']}" + (f", {c.ratio:.2f}x" if c.ratio is not None else "")
     return got
@@ -324,6 +334,8 @@ def change_text(c: Cell) -> str:
     m = c.output_change
     if c.config["kv_dtype"] == "auto":
         return "baseline (16-bit)"
+    if c.config.get("prefix_tokens"):
+        return "not compared (the shared prefix makes other prompts)"
     if not m:
         return "not measured"
     first = m["first_difference_median"]
@@ -397,15 +409,17 @@ def summary_table(run: dict, columns: list[list[Cell]]) -> str:
 def details_table(run: dict, columns: list[list[Cell]]) -> str:
     """One line per measured configuration: its wall, the ladder's boundary, the planner beside it (for the
     budget above its own idle footprint, and at the wall itself), the trials behind it."""
-    lines = ["| column | configuration | KV | wall | held at once | plan | measured / plan | plan at the wall "
-             "| longest request (plan) | trials |", "|---|---|---|---|---:|---:|---:|---:|---|---|"]
+    lines = ["| column | configuration | KV | wall | held at once | its KV pool | plan | measured / plan | "
+             "plan at the wall | longest request (plan) | trials |", "|---|---|---|---|---:|---:|---:|---:|---:|---|---|"]
     for desc, cells in zip(run["columns"], columns):
         for c in cells:
             if desc["kind"] != "capacity":
                 continue
-            bound = f" ({c.not_held} {c.not_held_verdict})" if c.not_held is not None else ""
+            bound = (f" ({c.not_held} {c.not_held_verdict})" if c.not_held is not None else
+                     " (the last rung)" if c.held is not None else "")
             lines.append(f"| {desc['key']} | {c.config['label']} | {c.config['kv_dtype']} | "
                          f"{format_bytes(c.wall_bytes) if c.wall_bytes else '-'} | {_n(c.held)}{bound} | "
+                         f"{_mib(c.pool_bytes)}{' (at the wall)' if c.at_the_wall else ''} | "
                          f"{c.plan['held'] if c.plan else '-'} | {f'{c.ratio:.2f}' if c.ratio is not None else '-'} | "
                          f"{c.plan['held_at_wall'] if c.plan else '-'} | {longest_text(c)} | {', '.join(c.trials)} |")
     return "\n".join(lines)
