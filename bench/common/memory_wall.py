@@ -303,28 +303,24 @@ class MemoryWall:
         """What the wall holds now that the kernel cannot reclaim without swap: anonymous memory and shared
         memory (memory.stat: v1 total_rss + total_shmem, v2 anon + shmem); the rest (file pages: the
         weights a server mmaps, its libraries) is given back at the wall. None once closed or unreadable."""
-        if self._closed:
-            return None
-        try:
-            stat = dict(line.split() for line in _read(self.path / "memory.stat").splitlines() if " " in line)
-        except OSError:
-            return None
-        keys = ("total_rss", "total_shmem") if self.kind == "v1" else ("anon", "shmem")
-        return sum(int(stat.get(k, 0)) for k in keys)
+        return self._stat_sum(("total_rss", "total_shmem") if self.kind == "v1" else ("anon", "shmem"))
 
     def resident_bytes(self) -> int | None:
         """What the wall's processes hold and use now: :meth:`unreclaimable_bytes` plus the file pages they map
         (memory.stat: v1 total_mapped_file, v2 file_mapped; a server's mmapped weights, its libraries), which
         the kernel can take back at the wall only by reading them again on the next touch. The page cache of
         files read and closed is left out. None once closed or unreadable."""
+        return self._stat_sum(("total_rss", "total_shmem", "total_mapped_file") if self.kind == "v1"
+                              else ("anon", "shmem", "file_mapped"))
+
+    def _stat_sum(self, keys: tuple[str, ...]) -> int | None:
+        """The sum of ``keys`` in the wall's memory.stat (None once closed or unreadable)."""
         if self._closed:
             return None
         try:
             stat = dict(line.split() for line in _read(self.path / "memory.stat").splitlines() if " " in line)
         except OSError:
             return None
-        keys = ("total_rss", "total_shmem", "total_mapped_file") if self.kind == "v1" else ("anon", "shmem",
-                                                                                             "file_mapped")
         return sum(int(stat.get(k, 0)) for k in keys)
 
     def sample(self) -> int:

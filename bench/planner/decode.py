@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import re
 
-from kvbench.planner.shared import PlanError
+from kvbench.planner.shared import BYTE_UNITS, PlanError
 
 BANDWIDTH = re.compile(r"(?P<n>[0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*(?P<unit>[kmgt]i?b)?(?:/s)?", re.IGNORECASE)
-BANDWIDTH_UNITS = {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 MAX_BANDWIDTH = 1e15  # bytes/s: a memory past 1 PB/s is a typo
 
 
@@ -21,7 +20,7 @@ def read_bandwidth(flags: dict, earlier: dict) -> float | None:
     m = BANDWIDTH.fullmatch(text.strip())
     if not m:
         raise PlanError(f"--bandwidth {text[:40]!r} is not a rate such as 3.35TB/s or 900GB/s")
-    value = float(m["n"]) * BANDWIDTH_UNITS.get((m["unit"] or "").lower(), 1)
+    value = float(m["n"]) * BYTE_UNITS[(m["unit"] or "").lower()]
     if not 1e6 <= value <= MAX_BANDWIDTH:
         raise PlanError(f"--bandwidth takes 1MB/s to 1PB/s, not {text[:40]!r}")
     return value

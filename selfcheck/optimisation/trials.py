@@ -130,11 +130,11 @@ def whole(result, prompt: Prompt) -> bool:
             and sum(result.chunk_tokens) == prompt.output_tokens)
 
 
-class Watcher:
-    """The engine's own running and waiting counts, polled in a thread while a phase runs."""
+class _Polling:
+    """A thread that runs ``_poll`` from ``__enter__`` until ``__exit__`` (which waits up to 10 s for it)."""
 
     def __init__(self, backend):
-        self.backend, self.running, self.waiting = backend, None, None
+        self.backend = backend
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -145,6 +145,17 @@ class Watcher:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join(10)
+
+    def _poll(self):
+        raise NotImplementedError
+
+
+class Watcher(_Polling):
+    """The engine's own running and waiting counts, polled in a thread while a phase runs."""
+
+    def __init__(self, backend):
+        super().__init__(backend)
+        self.running, self.waiting = None, None
 
     def _poll(self):
         with self.backend.http_client(5.0) as client:
@@ -167,25 +178,16 @@ class Watcher:
                 self._stop.wait(POLL_S)
 
 
-class ResidentPeak:
+class ResidentPeak(_Polling):
     """The most the wall's processes held and used at once (:meth:`MemoryWall.resident_bytes`), sampled from
     the start on: an engine's start can peak above what it holds once it serves (vLLM's profile run), and the
     cgroup's own peak counts the page cache of every file read, which the kernel gives back at the wall."""
 
     def __init__(self, backend, every_s: float = 0.05):
-        self.backend, self.every_s, self.peak = backend, every_s, None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
+        super().__init__(backend)
+        self.every_s, self.peak = every_s, None
 
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(10)
-
-    def _sample(self):
+    def _poll(self):
         while not self._stop.is_set():
             server = self.backend.server
             wall = server.wall if server else None
