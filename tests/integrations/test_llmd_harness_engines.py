@@ -129,7 +129,9 @@ def test_a_failed_try_then_the_sanity_profile_on_its_retry(llama_server, tmp_pat
         assert aggregate.requests.total == len(sent) == load.concurrency and aggregate.requests.failures == 0
         assert aggregate.latency.time_to_first_token.p50 > 0
         assert report.results.component_health[0].replica_health[0].healthy
-        assert report.results.observability.model_extra[br.KV_KEY]["peak_bytes_in_use"] > 0
+        kv = report.results.observability.model_extra[br.KV_KEY]
+        # 8-token requests can finish between two /slots polls: then the row says so instead of a zero
+        assert kv.get("peak_bytes_in_use", 0) > 0 or kv["in_use_source"].startswith("not measured: none of "), kv
     assert stages == {0, 1}
 
     analyzed = run_script(ANALYZER_SCRIPT, env)
