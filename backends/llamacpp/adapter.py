@@ -38,6 +38,14 @@ SCRIPTS = Path(__file__).with_name("scripts")
 BUILD_SCRIPT = SCRIPTS / "build_llama_server.sh"
 CONVERTER_SCRIPT = SCRIPTS / "fetch_llama_converter.sh"
 CONVERT = SCRIPTS / "llamacpp_convert.py"
+CONVERTED = "converted"  # gguf=converted: serve the GGUF llama.cpp's converter makes of the HF folder
+
+
+def converted_gguf(model: ModelFiles) -> Path:
+    """Where the GGUF llama.cpp's converter makes of ``model``'s HF folder is kept (made once)."""
+    from kvbench.common.envs import kvbench_home
+
+    return kvbench_home() / "models" / model.sha256[:16] / f"{Path(model.name).name}.gguf"
 _NATIVE_FLAG = '-DGGML_NATIVE="${KVBENCH_GGML_NATIVE:-ON}"'
 # llama.cpp's AMX matmul (ggml-cpu/amx, compiled in wherever -march=native reaches AMX) segfaults on its first
 # computation on some AMX CPUs: upstream ggml-org/llama.cpp#20824 (open), PR #26954 (the tile-data permission
@@ -117,7 +125,8 @@ class LlamaCppBackend(Backend):
         Option("engine_mode", str, "sized", "sized: -c and -np set by kvbench for the workload; deployed: "
                "llama-server's own context and slots, every layer on the GPU (-ngl 999)",
                choices=("sized", "deployed")),
-        Option("gguf", str, None, "a GGUF file to serve instead of the model's own",
+        Option("gguf", str, None, "a GGUF file to serve instead of the model's own; 'converted': the one "
+               "llama.cpp's converter makes from its HF folder (what speculative=draft serves by default)",
                default_text="the model's GGUF, or one llama.cpp's converter makes from its HF folder"),
         Option("threads", int, None, "generation threads (-t)", default_text="1 on <= 2 cores, else cores/2"),
         Option("batch_threads", int, None, "prompt-processing threads (-tb)", default_text="all cores"),
@@ -281,6 +290,16 @@ class LlamaCppBackend(Backend):
 
         return max(1, len(detect_gpus()))
 
+    def served_gguf(self, model: ModelFiles) -> Path | None:
+        """The GGUF the server loads, or None where llama.cpp's converter makes it from the model's HF folder:
+        a model without a GGUF, ``gguf=converted``, or the default draft (the model's own GGUF is then the draft,
+        a quantised copy of the target)."""
+        given = self.options.get("gguf")
+        default_draft = self.options.get("speculative") == "draft" and not self.options.get("draft_model")
+        if given == CONVERTED or (given is None and default_draft):
+            return None
+        return Path(given) if given else model.gguf_path
+
     def gguf_for(self, model: ModelFiles, log=print) -> Path:
         """The model's GGUF: the one given, else one made once from its HF folder (a hub download) with
         llama.cpp's own converter (convert_hf_to_gguf.py of the sources the server is built from, run by the
@@ -288,9 +307,8 @@ class LlamaCppBackend(Backend):
         if model.gguf_path is not None:
             return model.gguf_path
         from kvbench.backends import hf_tools_python
-        from kvbench.common.envs import kvbench_home
 
-        out = kvbench_home() / "models" / model.sha256[:16] / f"{Path(model.name).name}.gguf"
+        out = converted_gguf(model)
         if out.exists():
             return out
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -313,10 +331,8 @@ class LlamaCppBackend(Backend):
 
     def command(self, spec: ServerSpec):
         method, draft = drafter(self.options, spec.model)
-        gguf = self.options.get("gguf") or spec.model.gguf_path
-        if gguf is None or (method == "draft" and not self.options.get("draft_model")):
-            # an HF folder (a hub id), or the default draft: llama.cpp's converter makes the GGUF from the
-            # same weights (the model's own GGUF is then the draft, a quantised copy of the target)
+        gguf = self.served_gguf(spec.model)
+        if gguf is None:  # an HF folder (a hub id), the default draft's target, or gguf=converted
             gguf = self.gguf_for(replace(spec.model, gguf_path=None))
         deployed = self.options.get("engine_mode", "sized") == "deployed"
         cache_type = self.kv_rules.resolve_dtype(KVQuestion(spec.model.geometry, spec.kv_dtype))
@@ -395,7 +411,7 @@ class LlamaCppBackend(Backend):
         cache_type = self.kv_dtype_name() if self.spec else self.kv_rules.resolve_dtype(
             KVQuestion(spec.model.geometry, spec.kv_dtype))
         options = {"flash_attn": True} if cache_type not in ("f16", "f32", "bf16") else {}
-        gguf = self.options.get("gguf") or spec.model.gguf_path
+        gguf = self.served_gguf(spec.model) or converted_gguf(spec.model)
         return {"batch": spec.pool_sequences, "kv_dtype": cache_type, "engine_options": options,
                 "model_file": str(gguf) if gguf else None, "device": "gpu" if self.cuda_build() else "cpu"}
 

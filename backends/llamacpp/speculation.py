@@ -38,7 +38,7 @@ def drafter(options: dict, model: ModelFiles) -> tuple[str, Path | None]:
         return method, None
     if options.get("draft_model"):
         return method, Path(str(options["draft_model"])).expanduser()
-    if model.gguf_path is None or options.get("gguf"):
+    if model.gguf_path is None or options.get("gguf") not in (None, "converted"):
         raise EngineStartError("speculative=draft: this model has no GGUF of its own to draft with: give "
                                "draft_model=PATH (a GGUF)")
     return method, model.gguf_path

@@ -238,6 +238,7 @@ def _build(run_dirs: list[Path], plots_dir: Path | None) -> Report:
     if speculation.speculated(agg):  # a run with a drafter: after the prefix cache
         sections.insert(_after(sections, "prefix_cache"), Section(
             "speculation", speculation.TITLE, speculation.INTRO, speculation.speculation_table(agg), speculation.RIGHT, cap))
+        _paid_off_section(run_dirs, infos, cells, sections, cap)
     sections.insert(_after(sections, "performance"), Section(  # decode against the bandwidth limit
         bandwidth.SECTION, bandwidth.TITLE, bandwidth.INTRO, bandwidth.bound_table(agg) if bandwidth.measured(agg)
         else None, bandwidth.RIGHT, cap if bandwidth.measured(agg) else "",
@@ -253,6 +254,18 @@ def _build(run_dirs: list[Path], plots_dir: Path | None) -> Report:
     figures = make_plots(run_dirs, tables.totals(agg), plots_dir) if plots_dir is not None else []
     _kv_quant_sections(run_dirs, infos, cells, sections, figures, plots_dir)
     return Report(title, headers, sections, figures)
+
+
+def _paid_off_section(run_dirs: list[Path], infos: list[dict], cells: pd.DataFrame, sections: list[Section],
+                      cap: str) -> None:
+    """After the speculation section: each drafted cell against the same cell without a drafter."""
+    from . import speculation_paired as paired
+
+    data = paired.rows(infos, cells, load(run_dirs, what="requests"))
+    table = paired.table(data)
+    sections.insert(_after(sections, "speculation"), Section(
+        "speculation_paid_off", paired.TITLE, paired.INTRO, table, paired.RIGHT, cap if table is not None else "",
+        note=paired.note(data)))
 
 
 def _kv_quant_sections(run_dirs: list[Path], infos: list[dict], cells: pd.DataFrame, sections: list[Section],

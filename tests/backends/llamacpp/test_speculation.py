@@ -7,6 +7,8 @@ test_speculation_engines.py."""
 import asyncio
 import json
 
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -14,6 +16,7 @@ from kvbench.backends.llamacpp.adapter import LlamaCppBackend
 from kvbench.backends.llamacpp.speculation import SPECULATION
 from kvbench.backends.streaming import open_client
 from kvbench.backends.types import EngineStartError, SpeculationCounters
+from kvbench.common.models import ModelFiles
 from kvbench.workloads.prompts import Prompt
 
 from tests.helpers import DATA
@@ -123,3 +126,27 @@ def test_the_flags_behind_each_method(tmp_path):
     assert SPECULATION.draft_problem(gguf) is None
     assert "not a GGUF file" in SPECULATION.draft_problem(FIXTURES / "llamacpp_metrics_draft.txt")
     assert "no such file" in SPECULATION.draft_problem(tmp_path / "missing.gguf")
+
+
+@pytest.mark.parametrize("options, served", [
+    ({}, "own"), ({"speculative": "ngram"}, "own"), ({"gguf": "/m/other.gguf"}, "/m/other.gguf"),
+    # the default draft: the model's own GGUF drafts for the converted one, which gguf=converted serves plainly
+    ({"speculative": "draft"}, "converted"), ({"gguf": "converted"}, "converted"),
+    ({"speculative": "draft", "gguf": "converted"}, "converted"),
+    ({"speculative": "draft", "draft_model": "/m/d.gguf"}, "own")])
+def test_the_served_gguf_of_each_setting(options, served, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from kvbench.backends.llamacpp.adapter import converted_gguf
+    from kvbench.backends.llamacpp.speculation import drafter
+
+    monkeypatch.setenv("KVBENCH_HOME", str(tmp_path))
+    model = ModelFiles("smollm2", tmp_path / "hf", tmp_path / "own.q4_1.gguf", "ab" * 32, None)
+    backend = LlamaCppBackend(LlamaCppBackend.default_version, FIXTURES, options=options)
+    # None: the converter's GGUF of the HF folder, made once where converted_gguf says
+    assert backend.served_gguf(model) == {"own": model.gguf_path, "converted": None}.get(served, Path(served))
+    assert converted_gguf(model) == tmp_path / "models" / ("ab" * 8) / "smollm2.gguf"
+    if options.get("speculative") == "draft":  # the default draft is the model's own GGUF, gguf=converted or not
+        assert drafter(options, model)[1] == Path(options.get("draft_model") or model.gguf_path)
+    with pytest.raises(EngineStartError, match="no GGUF of its own"):
+        drafter({"speculative": "draft"}, replace(model, gguf_path=None))

@@ -1,5 +1,5 @@
 """Speculative decoding on a real llama-server (the embedded model): `-b llamacpp:speculative=ngram` on the
-speculation workload's two prompt kinds, small. The copy cell's prompts (a passage given twice) make n-gram
+speculation workload's two prompt kinds, small, beside the same engine without a drafter. The copy cell's prompts (a passage given twice) make n-gram
 lookup draft; the engine's own counts reach the rows: drafted > 0 and accepted <= drafted, the drafts from its
 /metrics counters, the requests' counts adding up to the row's; the free cell, where nothing in the request
 repeats, says 0 drafted (its counters read around the cell did not rise), not "not reported". The wire
@@ -9,7 +9,9 @@ import io
 import pytest
 from rich.console import Console
 
-from kvbench.run.backend_config import BackendConfig
+from kvbench.reports import build
+from kvbench.reports.speculation_paired import NOTHING_ACCEPTED
+from kvbench.run.backend_config import BackendConfig, distinct_labels
 from kvbench.run.runner import Runner, RunOptions
 from kvbench.store.readers import load, load_cells
 from kvbench.workloads import load as load_workload
@@ -24,14 +26,17 @@ def run(tmp_path_factory, smollm2):
     engine_env("llamacpp")
     # the workload's prompts unsalted (its seed, 128 tokens, both kinds: the same tokens every time), fewer
     # output tokens, no warmup
-    workload = load_workload("speculation").model_copy(update={"output_tokens": 16, "warmup_requests": 0,
-                                                               "requests": 2})
+    workload = load_workload("speculation")
+    workload = workload.model_copy(update={"output_tokens": 16, "warmup_requests": 0,
+                                           "load": workload.load.model_copy(update={"concurrency": [1], "requests": 2})})
     root = tmp_path_factory.mktemp("spec")
-    opts = RunOptions(model="smollm2", workload=workload, backends=[BackendConfig.parse("llamacpp:speculative=ngram")],
+    backends = distinct_labels([BackendConfig.parse("llamacpp:speculative=ngram"), BackendConfig.parse("llamacpp")])
+    opts = RunOptions(model="smollm2", workload=workload, backends=backends,
                       results_dir=root, run_id="spec", prompt_salt="none", start_timeout_s=120, request_timeout_s=120,
                       estimate=False)
     run_dir = Runner(opts, Console(file=io.StringIO(), width=200)).run()
-    return run_dir, load_cells(run_dir), load(run_dir, what="requests")
+    cells = load_cells(run_dir)
+    return run_dir, cells[cells.spec_method == "ngram"], load(run_dir, what="requests")
 
 
 def test_the_copy_cell_drafted_and_the_engine_said_how_much_was_accepted(run):
@@ -60,3 +65,16 @@ def test_the_free_cell_says_what_it_drafted(run):
     free = cells[cells.variant.str.contains("prompt=free")].iloc[0]
     assert free.spec_source != "not reported" and free.spec_draft_tokens >= 0
     assert 0 <= free.spec_accepted_tokens <= free.spec_draft_tokens
+
+
+def test_each_cell_is_paired_with_the_same_cell_without_a_drafter(run):
+    """The report's "did it pay off?": the plain engine of the run serves the same GGUF, so each drafted cell
+    pairs with its cell, request by request (the same prompts)."""
+    run_dir, cells, _ = run
+    [section] = [s for s in build([run_dir]).sections if s.id == "speculation_paid_off"]
+    table = section.table
+    assert len(table) == len(cells) == 2
+    assert set(table.backend) == {"llamacpp-0.3.36+speculative=ngram"}
+    assert set(table.without) == {"llamacpp-0.3.36+default"}
+    assert set(table.pairs) == {"2"}
+    assert all(v == NOTHING_ACCEPTED or v in ("paid off", "cost", "no clear change") for v in table.verdict)
