@@ -483,8 +483,9 @@ class CompletionEvents:
             self.predicted = predicted
         else:  # no running count: the event's own tokens
             result.add_chunk(now, len(event.get("tokens") or []))
-        for p in event.get("completion_probabilities") or []:  # one per generated token, asked with n_probs
-            result.output_ids.append(int(p["id"]))
+        # ids from the event's tokens (return_tokens): with a drafter, accepted drafts come without probabilities
+        result.output_ids += [t for t in event.get("tokens") or [] if type(t) is int]
+        for p in event.get("completion_probabilities") or []:  # asked with n_probs
             result.top_logprobs.append({int(t["id"]): float(t["logprob"]) for t in p.get("top_logprobs") or []})
         if event.get("stop"):
             result.prompt_tokens_reported = event.get("tokens_evaluated")

@@ -20,7 +20,7 @@ from kvbench.common.files import (NEW_FILE_MODE, OutputRefused, atomic_write_tex
 from kvbench.common.markdown import md_text
 from kvbench.reports import bandwidth, findings, prefix_cache, speculation, tables
 from kvbench.store.errors import DamagedLinesWarning, ResultsReadError, ResultsWarning, ResultsWriteError
-from kvbench.store.readers import load, load_run_info, read_jsonl_rows
+from kvbench.store.readers import load, load_logprobs, load_run_info, read_jsonl_rows
 from kvbench.store.writer import run_status
 
 
@@ -261,7 +261,8 @@ def _paid_off_section(run_dirs: list[Path], infos: list[dict], cells: pd.DataFra
     """After the speculation section: each drafted cell against the same cell without a drafter."""
     from . import speculation_paired as paired
 
-    data = paired.rows(infos, cells, load(run_dirs, what="requests"))
+    records = {i["run_id"]: load_logprobs(d) for d, i in zip(run_dirs, infos) if (d / "logprobs").is_dir()}
+    data = paired.rows(infos, cells, load(run_dirs, what="requests"), records)
     table = paired.table(data)
     sections.insert(_after(sections, "speculation"), Section(
         "speculation_paid_off", paired.TITLE, paired.INTRO, table, paired.RIGHT, cap if table is not None else "",

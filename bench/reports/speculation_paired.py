@@ -15,6 +15,7 @@ import pandas as pd
 
 from kvbench.backends.options import SPECULATION_KEYS
 from kvbench.common import stats
+from kvbench.common.divergence import Divergence, compare_requests
 from kvbench.store.schema import OK_STATUSES
 
 from .tables import fmt_int, load_label
@@ -29,11 +30,14 @@ INTRO = ("Each cell of a backend started with a drafter beside the same cell (sa
          "the cells' output tokens/s over their wall time (one value a repeat: an interval only with 2 or more "
          "repeats). Verdict on E2E: paid off where the whole interval is below 0, cost where above, else no "
          "clear change. KV bytes/token and pool tokens: the engine's own pool, with / without the drafter "
-         "(where the drafter's KV shares the target's pool, the pool holds fewer tokens). A cell none of whose "
+         "(where the drafter's KV shares the target's pool, the pool holds fewer tokens). Output identical: the "
+         "share of paired requests whose greedy tokens are all the same with and without the drafter, and the "
+         "earliest position where one differs (where the run recorded each request's tokens: a kv_quant run; a "
+         "lossless drafter changes none, batched verification may round differently). A cell none of whose "
          "drafts were accepted gets no verdict: the target took every step itself, so a change there is the "
          "two engine starts' (the interval covers the requests' noise, not theirs: --repeats shows it).")
 RIGHT = {"prompt", "conc", "pairs", "acceptance", "E2E change", "TPOT change", "TTFT change", "throughput change",
-         "KV bytes/token", "pool tokens"}
+         "KV bytes/token", "pool tokens", "output identical"}
 CONFIDENCE = 0.95
 # No accepted draft saved the target a step: a change is another engine start's, not the drafter's (the
 # interval covers the requests' noise only); on a CPU such a cell read -14 % E2E, interval below 0.
@@ -130,12 +134,31 @@ def _pool(rows: pd.DataFrame) -> tuple[float, float]:
     return float(per.mean()), float(t.mean())
 
 
-def rows(infos: list[dict], cells: pd.DataFrame, requests: pd.DataFrame) -> list[dict]:
+def output_change(records: dict[str, dict], with_cells: list[str], without_cells: list[str]) -> Divergence | None:
+    """The drafted cells' greedy outputs against the same cells' without a drafter, where the run recorded
+    each request's tokens (a kv_quant run's logprobs/): a lossless drafter changes none. Cells pair by repeat."""
+    mine, theirs = {}, {}
+    for a, b in zip(sorted(with_cells, key=_repeat), sorted(without_cells, key=_repeat)):
+        if _repeat(a) == _repeat(b) and a in records and b in records:
+            mine.update({f"{a}:{k}": v for k, v in records[a].items()})
+            theirs.update({f"{a}:{k}": v for k, v in records[b].items()})
+    return compare_requests(theirs, mine) if mine else None
+
+
+def _repeat(cell_id: str) -> str:
+    found = _REPEAT.search(cell_id)
+    return found.group(0) if found else ""
+
+
+def rows(infos: list[dict], cells: pd.DataFrame, requests: pd.DataFrame,
+         records: dict[str, dict] | None = None) -> list[dict]:
     """One dict per (run, backend with a drafter, cell) whose run has the plain partner: the figures of the
-    table, unformatted (intervals as :class:`stats.Interval` or the reason for none)."""
+    table, unformatted (intervals as :class:`stats.Interval` or the reason for none). ``records``: {run id:
+    its per-request tokens (kvbench.store.readers.load_logprobs)} where the runs recorded them."""
     out = []
     for info in infos:
         run_id = info.get("run_id")
+        tokens = (records or {}).get(run_id) or {}
         mine = cells[cells.run_id == run_id] if "run_id" in cells else cells
         theirs = requests[requests.run_id == run_id] if "run_id" in requests else requests
         if "replica" in mine:
@@ -159,7 +182,8 @@ def rows(infos: list[dict], cells: pd.DataFrame, requests: pd.DataFrame) -> list
                     row |= {"pairs": len(pairs), "acceptance": ok.spec_acceptance_rate.astype(float).mean(),
                             **{m: paired_change(pairs, m) for m in ("e2e", "tpot", "ttft")},
                             "throughput": _throughput_change(ok, plain_ok),
-                            "pool_with": _pool(ok), "pool_without": _pool(plain_ok)}
+                            "pool_with": _pool(ok), "pool_without": _pool(plain_ok),
+                            "output": output_change(tokens, ok.cell_id.tolist(), plain_ok.cell_id.tolist())}
                     accepted = ok.spec_accepted_tokens.astype(float)
                     row["verdict"] = (verdict(row["e2e"]) if accepted.notna().any() and accepted.sum() > 0 else
                                       NOTHING_ACCEPTED if accepted.notna().any() else NOT_REPORTED)
@@ -180,6 +204,13 @@ def _both(pair: tuple[float, float], spec: str) -> str:
     return f"{a} / {b}"
 
 
+def _identical(d: Divergence | None) -> str:
+    if d is None:
+        return "not recorded"
+    first = "" if d.first_difference_min is None else f", first diff at {d.first_difference_min}"
+    return f"{d.identical_share:.0%} of {d.requests}{first}"
+
+
 def table(data: list[dict]) -> pd.DataFrame | None:
     if not data:
         return None
@@ -197,11 +228,12 @@ def table(data: list[dict]) -> pd.DataFrame | None:
                     "E2E change": _change(d["e2e"]), "TPOT change": _change(d["tpot"]),
                     "TTFT change": _change(d["ttft"]), "throughput change": _change(d["throughput"]),
                     "KV bytes/token": _both((pool_with[0], pool_without[0]), ",.0f"),
-                    "pool tokens": _both((pool_with[1], pool_without[1]), ",.0f"), "verdict": d["verdict"]}
+                    "pool tokens": _both((pool_with[1], pool_without[1]), ",.0f"),
+                    "output identical": _identical(d.get("output")), "verdict": d["verdict"]}
         out.append(row)
     columns = ["run"] * many + ["backend", "without", "variant", "prompt", "conc", "KV dtype", "pairs", "acceptance",
                                 "E2E change", "TPOT change", "TTFT change", "throughput change", "KV bytes/token",
-                                "pool tokens", "verdict"]
+                                "pool tokens", "output identical", "verdict"]
     return pd.DataFrame(out, columns=columns, dtype=object).fillna("")
 
 

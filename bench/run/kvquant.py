@@ -76,11 +76,27 @@ def logprob_records(results: list[RequestResult], asked_k: int, adapter_k: int) 
     each position's top-k [[id, logprob], ...] and the prompt's log-probabilities (None: not returned), with
     the k asked for (the smaller of the workload's and the adapter's KVQuantisation ``top_logprobs_max``)."""
     k = min(asked_k, adapter_k)
-    return [{"request_id": r.request_id, "error": r.error, "k": k if r.top_logprobs else 0,
+    return [{"request_id": r.request_id, "error": r.error or _incomplete(r), "k": k if _whole_top(r) else 0,
              "tokens": list(r.output_ids),
-             "top": [[[t, round(lp, 6)] for t, lp in top.items()] for top in r.top_logprobs],
+             "top": [[[t, round(lp, 6)] for t, lp in top.items()] for top in r.top_logprobs] if _whole_top(r) else [],
              "prompt_logprobs": None if r.prompt_logprobs is None else
              [None if lp is None else round(lp, 6) for lp in r.prompt_logprobs]} for r in results]
+
+
+def _whole_top(r: RequestResult) -> bool:
+    """Whether the top-k lists are one per output token: llama-server with a drafter sends none for the
+    accepted drafts (2 lists for 32 tokens), and lists out of step with the tokens would compare the wrong
+    positions; then the tokens are recorded without them (no KL)."""
+    return bool(r.top_logprobs) and len(r.top_logprobs) == len(r.output_ids)
+
+
+def _incomplete(r: RequestResult) -> str | None:
+    """Why a request's token ids are not its whole output, or None: a record with some ids missing would pair
+    position i with another output's later token."""
+    received = sum(r.chunk_tokens)
+    if r.output_ids and len(r.output_ids) != received:
+        return f"incomplete: the engine sent the ids of {len(r.output_ids)} of its {received} output tokens"
+    return None
 
 
 def formula_bytes(geometry: KVGeometry, rules: KVRules | None, dtype: str, cached: int, decoded: int

@@ -95,3 +95,16 @@ def test_what_cannot_be_paired_says_why():
     assert alone["partner"] is None and "same weights" in alone["missing"]
     assert p.table([alone]).iloc[0]["verdict"].startswith("not paired: ")
     assert p.table([]) is None and "without a drafter" in p.note([])
+
+
+def test_the_outputs_are_compared_where_the_run_recorded_their_tokens():
+    infos = [info(**{DRAFT: ["f16"], F16: ["f16"]})]
+    plain = {"q-0": {"tokens": [1, 2, 3]}, "q-1": {"tokens": [4, 5, 6]}}
+    drafted = {"q-0": {"tokens": [1, 2, 3]}, "q-1": {"tokens": [4, 9, 6]}}  # the second differs at position 1
+    records = {"r": {f"{DRAFT}_p128_c1_copy_r0": drafted, f"{F16}_p128_c1_copy_r0": plain}}
+    [row] = p.rows(infos, cells(), requests([1.0, 1.1], [0.5, 0.6]), records)
+    assert (row["output"].requests, row["output"].identical_share, row["output"].first_difference_min) == (2, 0.5, 1)
+    assert p.table([row]).iloc[0]["output identical"] == "50% of 2, first diff at 1"
+    # a record left out (incomplete ids: load_logprobs drops it) leaves nothing to compare
+    [row] = p.rows(infos, cells(), requests([1.0, 1.1], [0.5, 0.6]), {"r": {**records["r"], f"{DRAFT}_p128_c1_copy_r0": {}}})
+    assert row["output"] is None and p.table([row]).iloc[0]["output identical"] == "not recorded"

@@ -24,6 +24,8 @@ from kvbench.store.schema import CellRow
 from kvbench.workloads import Workload, load
 from kvbench.workloads.texts import paragraphs
 
+from tests.helpers import DATA
+
 L = math.log
 
 
@@ -213,6 +215,28 @@ def test_llamacpp_completion_probabilities_are_read_per_token():
     assert r.output_ids == [11] and r.top_logprobs == [{11: -0.1, 12: -2.5}]
     recs = logprob_records([r], 20, LlamaCppBackend.capabilities.kv_quantisation.top_logprobs_max)
     assert recs[0]["k"] == 20 and recs[0]["top"] == [[[11, -0.1], [12, -2.5]]]
+
+
+def test_tokens_without_their_probabilities_are_recorded_without_any():
+    """llama-server with a drafter sends every token's id but probabilities only for the tokens the target
+    sampled itself (a real llama-server 0.3.36 stream with --model-draft and n_probs 2: 8 tokens, 5 of them
+    accepted drafts, one list of probabilities): lists out of step with the tokens would compare the wrong
+    positions, so the record keeps the ids (greedy identity) and no top-k (no KL). Ids missing (a held-back
+    UTF-8 token) make the record no record: the report leaves the request out."""
+    r = RequestResult("x", 13, 8, 0.0)
+    events = CompletionEvents()
+    stream = (DATA / "speculation" / "llamacpp_stream_draft_n_probs.txt").read_text()
+    for line in stream.splitlines():
+        if line.startswith("data: "):
+            events(json.loads(line[6:]), 1.0, r)
+    assert (r.spec_draft_tokens, r.spec_accepted_tokens, sum(r.chunk_tokens)) == (5, 5, 8)
+    [record] = logprob_records([r], 20, 20)
+    assert (record["error"], len(record["tokens"]), record["top"], record["k"]) == (None, 8, [], 0)
+    assert len(r.top_logprobs) == 1  # what the server sent
+    one = {"id": 11, "logprob": -0.1, "top_logprobs": [{"id": 11, "logprob": -0.1, "token": "a"}]}
+    held = RequestResult("y", 4, 2, 0.0)
+    CompletionEvents()({"tokens_predicted": 2, "tokens": [12], "completion_probabilities": [one]}, 1.0, held)
+    assert logprob_records([held], 20, 20)[0]["error"] == "incomplete: the engine sent the ids of 1 of its 2 output tokens"
 
 
 def test_vllm_echoed_prompt_logprobs_lead_the_first_chunk():
