@@ -22,6 +22,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # Each run's memory-bandwidth probe (bench/common/bandwidth.py) reads 256 MiB or more for about 0.3 s: off for
 # the suite's many short runs; tests/run/test_decode_bound.py switches it on where it is what is tested.
 os.environ.setdefault("KVBENCH_BANDWIDTH_PROBE", "off")
+# Each run's client probe (bench/load/self_probe.py) streams about 16K events from a stand-in for about 1 s:
+# off likewise; tests/load/test_self_probe.py runs it.
+os.environ.setdefault("KVBENCH_CLIENT_PROBE", "off")
 
 # pytest-timeout: every test has pyproject.toml's default (300 s); one marked `engine` starts a real engine
 # (a module's engine fixture runs inside its first test) and gets this instead. A test's own

@@ -185,12 +185,12 @@ def plant_results_column(tree: Path) -> None:
     edit(tree, "bench/common/metrics.py", '    out.update(percentiles([r.ttft for r in requests], "ttft_s"))\n',
          '    out.update(percentiles([r.ttft for r in requests], "ttft_s"))\n'
          '    out["ttft_s_max"] = max((r.ttft for r in requests if r.ttft is not None), default=None)\n')
-    edit(tree, "bench/store/schema.py", "SCHEMA_VERSION = 10\n", "SCHEMA_VERSION = 11\n")
+    edit(tree, "bench/store/schema.py", "SCHEMA_VERSION = 11\n", "SCHEMA_VERSION = 12\n")
     edit(tree, "bench/store/schema.py", "    ttft_s_p99: float | None = None\n",
          "    ttft_s_p99: float | None = None\n    ttft_s_max: float | None = None\n")
-    edit(tree, "bench/store/schema.py", "    v9 -> v10: a cell's ``decode_*`` and ``itl_s_bound`` None (not measured: earlier runs probed no bandwidth).\n",
-         "    v9 -> v10: a cell's ``decode_*`` and ``itl_s_bound`` None (not measured: earlier runs probed no bandwidth).\n"
-         '    v10 -> v11: ``ttft_s_max`` None (not measured).\n')
+    edit(tree, "bench/store/schema.py", "    (not measured: earlier runs did not probe their client).\n",
+         "    (not measured: earlier runs did not probe their client).\n"
+         '    v11 -> v12: ``ttft_s_max`` None (not measured).\n')
 
 
 def plant_run_option(tree: Path) -> None:

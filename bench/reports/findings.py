@@ -10,6 +10,7 @@ from __future__ import annotations
 import pandas as pd
 
 from kvbench.common.markdown import md_text
+from kvbench.load.self_probe import NEAR_LIMIT
 from kvbench.store.schema import OK_STATUSES
 
 from .tables import (NOT_MEASURED, failure_text, fmt_bytes, fmt_int, fmt_num, fmt_ratio, load_label, pool_label,
@@ -137,6 +138,22 @@ def _failure_line(cells: pd.DataFrame, with_variant: bool) -> str:
     return "; ".join(parts) + "."
 
 
+def _client_line(ok: pd.DataFrame, with_variant: bool) -> str | None:
+    """How close the client came to its own limit (bench/load/self_probe.py), where the run probed it."""
+    if "client_limit_share" not in ok or ok.client_limit_share.isna().all():
+        return None
+    top = ok.loc[ok.client_limit_share.idxmax()]
+    share, added = top.client_limit_share, top.client_ttft_overhead_s
+    ceiling = top.client_events_per_s / share if share else None
+    head = (f"The client read streamed events at up to {share:.1%} of its ceiling measured at the run's start "
+            f"({fmt_num(top.client_events_per_s, digits=0)} of {fmt_num(ceiling, digits=0)} a second, "
+            f"{_cell(top, with_variant)})")
+    tail = "" if _missing(added) else f"; the probe's TTFT lateness at that load: {fmt_num(added, 1000, 2)} ms"
+    if share >= NEAR_LIMIT:
+        return head + ": near its limit, its TTFT and ITL there hold client time" + tail + "."
+    return head + tail + "."
+
+
 def lines(agg: pd.DataFrame) -> dict[str, list[str]]:
     """{engine's label: its findings}, in the order the engines appear in the tables."""
     whole = totals(agg)
@@ -145,7 +162,8 @@ def lines(agg: pd.DataFrame) -> dict[str, list[str]]:
         ok = cells[cells.status.isin(OK_STATUSES)]
         with_variant = (cells.variant.fillna("") != "").any()
         found = [_kv_line(ok, with_variant), _pool_line(ok, with_variant) if not ok.empty else None,
-                 *_top_load_lines(ok, with_variant), _failure_line(cells, with_variant)]
+                 *_top_load_lines(ok, with_variant), _client_line(ok, with_variant),
+                 _failure_line(cells, with_variant)]
         out[str(label)] = [line for line in found if line]
     return out
 

@@ -22,7 +22,7 @@ from kvbench.run.contract import (  # noqa: F401 - what the run's steps take fro
 from kvbench.common.models import ModelFiles
 from kvbench.kv.rules import KVQuestion, KVRules
 from kvbench.kv.units import fmt_bytes
-from kvbench.load import LoadResult
+from kvbench.load import LoadResult, self_probe
 from kvbench.run.cells import Cell, load_label
 from kvbench.run.decode_bound import decode_bound_columns
 from kvbench.run.kvquant import declined_dtype, formula_bytes
@@ -57,6 +57,7 @@ class EngineRun:
     speculative: str = ""  # the drafter it was started with ("": none, or not known: an attached server)
     can_speculate: bool = False  # its adapter has speculative decoding (a row then says what it reported)
     memory_bandwidth: dict | None = None  # run.json's probe (bench/common/bandwidth.py run_probe); None: none
+    client_limit: dict | None = None  # run.json's client probe (bench/load/self_probe.py run_probe); None: none
     checkpoint_bytes: int | None = None  # the HF checkpoint's tensors: the weights where the engine reports none
 
 
@@ -145,6 +146,12 @@ def summarize(run: EngineRun, m: CellMeasurement) -> CellRow:
                          m.prefix_counters, m.prefix_seen)
     speculation_columns(row, run.speculative, run.can_speculate, results, m.spec_counters)
     decode_bound_columns(row, run.model.geometry, run.memory_bandwidth, run.checkpoint_bytes, w.output_tokens)
+    client = self_probe.cell_columns(results, m.load.t_end - m.load.t_start, row.concurrency, run.client_limit,
+                                     m.load.processes)
+    for k, v in client.items():
+        setattr(row, k, v)
+    if flag := self_probe.near_limit_flag(row.client_limit_share):
+        row.flags.append(flag)
     row.t_cell_start_unix = m.t_cell_start_unix
     for k, v in (m.telemetry or {}).items():  # the cluster's own monitoring, as read from Prometheus
         setattr(row, k, v)
@@ -449,7 +456,7 @@ def summary_line(row: CellRow) -> str:
     hits = "" if row.prefix_cache_hit_rate is None else f", prefix cache hits {row.prefix_cache_hit_rate:.1%}"
     hits += "" if row.spec_acceptance_rate is None else f", drafts accepted {row.spec_acceptance_rate:.1%}"
     warned = "".join(f"\n  [yellow]warning[/]: {f}" for f in row.flags
-                     if f.startswith(("prefix cache hit", "memory not sampled")))
+                     if f.startswith(("prefix cache hit", "memory not sampled", "client near its limit")))
     return (f"{head} [{color}]{row.status}[/] TTFT p50 {row.ttft_s_p50:.3f} s, ITL p50 "
             f"{itl}, {row.output_tokens_per_s or 0:.1f} out tok/s, "
             f"KV peak {fmt_bytes(row.kv_in_use_peak_bytes)}{ratio}, RSS peak {fmt_bytes(row.rss_peak_bytes)}"

@@ -29,7 +29,7 @@ from kvbench.backends.types import ServerSpec
 from kvbench.common import bandwidth, models
 from kvbench.common.hardware import NVML, environment_info, hardware_differences
 from kvbench.kv import bounded
-from kvbench.load import interrupt
+from kvbench.load import interrupt, self_probe
 from kvbench.load.owner import BARRIER_TIMEOUT_S, LoadOwner, OwnerClient, OwnerError
 from kvbench.run import kvquant
 from kvbench.run.backend_config import BackendConfig
@@ -192,6 +192,7 @@ class Runner:
         self.carried_plan = plan
         self.environment = environment_info()  # recorded in run.json; a resumed run's is held to it
         self.memory_bandwidth: dict | None = None  # probed when the run starts its cells (the decode bound)
+        self.client_limit: dict | None = None  # the client's own limit, probed then too (bench/load/self_probe.py)
         self.checkpoint_bytes: int | None = None
         self.run_id = options.run_id or new_run_id(options.workload.name)
         # a share of a run on several machines: the owner's clock and barrier (share 0 serves them), before
@@ -299,7 +300,8 @@ class Runner:
             self.checkpoint_bytes = record["model"]["checkpoint_bytes"]
             # the decode bound's denominator (bench/common/bandwidth.py); a resumed run measures it again
             self.memory_bandwidth = bandwidth.run_probe(self.environment)
-            self.writer.update_run_info(**record, memory_bandwidth=self.memory_bandwidth)
+            self.client_limit = self_probe.run_probe()  # before any engine shares the cores
+            self.writer.update_run_info(**record, memory_bandwidth=self.memory_bandwidth, client_limit=self.client_limit)
             prompts = CellPrompts(builder, w, self.salt)
             spec = ServerSpec(model=model, max_context=plan.server_context, max_concurrency=plan.server_concurrency,
                               kv_dtype=o.kv_dtype, kv_pool_sequences=w.kv_pool_sequences,

@@ -45,6 +45,7 @@ class EngineSession:
         self.info = EngineRun(runner.run_id, cfg.label, cfg.engine, cfg.version, spec.model, plan.workload,
                               spec.kv_dtype, attached=bool(cfg.url), rules=kv_rules(cfg.engine),
                               memory_bandwidth=runner.memory_bandwidth, checkpoint_bytes=runner.checkpoint_bytes,
+                              client_limit=runner.client_limit,
                               **engine_setup(REGISTRY[cfg.engine], cfg.options, bool(cfg.url)))
         self.gpu_baseline: GPUBaseline | None = None
         self.log_path: Path | None = None  # the log of the engine kvbench started (None: attached)

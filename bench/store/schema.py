@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 OK_STATUSES = ("ok", "flagged")  # cell statuses whose figures count (flagged: some requests broke the contract)
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 #: The fields that say what a cell *is*; two cells with equal values measure the same thing
 #: (``kvbench compare`` matches on these, repeats aside).
 CELL_CONFIG_FIELDS = ("engine", "engine_version", "model", "workload", "variant", "prompt_tokens", "output_tokens",
@@ -61,6 +61,12 @@ class CellRow(BaseModel):
     achieved_request_rate: float | None = None
     send_lag_s_p99: float | None = None  # how late requests left against their schedule
     client_loop_lag_s_max: float | None = None  # the client's event loop at its latest: bounds its own timing error
+    # the client against its own limit, probed at the run's start (bench/load/self_probe.py): the streamed
+    # events the cell read a second, that over the probe's ceiling, and the probe's TTFT lateness at the
+    # nearest concurrency it probed (what the client alone adds to a TTFT there)
+    client_events_per_s: float | None = None
+    client_limit_share: float | None = None
+    client_ttft_overhead_s: float | None = None
     max_in_flight: int | None = None
     # latency / throughput (bench/common/metrics.py defines each)
     ttft_s_mean: float | None = None
@@ -270,6 +276,8 @@ def migrate_row(row: dict, model: type[BaseModel]) -> dict:
     v8 -> v9: a cell's ``spec_method`` "" (not recorded: no earlier run speculated) and its other ``spec_*``
     figures None; a request's ``spec_draft_tokens`` and ``spec_accepted_tokens`` None.
     v9 -> v10: a cell's ``decode_*`` and ``itl_s_bound`` None (not measured: earlier runs probed no bandwidth).
+    v10 -> v11: a cell's ``client_events_per_s``, ``client_limit_share`` and ``client_ttft_overhead_s`` None
+    (not measured: earlier runs did not probe their client).
     """
     version = int(row.get("schema_version", 1))
     if version > SCHEMA_VERSION:
