@@ -299,9 +299,9 @@ def test_a_results_column_is_a_metric_key_a_field_and_a_schema_version(planted_r
     [cell] = cells(planted_run)
     requests = [json.loads(line) for line in (planted_run / "requests.jsonl").read_text().splitlines()]
     ttfts = [r["ttft_s"] for r in requests if r["cell_id"] == cell["cell_id"] and not r["warmup"]]
-    assert cell["schema_version"] == 11 and cell["ttft_s_max"] == pytest.approx(max(ttfts))
+    assert cell["schema_version"] == 12 and cell["ttft_s_max"] == pytest.approx(max(ttfts))
     parquet = pq.read_table(planted_run / "cells.parquet")
-    assert parquet.schema.metadata[b"kvbench_schema_version"] == b"11"
+    assert parquet.schema.metadata[b"kvbench_schema_version"] == b"12"
     assert pd.Series(parquet.column("ttft_s_max").to_pylist()).tolist() == [cell["ttft_s_max"]]
 
 

@@ -145,10 +145,10 @@ def _client_line(ok: pd.DataFrame, with_variant: bool) -> str | None:
     top = ok.loc[ok.client_limit_share.idxmax()]
     share, added = top.client_limit_share, top.client_ttft_overhead_s
     ceiling = top.client_events_per_s / share if share else None
-    head = (f"The client read streamed events at up to {share:.1%} of its ceiling measured at the run's start "
+    head = (f"The client read streamed events at up to {share:.2%} of its ceiling measured at the run's start "
             f"({fmt_num(top.client_events_per_s, digits=0)} of {fmt_num(ceiling, digits=0)} a second, "
             f"{_cell(top, with_variant)})")
-    tail = "" if _missing(added) else f"; the probe's TTFT lateness at that load: {fmt_num(added, 1000, 2)} ms"
+    tail = "" if _missing(added) else f"; the client adds about {fmt_num(added, 1000, 2)} ms to a TTFT at that load"
     if share >= NEAR_LIMIT:
         return head + ": near its limit, its TTFT and ITL there hold client time" + tail + "."
     return head + tail + "."

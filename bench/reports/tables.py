@@ -229,12 +229,15 @@ def performance_table(agg: pd.DataFrame) -> pd.DataFrame:
     out["ok/sent"] = [f"{int(r.n_ok)}/{int(r.n_requests)}" for r in agg.itertuples()]
     if "client_loop_lag_s_max" in agg and agg.client_loop_lag_s_max.notna().any():  # runs before it lack it
         out["client lag max (ms)"] = agg.client_loop_lag_s_max.map(lambda x: fmt_num(x, 1000, 1))
+    if "client_limit_share" in agg and agg.client_limit_share.notna().any():  # the run probed its client
+        out["client / ceiling"] = agg.client_limit_share.map(lambda x: "-" if _missing(x) else f"{x:.2%}")
+        out["client TTFT added (ms)"] = agg.client_ttft_overhead_s.map(lambda x: fmt_num(x, 1000, 2))
     return out
 
 
 PERF_RIGHT = LEAD_RIGHT | {"TTFT p50 (s)", "TTFT p99 (s)", "ITL p50 (ms)", "ITL p99 (ms)", "TPOT p50 (ms)",
                            "E2E p50 (s)", "E2E p99 (s)", "out tok/s", "req/s", "goodput req/s", "ok/sent",
-                           "client lag max (ms)"}
+                           "client lag max (ms)", "client / ceiling", "client TTFT added (ms)"}
 
 
 def pool_label(r) -> str:

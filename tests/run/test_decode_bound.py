@@ -8,7 +8,7 @@ from kvbench.backends.types import KVPool
 from kvbench.common import bandwidth
 from kvbench.common.bandwidth import decode_bound, read_bandwidth, run_probe
 from kvbench.run.rows import EngineRun, summarize
-from kvbench.store.schema import CellRow, migrate_row
+from kvbench.store.schema import SCHEMA_VERSION, CellRow, migrate_row
 
 from tests.fakes.testkit import BYTES_PER_TOKEN
 from tests.run.test_rows_summary import WORKLOAD, engine_run, measurement, request
@@ -90,4 +90,4 @@ def test_a_row_of_an_earlier_schema_has_no_bound():
                                     status="ok").model_dump().items() if not k.startswith(("decode_", "itl_s_bound"))}
     old["schema_version"] = 9
     new = migrate_row(old, CellRow)
-    assert new["itl_s_bound"] is None and new["decode_bound_source"] is None and new["schema_version"] == 10
+    assert new["itl_s_bound"] is None and new["decode_bound_source"] is None and new["schema_version"] == SCHEMA_VERSION
