@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .types import EngineStartError, PrefixCacheCounters, SpeculationCounters
+from .types import EngineStartError, PrefixCacheCounters, SpeculationCounters, StepBytesCounters
 
 if TYPE_CHECKING:
     import httpx
@@ -164,6 +164,24 @@ class Speculation:
 
 
 @dataclass(frozen=True)
+class StepBytes:
+    """The engine's own estimate of the bytes a forward pass reads, beside kvbench's decode bound
+    (docs/metrics.md, "Decode bound"). The default has none: the row's engine figure is "not reported". An
+    engine that keeps one subclasses this for :meth:`server_args` (what switches it on) and :meth:`counters`."""
+
+    #: Where :meth:`counters` reads them; "": the engine keeps no such estimate
+    source: str = ""
+
+    def server_args(self, backend: Backend) -> list[str]:
+        """The server's command-line arguments that switch the estimate on ([]: none needed, or none kept)."""
+        return []
+
+    def counters(self, backend: Backend, client: httpx.Client) -> StepBytesCounters | None:
+        """The cumulative bytes read and written and the steps, read before and after each cell (None: none)."""
+        return None
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """Every group an adapter may declare; each left out is the group's default."""
 
@@ -173,3 +191,4 @@ class Capabilities:
     served_model: ServedModel = ServedModel()
     memory_wall: MemoryWall = MemoryWall()
     speculation: Speculation = Speculation()
+    step_bytes: StepBytes = StepBytes()

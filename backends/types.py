@@ -144,6 +144,17 @@ class SpeculationCounters:
     source: str
 
 
+@dataclass(frozen=True)
+class StepBytesCounters:
+    """An engine's own cumulative estimate of the bytes its forward passes read and wrote, and the passes
+    (steps) they came in, read before and after a cell (vLLM's --enable-mfu-metrics counters)."""
+
+    read_bytes: float
+    write_bytes: float
+    steps: float | None  # None: the engine counts no steps beside the bytes
+    source: str
+
+
 class EngineStartError(RuntimeError):
     def __init__(self, message: str, log_tail: str = ""):
         super().__init__(message)

@@ -185,12 +185,12 @@ def plant_results_column(tree: Path) -> None:
     edit(tree, "bench/common/metrics.py", '    out.update(percentiles([r.ttft for r in requests], "ttft_s"))\n',
          '    out.update(percentiles([r.ttft for r in requests], "ttft_s"))\n'
          '    out["ttft_s_max"] = max((r.ttft for r in requests if r.ttft is not None), default=None)\n')
-    edit(tree, "bench/store/schema.py", "SCHEMA_VERSION = 11\n", "SCHEMA_VERSION = 12\n")
+    edit(tree, "bench/store/schema.py", "SCHEMA_VERSION = 12\n", "SCHEMA_VERSION = 13\n")
     edit(tree, "bench/store/schema.py", "    ttft_s_p99: float | None = None\n",
          "    ttft_s_p99: float | None = None\n    ttft_s_max: float | None = None\n")
-    edit(tree, "bench/store/schema.py", "    (not measured: earlier runs did not probe their client).\n",
-         "    (not measured: earlier runs did not probe their client).\n"
-         '    v11 -> v12: ``ttft_s_max`` None (not measured).\n')
+    edit(tree, "bench/store/schema.py", "    None (not read: earlier runs did not ask the engine).\n",
+         "    None (not read: earlier runs did not ask the engine).\n"
+         '    v12 -> v13: ``ttft_s_max`` None (not measured).\n')
 
 
 def plant_run_option(tree: Path) -> None:
@@ -299,9 +299,9 @@ def test_a_results_column_is_a_metric_key_a_field_and_a_schema_version(planted_r
     [cell] = cells(planted_run)
     requests = [json.loads(line) for line in (planted_run / "requests.jsonl").read_text().splitlines()]
     ttfts = [r["ttft_s"] for r in requests if r["cell_id"] == cell["cell_id"] and not r["warmup"]]
-    assert cell["schema_version"] == 12 and cell["ttft_s_max"] == pytest.approx(max(ttfts))
+    assert cell["schema_version"] == 13 and cell["ttft_s_max"] == pytest.approx(max(ttfts))
     parquet = pq.read_table(planted_run / "cells.parquet")
-    assert parquet.schema.metadata[b"kvbench_schema_version"] == b"12"
+    assert parquet.schema.metadata[b"kvbench_schema_version"] == b"13"
     assert pd.Series(parquet.column("ttft_s_max").to_pylist()).tolist() == [cell["ttft_s_max"]]
 
 

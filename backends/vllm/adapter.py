@@ -33,6 +33,7 @@ from ..streaming import stream_sse
 from ..types import EngineStartError, KVInUse, KVPool, PrefixCacheCounters, RequestResult, ServerSpec
 from .kvrules import VLLMKV
 from .speculation import DEFAULT_TOKENS, DRAFT_DEFAULT, SPECULATION, draft_folder, draft_kv_share
+from .step_bytes import STEP_BYTES
 from .startup_log import startup_figures, weights_bytes
 
 # vLLM's prefix-cache counters, in prompt tokens (vllm/v1/metrics/loggers.py; prometheus_client adds _total)
@@ -158,7 +159,7 @@ class VLLMBackend(PrometheusPolled, Backend):
                              "vllm:num_requests_waiting": "requests_waiting",
                              "vllm:num_preemptions_total": "preemptions"}),
         served_model=OpenAIModelList(),
-        speculation=SPECULATION)
+        speculation=SPECULATION, step_bytes=STEP_BYTES)
     # The samples polled during a cell (gpu_cache_usage_perc: the KV gauge's name before vLLM 0.10).
     POLLED = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_requests_waiting",
               "vllm:num_requests_running", "vllm:num_preemptions_total")
@@ -297,6 +298,7 @@ class VLLMBackend(PrometheusPolled, Backend):
         argv += self.capabilities.speculation.server_args(self, str(self.options.get("speculative", "none")),
                                                           self.options.get("speculative_tokens"),
                                                           draft_folder(self.options, spec.model))
+        argv += self.capabilities.step_bytes.server_args(self)  # its bytes a step, beside the decode bound
         argv += extra_args(self.options)
         env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "VLLM_LOGGING_LEVEL": "INFO"}

@@ -19,7 +19,9 @@ INTRO = ("A decode step reads every weight once and the cached K/V of every sequ
          "the KV of the most requests the cell had in flight, each at its mean decode position (prompt + half "
          "the output). ITL bound: those bytes over the bandwidth. Efficiency: the bound over the median ITL "
          "measured; 100 % is the hardware's limit, and the rest is the engine's (compute, scheduling, the "
-         "client). KV share: the KV's part of the bytes read, which grows with context and load.")
+         "client). KV share: the KV's part of the bytes read, which grows with context and load. Where the "
+         "engine keeps its own estimate (vLLM's --enable-mfu-metrics): the bytes its passes read over the cell "
+         "per step it took (its prefill steps among them), and kvbench's bytes a decode step over it.")
 
 
 def measured(agg: pd.DataFrame) -> bool:
@@ -46,9 +48,15 @@ def bound_table(agg: pd.DataFrame) -> pd.DataFrame:
         columns["ITL bound ms"].append(fmt_num(r.itl_s_bound, 1000, 2))
         columns["ITL p50 ms"].append(fmt_num(r.itl_s_p50, 1000, 2))
         columns["efficiency"].append("-" if _missing(r.decode_efficiency) else f"{r.decode_efficiency:.0%}")
+    if "engine_step_read_bytes" in agg and agg.engine_step_read_bytes.notna().any():  # the engine's own estimate
+        columns[ENGINE] = [fmt_num(b, 1 / MIB, 1) for b in agg.engine_step_read_bytes]
+        columns[KVBENCH_OVER_ENGINE] = ["-" if _missing(b) or _missing(k) else f"{k / b:.2f}"
+                                        for k, b in zip(agg.decode_step_bytes, agg.engine_step_read_bytes)]
     for k, v in columns.items():
         out[k] = v
     return with_failures(out, agg, ~agg.status.isin(OK_STATUSES), "weights MiB")
 
 
-RIGHT = LEAD_RIGHT | {"weights MiB", "KV read MiB", "KV share", "ITL bound ms", "ITL p50 ms", "efficiency"}
+ENGINE, KVBENCH_OVER_ENGINE = "engine's read MiB a step", "kvbench / engine"
+RIGHT = LEAD_RIGHT | {"weights MiB", "KV read MiB", "KV share", "ITL bound ms", "ITL p50 ms", "efficiency", ENGINE,
+                      KVBENCH_OVER_ENGINE}

@@ -2,6 +2,7 @@
 read bandwidth measured at the run's start, beside the ITL the cell measured. docs/metrics.md, "Decode bound"."""
 from __future__ import annotations
 
+from kvbench.backends.types import StepBytesCounters
 from kvbench.common.bandwidth import decode_bound
 from kvbench.kv.geometry import KVGeometry, UnknownKVDtype, kv_bytes_for_sequence
 from kvbench.kv.units import fmt_bytes
@@ -40,3 +41,19 @@ def decode_bound_columns(row: CellRow, geometry: KVGeometry, bandwidth: dict | N
                                f"{bandwidth['bytes_per_s'] / 1e9:.1f} GB/s ({bandwidth.get('threads', '?')} threads, "
                                "measured at the run's start)")
 
+
+
+def engine_step_bytes_columns(row: CellRow, before: StepBytesCounters | None, after: StepBytesCounters | None) -> None:
+    """The engine's own bytes a step over the cell, beside kvbench's bound: its counters' rise over the steps
+    it took (``engine_step_*``), or why there is none in ``engine_step_bytes_source`` (None: the engine keeps
+    no such estimate). An attached server's counters also count other clients' steps."""
+    if before is None or after is None:
+        row.engine_step_bytes_source = None if before is None and after is None else "not read: a read failed"
+        return
+    if before.steps is None or after.steps is None or after.steps <= before.steps:
+        row.engine_step_bytes_source = f"not measured: no step counted over the cell ({after.source})"
+        return
+    steps = after.steps - before.steps
+    row.engine_step_read_bytes = (after.read_bytes - before.read_bytes) / steps
+    row.engine_step_write_bytes = (after.write_bytes - before.write_bytes) / steps
+    row.engine_step_bytes_source = f"{after.source}: {steps:,.0f} steps over the cell"

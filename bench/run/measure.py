@@ -81,7 +81,7 @@ def measure(s: EngineSession, backend: Backend, cell: Cell) -> CellMeasurement:
     backend.reset_cell()
     if r.o.reset_cache_between_cells:
         backend.capabilities.prefix_cache.empty(backend)
-    counters_before = engine_counters(backend)  # (prefix cache, speculation)
+    counters_before = engine_counters(backend)  # (prefix cache, speculation, bytes a step)
     memory, rss_baseline = None, None
     if backend.pid:
         rss_baseline = _rss_before(backend.pid)
@@ -101,7 +101,7 @@ def measure(s: EngineSession, backend: Backend, cell: Cell) -> CellMeasurement:
             if line:
                 line.close()
     label = s.cfg.label
-    counters, spec = zip(counters_before, engine_counters(backend))  # each (before, after)
+    counters, spec, step_bytes = zip(counters_before, engine_counters(backend))  # each (before, after)
     prom = measure_cell(r.o.prometheus, t0, load.t_end, r.run_dir, cell.cell_id(label))
     # a deployment: each replica's polls and the requests it served (each marked with its replica)
     replicas = backend.replica_polls(load.results)
@@ -126,7 +126,7 @@ def measure(s: EngineSession, backend: Backend, cell: Cell) -> CellMeasurement:
                         memory_samples=memory.samples if memory else None, rss_baseline_bytes=rss_baseline,
                         gpu_baseline_used_bytes=s.gpu_baseline.used_bytes if s.gpu_baseline else None,
                         replicas=replicas, telemetry=prom, prefix_counters=counters, t_cell_start_unix=t0_unix,
-                        prefix_seen=s.prefix_seen, spec_counters=spec)
+                        prefix_seen=s.prefix_seen, spec_counters=spec, step_bytes_counters=step_bytes)
     s.prefix_seen = s.prefix_seen or bool(w.shared_prefix_tokens)
     r.writer.write_timeline(cell.cell_id(label), timeline_frame(t0, m.memory_samples or [], engine.kv_samples,
                                                                 engine.queue_samples, replicas))

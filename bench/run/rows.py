@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from kvbench.backends.types import KVInUse, KVPool, PrefixCacheCounters, RequestResult, SpeculationCounters
+from kvbench.backends.types import (KVInUse, KVPool, PrefixCacheCounters, RequestResult, SpeculationCounters,
+                                    StepBytesCounters)
 from kvbench.common.metrics import RequestTimes
 from kvbench.run.contract import (  # noqa: F401 - what the run's steps take from here
     SHORT_OUTPUT,
@@ -24,7 +25,7 @@ from kvbench.kv.rules import KVQuestion, KVRules
 from kvbench.kv.units import fmt_bytes
 from kvbench.load import LoadResult, self_probe
 from kvbench.run.cells import Cell, load_label
-from kvbench.run.decode_bound import decode_bound_columns
+from kvbench.run.decode_bound import decode_bound_columns, engine_step_bytes_columns
 from kvbench.run.kvquant import declined_dtype, formula_bytes
 from kvbench.run.prefix_cache import meant_warm, prefix_cache_columns
 from kvbench.run.samplers import KVSample, MemorySample, QueueSample
@@ -108,6 +109,8 @@ class CellMeasurement:
     prefix_seen: bool = False
     # the engine's speculative-decoding counters before and after the cell (None: it keeps none)
     spec_counters: tuple[SpeculationCounters | None, SpeculationCounters | None] = (None, None)
+    # the engine's own bytes-a-step estimate before and after the cell (None: it keeps none)
+    step_bytes_counters: tuple[StepBytesCounters | None, StepBytesCounters | None] = (None, None)
 
 
 def failed_row(run: EngineRun, cell: Cell, status: str, error: str | None, log_tail: str | None) -> CellRow:
@@ -146,6 +149,7 @@ def summarize(run: EngineRun, m: CellMeasurement) -> CellRow:
                          m.prefix_counters, m.prefix_seen)
     speculation_columns(row, run.speculative, run.can_speculate, results, m.spec_counters)
     decode_bound_columns(row, run.model.geometry, run.memory_bandwidth, run.checkpoint_bytes, w.output_tokens)
+    engine_step_bytes_columns(row, *m.step_bytes_counters)
     client = self_probe.cell_columns(results, m.load.t_end - m.load.t_start, row.concurrency, run.client_limit,
                                      m.load.processes)
     for k, v in client.items():

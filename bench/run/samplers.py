@@ -223,6 +223,16 @@ def speculation_counters(backend):
         return None
 
 
+def step_bytes_counters(backend):
+    """The engine's own estimate of the bytes its passes read and wrote, and its steps, now (read before and
+    after each cell), or None: counters that cannot be read are "not reported", never a failed cell."""
+    try:
+        return backend.capabilities.step_bytes.counters(backend, backend.http)
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
 def engine_counters(backend) -> tuple:
-    """The engine's cumulative counters read around a cell: (prefix cache, speculation), each None where none."""
-    return prefix_counters(backend), speculation_counters(backend)
+    """The engine's cumulative counters read around a cell: (prefix cache, speculation, bytes a step), each
+    None where none."""
+    return prefix_counters(backend), speculation_counters(backend), step_bytes_counters(backend)

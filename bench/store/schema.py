@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 OK_STATUSES = ("ok", "flagged")  # cell statuses whose figures count (flagged: some requests broke the contract)
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 #: The fields that say what a cell *is*; two cells with equal values measure the same thing
 #: (``kvbench compare`` matches on these, repeats aside).
 CELL_CONFIG_FIELDS = ("engine", "engine_version", "model", "workload", "variant", "prompt_tokens", "output_tokens",
@@ -203,6 +203,11 @@ class CellRow(BaseModel):
     itl_s_bound: float | None = None
     decode_efficiency: float | None = None
     decode_bound_source: str | None = None
+    # the engine's own estimate beside kvbench's (vLLM --enable-mfu-metrics): the bytes its forward passes read
+    # and wrote over the cell over the steps it took (prefill steps among them), and where they were read
+    engine_step_read_bytes: float | None = None
+    engine_step_write_bytes: float | None = None
+    engine_step_bytes_source: str | None = None
 
 
 class RequestRow(BaseModel):
@@ -278,6 +283,8 @@ def migrate_row(row: dict, model: type[BaseModel]) -> dict:
     v9 -> v10: a cell's ``decode_*`` and ``itl_s_bound`` None (not measured: earlier runs probed no bandwidth).
     v10 -> v11: a cell's ``client_events_per_s``, ``client_limit_share`` and ``client_ttft_overhead_s`` None
     (not measured: earlier runs did not probe their client).
+    v11 -> v12: a cell's ``engine_step_read_bytes``, ``engine_step_write_bytes`` and ``engine_step_bytes_source``
+    None (not read: earlier runs did not ask the engine).
     """
     version = int(row.get("schema_version", 1))
     if version > SCHEMA_VERSION:

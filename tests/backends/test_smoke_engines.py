@@ -1,5 +1,6 @@
 """Real engines on the embedded model with the smoke workload: figures come back and make sense."""
 import io
+import json
 import math
 import os
 from pathlib import Path
@@ -138,6 +139,12 @@ def test_vllm(vllm_run):
     single = cells[cells.concurrency == 1]
     assert single.kv_in_use_peak_tokens.notna().any(), single[["cell_id", "kv_in_use_source"]].to_string()
     assert (cells.engine_version_reported == "0.32.0").all()
+    # vLLM's own bytes a step (--enable-mfu-metrics): every step reads the weights (the bf16 checkpoint, as
+    # served on a CPU) once, and no more than them twice and the whole pool
+    weights = json.loads((run_dir / "run.json").read_text())["model"]["checkpoint_bytes"]
+    for row in cells.itertuples():
+        assert weights <= row.engine_step_read_bytes <= 2 * weights + row.kv_pool_bytes_engine, row.engine_step_bytes_source
+        assert row.engine_step_write_bytes > 0 and "steps over the cell" in row.engine_step_bytes_source
 
 
 def test_llamacpp(llama_run):
