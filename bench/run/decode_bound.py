@@ -43,6 +43,10 @@ def decode_bound_columns(row: CellRow, geometry: KVGeometry, bandwidth: dict | N
 
 
 
+#: kvbench's bytes a decode step over the engine's own estimate further than this from 1 is flagged
+DISAGREE = 0.05
+
+
 def engine_step_bytes_columns(row: CellRow, before: StepBytesCounters | None, after: StepBytesCounters | None) -> None:
     """The engine's own bytes a step over the cell, beside kvbench's bound: its counters' rise over the steps
     it took (``engine_step_*``), or why there is none in ``engine_step_bytes_source`` (None: the engine keeps
@@ -57,3 +61,8 @@ def engine_step_bytes_columns(row: CellRow, before: StepBytesCounters | None, af
     row.engine_step_read_bytes = (after.read_bytes - before.read_bytes) / steps
     row.engine_step_write_bytes = (after.write_bytes - before.write_bytes) / steps
     row.engine_step_bytes_source = f"{after.source}: {steps:,.0f} steps over the cell"
+    if row.decode_step_bytes and row.engine_step_read_bytes and \
+            abs(row.decode_step_bytes / row.engine_step_read_bytes - 1) > DISAGREE:
+        row.flags.append(f"decode bytes disagree: kvbench reads {fmt_bytes(row.decode_step_bytes)} a decode step, "
+                         f"the engine's own estimate {fmt_bytes(row.engine_step_read_bytes)} a step (its prefill "
+                         f"steps among them): {row.decode_step_bytes / row.engine_step_read_bytes:.2f} x")

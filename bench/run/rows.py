@@ -460,7 +460,8 @@ def summary_line(row: CellRow) -> str:
     hits = "" if row.prefix_cache_hit_rate is None else f", prefix cache hits {row.prefix_cache_hit_rate:.1%}"
     hits += "" if row.spec_acceptance_rate is None else f", drafts accepted {row.spec_acceptance_rate:.1%}"
     warned = "".join(f"\n  [yellow]warning[/]: {f}" for f in row.flags
-                     if f.startswith(("prefix cache hit", "memory not sampled", "client near its limit")))
+                     if f.startswith(("prefix cache hit", "memory not sampled", "client near its limit",
+                                   "decode bytes disagree")))
     return (f"{head} [{color}]{row.status}[/] TTFT p50 {row.ttft_s_p50:.3f} s, ITL p50 "
             f"{itl}, {row.output_tokens_per_s or 0:.1f} out tok/s, "
             f"KV peak {fmt_bytes(row.kv_in_use_peak_bytes)}{ratio}, RSS peak {fmt_bytes(row.rss_peak_bytes)}"

@@ -52,3 +52,15 @@ def test_no_estimate_and_no_step_are_told_apart():
 def test_the_flag_only_where_the_version_has_it(version, flagged, tmp_path):
     backend = VLLMBackend(version, tmp_path)
     assert backend.capabilities.step_bytes.server_args(backend) == (["--enable-mfu-metrics"] if flagged else [])
+
+
+def test_a_disagreement_with_kvbenchs_bytes_is_flagged():
+    before, after = page("vllm_metrics_mfu_before.txt"), page("vllm_metrics_mfu.txt")
+    close, far = row(), row()
+    close.decode_step_bytes = 7.106429952e9 / 24 * 1.04  # within 5 %: no flag
+    engine_step_bytes_columns(close, before, after)
+    assert not close.flags
+    far.decode_step_bytes = 7.106429952e9 / 24 * 0.91  # the embedded model's checkpoint and its KV: 9 % fewer
+    engine_step_bytes_columns(far, before, after)
+    assert far.flags == ["decode bytes disagree: kvbench reads 256.97 MiB a decode step, the engine's own estimate "
+                         "282.38 MiB a step (its prefill steps among them): 0.91 x"] and far.status == "ok"
