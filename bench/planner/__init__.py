@@ -41,6 +41,7 @@ from .shared import (
     parse_tokens,
     similar_model,
 )
+from .decode import moe_view
 from .speculative import check_speculation, speculation_view
 from .startup import planned_figures, startup_view
 from .verdict import asked_first, kv_scope, ledger, lever_line, limit_label, verdict
@@ -149,6 +150,7 @@ def plan(p: PlanInput, with_levers: bool = True) -> dict:
     out["verdict"] = verdict(s, o)
     out["startup"] = startup_view(s)
     out["speculation"] = speculation_view(s)
+    out["moe"] = moe_view(s)
     out.update(asked_first(s, o, typical, out["startup"]))  # the question asked, answered first
     out["levers"] = []
     if s.gpu is None:
