@@ -31,14 +31,13 @@ from ..shared.served_models import OpenAIModelList
 from ..streaming import stream_sse
 from ..types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 from .kvrules import EMBEDDED_CASES, FAMILY_CASE, LlamaCppKV
-from .speculation import DRAFT_DEFAULT, SPECULATION, drafter, split_draft_log
+from .speculation import CONVERTED, DRAFT_DEFAULT, SPECULATION, drafter, split_draft_log
 from .startup_log import BUFFER_LINE, KV_LINE, parse_buffers, parse_kv_log, startup_figures  # noqa: F401 (re-exported)
 
 SCRIPTS = Path(__file__).with_name("scripts")
 BUILD_SCRIPT = SCRIPTS / "build_llama_server.sh"
 CONVERTER_SCRIPT = SCRIPTS / "fetch_llama_converter.sh"
 CONVERT = SCRIPTS / "llamacpp_convert.py"
-CONVERTED = "converted"  # gguf=converted: serve the GGUF llama.cpp's converter makes of the HF folder
 
 
 def converted_gguf(model: ModelFiles) -> Path:

@@ -25,6 +25,8 @@ DRAFT_DEFAULT = ("for a model with its own GGUF (the embedded model's Q4_1): tha
                  "GGUF llama.cpp's converter makes of its HF folder (served instead); else required")
 
 
+#: gguf=converted: serve the GGUF llama.cpp's converter makes of the HF folder (the default draft's target)
+CONVERTED = "converted"
 #: What llama-server logs before it loads a draft model: its own weights and KV cache lines follow
 DRAFT_LOG_MARK = "common_speculative_init_result: loading draft model"
 
@@ -38,7 +40,7 @@ def drafter(options: dict, model: ModelFiles) -> tuple[str, Path | None]:
         return method, None
     if options.get("draft_model"):
         return method, Path(str(options["draft_model"])).expanduser()
-    if model.gguf_path is None or options.get("gguf") not in (None, "converted"):
+    if model.gguf_path is None or options.get("gguf") not in (None, CONVERTED):
         raise EngineStartError("speculative=draft: this model has no GGUF of its own to draft with: give "
                                "draft_model=PATH (a GGUF)")
     return method, model.gguf_path

@@ -162,12 +162,11 @@ def _plot(draw, path: Path, *args) -> bool:
         temp.unlink(missing_ok=True)
 
 
-def make_plots(run_dirs: list[Path], agg: pd.DataFrame, folder: Path) -> list[Figure]:
+def make_plots(run_dirs: list[Path], agg: pd.DataFrame, folder: Path, requests: pd.DataFrame) -> list[Figure]:
     """Every plot (kvbench.reports.plots.report_figures, each written through :func:`_plot`), each placed
-    under the table it illustrates."""
+    under the table it illustrates; ``requests``: the runs' request rows."""
     from kvbench.reports import plots  # matplotlib: 0.2-0.7 s of import, for the reports that plot
 
-    requests = load(run_dirs, what="requests")
     return [Figure(title, path, section)
             for section, title, path in plots.report_figures(run_dirs, agg, requests, folder, draw=_plot)]
 
@@ -235,10 +234,13 @@ def _build(run_dirs: list[Path], plots_dir: Path | None) -> Report:
                 code_blocks=[(f"log tail of {cid}", tail) for cid, tail in tables.log_tails(agg)]),
         *_validation(run_dirs, infos),
     ]
-    if speculation.speculated(agg):  # a run with a drafter: after the prefix cache
+    speculated = speculation.speculated(agg)
+    # the request rows, read once for what needs them: the plots and the paired speculation table
+    requests = load(run_dirs, what="requests") if plots_dir is not None or speculated else None
+    if speculated:  # a run with a drafter: after the prefix cache
         sections.insert(_after(sections, "prefix_cache"), Section(
             "speculation", speculation.TITLE, speculation.INTRO, speculation.speculation_table(agg), speculation.RIGHT, cap))
-        _paid_off_section(run_dirs, infos, cells, sections, cap)
+        _paid_off_section(run_dirs, infos, cells, requests, sections, cap)
     sections.insert(_after(sections, "performance"), Section(  # decode against the bandwidth limit
         bandwidth.SECTION, bandwidth.TITLE, bandwidth.INTRO, bandwidth.bound_table(agg) if bandwidth.measured(agg)
         else None, bandwidth.RIGHT, cap if bandwidth.measured(agg) else "",
@@ -251,18 +253,18 @@ def _build(run_dirs: list[Path], plots_dir: Path | None) -> Report:
         sections.insert(_after(sections, "boundary"),
                         Section("deployments", "Deployments: which replica queued first", DEPLOYMENT_INTRO, note=note))
     # the plots draw whole backends: a deployment's total, not its replicas beside it
-    figures = make_plots(run_dirs, tables.totals(agg), plots_dir) if plots_dir is not None else []
+    figures = make_plots(run_dirs, tables.totals(agg), plots_dir, requests) if plots_dir is not None else []
     _kv_quant_sections(run_dirs, infos, cells, sections, figures, plots_dir)
     return Report(title, headers, sections, figures)
 
 
-def _paid_off_section(run_dirs: list[Path], infos: list[dict], cells: pd.DataFrame, sections: list[Section],
-                      cap: str) -> None:
+def _paid_off_section(run_dirs: list[Path], infos: list[dict], cells: pd.DataFrame, requests: pd.DataFrame,
+                      sections: list[Section], cap: str) -> None:
     """After the speculation section: each drafted cell against the same cell without a drafter."""
     from . import speculation_paired as paired
 
     records = {i["run_id"]: load_logprobs(d) for d, i in zip(run_dirs, infos) if (d / "logprobs").is_dir()}
-    data = paired.rows(infos, cells, load(run_dirs, what="requests"), records)
+    data = paired.rows(infos, cells, requests, records)
     table = paired.table(data)
     sections.insert(_after(sections, "speculation"), Section(
         "speculation_paid_off", paired.TITLE, paired.INTRO, table, paired.RIGHT, cap if table is not None else "",

@@ -205,29 +205,11 @@ class EnginePoller(_Sampler):
         return "; ".join(parts)
 
 
-def prefix_counters(backend):
-    """The engine's prefix-cache counters now (read before and after each cell), or None: counters that
-    cannot be read are "not reported", never a failed cell."""
+def _counters(backend, group):
+    """One capability group's cumulative counters now, or None: the engine keeps none, or they cannot be read
+    ("not reported", never a failed cell)."""
     try:
-        return backend.capabilities.prefix_cache.counters(backend, backend.http)
-    except (httpx.HTTPError, ValueError):
-        return None
-
-
-def speculation_counters(backend):
-    """The engine's speculative-decoding counters now (read before and after each cell), or None: counters
-    that cannot be read are "not reported", never a failed cell."""
-    try:
-        return backend.capabilities.speculation.counters(backend, backend.http)
-    except (httpx.HTTPError, ValueError):
-        return None
-
-
-def step_bytes_counters(backend):
-    """The engine's own estimate of the bytes its passes read and wrote, and its steps, now (read before and
-    after each cell), or None: counters that cannot be read are "not reported", never a failed cell."""
-    try:
-        return backend.capabilities.step_bytes.counters(backend, backend.http)
+        return group.counters(backend, backend.http)
     except (httpx.HTTPError, ValueError):
         return None
 
@@ -235,4 +217,5 @@ def step_bytes_counters(backend):
 def engine_counters(backend) -> tuple:
     """The engine's cumulative counters read around a cell: (prefix cache, speculation, bytes a step), each
     None where none."""
-    return prefix_counters(backend), speculation_counters(backend), step_bytes_counters(backend)
+    caps = backend.capabilities
+    return tuple(_counters(backend, group) for group in (caps.prefix_cache, caps.speculation, caps.step_bytes))
