@@ -182,6 +182,40 @@ class StepBytes:
 
 
 @dataclass(frozen=True)
+class DeviceBandwidth:
+    """How the engine's own environment measures its GPU's memory bandwidth at a run's start, the decode bound's
+    denominator on a GPU (docs/metrics.md, "Decode bound"). The default measures nothing: a run on a GPU then
+    divides by the card's specification (bench/planner/gpus.toml) and says so."""
+
+    #: A script the environment's Python runs as ``SCRIPT bandwidth --device DEVICE``: one JSON line with
+    #: ``read_bytes_per_s`` and ``copy_bytes_per_s``. None: the engine's environment measures none.
+    script: Path | None = None
+
+    def measure(self, python: Path, device: str = "cuda", timeout_s: float = 120.0) -> dict:
+        """The script's figures, or ``{"not_measured": why}`` (no script, a failure, a time-out)."""
+        import json
+        import subprocess
+
+        if self.script is None:
+            return {"not_measured": "the engine's environment measures no device bandwidth"}
+        try:
+            out = subprocess.run([str(python), str(self.script), "bandwidth", "--device", device], capture_output=True,
+                                 text=True, timeout=timeout_s, cwd=self.script.parent)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return {"not_measured": f"the device read did not finish: {type(exc).__name__}"}
+        lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+        try:
+            figures = json.loads(lines[-1]) if out.returncode == 0 and lines else None
+        except json.JSONDecodeError:
+            figures = None
+        if not isinstance(figures, dict) or not (figures.get("read_bytes_per_s") or 0) > 0:
+            tail = (out.stderr.strip().splitlines() or ["no output"])[-1][:200]
+            return {"not_measured": f"the device read failed (exit {out.returncode}): {tail}"}
+        figures.pop("event", None)
+        return figures
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """Every group an adapter may declare; each left out is the group's default."""
 
@@ -192,3 +226,4 @@ class Capabilities:
     memory_wall: MemoryWall = MemoryWall()
     speculation: Speculation = Speculation()
     step_bytes: StepBytes = StepBytes()
+    device_bandwidth: DeviceBandwidth = DeviceBandwidth()

@@ -14,7 +14,7 @@ from kvbench.common.models import ModelFiles
 from kvbench.kv.rules import KVCheck, KVQuestion, KVRules
 
 from ..base import Backend
-from ..capabilities import Capabilities, KVQuantisation
+from ..capabilities import Capabilities, DeviceBandwidth, KVQuantisation
 from ..options import Option
 from ..process import run_in_own_group
 from ..streaming import stream_sse
@@ -56,7 +56,8 @@ class HFBackend(Backend):
     )
     kv_rules = TransformersKV()
     # the worker's top_logprobs: log_softmax of the raw logits, top k per generated token (hf_worker.py)
-    capabilities = Capabilities(kv_quantisation=KVQuantisation(top_logprobs_max=20))
+    capabilities = Capabilities(kv_quantisation=KVQuantisation(top_logprobs_max=20),
+                                device_bandwidth=DeviceBandwidth(script=SCRIPTS / "gpu_probe.py"))
     BUILDER = BUILDER  # what builds the random-weight validation models (its bytes key their cache)
 
     @classmethod

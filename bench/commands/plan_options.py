@@ -428,7 +428,8 @@ class PlanOptions:
              metavar="N"),
         read=read_speculative_tokens, default=None)
     bandwidth: float | None = option(
-        Flag("bandwidth", str, None, "The GPU's (or CPU's) memory read bandwidth per GPU, e.g. 3.35TB/s, 900GB/s: "
+        Flag("bandwidth", str, None, "The GPU's (or CPU's) memory read bandwidth per GPU, e.g. 3.35TB/s, 900GB/s, or spec (the "
+             "--gpu card's specification, bench/planner/gpus.toml): "
              "prints the fastest ITL the batch allows (a decode step reads the weights once and every request's "
              "KV; docs/metrics.md, \"Decode bound\").", metavar="RATE"),
         read=read_bandwidth, default=None)

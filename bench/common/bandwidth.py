@@ -79,11 +79,12 @@ def decode_bound(weights_bytes: float, kv_bytes_per_sequence: float, sequences: 
 PROBE_SWITCH = "KVBENCH_BANDWIDTH_PROBE"
 
 
-def run_probe(environment: dict) -> dict:
+def run_probe(environment: dict, gpu_probe=None) -> dict:
     """What run.json records as ``memory_bandwidth`` at a run's start: this CPU's, measured; on a GPU machine
-    "not measured" (the engines read the GPU's memory, which this probe does not reach)."""
+    what ``gpu_probe()`` says (bench/run/device_bandwidth.py: the card's specification and a device read)."""
     if os.environ.get(PROBE_SWITCH, "").lower() == "off":
         return {"not_measured": f"the probe was switched off ({PROBE_SWITCH}=off)"}
     if environment.get("gpus"):
-        return {"not_measured": "a GPU machine: the engines read the GPU's memory, which kvbench does not probe yet"}
-    return {"device": "cpu", **read_bandwidth()}
+        return gpu_probe() if gpu_probe else {"not_measured": "a GPU machine, and no GPU probe was given"}
+    figures = read_bandwidth()
+    return {"device": "cpu", **figures, "label": f"{figures.get('threads', '?')} threads, measured at the run's start"}

@@ -13,10 +13,13 @@ MAX_BANDWIDTH = 1e15  # bytes/s: a memory past 1 PB/s is a typo
 
 
 def read_bandwidth(flags: dict, earlier: dict) -> float | None:
-    """A read bandwidth (3.35TB/s, 900GB/s, 819GiB/s, or bytes per second), above 0 and at most 1 PB/s."""
+    """A read bandwidth (3.35TB/s, 900GB/s, 819GiB/s, or bytes per second), above 0 and at most 1 PB/s; ``spec``:
+    the specification of the catalogue's card given as --gpu (bench/planner/gpus.toml bandwidth_gb_s)."""
     text = flags["bandwidth"]
     if text is None:
         return None
+    if text.strip().lower() == "spec":
+        return spec_bandwidth(earlier.get("gpu"))
     m = BANDWIDTH.fullmatch(text.strip())
     if not m:
         raise PlanError(f"--bandwidth {text[:40]!r} is not a rate such as 3.35TB/s or 900GB/s")
@@ -24,6 +27,19 @@ def read_bandwidth(flags: dict, earlier: dict) -> float | None:
     if not 1e6 <= value <= MAX_BANDWIDTH:
         raise PlanError(f"--bandwidth takes 1MB/s to 1PB/s, not {text[:40]!r}")
     return value
+
+
+def spec_bandwidth(card: str | None) -> float:
+    from kvbench.planner.shared import gpu, gpu_specs
+
+    if not card:
+        raise PlanError("--bandwidth spec needs --gpu with a card of the catalogue (its specification's bandwidth)")
+    found = gpu(card)
+    spec = gpu_specs().get(found.name)
+    if spec is None or not spec.bandwidth_bytes_per_s:
+        raise PlanError(f"--bandwidth spec: {card} has no bandwidth in the catalogue (a size given, or no public "
+                        "figure): give a rate such as 900GB/s")
+    return spec.bandwidth_bytes_per_s
 
 
 def read_decode_efficiency(flags: dict, earlier: dict) -> float | None:

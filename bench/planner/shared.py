@@ -94,6 +94,18 @@ class GPU:
     #: how its GPUs talk under tensor parallel: "nvlink" (SXM boards: NCCL's many channels, NVLS, custom
     #: all-reduce) or "pcie"; "unknown" for a size given (planned as NVLink: the larger buffers)
     interconnect: str = "unknown"
+    bandwidth_bytes_per_s: float | None = None  # the specification's memory bandwidth (gpus.toml bandwidth_gb_s)
+    bandwidth_source: str = ""
+    #: (NVML name, bytes/s, source) of a form of the card whose figure differs (None: no public figure)
+    bandwidth_variants: tuple[tuple[str, float | None, str], ...] = ()
+
+    def bandwidth(self, device_name: str = "") -> tuple[float | None, str]:
+        """The specification's bandwidth (bytes/s) and where it was read, of the form NVML names ``device_name``
+        where that form's figure differs (None: no public figure)."""
+        for name, rate, source in self.bandwidth_variants:
+            if name.lower() == device_name.strip().lower():
+                return rate, f"{name}: {source}"
+        return self.bandwidth_bytes_per_s, self.bandwidth_source
 
     def cuda_memory(self) -> tuple[float, str]:
         """What CUDA reports as the card's total (torch.cuda.mem_get_info), the figure vLLM and SGLang budget
@@ -116,7 +128,11 @@ def _gpu_table() -> dict[str, tuple[GPU, tuple[str, ...]]]:
                        cuda_bytes=cuda * 2**20 if cuda else None, cuda_source=spec.get("cuda_source", ""),
                        memory_source=spec.get("memory_source", ""),
                        unified_memory=bool(spec.get("unified_memory", False)),
-                       interconnect=spec.get("interconnect", "pcie"))
+                       interconnect=spec.get("interconnect", "pcie"),
+                       bandwidth_bytes_per_s=spec["bandwidth_gb_s"] * 1e9 if spec.get("bandwidth_gb_s") else None,
+                       bandwidth_source=spec.get("bandwidth_source", ""),
+                       bandwidth_variants=tuple((name, rate * 1e9 or None, spec.get("bandwidth_variants_source", ""))
+                                                for name, rate in spec.get("bandwidth_variants", {}).items()))
             _GPU_TABLE[name] = (card, (name, *spec.get("names", ())))
     return _GPU_TABLE
 

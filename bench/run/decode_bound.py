@@ -32,14 +32,21 @@ def decode_bound_columns(row: CellRow, geometry: KVGeometry, bandwidth: dict | N
     except UnknownKVDtype:
         row.decode_bound_source = f"not measured: no element size for the KV dtype {row.kv_dtype}"
         return
-    bound = decode_bound(weights, per_sequence, sequences, bandwidth["bytes_per_s"])
+    # on a GPU the figure is per GPU, and each of the GPUs the engine is split over reads its share at once
+    rate = bandwidth["bytes_per_s"] * (max(1, row.gpus_used or 1) if bandwidth.get("device") == "gpu" else 1)
+    bound = decode_bound(weights, per_sequence, sequences, rate)
     row.decode_step_bytes, row.decode_kv_share, row.itl_s_bound = bound.step_bytes, bound.kv_share, bound.itl_s
     if row.itl_s_p50:
         row.decode_efficiency = bound.itl_s / row.itl_s_p50
     row.decode_bound_source = (f"weights {fmt_bytes(weights)} ({weights_from}); KV of {sequences} x "
                                f"{attended:,} tokens by kvbench's formula; read bandwidth "
-                               f"{bandwidth['bytes_per_s'] / 1e9:.1f} GB/s ({bandwidth.get('threads', '?')} threads, "
-                               "measured at the run's start)")
+                               f"{rate / 1e9:,.1f} GB/s ({_said(bandwidth, row)})")
+
+
+def _said(bandwidth: dict, row: CellRow) -> str:
+    label = bandwidth.get("label") or f"{bandwidth.get('threads', '?')} threads, measured at the run's start"
+    gpus = max(1, row.gpus_used or 1) if bandwidth.get("device") == "gpu" else 1
+    return label + (f", x {gpus} GPUs" if gpus > 1 else "")
 
 
 

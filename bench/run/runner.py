@@ -34,6 +34,7 @@ from kvbench.load.owner import BARRIER_TIMEOUT_S, LoadOwner, OwnerClient, OwnerE
 from kvbench.run import kvquant
 from kvbench.run.backend_config import BackendConfig
 from kvbench.run.cells import CellPrompts, NothingFits, RunPlan
+from kvbench.run.device_bandwidth import gpu_bandwidth
 from kvbench.run.prompt_salt import PromptSalt
 from kvbench.run.option_fields import declared, recorded
 from kvbench.run.options import RunOptions
@@ -299,7 +300,8 @@ class Runner:
             record = plan_record(model, plan)
             self.checkpoint_bytes = record["model"]["checkpoint_bytes"]
             # the decode bound's denominator (bench/common/bandwidth.py); a resumed run measures it again
-            self.memory_bandwidth = bandwidth.run_probe(self.environment)
+            self.memory_bandwidth = bandwidth.run_probe(self.environment,
+                                                        lambda: gpu_bandwidth(self.environment, o.backends))
             self.client_limit = self_probe.run_probe()  # before any engine shares the cores
             self.writer.update_run_info(**record, memory_bandwidth=self.memory_bandwidth, client_limit=self.client_limit)
             prompts = CellPrompts(builder, w, self.salt)

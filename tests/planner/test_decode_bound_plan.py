@@ -5,6 +5,7 @@ import json
 import pytest
 
 from kvbench.planner.decode import decode_answer
+from kvbench.planner.shared import PlanError
 from tests.helpers import DATA, kvbench_here
 from tests.planner.test_plan_options import planned, refused
 
@@ -36,8 +37,15 @@ def test_units_of_a_rate_are_read():
     for text, value in (("900GB/s", 9e11), ("819GiB/s", 819 * 2**30), ("2e12", 2e12), ("1.5 TB", 1.5e12)):
         assert planned("--bandwidth", text)["decode_bound"]["bandwidth_bytes_per_s"] == pytest.approx(value)
 
+    # spec: the --gpu card's specification (bench/planner/gpus.toml), in any case
+    assert planned("--gpu", "H100-80GB", "--bandwidth", "Spec")["decode_bound"]["bandwidth_bytes_per_s"] == 3.35e12
+    from kvbench.planner.decode import spec_bandwidth
+    with pytest.raises(PlanError, match="needs --gpu"):
+        spec_bandwidth(None)
+
 
 @pytest.mark.parametrize("args, words", [
+    (("--gpu", "48GiB", "--bandwidth", "spec"), "no bandwidth in the catalogue"),
     (("--bandwidth", "abc"), "is not a rate"), (("--bandwidth", "0"), "1MB/s to 1PB/s"),
     (("--bandwidth", "1e30"), "1MB/s to 1PB/s"), (("--bandwidth", "-5GB/s"), "is not a rate"),
     (("--decode-efficiency", "0.5"), "needs --bandwidth"),

@@ -80,8 +80,10 @@ def test_the_probe_is_off_when_asked_and_on_a_gpu_machine(monkeypatch):
     assert "switched off" in run_probe({})["not_measured"]
     monkeypatch.setenv(bandwidth.PROBE_SWITCH, "on")
     assert "GPU machine" in run_probe({"gpus": [{"name": "H100"}]})["not_measured"]
-    monkeypatch.setattr(bandwidth, "read_bandwidth", lambda: {"bytes_per_s": 1.0})
-    assert run_probe({"gpus": []}) == {"device": "cpu", "bytes_per_s": 1.0}
+    assert run_probe({"gpus": [{"name": "H100"}]}, lambda: {"device": "gpu"}) == {"device": "gpu"}
+    monkeypatch.setattr(bandwidth, "read_bandwidth", lambda: {"bytes_per_s": 1.0, "threads": 3})
+    assert run_probe({"gpus": []}) == {"device": "cpu", "bytes_per_s": 1.0, "threads": 3,
+                                       "label": "3 threads, measured at the run's start"}
 
 
 def test_a_row_of_an_earlier_schema_has_no_bound():

@@ -10,6 +10,9 @@ for a line on stdin, so the parent reads NVML while this process holds exactly w
       [--requests R] [--top K] [--device cuda|cpu] [--torch-unpack]
       (the KV-quantisation step: one generate per request and cache, {"name": cache_config or null}; events
       without waiting on stdin: ready, kvq_cell per cache, done; --device cpu: the same code on a CPU)
+    python gpu_probe.py bandwidth [--bytes N] [--device cuda|cpu]
+      (the device's memory bandwidth: one event, no waiting; what a run records on a GPU, the decode bound's
+      denominator: docs/metrics.md "Decode bound")
 
 Events (one JSON object a line, ``event`` first): info; ready (CUDA context up, nothing allocated);
 allocated / freed (alloc); loaded, cell_before, cell_after, cell_freed, cell_error (kv); done.
@@ -199,6 +202,35 @@ def cmd_kvquant(args):
     emit("done", wait=False)
 
 
+def cmd_bandwidth(args):
+    """The device's read bandwidth (a sum over a buffer far past its caches: decode reads, and writes almost
+    nothing) and its copy bandwidth (bytes read and written), each the best of a few rounds of several passes."""
+    device = args.device
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    data = torch.ones(args.bytes // 4, dtype=torch.float32, device=device)
+    copy = torch.empty_like(data)
+
+    def best_seconds(step) -> float:
+        step(), sync()  # the kernels' first launch
+        rounds = []
+        for _ in range(args.rounds):
+            sync()
+            start = time.perf_counter()
+            for _ in range(args.passes):
+                step()
+            sync()
+            rounds.append((time.perf_counter() - start) / args.passes)
+        return min(rounds)
+
+    read_s = best_seconds(data.sum)
+    copy_s = best_seconds(lambda: copy.copy_(data))
+    name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    emit("bandwidth", wait=False, device=name, array_bytes=data.nbytes, read_bytes_per_s=data.nbytes / read_s,
+         copy_bytes_per_s=2 * data.nbytes / copy_s, rounds=args.rounds, passes=args.passes, torch=torch.__version__,
+         method=f"torch on {device}: a float32 sum (read) and a copy (read + write) of {data.nbytes / 2**30:.2f} GiB, "
+                f"best of {args.rounds} rounds of {args.passes} passes")
+
+
 def main():
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command", required=True)
@@ -224,7 +256,14 @@ def main():
     q.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     q.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     q.add_argument("--torch-unpack", action="store_true", help="quanto's torch unpack on the device, not its JIT kernel")
+    b = sub.add_parser("bandwidth")
+    b.add_argument("--bytes", type=int, default=2 << 30)
+    b.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    b.add_argument("--rounds", type=int, default=5)
+    b.add_argument("--passes", type=int, default=10)
     args = parser.parse_args()
+    if args.command == "bandwidth":
+        return cmd_bandwidth(args)
     if args.command == "kvquant":
         return cmd_kvquant(args)
     if args.command == "info":
