@@ -37,7 +37,7 @@ CHECKS = {"kv_gib": ("KV pool", GIB), "tokens": ("pool tokens", None), "concurre
           "cuda_total_gib": ("CUDA's total", GIB), "kv_mib": ("KV cache", MIB), "compute_mib": ("compute buffer", MIB),
           "free_at_load_mib": ("free at load", MIB),
           "one_request_gib": ("one request at the limit", GIB),
-          "blocks_concurrency": ("concurrency from blocks", None)}
+          "blocks_concurrency": ("concurrency from blocks", None), "draft_kv_mib": ("draft KV cache", MIB)}
 CONSUMER_PREFIX = "RTX-"  # GeForce cards (RTX-3090 ... RTX-5090); workstation cards are named A6000, RTX-6000-Ada
 WORKSTATION = ("RTX-6000-Ada", "RTX-A4000", "RTX-A5000")
 
@@ -115,7 +115,11 @@ def plan_input(entry: dict, model=None):
     kv_dtype = settings.pop("kv_cache_dtype", "auto")
     m = model or _model(entry) or resolve_model("llama-3-8b")
     options = {k: v for k, v in settings.items() if v is not None and k in rule_options(entry["engine"])}
+    spec = entry.get("speculation") or {}
     return PlanInput(model=m, engine=entry["engine"], gpu=entry.get("gpu") or None, tp=max(1, entry.get("tp", 1)),
+                     speculative=spec.get("method"), speculative_tokens=spec.get("tokens"),
+                     draft_model=_model({"model": spec["draft_model"]}) if spec.get("draft_model") else None,
+                     draft_label=spec.get("draft_model", ""),
                      pp=max(1, entry.get("pp", 1)), engine_version=entry.get("engine_version"), engine_options=options,
                      max_model_len=limit, allow_long_context=True, kv_dtype=kv_dtype,
                      interconnect=entry.get("interconnect") if entry.get("interconnect") in ("nvlink", "pcie") else None)
@@ -211,6 +215,10 @@ def _llamacpp_figures(entry: dict, model) -> dict:
     sq = StartupQuestion(q, st["n_ctx"], "", 0, 0, "", 0, model.widths)
     out = {"kv_mib": a.bytes_per_gpu / MIB, "compute_mib": gpumem.compute_buffer(sq, a.tokens_full).bytes / MIB,
            "class": "llamacpp cuda " + ("flash-attn" if gpumem._flash(sq) else "no-flash-attn")}
+    if entry.get("speculation"):  # the drafter's own context (KVRules.draft_kv), as `kvbench plan --speculative`
+        from kvbench.planner import setup
+        s = setup(plan_input(entry, model))
+        out["draft_kv_mib"] = s.draft(st["n_ctx"]).bytes_per_gpu / MIB
     if entry.get("gpu"):  # what llama.cpp finds free at load: CUDA's total less what the context and others hold
         from kvbench.planner import PlanError, gpu
         try:
@@ -252,7 +260,7 @@ def rows_for(entry: dict, loso: dict | None = None) -> list[Row]:
         if key == "tokens" and "kv_gib" in logged:
             continue  # the pool is checked in GiB where both are logged
         label, unit = CHECKS[key]
-        if key == "kv_mib":
+        if key in ("kv_mib", "draft_kv_mib"):
             a, b = got[key], loso.get(key)
             row(label, value, round(a, 2), b and round(b, 2), "MiB", a == value, b == value)
             continue

@@ -31,8 +31,8 @@ from ..shared.served_models import OpenAIModelList
 from ..streaming import stream_sse
 from ..types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 from .kvrules import EMBEDDED_CASES, FAMILY_CASE, LlamaCppKV
-from .speculation import CONVERTED, DRAFT_DEFAULT, SPECULATION, drafter, split_draft_log
-from .startup_log import BUFFER_LINE, KV_LINE, parse_buffers, parse_kv_log, startup_figures  # noqa: F401 (re-exported)
+from .speculation import CONVERTED, DRAFT_DEFAULT, SPECULATION, drafter
+from .startup_log import BUFFER_LINE, KV_LINE, parse_buffers, parse_kv_log, split_draft_log, startup_figures  # noqa: F401 (re-exported)
 
 SCRIPTS = Path(__file__).with_name("scripts")
 BUILD_SCRIPT = SCRIPTS / "build_llama_server.sh"

@@ -27,8 +27,6 @@ DRAFT_DEFAULT = ("for a model with its own GGUF (the embedded model's Q4_1): tha
 
 #: gguf=converted: serve the GGUF llama.cpp's converter makes of the HF folder (the default draft's target)
 CONVERTED = "converted"
-#: What llama-server logs before it loads a draft model: its own weights and KV cache lines follow
-DRAFT_LOG_MARK = "common_speculative_init_result: loading draft model"
 
 
 def drafter(options: dict, model: ModelFiles) -> tuple[str, Path | None]:
@@ -44,12 +42,6 @@ def drafter(options: dict, model: ModelFiles) -> tuple[str, Path | None]:
         raise EngineStartError("speculative=draft: this model has no GGUF of its own to draft with: give "
                                "draft_model=PATH (a GGUF)")
     return method, model.gguf_path
-
-
-def split_draft_log(text: str) -> tuple[str, str]:
-    """llama-server's log as (the target's part, the draft model's part: "" without one)."""
-    target, mark, draft = text.partition(DRAFT_LOG_MARK)
-    return target, draft if mark else ""
 
 
 @dataclass(frozen=True)

@@ -60,9 +60,27 @@ def _per_gpu_or_host(buffers: dict[str, float]) -> tuple[float | None, bool]:
     return (float(sum(buffers.values())), False) if buffers else (None, False)
 
 
+# What llama-server logs before it loads a draft model, whose own weights and KV cache lines follow:
+# common/speculative.cpp's "common_speculative_init_result: loading draft model" (the 0.3.36 build), the server's
+# "srv    load_model: loading draft model" before
+DRAFT_LOG_MARK = re.compile(r"(?:common_speculative_init_result|load_model): loading draft model")
+
+
+def split_draft_log(text: str) -> tuple[str, str]:
+    """llama-server's log as (the target's part, the draft model's part: "" without one)."""
+    m = DRAFT_LOG_MARK.search(text)
+    return (text[:m.start()], text[m.start():]) if m else (text, "")
+
+
 def startup_figures(text: str) -> dict | None:
-    """The figures of ``Backend.startup_figures_from_log`` from a llama.cpp log (per GPU: the fullest one's)."""
+    """The figures of ``Backend.startup_figures_from_log`` from a llama.cpp log (per GPU: the fullest one's): the
+    target's, and a draft model's KV cache (``draft_kv_pool_bytes``) where the log loads one after it."""
+    text, draft = split_draft_log(text)
     out: dict = {}
+    # the draft's part without its mark line (read again, it would split again)
+    draft_figures = startup_figures(draft.partition("\n")[2]) if draft else None
+    if draft_figures and "kv_pool_bytes" in draft_figures:
+        out["draft_kv_pool_bytes"] = draft_figures["kv_pool_bytes"]
     lines = [line.strip() for line in text.splitlines()
              if BUFFER_LINE.search(line) or COMPUTE_LINE.search(line) or KV_LINE.search(line)
              or N_CTX_LINE.search(line) or OOM_LINE.search(line) or FREE_LINE.search(line)]
@@ -95,5 +113,5 @@ def startup_figures(text: str) -> dict | None:
     if not out:
         return None
     out["device"] = "gpu" if kv_gpu or weights_gpu or any(on_gpu(d) for d in compute) else "cpu"
-    out["lines"] = lines
+    out["lines"] = lines + (draft_figures["lines"] if draft_figures else [])
     return out

@@ -42,6 +42,16 @@ def test_corpus_files_say_where_they_come_from():
     assert len(v1_dense) >= 6 and len({e["gpu"] for e in v1_dense}) >= 4
 
 
+def test_a_drafters_own_kv_in_a_public_log_is_the_planners(rows):
+    """A log started with a draft model ([speculation]) is planned as `kvbench plan --speculative` plans it, and the
+    draft's own KV cache the log prints is the plan's to its two decimals of MiB (tests/data/startup_logs/README.md)."""
+    drafted = [r for r in rows if r.check == "draft KV cache"]
+    assert drafted and all(r.ok for r in drafted), [(r.log, r.logged, r.planned) for r in drafted]
+    # the draft's cache type is its own: the log's target is q8_0, its draft f16 (24 x 2 x 64 x 2 x 2 B x 512)
+    (r12968,) = [r for r in drafted if r.source_id == "ggml-org/llama.cpp#12968"]
+    assert r12968.logged == 6.0 == 24 * 2 * 64 * 2 * 2 * 512 / 2**20
+
+
 def test_source_ids_group_a_thread_not_a_file():
     assert sl.source_id("https://github.com/vllm-project/vllm/issues/10517") == "vllm-project/vllm#10517"
     assert sl.source_id("https://github.com/o/r/blob/" + "a" * 40 + "/README.md") == "o/r"

@@ -35,7 +35,9 @@ LOGGED = {"kv_gib": (("kv_budget_bytes", "kv_pool_bytes"), GIB), "tokens": (("po
           "compute_mib": (("term: compute buffer",), MIB), "avail_after_load_gib": (("avail_after_load_bytes",), GIB),
           "one_request_gib": (("one_request_bytes",), GIB), "cudagraph_estimate_gib": (("term: CUDA graphs",), GIB),
           "preload_gib": (("term: before loading",), GIB), "avail_before_load_gib": (("avail_before_load_bytes",), GIB),
-          "free_at_load_mib": (("free_at_load_bytes",), MIB)}
+          "free_at_load_mib": (("free_at_load_bytes",), MIB),
+          # a draft model's own KV cache: after the log's draft mark, or the only cache of a quote of its context alone
+          "draft_kv_mib": (("draft_kv_pool_bytes", "kv_pool_bytes"), MIB)}
 # Figures the corpus's fit reads off debug lines a run does not record (kvbench.selfcheck.startup_fit)
 FIT_ONLY = {"cudagraph_first_mib", "cudagraph_per_graph_mib"}
 # Figures a corpus file logs that are worked out from its lines, not printed as such (the parser cannot read them)
@@ -179,6 +181,28 @@ def test_a_cpu_start_is_checked_where_its_engine_logs_its_pool():
     # a CPU start whose engine logs no pool is not checked; nor one whose log says nothing
     assert sc.startup_check({"weights_bytes": 1.0, "device": "cpu"}, published_start("vllm", {"device": "cpu"})) is None
     assert sc.startup_check(None, published_start("vllm", {})) is None
+
+
+def test_a_drafted_start_is_the_targets_and_the_drafts_kv_is_kept_apart():
+    """The published speculation run's llama-server (q8_0 target, the Q4_1 GGUF drafting with its own f16 cache):
+    the figures are the target's (its 256.63 MiB of weights, its 26.89 MiB q8_0 cache), not those of the draft
+    loaded after it, whose cache is ``draft_kv_pool_bytes``."""
+    run = REPO / "results" / "published" / "20261206-speculation-kv-quant-cpu"
+    figures = REGISTRY["llamacpp"].startup_figures_from_log(
+        (run / "logs" / "llamacpp-0.3.36+speculative=draft_kv-q8_0.log").read_text())
+    assert (figures["weights_bytes"], figures["kv_pool_bytes"]) == (round(256.63 * MIB), round(26.89 * MIB))
+    assert figures["draft_kv_pool_bytes"] == round(50.62 * MIB) and figures["pool_tokens"] == 2304
+    assert any("loading draft model" not in line and "50.62 MiB" in line for line in figures["lines"])
+
+
+@pytest.mark.parametrize("device, logged, planned, ok", [
+    ("cpu", 53078917.0, 28200960.0, False),  # a CPU pool half the size is off, however few GiB that is
+    ("gpu", 53078917.0, 28200960.0, True),  # on a GPU 0.5 GiB is within a budget's own movement
+    ("cpu", 0.01 * GIB, 14745600.0, True),  # vLLM's "0.01 GiB": within the two decimals it is printed to
+    ("cpu", 720 * MIB, 760 * MIB, False), ("gpu", 40 * GIB, 41 * GIB, True), ("gpu", 40 * GIB, 43 * GIB, False),
+])
+def test_the_tolerance_is_five_percent_with_a_gpus_slack_or_a_printed_figures(device, logged, planned, ok):
+    assert sc.off_by({"kv_pool_bytes": logged}, {"kv_pool_bytes": planned}, device=device)["kv_pool_bytes"]["ok"] is ok
 
 
 def with_checks(run: Path, checks: dict) -> Path:
