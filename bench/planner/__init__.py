@@ -150,7 +150,7 @@ def plan(p: PlanInput, with_levers: bool = True) -> dict:
     out["verdict"] = verdict(s, o)
     out["startup"] = startup_view(s)
     out["speculation"] = speculation_view(s)
-    out["moe"] = moe_view(s)
+    out["moe"] = moe_view(s.model)
     out.update(asked_first(s, o, typical, out["startup"]))  # the question asked, answered first
     out["levers"] = []
     if s.gpu is None:

@@ -55,13 +55,13 @@ def read_decode_efficiency(flags: dict, earlier: dict) -> float | None:
     return value
 
 
-def moe_view(s) -> dict | None:
+def moe_view(model) -> dict | None:
     """A MoE model's routed experts as the decode bound needs them (None: dense, or not read): how many, how
     many a token takes, and their share of the weights (counted from the config)."""
-    w = s.model.widths
+    w = model.widths
     if w is None or not w.experts or not w.experts_per_token:
         return None
-    share = s.model.expert_share() if s.model.expert_share is not None else None
+    share = model.expert_share() if model.expert_share is not None else None
     return {"routed_experts": w.experts, "experts_per_token": w.experts_per_token, "expert_share": share}
 
 

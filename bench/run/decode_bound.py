@@ -6,14 +6,17 @@ from kvbench.backends.types import StepBytesCounters
 from kvbench.common.bandwidth import decode_bound
 from kvbench.kv.geometry import KVGeometry, UnknownKVDtype, kv_bytes_for_sequence
 from kvbench.kv.units import fmt_bytes
+from kvbench.planner.decode import experts_read
 from kvbench.store.schema import CellRow
 
 
 def decode_bound_columns(row: CellRow, geometry: KVGeometry, bandwidth: dict | None, checkpoint_bytes: int | None,
-                         output_tokens: int) -> None:
+                         output_tokens: int, moe: dict | None = None) -> None:
     """Fill the row's ``decode_*`` and ``itl_s_bound`` where the run measured a bandwidth, the weights are known
     (the engine's own figure, else the checkpoint as stored) and the KV dtype has a size; else leave them None
-    and say why in ``decode_bound_source``."""
+    and say why in ``decode_bound_source``. A MoE model's step (``moe``: run.json's ``model.moe``) reads the rest
+    of the weights whole and the share of its routed experts that its sequences' tokens take, as `kvbench plan
+    --bandwidth` counts them (kvbench.planner.decode.experts_read)."""
     if not bandwidth or not bandwidth.get("bytes_per_s"):
         row.decode_bound_source = "not measured: " + ((bandwidth or {}).get("not_measured")
                                                       or "no bandwidth was probed at the run's start")
@@ -27,6 +30,11 @@ def decode_bound_columns(row: CellRow, geometry: KVGeometry, bandwidth: dict | N
     # at a decode step a sequence has its prompt and, on average over its decode, half its output cached
     attended = row.prompt_tokens + (output_tokens - 1) // 2
     sequences = max(1, row.max_in_flight or row.concurrency or 1)  # the most the cell had in flight
+    experts = ""
+    if (read := experts_read(moe, sequences)) is not None:
+        weights = weights * ((1 - moe["expert_share"]) + moe["expert_share"] * read)
+        experts = (f", of which the routed experts ({moe['expert_share']:.0%}) read at {read:.0%}: {sequences} "
+                   f"token{'s' * (sequences > 1)} a step taking {moe['experts_per_token']} of {moe['routed_experts']} each")
     try:
         per_sequence = kv_bytes_for_sequence(geometry, row.kv_dtype, attended)
     except UnknownKVDtype:
@@ -38,7 +46,7 @@ def decode_bound_columns(row: CellRow, geometry: KVGeometry, bandwidth: dict | N
     row.decode_step_bytes, row.decode_kv_share, row.itl_s_bound = bound.step_bytes, bound.kv_share, bound.itl_s
     if row.itl_s_p50:
         row.decode_efficiency = bound.itl_s / row.itl_s_p50
-    row.decode_bound_source = (f"weights {fmt_bytes(weights)} ({weights_from}); KV of {sequences} x "
+    row.decode_bound_source = (f"weights {fmt_bytes(weights)} ({weights_from}{experts}); KV of {sequences} x "
                                f"{attended:,} tokens by kvbench's formula; read bandwidth "
                                f"{rate / 1e9:,.1f} GB/s ({_said(bandwidth, row)})")
 

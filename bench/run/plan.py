@@ -41,12 +41,24 @@ def checkpoint_bytes(folder) -> int | None:
         return None
 
 
+def routed_experts(folder) -> dict | None:
+    """A MoE checkpoint's routed experts as the decode bound reads them (kvbench.planner.decode.moe_view of its
+    config: how many, how many a token takes, their share of the weights); None for a dense model, or a config
+    the planner cannot read."""
+    from kvbench.planner import PlanError, resolve_model
+    from kvbench.planner.decode import moe_view
+    try:
+        return moe_view(resolve_model(str(folder)))
+    except (PlanError, OSError, ValueError):
+        return None
+
+
 def plan_record(model: ModelFiles, plan: RunPlan) -> dict:
     """What run.json records of the model and the plan."""
     return dict(model={"name": model.name, "sha256": model.sha256,
                        "gguf": str(model.gguf_path) if model.gguf_path else None,
                        "hf_dir": str(model.hf_dir), "geometry": asdict(model.geometry),
-                       "checkpoint_bytes": checkpoint_bytes(model.hf_dir),
+                       "checkpoint_bytes": checkpoint_bytes(model.hf_dir), "moe": routed_experts(model.hf_dir),
                        "max_context": plan.max_context},
                 skipped_prompt_lengths=list(plan.skipped), prompt_lengths=list(plan.lengths),
                 load_points=[asdict(p) for p in plan.points])

@@ -60,6 +60,7 @@ class EngineRun:
     memory_bandwidth: dict | None = None  # run.json's probe (bench/common/bandwidth.py run_probe); None: none
     client_limit: dict | None = None  # run.json's client probe (bench/load/self_probe.py run_probe); None: none
     checkpoint_bytes: int | None = None  # the HF checkpoint's tensors: the weights where the engine reports none
+    moe: dict | None = None  # a MoE model's routed experts (run.json model.moe); None: dense
 
 
 def engine_setup(cls, options: dict, attached: bool = False) -> dict:
@@ -148,7 +149,7 @@ def summarize(run: EngineRun, m: CellMeasurement) -> CellRow:
     prefix_cache_columns(row, w, m.cell, results, run.rules, run.model.geometry, m.kv_dtype, m.kv_pool,
                          m.prefix_counters, m.prefix_seen)
     speculation_columns(row, run.speculative, run.can_speculate, results, m.spec_counters)
-    decode_bound_columns(row, run.model.geometry, run.memory_bandwidth, run.checkpoint_bytes, w.output_tokens)
+    decode_bound_columns(row, run.model.geometry, run.memory_bandwidth, run.checkpoint_bytes, w.output_tokens, run.moe)
     engine_step_bytes_columns(row, *m.step_bytes_counters)
     client = self_probe.cell_columns(results, m.load.t_end - m.load.t_start, row.concurrency, run.client_limit,
                                      m.load.processes)

@@ -195,6 +195,7 @@ class Runner:
         self.memory_bandwidth: dict | None = None  # probed when the run starts its cells (the decode bound)
         self.client_limit: dict | None = None  # the client's own limit, probed then too (bench/load/self_probe.py)
         self.checkpoint_bytes: int | None = None
+        self.moe: dict | None = None  # a MoE model's routed experts (bench/run/plan.py routed_experts)
         self.run_id = options.run_id or new_run_id(options.workload.name)
         # a share of a run on several machines: the owner's clock and barrier (share 0 serves them), before
         # anything is created (a port in use is refused like a bad flag)
@@ -298,7 +299,7 @@ class Runner:
                 self.console.print(f"[yellow]prompt lengths {list(plan.skipped)} skipped: they do not fit the "
                                    f"context limit {plan.max_context} with {w.output_tokens} output tokens[/]")
             record = plan_record(model, plan)
-            self.checkpoint_bytes = record["model"]["checkpoint_bytes"]
+            self.checkpoint_bytes, self.moe = record["model"]["checkpoint_bytes"], record["model"]["moe"]
             # the decode bound's denominator (bench/common/bandwidth.py); a resumed run measures it again
             self.memory_bandwidth = bandwidth.run_probe(self.environment,
                                                         lambda: gpu_bandwidth(self.environment, o.backends))

@@ -44,7 +44,7 @@ class EngineSession:
         self.done = 0  # cells[:done] have their rows written
         self.info = EngineRun(runner.run_id, cfg.label, cfg.engine, cfg.version, spec.model, plan.workload,
                               spec.kv_dtype, attached=bool(cfg.url), rules=kv_rules(cfg.engine),
-                              memory_bandwidth=runner.memory_bandwidth, checkpoint_bytes=runner.checkpoint_bytes,
+                              memory_bandwidth=runner.memory_bandwidth, checkpoint_bytes=runner.checkpoint_bytes, moe=runner.moe,
                               client_limit=runner.client_limit,
                               **engine_setup(REGISTRY[cfg.engine], cfg.options, bool(cfg.url)))
         self.gpu_baseline: GPUBaseline | None = None

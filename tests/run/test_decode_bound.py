@@ -7,10 +7,12 @@ import pytest
 from kvbench.backends.types import KVPool
 from kvbench.common import bandwidth
 from kvbench.common.bandwidth import decode_bound, read_bandwidth, run_probe
+from kvbench.run.plan import routed_experts
 from kvbench.run.rows import EngineRun, summarize
 from kvbench.store.schema import SCHEMA_VERSION, CellRow, migrate_row
 
 from tests.fakes.testkit import BYTES_PER_TOKEN
+from tests.helpers import DATA
 from tests.run.test_rows_summary import WORKLOAD, engine_run, measurement, request
 
 PROBED = {"device": "cpu", "bytes_per_s": 1e10, "threads": 2}
@@ -66,6 +68,23 @@ def test_a_bound_that_cannot_be_had_is_none_and_says_why(tmp_path, probe, checkp
                     measurement([request(0, 10.0)]))
     assert (row.itl_s_bound, row.decode_efficiency, row.decode_step_bytes) == (None, None, None)
     assert row.decode_bound_source.startswith("not measured: ") and reason in row.decode_bound_source
+
+
+def test_a_moe_models_step_reads_the_experts_its_tokens_take(tmp_path):
+    """Qwen3-30B-A3B's experts as run.json records them (128 routed, 8 a token, 95 % of the weights): one
+    sequence in flight reads 8/128 of them; two read 1 - (120/128)^2 (each token draws its own)."""
+    moe = routed_experts(DATA / "configs" / "qwen3-30b-a3b.json")
+    assert (moe["routed_experts"], moe["experts_per_token"]) == (128, 8) and 0.9 < moe["expert_share"] < 1
+    assert routed_experts(tmp_path) is None  # no config: dense as far as the bound knows
+    row = summarize(run_with(tmp_path, memory_bandwidth=PROBED, checkpoint_bytes=10**9, moe=moe),
+                    measurement([request(0, 10.0)]))
+    read = 1 - (1 - 8 / 128) ** 2  # 2 in flight at most (the measurement's load)
+    weights = 1e9 * ((1 - moe["expert_share"]) + moe["expert_share"] * read)
+    assert row.decode_step_bytes == pytest.approx(weights + 2 * 101 * BYTES_PER_TOKEN)
+    assert "the routed experts (95%) read at 12%: 2 tokens a step taking 8 of 128 each" in row.decode_bound_source
+    dense = summarize(run_with(tmp_path, memory_bandwidth=PROBED, checkpoint_bytes=10**9),
+                      measurement([request(0, 10.0)]))
+    assert dense.decode_step_bytes == pytest.approx(1e9 + 2 * 101 * BYTES_PER_TOKEN) and "experts" not in dense.decode_bound_source
 
 
 def test_the_probe_reads_past_the_cache_and_gives_a_bandwidth():
