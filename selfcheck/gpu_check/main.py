@@ -17,7 +17,9 @@ f. KV quantisation on CUDA: transformers' QuantizedCache (optimum-quanto int4 an
    quanto-int4/int2) beside its bf16 cache on the same prompts, for the embedded model (real weights: the
    output change means something) and a random-weight 8B GQA model (head_dim 128): the bytes the cache
    object held against the hf KV rules, the allocator's delta, and the greedy match and top-20 KL
-   (kvbench.common.divergence). ``--kv-quant-device cpu`` runs the same step on the CPU (a dry run).
+   (kvbench.common.divergence). ``--kv-quant-device cpu`` runs the same step on the CPU (a dry run);
+g. the device's memory bandwidth as a GPU run records it (``gpu_probe.py bandwidth``) against the card's
+   specification (bench/planner/gpus.toml): the decode bound's denominator.
 
 Without ``--config``, (b) builds random-weight models of three real geometries on the GPU (an 8B GQA, a
 hybrid sliding-window and an MLA config from tests/data/configs): no model file has to travel.
@@ -41,6 +43,7 @@ from pathlib import Path
 
 from kvbench.kv.units import GIB
 
+from .bandwidth import run_bandwidth
 from .common import ROOT, Budget
 from .engine_runs import run_engines
 from .kv import CONFIG_DIR, DEFAULT_CONFIGS, run_kv
@@ -124,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                    configs=configs, families=args.families)
         else:
             result["skipped"].append(f"(b): {python} has torch but not transformers")
+    if python is not None:  # (g): a read of seconds, before the engines take the card
+        run_bandwidth(result, nvml, python, budget)
+        save()
     if python is not None and info.get("transformers") and not args.no_kv_quant:
         run_kv_quant(result, python, args.kv_quant_device, budget, out / "logs")
         save()

@@ -1,7 +1,8 @@
 """The verdict over every check and ``gpu_check.md``: a header, then each check's table in the order a reader
-wants them ((a), (b), (d), (e), (f), then the engines of (c))."""
+wants them ((a), (b), (d), (e), (f), (g), then the engines of (c))."""
 from __future__ import annotations
 
+import kvbench.selfcheck.gpu_check.bandwidth as bandwidth
 import kvbench.selfcheck.gpu_check.engine_runs as engine_runs
 import kvbench.selfcheck.gpu_check.kv as kv
 import kvbench.selfcheck.gpu_check.kv_quant as kv_quant
@@ -14,7 +15,7 @@ from kvbench.kv.units import fmt_gib
 def verdict(result: dict) -> tuple[bool, list[str]]:
     """(every check ran and agreed, the problems)."""
     problems = [*result.get("skipped", []), *sampler.problems(result), *kv.problems(result),
-                *kv_quant.problems(result), *engine_runs.problems(result)]
+                *kv_quant.problems(result), *bandwidth.problems(result), *engine_runs.problems(result)]
     return not problems, problems
 
 
@@ -29,6 +30,6 @@ def render_markdown(result: dict) -> str:
              f"{env.get('transformers', '-')} from `{env.get('torch_python', '-')}`.", ""]
     ok, problems = verdict(result)
     lines += ["**All checks agreed.**" if ok else "**Problems:** " + "; ".join(problems), ""]
-    for check in (sampler, kv, overhead, llama_build, kv_quant, engine_runs):
+    for check in (sampler, kv, overhead, llama_build, kv_quant, bandwidth, engine_runs):
         lines += check.markdown(result)
     return "\n".join(lines) + "\n"

@@ -354,3 +354,25 @@ def test_the_cuda_architecture_comes_from_nvml():
     assert gc.cuda_architecture(NVML(module=fake)) == "native"  # a binding without the call
     fake.nvmlDeviceGetCudaComputeCapability = lambda handle: (9, 0)
     assert gc.cuda_architecture(NVML(module=fake)) == "90"
+
+
+@pytest.mark.parametrize("read, ok, problem", [(4.1e12, True, None), (5.2e12, False, "1.08 of the specification"),
+                                               (None, None, "the device read failed (exit 1)")])
+def test_check_bandwidth_sets_the_device_read_beside_the_specification(tmp_path, monkeypatch, read, ok, problem):
+    """(g) with a stand-in for gpu_probe.py bandwidth on a fake H200 (4,800 GB/s by its specification): a read
+    within half of it and it is believable; above it, or none, and the check says so."""
+    from kvbench.selfcheck.gpu_check import bandwidth as bw
+
+    script = tmp_path / "probe.py"
+    body = (f"print({json.dumps(json.dumps({'event': 'bandwidth', 'read_bytes_per_s': read, 'copy_bytes_per_s': 3.9e12}))})"
+            if read else "raise SystemExit('CUDA error: out of memory')")
+    script.write_text(body + "\n")
+    monkeypatch.setattr(bw, "probe_script", lambda: script)
+    result: dict = {}
+    bw.run_bandwidth(result, NVML(module=FakeNVML([FakeDevice()])), sys.executable, gc.Budget(60))
+    b = result["bandwidth"]
+    assert b["spec_bytes_per_s"] == 4.8e12 and "TensorRT-LLM" in b["spec_source"] and b["ok"] is ok
+    found = bw.problems(result)
+    assert (not found) if problem is None else (problem in found[0])
+    md = "\n".join(bw.markdown(result))
+    assert "| NVIDIA H200 | 4,800 |" in md and ("| 4,100 | 3,900 | 0.8542 | yes |" in md if ok else True)
