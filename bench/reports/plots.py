@@ -380,6 +380,10 @@ VERDICT_COLORS = {"regression": "#d62728", "improvement": "#2ca02c", "unchanged"
                   "inconclusive": "#ff7f0e"}
 
 
+#: the forest plot's axis ends, candidate / baseline: a change past -99 % or +9,900 % is drawn at the end
+FOREST_END = 100.0
+
+
 def forest(result: dict, out: Path, where=lambda key: str(key)) -> Path | None:
     """``kvbench compare``'s forest plot: per cell and metric, the change (candidate / baseline, log axis)
     with its confidence interval, over the metric's tolerance band, coloured by verdict. ``where`` names a
@@ -387,26 +391,33 @@ def forest(result: dict, out: Path, where=lambda key: str(key)) -> Path | None:
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter
 
+    import math
+
+    def at(change: float) -> float:  # a change's place on the log axis, a change past its ends drawn at the end
+        return min(FOREST_END, max(1 / FOREST_END, 1 + change)) if not math.isnan(change) else math.nan
+
     rows = [(f"{where(c['key'])} · {m['metric']}" + (" (lower is worse)" if m["worse"] == "lower" else ""), m)
-            for c in result["cells"] for m in c["metrics"] if m["ci_low"] is not None]
+            for c in result["cells"] for m in c["metrics"]
+            if m["ci_low"] is not None and not any(math.isnan(m[k]) for k in ("ci_low", "ci_high", "change"))]
     if not rows:
         return None
     n = len(rows)
     fig, ax = plt.subplots(figsize=(9.5, 1.6 + 0.26 * n))
-    lo = min(1 + min(m["ci_low"], -m["tolerance"]) for _, m in rows)
-    hi = max(1 + max(m["ci_high"], m["tolerance"]) for _, m in rows)
+    lo = min(at(min(m["ci_low"], -m["tolerance"])) for _, m in rows)
+    hi = max(at(max(m["ci_high"], m["tolerance"])) for _, m in rows)
     for y, (_, m) in enumerate(reversed(rows)):
         tol = m["tolerance"]
         ax.add_patch(plt.Rectangle((1 - tol, y - 0.4), 2 * tol, 0.8, color="#dddddd", lw=0, zorder=0))
         color = VERDICT_COLORS.get(m["verdict"], "#7f7f7f")
-        ax.plot([1 + m["ci_low"], 1 + m["ci_high"]], [y, y], color=color, lw=2, zorder=2)
-        ax.plot([1 + m["change"]], [y], "o", color=color, ms=5, zorder=3)
+        ax.plot([at(m["ci_low"]), at(m["ci_high"])], [y, y], color=color, lw=2, zorder=2)
+        past = at(m["change"]) in (FOREST_END, 1 / FOREST_END)  # past the axis: an arrowhead at its end
+        marker = "o" if not past else (">" if at(m["change"]) == FOREST_END else "<")
+        ax.plot([at(m["change"])], [y], marker, color=color, ms=5, zorder=3)
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlim(lo / 1.05, hi * 1.05)
-    ticks = [1 + p / 100 for p in (-95, -90, -75, -50, -25, -10, -5, 0, 5, 10, 25, 50, 100, 200, 400, 900, 1900)
-             if lo / 1.05 <= 1 + p / 100 <= hi * 1.05]
-    import math
+    ticks = [1 + p / 100 for p in (-99, -95, -90, -75, -50, -25, -10, -5, 0, 5, 10, 25, 50, 100, 200, 400, 900, 1900,
+                                   9900) if lo / 1.05 <= 1 + p / 100 <= hi * 1.05]
 
     gap = math.log(hi / lo) / 10  # ticks at least a tenth of the axis apart, working out from 0
     kept = [1.0]

@@ -208,3 +208,20 @@ def test_the_checks_themselves(tmp_path):
         atomic_write_text(fifo, "{}")
     assert info.value.errno == errno.EEXIST and "FIFO" in str(info.value) and stat.S_ISFIFO(os.lstat(fifo).st_mode)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_the_forest_plot_draws_changes_past_its_axis_at_its_ends(tmp_path):
+    """A metric of a hostile run (1e300 where a latency was) changes by +1e300 %, one of a collapsed run by -100 %
+    and beyond: each is drawn at the axis's end (-99 %, +9,900 %) with an arrowhead; a NaN one is left out. The
+    axis had been set to infinity and the whole comparison's report refused (a property test found it)."""
+    from kvbench.reports.plots import FOREST_END, forest
+
+    def metric(name, change, low, high):
+        return {"metric": name, "worse": "higher", "change": change, "ci_low": low, "ci_high": high,
+                "tolerance": 0.05, "verdict": "regression"}
+
+    result = {"confidence": 0.95, "verdict": "REGRESSION", "cells": [{"key": "c1", "metrics": [
+        metric("ttft", 1e300, 1e299, float("inf")), metric("itl", -1.5, float("-inf"), -0.9),
+        metric("e2e", float("nan"), float("nan"), float("nan")), metric("tpot", 0.02, -0.01, 0.04)]}]}
+    out = forest(result, tmp_path / "forest.png")
+    assert out.stat().st_size > 5000 and FOREST_END == 100.0
