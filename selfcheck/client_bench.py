@@ -113,6 +113,27 @@ def accuracy_run(mock: Mock, concurrency: int, n_requests: int, output_tokens: i
     }
 
 
+def minimal_accuracy_run(mock: Mock, concurrency: int, n_requests: int, output_tokens: int, ttft_s: float,
+                         itl_s: float) -> dict:
+    """(a) for the minimal raw client (kvbench.selfcheck.minimal_client): its TTFT (first chunk's arrival less
+    its send) and ITL (the gaps between chunks) against the programmed ones, as :func:`accuracy_run` reports
+    kvbench's."""
+    from urllib.parse import urlsplit
+
+    from kvbench.selfcheck import minimal_client
+
+    timings: list = []
+    url = urlsplit(mock.url)
+    minimal_client.run(url.hostname, url.port, n_requests, concurrency, output_tokens, timings)
+    mock.records()  # keeps the mock's list short
+    ttft = [times[0] - sent for sent, times in timings if times]
+    gaps = [b - a for _, times in timings for a, b in zip(times, times[1:])]
+    ms = 1000.0
+    return {"concurrency": concurrency, "requests": len(timings), "failed": n_requests - len(ttft),
+            "ttft_p50_err_ms": (pct(ttft, 50) - ttft_s) * ms, "ttft_p99_err_ms": (pct(ttft, 99) - ttft_s) * ms,
+            "itl_p50_err_ms": (pct(gaps, 50) - itl_s) * ms, "itl_p99_err_ms": (pct(gaps, 99) - itl_s) * ms}
+
+
 def ceiling_run(mock: Mock, concurrency: int, n_requests: int, output_tokens: int, start: int) -> dict:
     backend = mock_backend(mock.url)
     prompts = make_prompts(n_requests, output_tokens, start)
@@ -265,6 +286,8 @@ def main(
     peers: bool = typer.Option(False, "--peers", help="also run GuideLLM, AIPerf and vllm bench serve"),
     peer: list[str] = typer.Option([], help="run only these peers (guidellm, aiperf, vllm)"),
     peer_repeats: int = typer.Option(3, help="runs of each peer measurement (a peer run takes 10-30 s)"),
+    minimal: bool = typer.Option(False, "--minimal", help="accuracy: also the minimal raw client "
+                                 "(kvbench.selfcheck.minimal_client), its runs alternated with kvbench's"),
     quick: bool = typer.Option(False, "--quick", help="a few requests per measurement (for tests)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the results here"),
     pin: bool = typer.Option(True, help="mock and client on separate cores"),
@@ -288,11 +311,15 @@ def main(
         accuracy_run(mock, 1, 2, tokens, ttft_ms / 1000, itl_ms / 1000, start)  # warm-up
         for c in concurrencies:
             n = 2 * c if quick else max(32, rounds * c)
-            runs = []
+            runs, raw = [], []
             for _ in range(repeats):
                 start += n
                 runs.append(accuracy_run(mock, c, n, tokens, ttft_ms / 1000, itl_ms / 1000, start))
+                if minimal:  # alternated: what the machine does to one, it does to the other
+                    raw.append(minimal_accuracy_run(mock, c, n, tokens, ttft_ms / 1000, itl_ms / 1000))
             accuracy.append({"client": "kvbench", **median_of(runs)})
+            if minimal:
+                accuracy.append({"client": "minimal raw client", **median_of(raw)})
     ceiling: list[dict] = []
     with Mock(0, 0, mock_cpu, record_sends=False) as mock:
         ceiling_run(mock, ceiling_concurrency, ceiling_concurrency, ceiling_tokens, 0)  # warm-up

@@ -1,6 +1,6 @@
 """The streaming client's ceiling: CPU per streamed token of kvbench's client (the closed-loop load
 generator, the vLLM adapter, backends/streaming.py: what ``kvbench run`` drives) as a ratio to a minimal raw
-client (minimal_client.py) run beside it, against the instant mock (kvbench.selfcheck.mock_server: all
+client (kvbench.selfcheck.minimal_client) run beside it, against the instant mock (kvbench.selfcheck.mock_server: all
 tokens at once), 256 output tokens, concurrency 64.
 
 The two clients alternate round by round in this one process (pinned to one core, the mock to another), so
@@ -19,10 +19,10 @@ from urllib.parse import urlsplit
 import pytest
 
 from kvbench.load import LoadPoint, LoadSettings, run, run_async
+from kvbench.selfcheck import minimal_client
 from kvbench.selfcheck.client_bench import make_prompts, mock_backend, pin_cpus
 from kvbench.selfcheck.common import Mock
 
-from . import minimal_client
 
 CONCURRENCY, OUTPUT_TOKENS, REQUESTS, PAIRS = 64, 256, 1024, 7
 # minimal client's CPU per token / kvbench's, median of PAIRS: 0.968-0.981 on a 2-core Xeon with AMX, four

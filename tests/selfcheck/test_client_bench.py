@@ -15,16 +15,18 @@ ROOT = REPO  # the repository
 def test_client_bench_quick(tmp_path):
     out = tmp_path / "client_bench.json"
     proc = subprocess.run([sys.executable, "-m", "kvbench.selfcheck.client_bench", "--quick", "--concurrency", "1,4",
-                           "--ceiling-concurrency", "8", "--ceiling-tokens", "32", "--json", str(out)],
+                           "--ceiling-concurrency", "8", "--ceiling-tokens", "32", "--minimal", "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "(a) accuracy" in proc.stdout and "(b) ceiling" in proc.stdout
     data = json.loads(out.read_text())
-    assert [r["concurrency"] for r in data["accuracy"]] == [1, 4]
+    # each concurrency: kvbench, then the minimal raw client alternated with it (--minimal)
+    assert [(r["client"], r["concurrency"]) for r in data["accuracy"]] == [
+        ("kvbench", 1), ("minimal raw client", 1), ("kvbench", 4), ("minimal raw client", 4)]
     for row in data["accuracy"]:
-        assert row["client"] == "kvbench" and row["failed"] == 0 and row["requests"] > 0
-        for key in ("ttft_p50_err_ms", "ttft_p99_err_ms", "itl_p50_err_ms", "itl_p99_err_ms", "mock_late_p50_ms",
-                    "delivery_p50_ms", "request_path_p50_ms"):
+        assert row["failed"] == 0 and row["requests"] > 0
+        kvbench_only = ("mock_late_p50_ms", "delivery_p50_ms", "request_path_p50_ms") if row["client"] == "kvbench" else ()
+        for key in ("ttft_p50_err_ms", "ttft_p99_err_ms", "itl_p50_err_ms", "itl_p99_err_ms", *kvbench_only):
             assert math.isfinite(row[key]), key
         assert row["ttft_p50_err_ms"] > -1.0  # the client cannot see a token before the mock sends it
     (ceiling,) = data["ceiling"]

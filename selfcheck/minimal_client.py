@@ -1,5 +1,6 @@
 """A minimal raw asyncio client for the OpenAI-compatible mock (kvbench.selfcheck.mock_server): what the
-ceiling of kvbench's client is measured against (bench_client_ceiling.py).
+ceiling of kvbench's client is measured against (tests/benchmarks/bench_client_ceiling.py), and its TTFT and
+ITL error (kvbench.selfcheck.client_bench --minimal).
 
 It does only what any client that times a stream must do, in the leanest way: uvloop, one protocol per
 keep-alive connection, httptools for the HTTP framing, one ``perf_counter`` stamp per socket read, the SSE
@@ -46,12 +47,15 @@ class _Connection(asyncio.Protocol):
     def send(self, request: bytes) -> asyncio.Future:
         self.times, self.tokens, self.tail = [], [], b""
         self.done = asyncio.get_running_loop().create_future()
+        self.sent = perf_counter()
         self.transport.write(request)
         return self.done
 
 
-async def _load(host: str, port: int, requests: int, concurrency: int, output_tokens: int) -> tuple[int, float]:
-    """(output tokens received, CPU seconds from the first connection to the last answer)."""
+async def _load(host: str, port: int, requests: int, concurrency: int, output_tokens: int,
+                timings: list | None = None) -> tuple[int, float]:
+    """(output tokens received, CPU seconds from the first connection to the last answer); each request's
+    (send time, chunk times) appended to ``timings`` where given."""
     loop = asyncio.get_running_loop()
     pending = iter(range(requests))
     received = 0
@@ -64,6 +68,8 @@ async def _load(host: str, port: int, requests: int, concurrency: int, output_to
             await conn.send(b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
                             b"Content-Length: %d\r\n\r\n%s" % (host.encode(), port, len(body), body))
             received += sum(conn.tokens)
+            if timings is not None:
+                timings.append((conn.sent, conn.times))
         conn.transport.close()
 
     cpu0 = time.process_time()
@@ -71,5 +77,6 @@ async def _load(host: str, port: int, requests: int, concurrency: int, output_to
     return received, time.process_time() - cpu0
 
 
-def run(host: str, port: int, requests: int, concurrency: int, output_tokens: int) -> tuple[int, float]:
-    return uvloop.run(_load(host, port, requests, concurrency, output_tokens))
+def run(host: str, port: int, requests: int, concurrency: int, output_tokens: int,
+        timings: list | None = None) -> tuple[int, float]:
+    return uvloop.run(_load(host, port, requests, concurrency, output_tokens, timings))
