@@ -32,10 +32,13 @@ def gpu_bandwidth(environment: dict, backends: list[BackendConfig]) -> dict:
 
 def measure_on_device(backends: list[BackendConfig]) -> dict:
     """The first device read an installed environment of the run's engines gives ({"not_measured": why} where
-    none does). An attached server's engine is asked too: its environment here, if installed, sees the GPU."""
+    none does). A run that attaches to a server reads nothing: the server holds the GPU, and the read's 4 GiB
+    could take memory it allocates as it serves."""
     from kvbench.backends import REGISTRY
     from kvbench.common.envs import env_dir, env_python, is_installed
 
+    if any(cfg.url or cfg.urls for cfg in backends):
+        return {"not_measured": "the run attaches to a server on the GPU (a device read would take its memory)"}
     why = "no engine of the run measures a device bandwidth (backends/capabilities.py DeviceBandwidth)"
     for cfg in backends:
         cls = REGISTRY[cfg.engine]

@@ -56,6 +56,9 @@ def test_the_first_installed_environment_that_measures_is_asked(monkeypatch, tmp
     monkeypatch.setattr(DeviceBandwidth, "measure", lambda self, python: {"read_bytes_per_s": 1e12, "python": str(python)})
     got = device_bandwidth.measure_on_device(backends)
     assert got["engine"] == "hf" and got["python"].startswith(str(tmp_path))
+    # a server already on the GPU is not disturbed: no read where the run attaches to one
+    attached = device_bandwidth.measure_on_device([*backends, BackendConfig.parse("vllm:url=http://127.0.0.1:8000")])
+    assert "attaches to a server" in attached["not_measured"]
 
 
 def stand_in(tmp_path: Path, body: str) -> DeviceBandwidth:
