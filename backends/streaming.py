@@ -333,14 +333,18 @@ def _head(url: str, payload: bytes) -> tuple[Origin, bytes, ssl.SSLContext | Non
 
 async def _request(client: Client, url: str, body: dict, result: RequestResult, on_body,
                    accept: tuple[bytes, ...] = ()) -> _Connection:
-    """POST and wait for the response headers; returns the connection with its response under way. A
-    keep-alive connection the server closed under us (llama-server does, between requests) fails before
-    any answer: the request is resent once on a fresh connection, and ``result.t_sent`` is the send time
-    of the attempt that was answered."""
+    """POST and wait for the response headers; returns the connection with its response under way.
+    ``result.t_sent`` is stamped as the request goes out, after any connection it had to open. A keep-alive
+    connection the server closed under us (llama-server does, between requests) fails before any answer: the
+    request is resent once on a fresh connection, and ``result.t_sent`` is the send time of the attempt that
+    was answered."""
     payload = orjson.dumps(body)
     key, head, tls = _head(url, payload)
     conn = await client.acquire(key, tls)
     reused = conn.used
+    # the send time is when the request's bytes go out: a connection opened for it is not the server's latency
+    # (at 16 in flight the handshakes of a cell's first requests made TTFT's p99 1.9 ms late, 0.5 without)
+    result.t_sent = perf_counter()
     conn.send(head, payload, on_body, accept)
     try:
         await conn.headers_done

@@ -358,3 +358,19 @@ def test_a_header_that_would_split_the_request_is_refused():
     with pytest.raises(ValueError, match="line break"):
         configure_endpoint("http://127.0.0.1:1", {"Authorization": "Bearer a\r\nX-Injected: 1"})
     assert origin("http://127.0.0.1:1") not in streaming._ENDPOINTS
+
+
+def test_the_send_time_is_after_the_connection_it_had_to_open(monkeypatch):
+    """A connection that takes 0.3 s to open (a slow handshake, stood in by a sleep) is not the server's
+    latency: the request's send time is stamped as its bytes go out, after it."""
+    connect = streaming.Client._connect
+
+    async def slow_connect(self, key, tls=None):
+        await asyncio.sleep(0.3)
+        return await connect(self, key, tls)
+
+    monkeypatch.setattr(streaming.Client, "_connect", slow_connect)
+    started = time.perf_counter()
+    result = run_sse([CHUNKED_HEAD, chunk(token_event([5, 6, 7, 8], "length")), chunk(USAGE), chunk(DONE), b"0\r\n\r\n"])
+    assert result.error is None and result.chunk_tokens == [4]
+    assert result.t_sent - started >= 0.3 and result.chunk_times[0] - result.t_sent < 0.3
