@@ -26,8 +26,9 @@ from kvbench.selfcheck.common import Mock
 
 CONCURRENCY, OUTPUT_TOKENS, REQUESTS, PAIRS = 64, 256, 1024, 7
 # minimal client's CPU per token / kvbench's, median of PAIRS: 0.968-0.981 on a 2-core Xeon with AMX, four
-# runs alternated with the commit before (0.899-0.907) in one sitting (docs/harness-benchmarks.md)
-BASELINE_RATIO = 0.97
+# runs alternated with the commit before (0.899-0.907) in one sitting (docs/harness-benchmarks.md); 0.94-1.17,
+# median 0.996, over 11 runs on a 2-core AMD EPYC with nothing else running (2026-12-07)
+BASELINE_RATIO = 0.99
 FAIL_BELOW = BASELINE_RATIO * 0.90
 
 
