@@ -30,16 +30,15 @@ def read_bandwidth(flags: dict, earlier: dict) -> float | None:
 
 
 def spec_bandwidth(card: str | None) -> float:
-    from kvbench.planner.shared import gpu, gpu_specs
+    from kvbench.planner.shared import gpu
 
     if not card:
         raise PlanError("--bandwidth spec needs --gpu with a card of the catalogue (its specification's bandwidth)")
-    found = gpu(card)
-    spec = gpu_specs().get(found.name)
-    if spec is None or not spec.bandwidth_bytes_per_s:
+    rate = gpu(card).bandwidth_bytes_per_s  # a size given has none
+    if not rate:
         raise PlanError(f"--bandwidth spec: {card} has no bandwidth in the catalogue (a size given, or no public "
                         "figure): give a rate such as 900GB/s")
-    return spec.bandwidth_bytes_per_s
+    return rate
 
 
 def read_decode_efficiency(flags: dict, earlier: dict) -> float | None:

@@ -8,16 +8,22 @@ from __future__ import annotations
 from kvbench.run.backend_config import BackendConfig
 
 
-def gpu_bandwidth(environment: dict, backends: list[BackendConfig]) -> dict:
-    """run.json's ``memory_bandwidth`` on a GPU machine: per GPU, of the first GPU NVML lists."""
+def card_bandwidth(name: str, total_bytes: int) -> tuple[float | None, str]:
+    """The specification's bandwidth (bytes/s, None: none) of the GPU NVML names ``name`` with ``total_bytes``,
+    and where it was read."""
     from kvbench.planner import gpu_of_device
     from kvbench.planner.shared import gpu_specs
 
+    card = gpu_specs().get(gpu_of_device(name, total_bytes))
+    return card.bandwidth(name) if card else (None, f"{name or 'the GPU'} is not in kvbench's catalogue "
+                                                    "(bench/planner/gpus.toml)")
+
+
+def gpu_bandwidth(environment: dict, backends: list[BackendConfig]) -> dict:
+    """run.json's ``memory_bandwidth`` on a GPU machine: per GPU, of the first GPU NVML lists."""
     first = (environment.get("gpus") or [{}])[0]
-    name, total = str(first.get("name") or ""), int(first.get("memory_bytes") or 0)
-    card = gpu_specs().get(gpu_of_device(name, total))
-    spec, source = card.bandwidth(name) if card else (None, f"{name or 'the GPU'} is not in kvbench's catalogue "
-                                                             "(bench/planner/gpus.toml)")
+    name = str(first.get("name") or "")
+    spec, source = card_bandwidth(name, int(first.get("memory_bytes") or 0))
     measured = measure_on_device(backends)
     record = {"device": "gpu", "gpu": name, "spec_bytes_per_s": spec, "spec_source": source, "measured": measured}
     if measured.get("read_bytes_per_s"):

@@ -15,12 +15,10 @@ LOW, HIGH = 0.5, 1.0  # the measured read over the specification a check accepts
 
 def run_bandwidth(result: dict, nvml, python: str, budget) -> None:
     from kvbench.backends.capabilities import DeviceBandwidth
-    from kvbench.planner import gpu_of_device
-    from kvbench.planner.shared import gpu_specs
+    from kvbench.run.device_bandwidth import card_bandwidth
 
     device = nvml.devices()[0]
-    card = gpu_specs().get(gpu_of_device(device["name"], int(device["memory_bytes"])))
-    spec, source = card.bandwidth(device["name"]) if card else (None, "not in the catalogue")
+    spec, source = card_bandwidth(device["name"], int(device["memory_bytes"]))
     measured = DeviceBandwidth(script=probe_script()).measure(Path(python), timeout_s=max(30.0, min(120.0, budget.left())))
     share = ratio(measured.get("read_bytes_per_s"), spec)
     result["bandwidth"] = {"gpu": device["name"], "spec_bytes_per_s": spec, "spec_source": source,
