@@ -17,7 +17,7 @@ be evicted are not in it), else ``sglang:num_used_tokens``, plus ``sglang:swa_us
 model; SGLang refreshes these gauges after each prefill batch and every ``--decode-log-interval`` (40) decode
 steps, so a poll reads them up to that many steps late. Queue: ``sglang:num_queue_reqs``,
 ``sglang:num_running_reqs``, ``sglang:num_retracted_requests_total`` (SGLang retracts, not preempts). /metrics
-needs --enable-metrics, which kvbench always passes.
+needs --enable-metrics, which kvbench always passes; from 0.5.23 it adds --enable-mfu-metrics (step_bytes.py).
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ from ..shared.served_models import OpenAIModelList
 from ..streaming import stream_sse
 from ..types import EngineStartError, KVInUse, KVPool, RequestResult, ServerSpec
 from .kvrules import SGLangKV
+from .step_bytes import STEP_BYTES
 
 # kvbench KV dtype -> SGLang's --kv-cache-dtype (fp8) or --dtype (the model dtype, which auto KV takes)
 KV_CACHE_DTYPES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
@@ -180,7 +181,7 @@ class SGLangBackend(PrometheusPolled, Backend):
         telemetry=Telemetry({"sglang:token_usage": "kv_usage", "sglang:num_running_reqs": "requests_running",
                              "sglang:num_queue_reqs": "requests_waiting",
                              "sglang:num_retracted_requests_total": "preemptions"}),
-        served_model=OpenAIModelList())
+        served_model=OpenAIModelList(), step_bytes=STEP_BYTES)
     POLLED = ("sglang:kv_used_tokens", "sglang:num_used_tokens", "sglang:swa_used_tokens", "sglang:token_usage",
               "sglang:max_total_num_tokens", "sglang:num_queue_reqs", "sglang:num_running_reqs",
               "sglang:num_retracted_requests_total")
@@ -267,6 +268,7 @@ class SGLangBackend(PrometheusPolled, Backend):
             argv += ["--tp-size", str(tp)]
         if spec.prefix_caching is False:
             argv.append("--disable-radix-cache")
+        argv += self.capabilities.step_bytes.server_args(self)  # its bytes a pass, beside the decode bound
         env = {"HF_HUB_OFFLINE": "1"}
         if self.options.get("device") == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"  # srt/utils/common.py is_cpu()

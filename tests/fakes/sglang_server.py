@@ -26,6 +26,11 @@ Sources (sgl-project/sglang, python/sglang as the 0.5.23 wheel ships it):
   rounded to 0.01, num_used_tokens, kv_used_tokens, kv_available_tokens, kv_evictable_tokens,
   max_total_num_tokens, swa_*) and the counter num_retracted_requests_total, labelled model_name,
   engine_type "unified", tp_rank, pp_rank, moe_ep_rank; written here by prometheus_client, as SGLang does.
+  The counter cuda_graph_passes_total by mode (prefill_none once a request's prefill, decode_none once a decode
+  pass) and, with --enable-mfu-metrics, estimated_read/write_bytes_per_gpu_total by SGLang's own formulas
+  (managers/scheduler_components/metrics_reporter.py _init_estimated_perf_constants, _estimate_prefill_perf,
+  _estimate_decode_perf) on the model's config.json; the fake decodes each request on its own, so the
+  tokens decoded in one tick of the token delay count as one pass (SGLang's batch).
 - srt/mem_cache/memory_pool.py _finalize_allocation_log, managers/scheduler.py, model_runner.py: the launch
   log's ``KV Cache is allocated. dtype: torch.bfloat16, #tokens: N, K size: X GB, V size: Y GB`` (GiB, buffers
   of N + page_size rows), ``max_total_num_tokens=N, chunked_prefill_size=...`` and "The server is fired up and
@@ -46,6 +51,7 @@ import threading
 import time
 import uuid
 from datetime import datetime
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
@@ -185,7 +191,7 @@ class FakeSGLang(FakeServer):
     def __init__(self, host="127.0.0.1", port=0, model_path="/data/model", served_model_name=None,
                  context_length=4096, pool_tokens=DEFAULT_POOL_TOKENS, page_size=1, max_running_requests=None,
                  token_delay_s=0.002, eos_after=None, cut_after=None, batch_slots=None, swa_tokens=None,
-                 server_args=None, stream_interval=1):
+                 server_args=None, stream_interval=1, mfu=None):
         super().__init__(host, port)
         self.model_path, self.served_model_name = model_path, served_model_name or model_path
         self.context_length, self.pool_tokens, self.page_size = context_length, pool_tokens, page_size
@@ -221,6 +227,15 @@ class FakeSGLang(FakeServer):
                                    registry=self.registry)
         self.label_values = (self.served_model_name, "unified", "0", "0", "0")
         self.retractions.labels(*self.label_values)
+        self.passes = Counter("sglang:cuda_graph_passes", "Total number of forward passes categorized by CUDA graph.",
+                              (*labels, "mode"), registry=self.registry)
+        doc = "Estimated number of bytes {} memory per GPU (for Model FLOPs Utilization calculations)."
+        self.read_bytes = Counter("sglang:estimated_read_bytes_per_gpu", doc.format("read from"), labels,
+                                  registry=self.registry)
+        self.write_bytes = Counter("sglang:estimated_write_bytes_per_gpu", doc.format("written to"), labels,
+                                   registry=self.registry)
+        self.mfu = mfu  # SGLang's per-token constants (mfu_constants), None: --enable-mfu-metrics not given
+        self.pass_tick = -1
 
     # --- the native API -------------------------------------------------------------------------
     def server_info(self) -> dict:
@@ -281,6 +296,8 @@ class FakeSGLang(FakeServer):
             self.evictable = max(0, min(self.evictable, self.pool_tokens - self.used - reserve))
             self.used += self._pages(n_in)
             self.peak_used = max(self.peak_used, self.used)
+        self._count_pass("prefill_none", n_in * (self.mfu["weights"] + self.mfu["act"] + self.mfu["attn_act"])
+                         if self.mfu else 0.0, n_in)
         held = self._pages(n_in)
         rid = uuid.uuid4().hex
         ignore_eos = bool(params.get("ignore_eos"))
@@ -292,6 +309,9 @@ class FakeSGLang(FakeServer):
                 eos = not ignore_eos and self.eos_after is not None and i == self.eos_after
                 ids.append(EOS_ID if eos else 1000 + i)
                 grown = self._pages(n_in + i)
+                if i > 1:  # the first token came of the prefill pass
+                    self._count_pass("decode_none", self.mfu and self.mfu["weights"] + self.mfu["act"]
+                                     + self.mfu["q"] + (n_in + i - 1) * self.mfu["kv"], 1)
                 with self.lock:  # the new token's page
                     self.used += grown - held
                     self.peak_used = max(self.peak_used, self.used)
@@ -314,6 +334,18 @@ class FakeSGLang(FakeServer):
                 self.evictable = min(self.pool_tokens - self.used, self.evictable + held)  # radix-cached
                 self.cond.notify_all()
 
+    def _count_pass(self, mode: str, read: float, tokens: int) -> None:
+        """One forward pass's counters; decode tokens in one tick of the token delay are one pass."""
+        with self.lock:
+            tick = int(time.monotonic() / max(self.token_delay_s, 1e-4))
+            if mode != "decode_none" or tick != self.pass_tick:
+                self.passes.labels(*self.label_values, mode).inc()
+                self.pass_tick = tick if mode == "decode_none" else self.pass_tick
+            if self.mfu:
+                self.read_bytes.labels(*self.label_values).inc(read)
+                self.write_bytes.labels(*self.label_values).inc(
+                    tokens * (self.mfu["kv"] + self.mfu["act"] + self.mfu["ffn_act"]))
+
     def metrics(self) -> bytes:
         with self.lock:
             used, running, queued, evictable = self.used, self.running, self.queued, self.evictable
@@ -325,6 +357,26 @@ class FakeSGLang(FakeServer):
         for name, gauge in self.gauges.items():
             gauge.labels(*self.label_values).set(values[name])
         return generate_latest(self.registry)
+
+
+def mfu_constants(model_path: str, dtype: str) -> dict | None:
+    """SGLang 0.5.23's per-token bytes (_init_estimated_perf_constants) from the model's config.json, at the
+    serving dtype's width; None where there is no config to read."""
+    try:
+        c = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    h, layers = float(c["hidden_size"]), float(c["num_hidden_layers"])
+    heads, kv_heads = float(c["num_attention_heads"]), float(c.get("num_key_value_heads") or c["num_attention_heads"])
+    d, inter = float(c.get("head_dim") or h / heads), float(c.get("intermediate_size") or 0)
+    width = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}.get(
+        dtype if dtype != "auto" else str(c.get("torch_dtype") or c.get("dtype")), 2.0)
+    return {"weights": (h * d * (heads + 2 * kv_heads) + h * d * heads + 3 * h * inter) * width * layers,
+            "kv": 2 * layers * kv_heads * d * width,
+            "act": (2 * h + (heads + 2 * kv_heads) * d + d * heads) * width * layers,
+            "ffn_act": 3 * inter * width * layers,
+            "attn_act": (heads + 2 * kv_heads) * d * width * layers,
+            "q": heads * d * width * layers}
 
 
 def main(argv=None) -> None:
@@ -352,6 +404,7 @@ def main(argv=None) -> None:
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--device")
     p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--enable-mfu-metrics", action="store_true")
     args = p.parse_args(argv)
     env = os.environ
     page = args.page_size
@@ -366,7 +419,9 @@ def main(argv=None) -> None:
                       server_args={"kv_cache_dtype": args.kv_cache_dtype, "dtype": args.dtype, "tp_size": args.tp_size,
                                    "max_total_tokens": args.max_total_tokens,
                                    "mem_fraction_static": args.mem_fraction_static or 0.83,
-                                   "disable_radix_cache": args.disable_radix_cache})
+                                   "disable_radix_cache": args.disable_radix_cache,
+                                   "enable_mfu_metrics": args.enable_mfu_metrics},
+                      mfu=mfu_constants(args.model_path, args.dtype) if args.enable_mfu_metrics else None)
     half_gib = (tokens + page) * per_token / 2 / (1 << 30)
     print(f"{_log_ts(False)} server_args=ServerArgs(model_path='{args.model_path}', host='{args.host}', "
           f"port={args.port}, context_length={args.context_length}, max_total_tokens={args.max_total_tokens}, "
