@@ -164,20 +164,35 @@ class LlamaServerKV(KVRules):
         return f"-np {batch}"
 
     def host_memory(self, q: KVQuestion) -> tuple[float, str] | None:
-        """llama-server's prompt cache: idle slots' states saved in host RAM up to --cache-ram MiB (8192 by
-        default, as its log says: "prompt cache is enabled, size limit: 8192 MiB"), grown by distinct prompts
-        (1.1 GiB after the CPU default run's cells, with a 720 MiB pool). Counted at its limit: nothing
-        else bounds it."""
+        """What llama-server holds in host RAM beyond its pool:
+
+        - its prompt cache: idle slots' states saved up to --cache-ram MiB (8192 by default, as its log says:
+          "prompt cache is enabled, size limit: 8192 MiB"), grown by distinct prompts (1.1 GiB after the CPU
+          default run's cells, with a 720 MiB pool). Counted at its limit: nothing else bounds it;
+        - a row of the vocabulary for each slot, twice: the output buffer's logits (llama-context.cpp
+          output_reserve: max(outputs, n_seq_max) rows of n_vocab floats, logged "CPU output buffer size") and
+          the sampler each running request is given (server-context.cpp common_sampler_init as a task takes its
+          slot; common/sampling.cpp set_logits resizes its candidates to n_vocab llama_token_data of 12 bytes).
+          On the embedded model 0.75 MiB a slot. The reserve graph's growth with the cells, the HTTP threads
+          (slots + 4) and their heaps are not counted."""
         try:
             mib = int(q.options.get("cache_ram_mib", CACHE_RAM_MIB))
         except (TypeError, ValueError):
             raise KVRuleError(f"cache_ram_mib takes a whole number of MiB, not {q.options['cache_ram_mib']!r}") from None
-        if mib <= 0:
+        parts = []
+        if mib > 0:
+            given = "cache_ram_mib" in q.options
+            parts.append((mib * 2**20, f"llama-server's prompt cache in host RAM, at its limit: --cache-ram {mib} MiB"
+                                       f"{'' if given else ' (its default)'}; it grows with distinct prompts "
+                                       "(--cache-ram 0 turns it off)"))
+        vocab, slots = q.geometry.vocab_size, max(1, q.batch)
+        if vocab:
+            parts.append((slots * vocab * (4 + 12), f"{slots} slot(s) x the vocabulary's {vocab:,} tokens x 16 bytes: "
+                                                    "a row of logits (its output buffer) and a request's sampler "
+                                                    "candidates each"))
+        if not parts:
             return None
-        given = "cache_ram_mib" in q.options
-        return (mib * 2**20, f"llama-server's prompt cache in host RAM, at its limit: --cache-ram {mib} MiB"
-                             f"{'' if given else ' (its default)'}; it grows with distinct prompts (--cache-ram 0 "
-                             "turns it off)")
+        return sum(b for b, _ in parts), "; ".join(w for _, w in parts)
 
     def host_levers(self) -> list[tuple[str, dict]]:
         return [("--cache-ram 0", {"cache_ram_mib": 0}), ("--cache-ram 1024", {"cache_ram_mib": 1024})]

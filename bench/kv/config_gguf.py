@@ -55,7 +55,9 @@ def geometry_from_gguf_keys(keys: dict, source: str = "GGUF") -> KVGeometry:
     layers = tuple(LayerKV("sliding" if s else "full", k, head_k, head_v, window if s else None) if k else
                    LayerKV("none", why_none="recurrent: a state of constant size")
                    for s, k in zip(sliding, kv_l))
-    return KVGeometry(layers, max(heads_l), key("context_length"), mla, arch, None, "gguf")
+    vocab = key("vocab_size")  # llama.cpp's converter writes it; the tokenizer's list is not read
+    return KVGeometry(layers, max(heads_l), key("context_length"), mla, arch, None, "gguf",
+                      vocab_size=vocab if isinstance(vocab, int) and vocab > 0 else None)
 
 
 def gguf_reader(path: str | Path):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 # Bytes per element. llama.cpp's quantised types carry per-block scales (ggml block sizes / 32 values).
 KV_DTYPE_BYTES: dict[str, float] = {
@@ -100,6 +100,9 @@ class KVGeometry:
     # fields the file leaves out that the geometry took from a config class (its default, or what it derives):
     # the answer is then not verified (kvbench.kv.model_config.class_filled)
     assumed: tuple[str, ...] = ()
+    # the vocabulary, for an engine's buffers of a row of logits per sequence (None: the file does not say); not
+    # part of the attention layout, so two geometries that differ only here are the same layout
+    vocab_size: int | None = field(default=None, compare=False)
 
     @classmethod
     def uniform(cls, num_layers: int, num_kv_heads: int, head_dim_k: int, head_dim_v: int | None = None,

@@ -180,7 +180,7 @@ def _geometry(text, raw: dict, config, source: str, notes: list[str]) -> KVGeome
         layers = tuple(LayerKV(k, 1, rank + rope, 0, span) if k != "none" else LayerKV("none", why_none=w)
                        for (k, span), w in zip(kinds, why))
         return KVGeometry(layers, max(heads_per_layer), _max_context(text, known, source, notes, model_type), mla, model_type,
-                          _dtype(text, config), "hf", tuple(flags), tuple(notes))
+                          _dtype(text, config), "hf", tuple(flags), tuple(notes), vocab_size=_vocab(text))
 
     # --- KV heads -----------------------------------------------------------------------------------
     if model_type in ("falcon", "RefinedWeb", "RefinedWebModel"):
@@ -249,7 +249,7 @@ def _geometry(text, raw: dict, config, source: str, notes: list[str]) -> KVGeome
     layers = tuple(LayerKV(k, kvh, hd, v_fixed or hd, span) if k != "none" else LayerKV("none", why_none=w)
                    for (k, span), w, kvh, hd in zip(kinds, why, kv_per_layer, dims))
     return KVGeometry(layers, max(heads_per_layer), _max_context(text, known, source, notes, model_type), None, model_type,
-                      _dtype(text, config), "hf", tuple(flags), tuple(notes))
+                      _dtype(text, config), "hf", tuple(flags), tuple(notes), vocab_size=_vocab(text))
 
 
 def _in_file(config, raw: dict, name: str) -> bool:
@@ -268,6 +268,16 @@ def _max_context(text, known: bool, source: str, notes: list[str], model_type: s
     if note:
         notes.append(note)
     return limit
+
+
+def _vocab(text) -> int | None:
+    """The vocabulary the config names (``vocab_size``, Megatron's ``padded_vocab_size``), None where it names
+    none a whole positive number."""
+    for name in ("vocab_size", "padded_vocab_size"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def _dtype(text, config) -> str | None:

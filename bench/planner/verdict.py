@@ -71,7 +71,7 @@ def ledger(s: Setup, o: Outcome, deploy: KVAnswer) -> list[dict]:
         rows.append({"term": "draft KV", "bytes": drafted, "source": f"{d.where}: {d.note}"})
     host = s.host()
     if host:
-        rows.append({"term": "host cache", "bytes": host[0], "source": host[1]})
+        rows.append({"term": "host memory", "bytes": host[0], "source": host[1]})
     mem = s.startup
     if mem is not None:  # the engine's own terms, each with its source, and what its fraction leaves free
         rows += [{"term": t.name, "bytes": t.bytes, "source": t.source} for t in mem.terms]
@@ -135,7 +135,7 @@ def verdict(s: Setup, o: Outcome) -> dict:
         alone = s.weights_per_gpu >= usable
         taken = s.weights_per_gpu if alone else s.weights_per_gpu + s.fixed_overhead + s.host_bytes()
         parts = ["the weights"] + ([f"the {fmt_gib(s.fixed_overhead)} overhead"] if s.fixed_overhead else [])
-        parts += [f"the {fmt_gib(s.host_bytes())} host cache"] if s.host_bytes() else []
+        parts += [f"the {fmt_gib(s.host_bytes())} host memory"] if s.host_bytes() else []
         what = ("the weights alone take" if alone or len(parts) == 1
                 else f"{', '.join(parts[:-1])} and {parts[-1]} alone take")
         share = f" ({fmt_gib(s.weights.bytes)} over {s.gpus} GPUs)" if s.gpus > 1 else ""

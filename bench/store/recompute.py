@@ -119,7 +119,8 @@ def _geometry(info: dict):
                                                g["head_dim_v"], g.get("sliding_window") if s else None)
                                        for s in sliding), max_context=g.get("max_context"))
     return KVGeometry(layers=tuple(LayerKV(**layer) for layer in g["layers"]),
-                      **{k: g.get(k) for k in ("num_attention_heads", "max_context", "model_type", "dtype", "source")
+                      **{k: g.get(k) for k in ("num_attention_heads", "max_context", "model_type", "dtype", "source",
+                                                "vocab_size")
                          if g.get(k) is not None},
                       mla=MLAShape(**g["mla"]) if g.get("mla") else None, flags=tuple(g.get("flags") or ()),
                       notes=tuple(g.get("notes") or ()))

@@ -76,8 +76,11 @@ def test_llamacpp_at_a_wall_counts_its_prompt_cache_and_says_how_to_bound_it():
     assert code == 0, r
     assert r["memory_wall"] and r["margin"] == 0 and r["gpu_memory_bytes"] == GIB
     terms = {row["term"]: row for row in r["ledger"]}
-    assert terms["host cache"]["bytes"] == 8192 * MIB and "--cache-ram 8192 MiB (its default)" in terms["host cache"]["source"]
-    assert r["verdict"]["word"] == "DOES NOT FIT" and "8.00 GiB host cache" in r["verdict"]["line"]
+    host = terms["host memory"]
+    slots = 8 * 49_152 * 16  # SmolLM2's vocabulary: a row of logits and a sampler's candidates a slot
+    assert host["bytes"] == 8192 * MIB + slots and "--cache-ram 8192 MiB (its default)" in host["source"]
+    assert "8 slot(s) x the vocabulary's 49,152 tokens x 16 bytes" in host["source"]
+    assert r["verdict"]["word"] == "DOES NOT FIT" and "8.01 GiB host memory" in r["verdict"]["line"]
     assert "in the wall" in r["verdict"]["line"]
     assert terms["overhead"]["source"].startswith("measured: results/published/20261201-memory-wall-cpu")
     assert "rule of thumb 2 GB + 5 %" in terms["overhead"]["source"]
@@ -86,7 +89,7 @@ def test_llamacpp_at_a_wall_counts_its_prompt_cache_and_says_how_to_bound_it():
     assert not any(lv["lever"] == "tp" for lv in r["levers"])  # a wall has no GPUs to split over
     code, off = plan_json("smollm2", "--engine", "llamacpp", "--memory", "1G", "--batch", "8", "--max-model-len",
                           "4096", "--engine-option", "cache_ram_mib=0")
-    assert off["fits"] and "host cache" not in {row["term"] for row in off["ledger"]}
+    assert off["fits"] and {row["term"]: row["bytes"] for row in off["ledger"]}["host memory"] == slots
     assert off["max_context_at_batch"] == best["longest_request"]
 
 
