@@ -190,8 +190,9 @@ class LlamaServerKV(KVRules):
             parts.append((slots * vocab * (4 + 12), f"{slots} slot(s) x the vocabulary's {vocab:,} tokens x 16 bytes: "
                                                     "a row of logits (its output buffer) and a request's sampler "
                                                     "candidates each"))
-        if not parts:
-            return None
+        else:
+            parts.append((0, "not counted: a slot's row of logits and its sampler's candidates (the model's files "
+                             "name no vocabulary size)"))
         return sum(b for b, _ in parts), "; ".join(w for _, w in parts)
 
     def host_levers(self) -> list[tuple[str, dict]]:

@@ -171,3 +171,20 @@ def test_the_readmes_wall_example_is_what_kvbench_prints():
     lines = result.output.splitlines()
     assert lines[0] in readme and lines[1] in readme  # the KV asked, then the verdict at the limit
     assert next(line for line in lines if line.startswith("  1. ")) in readme
+
+
+def test_a_slots_logits_and_sampler_scale_with_the_slots_and_an_unknown_vocabulary_is_said():
+    """llama-server's buffers a slot (a row of logits, a request's sampler candidates: vocab x 16 bytes), and a
+    geometry without a vocabulary (a GGUF without <arch>.vocab_size) says they are not counted."""
+    from dataclasses import replace as with_
+
+    from kvbench.kv.rules import KVQuestion
+
+    rules = engine_rules("llamacpp")
+    g = resolve_model("llama-3.1-8b").geometry
+    assert g.vocab_size == 128_256 and with_(g, vocab_size=None) == g  # not part of the layout
+    off = {"cache_ram_mib": 0}
+    one, four = (rules.host_memory(KVQuestion(g, "f16", 1024, b, options=off)) for b in (1, 4))
+    assert (one[0], four[0]) == (128_256 * 16, 4 * 128_256 * 16)
+    unknown = rules.host_memory(KVQuestion(with_(g, vocab_size=None), "f16", 1024, 4, options=off))
+    assert unknown[0] == 0 and unknown[1].startswith("not counted: a slot's row of logits")
