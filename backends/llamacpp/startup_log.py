@@ -1,4 +1,4 @@
-"""llama.cpp's figures at startup as its log prints them: the buffers per device (weights, KV, compute), the KV
+"""llama.cpp's figures at startup as its log prints them: the buffers per device (weights, KV, compute, output), the KV
 caches with their cells, and cudaMalloc's refusal. The adapter reads its pool from them (``kv_pool_from_log``);
 `kvbench run` records them beside the plan's (run.json ``startup_checks``), and the corpus of public startup logs
 quotes them (tests/data/startup_logs/).
@@ -7,7 +7,8 @@ The lines, by the llama.cpp source that prints them: src/llama-model.cpp ``load_
 (``llm_load_tensors: CUDA0 buffer size`` before the b4000s), src/llama-kv-cache.cpp ``llama_kv_cache: CUDA0 KV
 buffer size`` (``llama_kv_cache_init:``, ``llama_kv_cache_unified:`` in older builds) and with ``-lv 4`` its
 ``size = ... (N cells, L layers, S/S seqs)`` line, src/llama-context.cpp ``llama_context: CUDA0 compute buffer
-size`` (``sched_reserve:`` in the 0.3.36 build, ``llama_new_context_with_model:`` before), ggml-cuda's
+size`` (``sched_reserve:`` in the 0.3.36 build, ``llama_new_context_with_model:`` before) and ``llama_context: CPU
+output buffer size`` (the logits, host memory on every build), ggml-cuda's
 ``cudaMalloc failed: out of memory``.
 """
 from __future__ import annotations
@@ -26,6 +27,8 @@ BUFFER_LINE = re.compile(r"(?P<what>(?:llm_)?load_tensors|llama_kv_cache(?:_unif
 # sched_reserve:      CUDA0 compute buffer size =   164.00 MiB (llama_context:, llama_new_context_with_model: before)
 COMPUTE_LINE = re.compile(r"(?:sched_reserve|llama_context|llama_new_context_with_model):\s+(?P<device>\S+) "
                           r"compute buffer size =\s*(?P<mib>\d+(?:\.\d+)?) MiB")
+# llama_context:        CPU  output buffer size =     0.19 MiB (the logits rows: n_seq_max x n_vocab floats)
+OUTPUT_LINE = re.compile(r"llama_context:\s+(?P<device>\S+)\s+output buffer size =\s*(?P<mib>\d+(?:\.\d+)?) MiB")
 N_CTX_LINE = re.compile(r"(?:llama_context|llama_new_context_with_model): n_ctx\s+=\s*(\d+)")
 KV_SELF_LINE = re.compile(r"KV self size\s+=\s*(\d+(?:\.\d+)?) MiB")
 # llama_model_load_from_file_impl: using device CUDA0 (NVIDIA RTX A6000) - 48267 MiB free (src/llama.cpp)
@@ -82,7 +85,7 @@ def startup_figures(text: str) -> dict | None:
     if draft_figures and "kv_pool_bytes" in draft_figures:
         out["draft_kv_pool_bytes"] = draft_figures["kv_pool_bytes"]
     lines = [line.strip() for line in text.splitlines()
-             if BUFFER_LINE.search(line) or COMPUTE_LINE.search(line) or KV_LINE.search(line)
+             if BUFFER_LINE.search(line) or COMPUTE_LINE.search(line) or KV_LINE.search(line) or OUTPUT_LINE.search(line)
              or N_CTX_LINE.search(line) or OOM_LINE.search(line) or FREE_LINE.search(line)]
     buffers = parse_buffers(text)
     kv, kv_gpu = _per_gpu_or_host(buffers["kv"])
@@ -105,6 +108,8 @@ def startup_figures(text: str) -> dict | None:
         compute[m["device"]] = float(m["mib"]) * MIB  # a second context replaces the first
     if compute:
         out["terms"] = {"compute buffer": _per_gpu_or_host(compute)[0]}
+    if output := [float(m["mib"]) * MIB for m in OUTPUT_LINE.finditer(text)]:
+        out.setdefault("terms", {})["output buffer"] = output[-1]  # host memory, on a GPU build too
     free = {m["device"]: float(m["mib"]) * MIB for m in FREE_LINE.finditer(text)}
     if free:  # what the fullest device found free when the model loaded
         out["free_at_load_bytes"] = max(free.values())

@@ -163,37 +163,38 @@ class LlamaServerKV(KVRules):
     def concurrency_flag(self, batch: int) -> str:
         return f"-np {batch}"
 
-    def host_memory(self, q: KVQuestion) -> tuple[float, str] | None:
+    def host_memory(self, q: KVQuestion) -> list[tuple[str, float, str]]:
         """What llama-server holds in host RAM beyond its pool:
 
         - its prompt cache: idle slots' states saved up to --cache-ram MiB (8192 by default, as its log says:
           "prompt cache is enabled, size limit: 8192 MiB"), grown by distinct prompts (1.1 GiB after the CPU
           default run's cells, with a 720 MiB pool). Counted at its limit: nothing else bounds it;
-        - a row of the vocabulary for each slot, twice: the output buffer's logits (llama-context.cpp
-          output_reserve: max(outputs, n_seq_max) rows of n_vocab floats, logged "CPU output buffer size") and
-          the sampler each running request is given (server-context.cpp common_sampler_init as a task takes its
-          slot; common/sampling.cpp set_logits resizes its candidates to n_vocab llama_token_data of 12 bytes).
-          On the embedded model 0.75 MiB a slot. The reserve graph's growth with the cells, the HTTP threads
-          (slots + 4) and their heaps are not counted."""
+        - its output buffer: a row of n_vocab float logits a slot (llama-context.cpp output_reserve:
+          max(outputs, n_seq_max) rows; logged "CPU output buffer size");
+        - the sampler each running request is given (server-context.cpp common_sampler_init as a task takes its
+          slot), whose candidates common/sampling.cpp set_logits resizes to n_vocab llama_token_data of 12 bytes.
+        On the embedded model the last two are 0.75 MiB a slot. The reserve graph's growth with the cells, the
+        HTTP threads (slots + 4) and their heaps are not counted."""
         try:
             mib = int(q.options.get("cache_ram_mib", CACHE_RAM_MIB))
         except (TypeError, ValueError):
             raise KVRuleError(f"cache_ram_mib takes a whole number of MiB, not {q.options['cache_ram_mib']!r}") from None
-        parts = []
+        terms = []
         if mib > 0:
             given = "cache_ram_mib" in q.options
-            parts.append((mib * 2**20, f"llama-server's prompt cache in host RAM, at its limit: --cache-ram {mib} MiB"
-                                       f"{'' if given else ' (its default)'}; it grows with distinct prompts "
-                                       "(--cache-ram 0 turns it off)"))
+            terms.append(("prompt cache", mib * 2**20, f"llama-server's prompt cache in host RAM, at its limit: "
+                          f"--cache-ram {mib} MiB{'' if given else ' (its default)'}; it grows with distinct prompts "
+                          "(--cache-ram 0 turns it off)"))
         vocab, slots = q.geometry.vocab_size, max(1, q.batch)
         if vocab:
-            parts.append((slots * vocab * (4 + 12), f"{slots} slot(s) x the vocabulary's {vocab:,} tokens x 16 bytes: "
-                                                    "a row of logits (its output buffer) and a request's sampler "
-                                                    "candidates each"))
+            terms += [("output buffer", slots * vocab * 4, f"{slots} slot(s) x a row of {vocab:,} float logits "
+                                                           "(llama-context.cpp output_reserve)"),
+                      ("sampler candidates", slots * vocab * 12, f"{slots} running request(s) x {vocab:,} candidates "
+                                                                 "of 12 bytes (common/sampling.cpp set_logits)")]
         else:
-            parts.append((0, "not counted: a slot's row of logits and its sampler's candidates (the model's files "
-                             "name no vocabulary size)"))
-        return sum(b for b, _ in parts), "; ".join(w for _, w in parts)
+            terms.append(("output buffer and samplers", 0, "not counted: a slot's row of logits and its sampler's "
+                                                           "candidates (the model's files name no vocabulary size)"))
+        return terms
 
     def host_levers(self) -> list[tuple[str, dict]]:
         return [("--cache-ram 0", {"cache_ram_mib": 0}), ("--cache-ram 1024", {"cache_ram_mib": 1024})]

@@ -162,10 +162,11 @@ class KVRules:
                                      f"{q.batch} x {q.context:,})")
         return typical
 
-    def host_memory(self, q: KVQuestion) -> tuple[float, str] | None:
-        """Host memory the engine holds beyond its KV pool, that a plan against a CPU memory wall must count
-        (bytes, where the figure comes from); None: nothing beyond the pool."""
-        return None
+    def host_memory(self, q: KVQuestion) -> list[tuple[str, float, str]]:
+        """Host memory the engine holds beyond its KV pool, that a plan against a CPU memory wall must count:
+        (term, bytes, where the figure comes from) each, named as the engine's log names a buffer where it
+        logs one (a run sets the logged one beside it); []: nothing beyond the pool."""
+        return []
 
     def host_levers(self) -> list[tuple[str, dict]]:
         """(flag, rule options) that shrink :meth:`host_memory`, for a plan's levers."""

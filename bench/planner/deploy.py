@@ -221,19 +221,18 @@ class Setup(Drafter):
         """The overhead at the asked deployment (the fixed part alone where none grows with the batch)."""
         return self.overhead_at()
 
-    def host(self, context: int | None = None, batch: int | None = None) -> tuple[float, str] | None:
-        """Host memory the engine holds beyond its pool (its rules' ``host_memory``), counted against a CPU's
-        memory only."""
+    def host(self, context: int | None = None, batch: int | None = None) -> list[tuple[str, float, str]]:
+        """Host memory the engine holds beyond its pool (its rules' ``host_memory``: (term, bytes, source) each),
+        counted against a CPU's memory only."""
         if self.device != "cpu":
-            return None
+            return []
         try:
             return self.rules.host_memory(self.question(context, batch))
         except KVRuleError as exc:
             raise PlanError(str(exc)) from None
 
     def host_bytes(self, context: int | None = None, batch: int | None = None) -> float:
-        h = self.host(context, batch)
-        return h[0] if h else 0.0
+        return sum(b for _, b, _ in self.host(context, batch))
 
     @property
     def per(self) -> str:

@@ -148,7 +148,8 @@ def planned_figures(s: Setup, kv_budget: float | None = None, pool_tokens_cap: i
     elif not rules.pool_from_budget:
         a = s.kv(context=s.limit, batch=s.batch, limit=s.limit)
         out.update(rule=f"allocated for {s.batch} x {s.limit:,} tokens", kv_pool_bytes=a.bytes_per_gpu,
-                   pool_tokens=a.tokens_full, requests_at_limit=s.batch)
+                   pool_tokens=a.tokens_full, requests_at_limit=s.batch,
+                   terms={term: b for term, b, _ in s.host() if b})  # on a CPU: its host buffers, as logged
     else:
         return None
     try:  # the KV one request at the limit takes on a GPU (what vLLM's refusal says is needed)

@@ -69,9 +69,7 @@ def ledger(s: Setup, o: Outcome, deploy: KVAnswer) -> list[dict]:
     if d is not None:  # the drafter's: its weights, its KV where the engine keeps it, the engine's terms for it
         rows += [{"term": name, "bytes": b, "source": why} for name, b, why in s.draft_terms]
         rows.append({"term": "draft KV", "bytes": drafted, "source": f"{d.where}: {d.note}"})
-    host = s.host()
-    if host:
-        rows.append({"term": "host memory", "bytes": host[0], "source": host[1]})
+    rows += [{"term": term, "bytes": b, "source": why} for term, b, why in s.host()]
     mem = s.startup
     if mem is not None:  # the engine's own terms, each with its source, and what its fraction leaves free
         rows += [{"term": t.name, "bytes": t.bytes, "source": t.source} for t in mem.terms]

@@ -76,10 +76,10 @@ def test_llamacpp_at_a_wall_counts_its_prompt_cache_and_says_how_to_bound_it():
     assert code == 0, r
     assert r["memory_wall"] and r["margin"] == 0 and r["gpu_memory_bytes"] == GIB
     terms = {row["term"]: row for row in r["ledger"]}
-    host = terms["host memory"]
     slots = 8 * 49_152 * 16  # SmolLM2's vocabulary: a row of logits and a sampler's candidates a slot
-    assert host["bytes"] == 8192 * MIB + slots and "--cache-ram 8192 MiB (its default)" in host["source"]
-    assert "8 slot(s) x the vocabulary's 49,152 tokens x 16 bytes" in host["source"]
+    assert terms["prompt cache"]["bytes"] == 8192 * MIB
+    assert "--cache-ram 8192 MiB (its default)" in terms["prompt cache"]["source"]
+    assert terms["output buffer"]["bytes"] == 8 * 49_152 * 4 and terms["sampler candidates"]["bytes"] == 8 * 49_152 * 12
     assert r["verdict"]["word"] == "DOES NOT FIT" and "8.01 GiB host memory" in r["verdict"]["line"]
     assert "in the wall" in r["verdict"]["line"]
     assert terms["overhead"]["source"].startswith("measured: results/published/20261201-memory-wall-cpu")
@@ -89,7 +89,8 @@ def test_llamacpp_at_a_wall_counts_its_prompt_cache_and_says_how_to_bound_it():
     assert not any(lv["lever"] == "tp" for lv in r["levers"])  # a wall has no GPUs to split over
     code, off = plan_json("smollm2", "--engine", "llamacpp", "--memory", "1G", "--batch", "8", "--max-model-len",
                           "4096", "--engine-option", "cache_ram_mib=0")
-    assert off["fits"] and {row["term"]: row["bytes"] for row in off["ledger"]}["host memory"] == slots
+    left = {row["term"]: row["bytes"] for row in off["ledger"]}
+    assert off["fits"] and "prompt cache" not in left and left["output buffer"] + left["sampler candidates"] == slots
     assert off["max_context_at_batch"] == best["longest_request"]
 
 
@@ -185,6 +186,7 @@ def test_a_slots_logits_and_sampler_scale_with_the_slots_and_an_unknown_vocabula
     assert g.vocab_size == 128_256 and with_(g, vocab_size=None) == g  # not part of the layout
     off = {"cache_ram_mib": 0}
     one, four = (rules.host_memory(KVQuestion(g, "f16", 1024, b, options=off)) for b in (1, 4))
-    assert (one[0], four[0]) == (128_256 * 16, 4 * 128_256 * 16)
-    unknown = rules.host_memory(KVQuestion(with_(g, vocab_size=None), "f16", 1024, 4, options=off))
-    assert unknown[0] == 0 and unknown[1].startswith("not counted: a slot's row of logits")
+    assert [(t, b) for t, b, _ in one] == [("output buffer", 128_256 * 4), ("sampler candidates", 128_256 * 12)]
+    assert sum(b for _, b, _ in four) == 4 * 128_256 * 16
+    (unknown,) = rules.host_memory(KVQuestion(with_(g, vocab_size=None), "f16", 1024, 4, options=off))
+    assert unknown[1] == 0 and unknown[2].startswith("not counted: a slot's row of logits")

@@ -79,7 +79,8 @@ def test_the_parsers_read_a_published_cpu_runs_own_logs():
     assert vllm["kv_budget_bytes"] == 0.71 * GIB and "weights_bytes" not in vllm  # its CPU runner prints none
     llama = REGISTRY["llamacpp"].startup_figures_from_log((PUBLISHED_CPU / "logs" / "llamacpp-0.3.36.log").read_text())
     assert (llama["device"], llama["pool_tokens"], llama["kv_pool_bytes"]) == ("cpu", 32768, 720 * MIB)
-    assert llama["terms"] == {"compute buffer": 21.51 * MIB} and llama["weights_bytes"] == round(92.10 * MIB)
+    assert llama["terms"] == {"compute buffer": 21.51 * MIB, "output buffer": 0.75 * MIB}  # 4 slots x 49,152 x 4 B
+    assert llama["weights_bytes"] == round(92.10 * MIB)
     assert REGISTRY["hf"].startup_figures_from_log("anything") is None  # an engine without a parser says nothing
 
 
