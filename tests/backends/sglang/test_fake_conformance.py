@@ -156,3 +156,6 @@ def test_metrics_are_prometheus_client_families_with_sglangs_labels(fake):
         assert sample.labels["engine_type"] == "unified" and sample.labels["model_name"] == "smollm2"
     assert families["sglang:num_retracted_requests"].type == "counter"
     assert "sglang:num_retracted_requests_total" in {s.name for s in families["sglang:num_retracted_requests"].samples}
+    # the MFU counters (labelled, so shown once incremented) and the passes by mode, as 0.5.23's collector names them
+    assert families["sglang:cuda_graph_passes"].type == families["sglang:estimated_read_bytes_per_gpu"].type == "counter"
+    assert families["sglang:estimated_write_bytes_per_gpu"].type == "counter"
