@@ -18,7 +18,7 @@ def test_vllm_through_prometheus_beside_kvbenchs_own_poll(tmp_path, smollm2):
     """A real vLLM CPU server (started by the adapter, attached by URL as a cluster's server would be) and
     the DCGM stand-in, both scraped every second by a real Prometheus; `kvbench run --prometheus` reads
     them back: the row's GPU figures are what the stand-in served, and vLLM's KV usage seen through
-    Prometheus is above zero and agrees with kvbench's own 10 Hz poll of the same gauge."""
+    Prometheus is above zero and, as kvbench's own 10 Hz poll of the same gauge, within what the requests hold."""
     from kvbench.backends.types import ServerSpec
     from kvbench.backends.vllm.adapter import VLLMBackend
     from kvbench.workloads import Workload
@@ -52,15 +52,18 @@ def test_vllm_through_prometheus_beside_kvbenchs_own_poll(tmp_path, smollm2):
     assert [(d["device"], d["used_peak_bytes"]) for d in row.prom_gpu_devices] == [
         (gpus[0].uuid, 61_440 * MIB), (gpus[1].uuid, 1_024 * MIB)]
     assert row.prom_gpu_used_peak_bytes == 61_440 * MIB
-    # vLLM's own gauge, through Prometheus: above zero during the cell, on vLLM's block grid, and no more
-    # than kvbench's own poll of the same gauge saw (it polls ten times as often), give or take one block
+    # vLLM's own gauge, through Prometheus: above zero during the cell, on vLLM's block grid, and within what
+    # two requests of 256 + 95 cached tokens can hold (3 blocks each), as kvbench's own poll of the same gauge is.
+    # Which of the two saw more is the machine's timing, not a fault: on a busy machine the harness's 10 Hz poll
+    # has missed the moment Prometheus' 1 s scrape caught (6 blocks against 3, beside a CPU hog).
     block = 128
     blocks_total = row.kv_pool_tokens_engine // block
+    most = 2 * -(-(256 + 96 - 1) // block) * block
     assert row.prom_kv_usage_peak > 0, row.prom_source
     blocks = row.prom_kv_usage_peak * (blocks_total - 1)
     assert abs(blocks - round(blocks)) < 1e-6
-    assert 1 <= round(blocks) * block <= row.kv_in_use_peak_tokens + block, (row.prom_kv_usage_peak,
-                                                                             row.kv_in_use_peak_tokens)
+    assert 1 <= round(blocks) * block <= most and 1 <= row.kv_in_use_peak_tokens <= most, (
+        row.prom_kv_usage_peak, row.kv_in_use_peak_tokens)
     assert 1 <= row.prom_requests_running_peak <= 2 and row.prom_preemptions == 0
     (engine,) = row.prom_engines
     assert engine["instance"] == server.base_url.split("//")[1] and engine["kv_usage_peak"] == row.prom_kv_usage_peak
@@ -95,8 +98,7 @@ def test_a_deployment_of_two_vllm_replicas_with_prometheus_and_dcgm(tmp_path, sm
     gpus = [GPU(0, "GPU-604ac76c-d9cf-fef3-62e9-d92044ab6e52", "00000000:3B:00.0", fb_used=70_123),
             GPU(1, "GPU-1b2c3d4e-0000-1111-2222-333344445555", "00000000:5E:00.0", fb_used=69_001)]
     # 260-token prompts hold their third 128-token block from the prefill on, so a request's peak lasts its
-    # whole decode: with 200, it began at the 57th of 64 tokens, and on CI's busy cores kvbench's poll missed
-    # those 0.3 s that Prometheus's scrape caught
+    # whole decode
     wl = Workload(name="deploy-prom", seed=5, prompt_tokens=[260], output_tokens=64, concurrency=[4], rounds=1,
                   warmup_requests=2, warmup_prompt_tokens=32)
     try:
@@ -130,11 +132,14 @@ def test_a_deployment_of_two_vllm_replicas_with_prometheus_and_dcgm(tmp_path, sm
         (gpus[0].uuid, 70_123 * MIB), (gpus[1].uuid, 69_001 * MIB)]
     engines = {e["instance"]: e for e in total.prom_engines}
     assert set(engines) == set(labels)
+    most = 2 * -(-(260 + 64 - 1) // 128) * 128  # a replica's two requests, 3 blocks each
     for label, replica in zip(labels, (r0, r1)):  # each replica's gauge through Prometheus beside its own poll
         usage = engines[label]["kv_usage_peak"]
         blocks = usage * (replica.kv_pool_tokens_engine // 128 - 1)
         assert usage > 0 and abs(blocks - round(blocks)) < 1e-6, (label, usage)
-        assert round(blocks) * 128 <= replica.kv_in_use_peak_tokens + 128, (label, usage, replica.kv_in_use_peak_tokens)
+        # both within what its requests hold: which saw more is the machine's timing (the single server's test)
+        assert round(blocks) * 128 <= most and 1 <= replica.kv_in_use_peak_tokens <= most, (
+            label, usage, replica.kv_in_use_peak_tokens)
     assert total.prom_kv_usage_peak == max(e["kv_usage_peak"] for e in engines.values())
     samples = pd.read_csv(run_dir / "telemetry" / f"{total.cell_id}.csv")
     assert set(samples.instance[samples.metric == "kv_usage"]) == set(labels)
