@@ -29,8 +29,8 @@ Sources (sgl-project/sglang, python/sglang as the 0.5.23 wheel ships it):
   The counter cuda_graph_passes_total by mode (prefill_none once a request's prefill, decode_none once a decode
   pass) and, with --enable-mfu-metrics, estimated_read/write_bytes_per_gpu_total by SGLang's own formulas
   (managers/scheduler_components/metrics_reporter.py _init_estimated_perf_constants, _estimate_prefill_perf,
-  _estimate_decode_perf) on the model's config.json; the fake decodes each request on its own, so the
-  tokens decoded in one tick of the token delay count as one pass (SGLang's batch).
+  _estimate_decode_perf) on the model's config.json; the fake decodes each request on its own, so a decode pass
+  (SGLang's batch) is counted as a run of tokens of distinct requests.
 - srt/mem_cache/memory_pool.py _finalize_allocation_log, managers/scheduler.py, model_runner.py: the launch
   log's ``KV Cache is allocated. dtype: torch.bfloat16, #tokens: N, K size: X GB, V size: Y GB`` (GiB, buffers
   of N + page_size rows), ``max_total_num_tokens=N, chunked_prefill_size=...`` and "The server is fired up and
@@ -235,7 +235,7 @@ class FakeSGLang(FakeServer):
         self.write_bytes = Counter("sglang:estimated_write_bytes_per_gpu", doc.format("written to"), labels,
                                    registry=self.registry)
         self.mfu = mfu  # SGLang's per-token constants (mfu_constants), None: --enable-mfu-metrics not given
-        self.pass_tick = -1
+        self.pass_members: set[str] = set()  # the requests with a token in the open decode pass
 
     # --- the native API -------------------------------------------------------------------------
     def server_info(self) -> dict:
@@ -311,7 +311,7 @@ class FakeSGLang(FakeServer):
                 grown = self._pages(n_in + i)
                 if i > 1:  # the first token came of the prefill pass
                     self._count_pass("decode_none", self.mfu and self.mfu["weights"] + self.mfu["act"]
-                                     + self.mfu["q"] + (n_in + i - 1) * self.mfu["kv"], 1)
+                                     + self.mfu["q"] + (n_in + i - 1) * self.mfu["kv"], 1, rid)
                 with self.lock:  # the new token's page
                     self.used += grown - held
                     self.peak_used = max(self.peak_used, self.used)
@@ -334,13 +334,16 @@ class FakeSGLang(FakeServer):
                 self.evictable = min(self.pool_tokens - self.used, self.evictable + held)  # radix-cached
                 self.cond.notify_all()
 
-    def _count_pass(self, mode: str, read: float, tokens: int) -> None:
-        """One forward pass's counters; decode tokens in one tick of the token delay are one pass."""
+    def _count_pass(self, mode: str, read: float, tokens: int, rid: str = "") -> None:
+        """One forward pass's counters. A decode token joins the open decode pass unless its request already
+        has one in it (a batch takes one token a running request), then it opens the next."""
         with self.lock:
-            tick = int(time.monotonic() / max(self.token_delay_s, 1e-4))
-            if mode != "decode_none" or tick != self.pass_tick:
+            if mode != "decode_none" or rid in self.pass_members or not self.pass_members:
                 self.passes.labels(*self.label_values, mode).inc()
-                self.pass_tick = tick if mode == "decode_none" else self.pass_tick
+                if mode == "decode_none":
+                    self.pass_members = set()
+            if mode == "decode_none":
+                self.pass_members.add(rid)
             if self.mfu:
                 self.read_bytes.labels(*self.label_values).inc(read)
                 self.write_bytes.labels(*self.label_values).inc(
