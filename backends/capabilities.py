@@ -9,10 +9,12 @@ never the engine's name.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from kvbench.kv.rules import parse_version
 
 from .types import EngineStartError, PrefixCacheCounters, SpeculationCounters, StepBytesCounters
 
@@ -179,6 +181,24 @@ class StepBytes:
     def counters(self, backend: Backend, client: httpx.Client) -> StepBytesCounters | None:
         """The cumulative bytes read and written and the steps, read before and after each cell (None: none)."""
         return None
+
+
+@dataclass(frozen=True)
+class MetricsStepBytes(StepBytes):
+    """An estimate kept as /metrics counters behind a server flag from some version on (vLLM's and SGLang's
+    --enable-mfu-metrics): the flag where the adapter's version is ``since`` or later, the counters ``read`` from
+    the page's samples of ``names``."""
+
+    flag: str = ""
+    since: tuple[int, ...] = ()
+    names: tuple[str, ...] = ()
+    read: Callable[[dict[str, list]], StepBytesCounters | None] | None = None
+
+    def server_args(self, backend: Backend) -> list[str]:
+        return [self.flag] if parse_version(backend.version)[:len(self.since)] >= self.since else []
+
+    def counters(self, backend: Backend, client: httpx.Client) -> StepBytesCounters | None:
+        return self.read(backend.metrics(client, self.names))
 
 
 @dataclass(frozen=True)

@@ -18,19 +18,9 @@ flight and about S times the weights above it at S; the row's flag says the rati
 (tests/fakes/sglang_server.py) exports the counters by these formulas; no SGLang server runs on this machine."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from kvbench.kv.rules import parse_version
-
-from ..capabilities import StepBytes
+from ..capabilities import MetricsStepBytes
 from ..prometheus import gauge_sum
 from ..types import StepBytesCounters
-
-if TYPE_CHECKING:
-    import httpx
-
-    from ..base import Backend
 
 READ, WRITE = "sglang:estimated_read_bytes_per_gpu_total", "sglang:estimated_write_bytes_per_gpu_total"
 PASSES = "sglang:cuda_graph_passes_total"
@@ -50,13 +40,6 @@ def read_step_bytes(samples: dict[str, list]) -> StepBytesCounters | None:
     return StepBytesCounters(read or 0.0, write or 0.0, passes, SOURCE)
 
 
-@dataclass(frozen=True)
-class SGLangStepBytes(StepBytes):
-    def server_args(self, backend: Backend) -> list[str]:
-        return ["--enable-mfu-metrics"] if parse_version(backend.version)[:3] >= SINCE else []
-
-    def counters(self, backend: Backend, client: httpx.Client) -> StepBytesCounters | None:
-        return read_step_bytes(backend.metrics(client, (READ, WRITE, PASSES)))
-
-
-STEP_BYTES = SGLangStepBytes(source=f"{READ} and {WRITE} per {PASSES} (--enable-mfu-metrics, SGLang >= 0.5.23)")
+STEP_BYTES = MetricsStepBytes(source=f"{READ} and {WRITE} per {PASSES} (--enable-mfu-metrics, SGLang >= 0.5.23)",
+                              flag="--enable-mfu-metrics", since=SINCE,
+                              names=(READ, WRITE, PASSES), read=read_step_bytes)

@@ -5,19 +5,9 @@ counters are ``vllm:estimated_read_bytes_per_gpu_total`` and ``..._write_bytes_.
 tests/data/step_bytes/vllm_metrics_mfu.txt."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from kvbench.kv.rules import parse_version
-
-from ..capabilities import StepBytes
+from ..capabilities import MetricsStepBytes
 from ..prometheus import gauge_sum
 from ..types import StepBytesCounters
-
-if TYPE_CHECKING:
-    import httpx
-
-    from ..base import Backend
 
 READ, WRITE = "vllm:estimated_read_bytes_per_gpu_total", "vllm:estimated_write_bytes_per_gpu_total"
 STEPS = "vllm:iteration_tokens_total_count"
@@ -35,13 +25,6 @@ def read_step_bytes(samples: dict[str, list]) -> StepBytesCounters | None:
                              f"{READ}, {WRITE} over {STEPS} (vLLM's analytic estimate, /metrics)")
 
 
-@dataclass(frozen=True)
-class VLLMStepBytes(StepBytes):
-    def server_args(self, backend: Backend) -> list[str]:
-        return ["--enable-mfu-metrics"] if parse_version(backend.version)[:2] >= SINCE else []
-
-    def counters(self, backend: Backend, client: httpx.Client) -> StepBytesCounters | None:
-        return read_step_bytes(backend.metrics(client, (READ, WRITE, STEPS)))
-
-
-STEP_BYTES = VLLMStepBytes(source=f"{READ} and {WRITE} per {STEPS} (--enable-mfu-metrics, vLLM >= 0.32)")
+STEP_BYTES = MetricsStepBytes(source=f"{READ} and {WRITE} per {STEPS} (--enable-mfu-metrics, vLLM >= 0.32)",
+                              flag="--enable-mfu-metrics", since=SINCE,
+                              names=(READ, WRITE, STEPS), read=read_step_bytes)
